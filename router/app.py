@@ -1,0 +1,204 @@
+"""The HTTP surface: routes, lifespan, error → status mapping, disconnect watching. The only fastapi importer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from router import protocol
+from router.answer import JsonAnswer, StreamAnswer
+from router.config import Settings
+from router.dispatch import Call, Dispatcher
+from router.domain import Endpoint, Role
+from router.errors import BadRequest, NoHealthyWorker, RouterError, UpstreamError
+from router.metrics import Metrics
+from router.pool import Pool
+from router.timings import TimingLog
+from router.upstream import make_client, translate
+
+logger = logging.getLogger("kvpush.app")
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the answer was ready."""
+
+
+def create_app(
+    settings: Settings,
+    *,
+    transport: httpx.AsyncBaseTransport | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> FastAPI:
+    """Everything is built here and in the lifespan; nothing lives at module level."""
+    metrics = Metrics()
+    pool = Pool((*settings.prefill, *settings.decode), metrics)
+    timings = TimingLog(settings.timings_capacity)
+    client = make_client(settings, transport)
+    dispatcher = Dispatcher(settings, pool, client, metrics, timings, clock)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await pool.probe_all(client, settings.timeouts.health)
+        health = asyncio.create_task(pool.run_health(client, settings.health_interval, settings.timeouts.health))
+        try:
+            yield
+        finally:
+            health.cancel()
+            await asyncio.wait({health})
+            await dispatcher.aclose()
+            await client.aclose()
+
+    app = FastAPI(title="kvpush router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(RouterError)
+    async def router_error(request: Request, error: RouterError) -> Response:
+        headers = {protocol.REQUEST_ID_HEADER: request.headers.get(protocol.REQUEST_ID_HEADER, "")}
+        return Response(error.to_json(), status_code=error.http_status, media_type="application/json",
+                        headers={k: v for k, v in headers.items() if v})
+
+    async def serve(request: Request, endpoint: Endpoint) -> Response:
+        request_id = request.headers.get(protocol.REQUEST_ID_HEADER) or f"req-{uuid.uuid4().hex}"
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            body = None
+            error: BadRequest | None = BadRequest("the request body is not valid JSON")
+        else:
+            error = None
+        try:
+            if error is not None:
+                raise error
+            info = protocol.parse_request(endpoint, body)
+        except BadRequest as bad:
+            metrics.errors.labels(bad.kind).inc()
+            metrics.requests.labels(str(endpoint), str(settings.mode), bad.kind).inc()
+            return _error_response(bad, request_id)
+        call = Call(body=body, info=info, record=dispatcher.new_record(request_id, info))
+        try:
+            answer = await _until_disconnect(request.receive, dispatcher.handle(call))
+        except RouterError as failed:
+            return _error_response(failed, request_id, call.record.pairing_id)
+        except ClientGone:
+            return Response(status_code=499)
+        headers = {protocol.REQUEST_ID_HEADER: request_id, protocol.PAIRING_ID_HEADER: call.record.pairing_id or ""}
+        if isinstance(answer, JsonAnswer):
+            return Response(answer.content, status_code=answer.status, media_type="application/json", headers=headers)
+        return RelayResponse(answer, headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve(request, Endpoint.COMPLETIONS)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve(request, Endpoint.CHAT)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        for view in pool.candidates(Role.DECODE):
+            url = f"{pool.get(view.id).spec.url}/v1/models"
+            try:
+                answer = await client.get(url, timeout=settings.timeouts.health)
+            except httpx.HTTPError as exc:
+                logger.warning("GET %s: %s", url, translate(exc, leg="decode", worker=view.id).message)
+                continue
+            if answer.is_success:
+                return Response(answer.content, media_type="application/json")
+        raise NoHealthyWorker("no healthy decode worker answered /v1/models")
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        ok = pool.ready()
+        return JSONResponse({"ready": ok, "mode": str(settings.mode), "workers": pool.snapshot()},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        content, content_type = metrics.render()
+        return Response(content, media_type=content_type)
+
+    @app.get("/debug/timings")
+    async def debug_timings(request_id: str | None = None, pairing_id: str | None = None) -> dict[str, Any]:
+        return {"requests": timings.query(request_id=request_id, pairing_id=pairing_id)}
+
+    return app
+
+
+def _error_response(error: RouterError, request_id: str, pairing_id: str | None = None) -> Response:
+    headers = {protocol.REQUEST_ID_HEADER: request_id}
+    if pairing_id:
+        headers[protocol.PAIRING_ID_HEADER] = pairing_id
+    if isinstance(error, UpstreamError) and error.http_status >= 500:
+        logger.warning("request %s failed: %s", request_id, error.message)
+    return Response(error.to_json(), status_code=error.http_status, media_type="application/json", headers=headers)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+    """Runs `work` unless the client leaves first; then `work` is cancelled, which closes both upstream legs."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+            raise ClientGone
+        result = task.result()
+        if watcher.done() and isinstance(result, StreamAnswer):
+            await result.aclose()
+            raise ClientGone
+        return result
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+class RelayResponse(StreamingResponse):
+    """Relays a primed decode stream event by event; closes it (and so the upstream legs) however it ends."""
+
+    def __init__(self, answer: StreamAnswer, headers: dict[str, str]) -> None:
+        super().__init__(answer.events(), status_code=200, media_type="text/event-stream",
+                         headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"})
+        self._answer = answer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        pump = asyncio.ensure_future(self._pump(send))
+        watcher = asyncio.ensure_future(_wait_disconnect(receive))
+        try:
+            await asyncio.wait({pump, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if pump.done():
+                pump.result()
+        finally:
+            for task in (pump, watcher):
+                task.cancel()
+            await asyncio.wait({pump, watcher})
+            await asyncio.shield(self._answer.aclose())
+
+    async def _pump(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for event in self.body_iterator:
+            chunk = event if isinstance(event, bytes) else str(event).encode()
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,0 +1,108 @@
+"""The `kvpush` command: `serve` (the router), `stack` (the local P/D stack), `load` and `bench` (load tests)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from router.config import Settings, build_settings, from_env
+from router.errors import ConfigError
+
+USAGE = """kvpush <command> [options]
+
+commands:
+  serve   run the router (OpenAI-compatible front door for prefill/decode vLLM pools)
+  stack   start the local stack: tiny model, one prefill + one decode vLLM CPU instance, the router
+  load    run the load generator against an OpenAI endpoint
+  sim     run the engine simulator (a fake vLLM prefill or decode worker)
+  bench   run the benchmark suites
+
+`kvpush <command> --help` describes each command's options."""
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvpush serve", description="Run the kvpush router.")
+    p.add_argument("--config", type=Path, help="YAML settings file (flags and KVPUSH_* variables override it)")
+    p.add_argument("--host", help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (default 8000)")
+    p.add_argument("--mode", choices=["push", "pull"], help="push: both legs at once (default); pull: sequential")
+    p.add_argument("--prefill", action="append", metavar="SPEC",
+                   help="prefill worker: URL (identity learned) or URL,engine_id=ID,side_port=N[,side_host=H,tp=,pp=]")
+    p.add_argument("--decode", action="append", metavar="URL", help="decode worker base URL (repeatable)")
+    p.add_argument("--decode-policy", help="decode selection policy (default least-loaded)")
+    p.add_argument("--prefill-policy", help="prefill selection policy (default least-prefill-tokens)")
+    p.add_argument("--retries", type=int, help="retries with fresh ids before the client got anything (default 1)")
+    p.add_argument("--timeout", action="append", default=[], metavar="NAME=SECONDS",
+                   help="a deadline: connect, prefill, decode_first_byte, decode_total, stream_idle, health")
+    p.add_argument("--health-interval", type=float, help="seconds between health probes (default 2)")
+    p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def load_serve_settings(argv: list[str], env: dict[str, str]) -> Settings:
+    args = serve_parser().parse_args(argv)
+    file_layer: dict[str, Any] = {}
+    if args.config is not None:
+        try:
+            loaded = yaml.safe_load(args.config.read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"--config {args.config}: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"--config {args.config}: the file must hold a mapping of settings")
+        file_layer = loaded or {}
+    timeouts: dict[str, str] = {}
+    for item in args.timeout:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--timeout {item!r}: expected NAME=SECONDS")
+        timeouts[name] = value
+    flags = {
+        "host": args.host, "port": args.port, "mode": args.mode, "prefill": args.prefill, "decode": args.decode,
+        "decode_policy": args.decode_policy, "prefill_policy": args.prefill_policy, "retries": args.retries,
+        "health_interval": args.health_interval, "log_level": args.log_level, "timeouts": timeouts or None,
+    }
+    env_layer: dict[str, Any] = from_env(env)
+    return build_settings(file_layer, env_layer, flags)
+
+
+def serve(argv: list[str]) -> int:
+    try:
+        settings = load_serve_settings(argv, dict(os.environ))
+    except ConfigError as exc:
+        print(f"kvpush serve: configuration error: {exc}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from router.app import create_app
+
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
+                timeout_graceful_shutdown=30)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "serve":
+        return serve(rest)
+    if command == "stack":
+        from stack.local import main as stack_main
+
+        return stack_main(rest)
+    if command in ("load", "bench", "sim"):
+        from loadtest.cli import main as load_main
+
+        return load_main([{"load": "run"}.get(command, command), *rest])
+    print(f"kvpush: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    return 2

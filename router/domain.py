@@ -1,0 +1,67 @@
+"""Value types shared by the router's modules: roles, modes, endpoints, workers and request facts. No I/O."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Role(enum.StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class Mode(enum.StrEnum):
+    PUSH = "push"  # both legs at once; prefill WRITEs the KV into decode's blocks
+    PULL = "pull"  # prefill first, then decode READs with the params prefill returned
+
+
+class Endpoint(enum.StrEnum):
+    COMPLETIONS = "completions"
+    CHAT = "chat"
+
+    @property
+    def path(self) -> str:
+        return "/v1/completions" if self is Endpoint.COMPLETIONS else "/v1/chat/completions"
+
+
+@dataclass(frozen=True)
+class NixlIdentity:
+    """What a decode instance must know about a prefill instance to register with it (push mode)."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int = 1
+    pp_size: int = 1
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """A configured worker. For prefill workers `identity` is None when it is learned ("auto")."""
+
+    url: str
+    role: Role
+    identity: NixlIdentity | None = None
+
+    @property
+    def id(self) -> str:
+        return self.url
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """A snapshot of one worker's load, as selection policies see it."""
+
+    id: str
+    in_flight: int
+    outstanding_tokens: int
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """The facts about a client request that selection may use."""
+
+    endpoint: Endpoint
+    stream: bool
+    prompt_tokens: int  # an estimate when the prompt is text

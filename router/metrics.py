@@ -1,0 +1,46 @@
+"""Every Prometheus object of the router, on its own registry; the only prometheus_client importer in router/."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class Metrics:
+    """Router metrics. Labels are bounded: endpoint, mode, outcome, leg, role, kind and configured workers."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "kvpush_requests", "Client requests finished, by endpoint, mode and outcome.",
+            ["endpoint", "mode", "outcome"], registry=r)
+        self.ttft = Histogram(
+            "kvpush_ttft_seconds", "Router-side time from request arrival to the first relayed byte.",
+            ["endpoint", "mode"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram(
+            "kvpush_e2e_seconds", "Router-side time from request arrival to the last relayed byte.",
+            ["endpoint", "mode"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.leg = Histogram(
+            "kvpush_leg_seconds", "Duration of one upstream leg (prefill: to its answer; decode: to its end).",
+            ["leg", "mode"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.handoff = Histogram(
+            "kvpush_handoff_seconds", "KV handoff: prefill leg answered to decode's first byte.",
+            ["mode"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge(
+            "kvpush_worker_in_flight", "Requests in flight through this router, per worker.",
+            ["role", "worker"], registry=r)
+        self.healthy = Gauge(
+            "kvpush_worker_healthy", "1 when the worker passes health checks, else 0.",
+            ["role", "worker"], registry=r)
+        self.errors = Counter(
+            "kvpush_errors", "Errors by kind (bad_request, connect, timeout, status, protocol, no_worker, ...).",
+            ["kind"], registry=r)
+        self.retries = Counter(
+            "kvpush_retries", "Dispatch attempts retried with fresh ids, by the leg that failed.",
+            ["leg"], registry=r)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

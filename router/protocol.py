@@ -1,0 +1,161 @@
+"""vLLM P/D wire shaping: request validation, id minting, and the bodies of both legs. Pure, table-tested."""
+
+from __future__ import annotations
+
+import copy
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from router.domain import Endpoint, NixlIdentity, RequestInfo
+from router.errors import BadRequest
+
+REQUEST_ID_HEADER = "x-request-id"
+PAIRING_ID_HEADER = "x-kvpush-pairing-id"
+# vLLM strips this suffix from request ids when it pairs legs by id; our ids must never end with it.
+_VLLM_ID_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+_CHARS_PER_TOKEN = 4  # prompt-size estimate for text prompts; only used to balance load
+
+
+@dataclass(frozen=True)
+class PairingIds:
+    """One dispatch attempt's ids: the X-Request-Id both legs carry and the transfer id both params carry."""
+
+    request_id: str
+    transfer_id: str
+
+
+def mint_ids() -> PairingIds:
+    ids = PairingIds(request_id=f"kvp-{uuid.uuid4().hex}", transfer_id=f"xfer-{uuid.uuid4().hex}")
+    assert is_safe_request_id(ids.request_id)
+    return ids
+
+
+def is_safe_request_id(request_id: str) -> bool:
+    """False when vLLM's base-id fallback would strip part of the id (it ends in '-' and 8 hex digits)."""
+    return _VLLM_ID_SUFFIX.search(request_id) is None
+
+
+def parse_request(endpoint: Endpoint, body: Any) -> RequestInfo:
+    """Checks what the router relies on and returns the facts selection needs; raises BadRequest."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required and must be a non-empty string")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean")
+    for key in ("max_tokens", "max_completion_tokens"):
+        value = body.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise BadRequest(f"'{key}' must be a positive integer")
+    if body.get("n", 1) != 1 or body.get("best_of", 1) not in (1, None):
+        raise BadRequest("'n' and 'best_of' other than 1 are not supported by disaggregated serving")
+    if "kv_transfer_params" in body:
+        raise BadRequest("'kv_transfer_params' is set by the router and must not be sent by clients")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object")
+    tokens = _prompt_tokens(body) if endpoint is Endpoint.COMPLETIONS else _chat_tokens(body)
+    return RequestInfo(endpoint=endpoint, stream=stream, prompt_tokens=tokens)
+
+
+def _prompt_tokens(body: dict[str, Any]) -> int:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one is one prompt
+    if isinstance(prompt, str) and prompt:
+        return max(1, len(prompt) // _CHARS_PER_TOKEN)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return len(prompt)
+    if isinstance(prompt, list) and prompt:
+        raise BadRequest("batched prompts are not supported; send one prompt (a string or a list of token ids)")
+    raise BadRequest("'prompt' is required: a non-empty string or a non-empty list of token ids")
+
+
+def _chat_tokens(body: dict[str, Any]) -> int:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' is required and must be a non-empty list")
+    chars = 0
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a string 'role'")
+        content = message.get("content")
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            chars += sum(len(str(part.get("text", ""))) for part in content if isinstance(part, dict))
+        elif content is not None:
+            raise BadRequest(f"messages[{i}].content must be a string, a list of parts or null")
+    return max(1, chars // _CHARS_PER_TOKEN)
+
+
+def prefill_body(body: dict[str, Any], endpoint: Endpoint, transfer_id: str) -> dict[str, Any]:
+    """The prefill leg: the client's request cut to one token, unstreamed, asking for a remote decode."""
+    out = copy.deepcopy(body)
+    out["max_tokens"] = 1
+    if endpoint is Endpoint.CHAT or "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    for key in ("stream_options", "min_tokens"):
+        out.pop(key, None)
+    out["kv_transfer_params"] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+        "transfer_id": transfer_id,
+    }
+    return out
+
+
+def push_decode_body(
+    body: dict[str, Any], identity: NixlIdentity, ids: PairingIds
+) -> dict[str, Any]:
+    """The push decode leg: the client's request plus where to register for the KV WRITE."""
+    out = copy.deepcopy(body)
+    out["kv_transfer_params"] = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": identity.engine_id,
+        "remote_host": identity.host,
+        "remote_port": identity.port,
+        "tp_size": identity.tp_size,
+        "pp_size": identity.pp_size,
+        "remote_request_id": ids.request_id,
+        "transfer_id": ids.transfer_id,
+    }
+    return out
+
+
+def pull_decode_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
+    """The pull decode leg: the client's request plus the params prefill returned, verbatim."""
+    out = copy.deepcopy(body)
+    out["kv_transfer_params"] = copy.deepcopy(kv_params)
+    return out
+
+
+def kv_params_of(response: Any) -> dict[str, Any] | None:
+    """The `kv_transfer_params` object of a prefill answer, if it has one."""
+    if isinstance(response, dict) and isinstance(response.get("kv_transfer_params"), dict):
+        return dict(response["kv_transfer_params"])
+    return None
+
+
+def identity_from(kv_params: dict[str, Any]) -> NixlIdentity | None:
+    """A prefill worker's NIXL identity as its own answer states it (for workers configured as auto)."""
+    try:
+        return NixlIdentity(
+            engine_id=str(kv_params["remote_engine_id"]),
+            host=str(kv_params["remote_host"]),
+            port=int(kv_params["remote_port"]),
+            tp_size=int(kv_params.get("tp_size") or 1),
+            pp_size=int(kv_params.get("pp_size") or 1),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None

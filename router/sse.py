@@ -1,0 +1,53 @@
+"""Server-sent events framing: split an upstream byte stream into whole events, relayed one for one. Pure."""
+
+from __future__ import annotations
+
+import json
+
+from router.errors import RouterError
+
+DONE = b"data: [DONE]\n\n"
+_SEPARATORS = (b"\r\n\r\n", b"\n\n", b"\r\r")
+
+
+class EventFramer:
+    """Feeds arbitrary chunks in, yields complete events (each ending in its blank line) out, in order.
+
+    An event is never split and never merged with the next one, so each relayed chunk is exactly one event.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        self._buffer += chunk
+        events: list[bytes] = []
+        while True:
+            cut = _first_boundary(self._buffer)
+            if cut is None:
+                return events
+            events.append(self._buffer[:cut])
+            self._buffer = self._buffer[cut:]
+
+    def flush(self) -> bytes:
+        """Whatever is left when the stream ends (an unterminated last event), or b""."""
+        rest, self._buffer = self._buffer, b""
+        return rest
+
+
+def _first_boundary(buffer: bytes) -> int | None:
+    ends = [i + len(sep) for sep in _SEPARATORS if (i := buffer.find(sep)) >= 0]
+    return min(ends) if ends else None
+
+
+def data_of(event: bytes) -> bytes | None:
+    """The joined `data:` payload of one event, or None for a comment/keep-alive."""
+    lines = [line for line in event.splitlines() if line.startswith(b"data:")]
+    if not lines:
+        return None
+    return b"\n".join(line[5:].lstrip(b" ") for line in lines)
+
+
+def error_event(error: RouterError) -> bytes:
+    """An in-band error for a stream whose 200 is already sent, in the shape OpenAI clients understand."""
+    return b"data: " + json.dumps(error.to_body()).encode() + b"\n\n"
