@@ -1,0 +1,340 @@
+"""Typed, versioned wire formats of the kvpush connector and the request protocol it reads.
+
+Three kinds of data cross a boundary here:
+
+* **Notices** travel between the prefill (P) and decode (D) agents as NIXL notifications:
+  ``Registration`` (D -> P), ``Cancel`` (D -> P), ``CancelAck`` (P -> D), ``Failure`` (P -> D) and
+  ``Done`` (P -> D, attached to the WRITE itself so it is delivered after the data landed).
+* **The handshake payload** travels over the TCP side channel before the first notice
+  (agent metadata, KV layout, clock sample, compatibility hash).
+* **Request parameters** arrive in vLLM's ``kv_transfer_params``; they follow upstream
+  ``NixlPushConnector`` exactly so a router works with either connector.
+
+Every encoded message carries ``PROTOCOL_VERSION``; a peer with another version is rejected
+with a ``ProtocolError`` before the rest of the message is interpreted.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+# History:
+#   1  first version: Registration / Cancel / CancelAck / Failure / Done notices, JSON bodies,
+#      handshake with regions + clock sample, pairing key "t:<transfer_id>" or "r:<base request id>".
+PROTOCOL_VERSION = 1
+
+NOTICE_PREFIX = b"kvpush:"
+
+_RANDOM_SUFFIX_RE = re.compile(r"-[0-9a-f]{8}$")
+
+
+class ProtocolError(ValueError):
+    """A notice or payload that this version cannot accept (bad version, kind or shape)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Pairing: which P request and which D request belong to the same transfer.
+# --------------------------------------------------------------------------------------------
+
+
+def base_request_id(request_id: str) -> str:
+    """Strip vLLM's per-engine ``-<8 hex>`` suffix, so P's and D's ids of one router id agree."""
+    return _RANDOM_SUFFIX_RE.sub("", request_id)
+
+
+def pairing_key(transfer_id: str | None, request_id: str) -> str:
+    """The rendezvous key: the router's ``transfer_id`` or, without one, the base request id."""
+    if transfer_id:
+        return f"t:{transfer_id}"
+    return f"r:{base_request_id(request_id)}"
+
+
+def _opt_str(params: dict[str, Any], name: str) -> str | None:
+    value = params.get(name)
+    return None if value is None else str(value)
+
+
+@dataclass(frozen=True)
+class PrefillLeg:
+    """``kv_transfer_params`` of a prefill leg (``do_remote_decode``)."""
+
+    transfer_id: str | None
+
+    @classmethod
+    def parse(cls, params: dict[str, Any] | None) -> PrefillLeg | None:
+        if not params or not params.get("do_remote_decode"):
+            return None
+        return cls(transfer_id=_opt_str(params, "transfer_id"))
+
+
+@dataclass(frozen=True)
+class DecodeLeg:
+    """``kv_transfer_params`` of a decode leg (``do_remote_prefill``): where the prefill lives."""
+
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    tp_size: int
+    pp_size: int
+    remote_request_id: str | None
+    transfer_id: str | None
+
+    @classmethod
+    def parse(cls, params: dict[str, Any] | None) -> DecodeLeg | None:
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        try:
+            return cls(
+                remote_engine_id=str(params["remote_engine_id"]),
+                remote_host=str(params["remote_host"]),
+                remote_port=int(params["remote_port"]),
+                tp_size=int(params.get("tp_size") or 1),
+                pp_size=int(params.get("pp_size") or 1),
+                remote_request_id=_opt_str(params, "remote_request_id"),
+                transfer_id=_opt_str(params, "transfer_id"),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"decode leg kv_transfer_params incomplete: {exc!r}") from exc
+
+
+# --------------------------------------------------------------------------------------------
+# Notices (NIXL notifications)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Registration:
+    """D -> P: "my blocks for transfer ``key`` are allocated; WRITE them before ``write_deadline``".
+
+    ``write_deadline`` is expressed in P's monotonic clock (D converts with the offset it measured
+    at handshake, rounded against itself); P never posts a WRITE after it, which is what lets D
+    free cancelled blocks after its own hold deadline without P's acknowledgement.
+    """
+
+    kind: ClassVar[str] = "reg"
+    key: str
+    d_request_id: str
+    d_engine_id: str
+    block_ids: tuple[int, ...]
+    write_deadline: float
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """D -> P: the decode request is gone; acknowledge once no WRITE for it can still land."""
+
+    kind: ClassVar[str] = "cancel"
+    key: str
+    d_request_id: str
+    d_engine_id: str
+
+
+@dataclass(frozen=True)
+class CancelAck:
+    """P -> D: no WRITE for (``key``, ``d_request_id``) is in flight or will be posted."""
+
+    kind: ClassVar[str] = "ack"
+    key: str
+    d_request_id: str
+
+
+@dataclass(frozen=True)
+class Failure:
+    """P -> D: the transfer will not happen (prefill failed, aborted, expired or WRITE failed)."""
+
+    kind: ClassVar[str] = "fail"
+    key: str
+    d_request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """P -> D: the KV is in D's blocks (sent as the WRITE's own notification)."""
+
+    kind: ClassVar[str] = "done"
+    key: str
+    d_request_id: str
+
+
+Notice = Registration | Cancel | CancelAck | Failure | Done
+_NOTICE_TYPES: dict[str, type[Notice]] = {t.kind: t for t in (Registration, Cancel, CancelAck, Failure, Done)}
+
+
+def encode_notice(notice: Notice) -> bytes:
+    body = {"v": PROTOCOL_VERSION, "k": notice.kind, **asdict(notice)}
+    return NOTICE_PREFIX + json.dumps(body, separators=(",", ":")).encode()
+
+
+def is_notice(raw: bytes) -> bool:
+    return raw.startswith(NOTICE_PREFIX)
+
+
+def decode_notice(raw: bytes) -> Notice:
+    """Parse one notice; raise ``ProtocolError`` on anything this version does not accept."""
+    if not is_notice(raw):
+        raise ProtocolError("not a kvpush notice")
+    try:
+        body = json.loads(raw[len(NOTICE_PREFIX) :])
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"undecodable notice: {exc}") from exc
+    if not isinstance(body, dict):
+        raise ProtocolError("notice body is not an object")
+    if body.pop("v", None) != PROTOCOL_VERSION:
+        raise ProtocolError(f"notice protocol version mismatch (want {PROTOCOL_VERSION})")
+    cls = _NOTICE_TYPES.get(body.pop("k", None))
+    if cls is None:
+        raise ProtocolError("unknown notice kind")
+    if cls is Registration and isinstance(body.get("block_ids"), list):
+        body["block_ids"] = tuple(int(b) for b in body["block_ids"])
+    try:
+        return cls(**body)
+    except TypeError as exc:
+        raise ProtocolError(f"malformed {cls.kind} notice: {exc}") from exc
+
+
+# --------------------------------------------------------------------------------------------
+# Handshake payload (side channel)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Region:
+    """One registered memory region of the paged KV cache: ``num_blocks`` blocks of ``block_len``
+    bytes each, block ``i`` at ``base + i * block_len``."""
+
+    base: int
+    block_len: int
+    num_blocks: int
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What both sides must agree on for a block-for-block WRITE."""
+
+    mem_type: str  # "DRAM" or "VRAM"
+    device_id: int
+    block_size: int  # tokens per block
+    regions: tuple[Region, ...]
+
+    def shape_signature(self) -> str:
+        """The parts of the layout that must be equal on P and D (addresses may differ)."""
+        lens = ",".join(str(r.block_len) for r in self.regions)
+        return f"{self.block_size}|{len(self.regions)}|{lens}"
+
+
+def compatibility_hash(model_signature: str, layout: KVLayout) -> str:
+    """Hash of everything that must match between P and D before any block id is trusted."""
+    text = f"kvpush/{PROTOCOL_VERSION}|{model_signature}|{layout.shape_signature()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class HandshakePayload:
+    """One agent's identity as exchanged on the side channel (both directions)."""
+
+    protocol_version: int
+    compat_hash: str
+    engine_id: str
+    agent_name: str
+    agent_metadata: bytes
+    layout: KVLayout
+    clock: float = field(default=0.0)  # sender's time.monotonic() when it built the payload
+
+    def encode(self) -> bytes:
+        body = asdict(self)
+        body["agent_metadata"] = base64.b64encode(self.agent_metadata).decode()
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes, *, expect_hash: str | None = None) -> HandshakePayload:
+        """Parse a payload; check version and (if given) the compatibility hash first."""
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ProtocolError(f"undecodable handshake payload: {exc}") from exc
+        if not isinstance(body, dict) or body.get("protocol_version") != PROTOCOL_VERSION:
+            raise ProtocolError(f"handshake protocol version mismatch (want {PROTOCOL_VERSION})")
+        if expect_hash is not None and body.get("compat_hash") != expect_hash:
+            raise ProtocolError(
+                f"incompatible peer: compatibility hash {body.get('compat_hash')!r} != {expect_hash!r} "
+                "(P and D must run the same model, dtype, block size and connector version)"
+            )
+        try:
+            layout = body["layout"]
+            return cls(
+                protocol_version=int(body["protocol_version"]),
+                compat_hash=str(body["compat_hash"]),
+                engine_id=str(body["engine_id"]),
+                agent_name=str(body["agent_name"]),
+                agent_metadata=base64.b64decode(body["agent_metadata"]),
+                layout=KVLayout(
+                    mem_type=str(layout["mem_type"]),
+                    device_id=int(layout["device_id"]),
+                    block_size=int(layout["block_size"]),
+                    regions=tuple(Region(**r) for r in layout["regions"]),
+                ),
+                clock=float(body.get("clock", 0.0)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"malformed handshake payload: {exc!r}") from exc
+
+
+# --------------------------------------------------------------------------------------------
+# Scheduler -> worker step plan (travels inside vLLM's KVConnectorMetadata)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PeerAddress:
+    """Where a prefill instance's side channel listens, and who it claims to be."""
+
+    engine_id: str
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class RegisterOrder:
+    """D: register ``block_ids`` of ``request_id`` with the prefill at ``peer``."""
+
+    request_id: str
+    key: str
+    peer: PeerAddress
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PrefillFinished:
+    """P: the prefill of ``request_id`` is done; its KV sits in ``block_ids`` (held for us)."""
+
+    request_id: str
+    key: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PrefillFailed:
+    """P: the prefill of ``request_id`` ended without KV (abort, error); tell its decode."""
+
+    request_id: str
+    key: str
+    reason: str
+
+
+@dataclass
+class StepPlan:
+    """Everything the scheduler half asks of the worker half in one engine step."""
+
+    register: list[RegisterOrder] = field(default_factory=list)
+    cancel: list[str] = field(default_factory=list)  # D request ids aborted while awaiting KV
+    finished: list[PrefillFinished] = field(default_factory=list)
+    failed: list[PrefillFailed] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.register or self.cancel or self.finished or self.failed)

@@ -1,0 +1,141 @@
+"""Wire formats: round trips, version and compatibility checks, request-protocol parsing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from connector.metadata import (
+    NOTICE_PREFIX,
+    PROTOCOL_VERSION,
+    Cancel,
+    CancelAck,
+    DecodeLeg,
+    Done,
+    Failure,
+    HandshakePayload,
+    KVLayout,
+    PrefillLeg,
+    ProtocolError,
+    Region,
+    Registration,
+    base_request_id,
+    compatibility_hash,
+    decode_notice,
+    encode_notice,
+    pairing_key,
+)
+
+NOTICES = [
+    Registration("t:x", "d-1", "D", (3, 4, 5), 12.5),
+    Cancel("t:x", "d-1", "D"),
+    CancelAck("t:x", "d-1"),
+    Failure("t:x", "d-1", "prefill failed"),
+    Done("t:x", "d-1"),
+]
+
+LAYOUT = KVLayout("DRAM", 0, 16, (Region(4096, 1024, 8), Region(65536, 1024, 8)))
+
+
+@pytest.mark.parametrize("notice", NOTICES, ids=lambda n: n.kind)
+def test_notice_round_trip(notice):
+    assert decode_notice(encode_notice(notice)) == notice
+
+
+def _raw(body):
+    return NOTICE_PREFIX + json.dumps(body).encode()
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"other:1",
+        NOTICE_PREFIX + b"{not json",
+        _raw([1, 2]),
+        _raw({"v": PROTOCOL_VERSION + 1, "k": "ack", "key": "k", "d_request_id": "d"}),
+        _raw({"v": PROTOCOL_VERSION, "k": "nope", "key": "k", "d_request_id": "d"}),
+        _raw({"v": PROTOCOL_VERSION, "k": "ack", "key": "k"}),
+    ],
+    ids=["prefix", "json", "not-object", "version", "kind", "fields"],
+)
+def test_bad_notices_are_rejected(raw):
+    with pytest.raises(ProtocolError):
+        decode_notice(raw)
+
+
+def test_base_request_id_strips_only_the_vllm_suffix():
+    assert base_request_id("cmpl-abc-0-1234abcd") == "cmpl-abc-0"
+    assert base_request_id("cmpl-abc-0") == "cmpl-abc-0"
+    assert base_request_id("chatcmpl-x-DEADBEEF") == "chatcmpl-x-DEADBEEF"  # upper case is not vLLM's
+
+
+def test_pairing_key_prefers_transfer_id():
+    assert pairing_key("T1", "cmpl-r-0-0badf00d") == "t:T1"
+    assert pairing_key(None, "cmpl-r-0-0badf00d") == pairing_key("", "cmpl-r-0-12345678") == "r:cmpl-r-0"
+
+
+def test_prefill_leg_parse():
+    assert PrefillLeg.parse(None) is None
+    assert PrefillLeg.parse({"do_remote_prefill": True}) is None
+    assert PrefillLeg.parse({"do_remote_decode": True, "transfer_id": "T"}) == PrefillLeg("T")
+    assert PrefillLeg.parse({"do_remote_decode": True}) == PrefillLeg(None)
+
+
+def test_decode_leg_parse_upstream_shape():
+    params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "p0",
+        "remote_host": "127.0.0.1",
+        "remote_port": "5600",
+        "tp_size": 1,
+        "pp_size": 1,
+        "remote_request_id": "R",
+        "transfer_id": "T",
+    }
+    leg = DecodeLeg.parse(params)
+    assert leg == DecodeLeg("p0", "127.0.0.1", 5600, 1, 1, "R", "T")
+    assert DecodeLeg.parse({"do_remote_decode": True}) is None
+
+
+def test_decode_leg_missing_field_is_a_protocol_error():
+    with pytest.raises(ProtocolError, match="remote_host"):
+        DecodeLeg.parse({"do_remote_prefill": True, "remote_engine_id": "p0", "remote_port": 1})
+
+
+def _payload(compat="h1"):
+    return HandshakePayload(PROTOCOL_VERSION, compat, "p0", "agent-p0", b"\x00\xffmeta", LAYOUT, 3.5)
+
+
+def test_handshake_round_trip():
+    p = _payload()
+    assert HandshakePayload.decode(p.encode(), expect_hash="h1") == p
+
+
+def test_handshake_rejects_incompatible_peer_before_decoding_the_rest():
+    raw = json.dumps({"protocol_version": PROTOCOL_VERSION, "compat_hash": "other"}).encode()
+    with pytest.raises(ProtocolError, match="incompatible peer"):
+        HandshakePayload.decode(raw, expect_hash="h1")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"\xff",
+        json.dumps({"protocol_version": 0}).encode(),
+        json.dumps({"protocol_version": PROTOCOL_VERSION, "compat_hash": "h1"}).encode(),
+    ],
+    ids=["bytes", "version", "fields"],
+)
+def test_handshake_rejects_bad_payloads(raw):
+    with pytest.raises(ProtocolError):
+        HandshakePayload.decode(raw)
+
+
+def test_compatibility_hash_covers_layout_not_addresses():
+    moved = KVLayout("DRAM", 0, 16, (Region(1, 1024, 99), Region(2, 1024, 99)))
+    other = KVLayout("DRAM", 0, 32, LAYOUT.regions)
+    assert compatibility_hash("m", LAYOUT) == compatibility_hash("m", moved)
+    assert compatibility_hash("m", LAYOUT) != compatibility_hash("m", other)
+    assert compatibility_hash("m", LAYOUT) != compatibility_hash("m2", LAYOUT)
