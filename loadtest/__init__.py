@@ -1,0 +1,1 @@
+"""kvpush load generator, engine simulator and benchmark driver."""
