@@ -1,0 +1,1 @@
+"""Local serving stack: the tiny offline model, real vLLM CPU engines and the router as child processes."""

@@ -1,0 +1,110 @@
+"""Test and local-stack harness for vLLM processes on a small CPU box; inert unless its switches are set.
+
+Loaded by Python at start-up when `stack/site` is on PYTHONPATH (stack.engines puts it there for every
+vLLM process it starts, and every process vLLM spawns inherits it). Two independent switches:
+
+KVPUSH_NIXL_NO_PROG_THREAD=1
+    Every `nixl_agent_config` built without explicit values gets `enable_prog_thread=False` and
+    `sync_mode=NIXL_THREAD_SYNC_STRICT`. NIXL's UCX progress thread busy-spins (about one core per agent),
+    which two engines on two cores cannot afford, and vLLM offers no switch for it. Without that thread
+    NIXL picks single-threaded UCX, so the agent must serialize calls itself (STRICT): vLLM's push writer
+    thread and the engine thread call it concurrently, and with the default (NONE) push wedges under load.
+    The patch is applied when the NIXL backend module (`nixl_cu13._api` / `nixl_cu12._api`) is first
+    imported, so processes that never import NIXL pay nothing.
+
+KVPUSH_KEEP_AFFINITY=1
+    `os.sched_setaffinity` requests are clamped to the cores this process was started with (the
+    `taskset -c CORE` around each engine). vLLM's CPU NIXL worker moves its forward-pass thread to the
+    last core of each NUMA node; on a two-core box that is the other engine's core and prefill hangs.
+    A request that shares no core with the start set is narrowed to the whole start set.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import inspect
+import os
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from types import ModuleType
+from typing import Any
+
+_NIXL_API_MODULES = frozenset({"nixl_cu13._api", "nixl_cu12._api"})
+
+
+def _patch_agent_config(api: ModuleType) -> None:
+    """Make enable_prog_thread=False and sync_mode=STRICT the defaults of api.nixl_agent_config."""
+    config_cls = api.nixl_agent_config
+    original_init = config_cls.__init__
+    signature = inspect.signature(original_init)
+    strict = api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        bound.arguments.setdefault("enable_prog_thread", False)
+        if bound.arguments.get("sync_mode") is None:
+            bound.arguments["sync_mode"] = strict
+        original_init(*bound.args, **bound.kwargs)
+
+    config_cls.__init__ = __init__
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Finds the named modules through the other finders and runs `patch` right after each executes."""
+
+    def __init__(self, names: Iterable[str], patch: Callable[[ModuleType], None]) -> None:
+        self._names = frozenset(names)
+        self._patch = patch
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in self._names:
+            return None
+        spec = self._find_elsewhere(fullname, path, target)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        run_module = loader.exec_module
+        patch = self._patch
+
+        def exec_module(module: ModuleType) -> None:
+            run_module(module)
+            patch(module)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+    def _find_elsewhere(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None
+    ) -> importlib.machinery.ModuleSpec | None:
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                return spec
+        return None
+
+
+def _clamp_affinity(allowed: frozenset[int]) -> None:
+    """Wrap os.sched_setaffinity so that no thread leaves the cores in `allowed`."""
+    original = os.sched_setaffinity
+
+    def sched_setaffinity(pid: int, mask: Iterable[int], /) -> None:
+        wanted = set(mask) & allowed
+        original(pid, wanted or allowed)
+
+    os.sched_setaffinity = sched_setaffinity
+
+
+def _install() -> None:
+    if os.environ.get("KVPUSH_NIXL_NO_PROG_THREAD") == "1":
+        sys.meta_path.insert(0, _PatchOnImport(_NIXL_API_MODULES, _patch_agent_config))
+    if os.environ.get("KVPUSH_KEEP_AFFINITY") == "1" and hasattr(os, "sched_setaffinity"):
+        _clamp_affinity(frozenset(os.sched_getaffinity(0)))
+
+
+_install()
