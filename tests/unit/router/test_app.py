@@ -1,0 +1,80 @@
+"""The HTTP surface through ASGI (no sockets): validation errors, readiness, models, metrics, headers."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from router.app import create_app
+from router.config import build_settings
+from tests.unit.router.fake_workers import FakeWorkers, decode_ok, prefill_ok
+
+SETTINGS = {"prefill": ["http://p0:8100,engine_id=p0,side_port=5600"], "decode": ["http://d0:8200"]}
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[tuple[httpx.AsyncClient, FakeWorkers]]:
+    workers = FakeWorkers({"p0": prefill_ok(), "d0": decode_ok()})
+    app = create_app(build_settings(SETTINGS), transport=workers.transport())
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            yield c, workers
+
+
+@pytest.mark.parametrize(("path", "content", "message"), [
+    ("/v1/completions", b"{not json", "not valid JSON"),
+    ("/v1/completions", b'{"prompt": "x"}', "'model'"),
+    ("/v1/chat/completions", b'{"model": "tiny"}', "'messages'"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": -1}', "max_tokens"),
+])
+async def test_invalid_requests_get_400_without_touching_a_worker(
+    client: tuple[httpx.AsyncClient, FakeWorkers], path: str, content: bytes, message: str
+) -> None:
+    c, workers = client
+    response = await c.post(path, content=content, headers={"x-request-id": "mine"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert message in error["message"] and error["type"] == "invalid_request_error"
+    assert response.headers["x-request-id"] == "mine"
+    assert workers.seen == []
+
+
+async def test_a_completion_echoes_the_client_id_and_names_the_pairing(
+    client: tuple[httpx.AsyncClient, FakeWorkers],
+) -> None:
+    c, workers = client
+    response = await c.post("/v1/completions", json={"model": "tiny", "prompt": "hi"},
+                            headers={"x-request-id": "client-7"})
+    assert response.status_code == 200 and response.json()["choices"]
+    assert response.headers["x-request-id"] == "client-7"
+    assert {s.headers["x-request-id"] for s in workers.seen} == {response.headers["x-kvpush-pairing-id"]}
+    timings = (await c.get("/debug/timings", params={"request_id": "client-7"})).json()["requests"]
+    assert [t["pairing_id"] for t in timings] == [response.headers["x-kvpush-pairing-id"]]
+
+
+async def test_ready_models_health_and_metrics(client: tuple[httpx.AsyncClient, FakeWorkers]) -> None:
+    c, _ = client
+    assert (await c.get("/health")).json() == {"status": "ok"}
+    ready = await c.get("/ready")
+    assert ready.status_code == 200 and ready.json()["ready"] is True
+    assert (await c.get("/v1/models")).json()["data"][0]["id"] == "tiny"
+    await c.post("/v1/completions", content=b"[]")
+    text = (await c.get("/metrics")).text
+    assert 'kvpush_worker_healthy{role="decode",worker="http://d0:8200"} 1.0' in text
+    assert 'kvpush_errors_total{kind="bad_request"} 1.0' in text
+
+
+async def test_not_ready_when_a_pool_is_down() -> None:
+    workers = FakeWorkers({"p0": prefill_ok()}, down={"d0"})
+    app = create_app(build_settings(SETTINGS), transport=workers.transport())
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as c:
+            ready = await c.get("/ready")
+            assert ready.status_code == 503 and ready.json()["ready"] is False
+            failed = await c.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
+            assert failed.status_code == 503
+            assert "no healthy decode worker" in json.loads(failed.content)["error"]["message"]

@@ -1,0 +1,178 @@
+"""The dispatcher's choreographies against scripted workers: ids, overlap, order, failures, retries, deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+
+from router.answer import JsonAnswer, StreamAnswer
+from router.config import build_settings
+from router.dispatch import Call, Dispatcher
+from router.domain import Endpoint, Role
+from router.errors import NoHealthyWorker, UpstreamProtocolError, UpstreamStatus, UpstreamTimeout
+from router.metrics import Metrics
+from router.pool import Pool
+from router.protocol import parse_request
+from router.timings import TimingLog
+from tests.unit.router.fake_workers import FakeWorkers, decode_ok, hang, prefill_ok, status
+
+P0 = "http://p0:8100,engine_id=p0,side_host=127.0.0.9,side_port=5600"
+BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 3, "stream": True}
+
+
+async def make(workers: FakeWorkers, **settings: Any) -> tuple[Dispatcher, Pool, TimingLog]:
+    s = build_settings({"prefill": [P0], "decode": ["http://d0:8200"]}, settings)
+    metrics, timings = Metrics(), TimingLog(100)
+    pool = Pool((*s.prefill, *s.decode), metrics)
+    client = httpx.AsyncClient(transport=workers.transport())
+    await pool.probe_all(client, 1.0)
+    return Dispatcher(s, pool, client, metrics, timings), pool, timings
+
+
+def call_of(dispatcher: Dispatcher, body: dict[str, Any] = BODY, endpoint: Endpoint = Endpoint.COMPLETIONS) -> Call:
+    info = parse_request(endpoint, body)
+    return Call(body=body, info=info, record=dispatcher.new_record("client-1", info))
+
+
+async def relay(answer: StreamAnswer | JsonAnswer) -> list[bytes]:
+    assert isinstance(answer, StreamAnswer)
+    try:
+        return [event async for event in answer.events()]
+    finally:
+        await answer.aclose()
+
+
+async def test_push_sends_decode_before_prefill_finishes_with_one_pairing() -> None:
+    gate = asyncio.Event()
+    workers = FakeWorkers({"p0": prefill_ok(gate=gate), "d0": decode_ok(on_request=gate.set)})
+    dispatcher, _, timings = await make(workers)
+    call = call_of(dispatcher)
+    events = await relay(await dispatcher.handle(call))  # prefill only answers once decode has been sent
+    assert len(events) == 4 and events[-1] == b"data: [DONE]\n\n"
+    (p_leg,), (d_leg,) = workers.legs("p0"), workers.legs("d0")
+    assert p_leg.headers["x-request-id"] == d_leg.headers["x-request-id"] == call.record.pairing_id
+    assert p_leg.body["kv_transfer_params"]["transfer_id"] == d_leg.body["kv_transfer_params"]["transfer_id"]
+    assert d_leg.body["kv_transfer_params"]["remote_engine_id"] == "p0"
+    assert p_leg.path == d_leg.path == "/v1/completions"
+    assert p_leg.body["max_tokens"] == 1 and d_leg.body["max_tokens"] == 3
+    (record,) = timings.query(request_id="client-1")
+    assert record["decode_sent"] < record["prefill_done"]
+    assert record["outcome"] == "ok" and record["handoff_ms"] is not None
+
+
+async def test_pull_sends_decode_after_prefill_with_its_params() -> None:
+    workers = FakeWorkers({"p0": prefill_ok(mode="pull"), "d0": decode_ok()})
+    dispatcher, _, timings = await make(workers, mode="pull")
+    await relay(await dispatcher.handle(call_of(dispatcher)))
+    (d_leg,) = workers.legs("d0")
+    assert d_leg.body["kv_transfer_params"]["remote_block_ids"] == [[1, 2]]
+    (record,) = timings.query()
+    assert record["prefill_done"] <= record["decode_sent"]
+
+
+async def test_non_streamed_answer_is_decodes_body_verbatim() -> None:
+    workers = FakeWorkers({"p0": prefill_ok(), "d0": decode_ok(tokens=5)})
+    dispatcher, _, _ = await make(workers)
+    answer = await dispatcher.handle(call_of(dispatcher, {**BODY, "stream": False}))
+    assert isinstance(answer, JsonAnswer) and b'"xxxxx"' in answer.content
+
+
+async def test_prefill_failure_closes_decode_and_reports_when_no_other_prefill() -> None:
+    closed = asyncio.Event()
+    workers = FakeWorkers({"p0": status(500), "d0": hang(closed)})
+    dispatcher, _, timings = await make(workers)
+    with pytest.raises(UpstreamStatus) as info:
+        await dispatcher.handle(call_of(dispatcher))
+    assert info.value.leg == "prefill" and info.value.http_status == 502
+    assert closed.is_set()
+    assert timings.query()[0]["outcome"] == "status"
+
+
+async def test_prefill_failure_is_retried_with_fresh_ids_on_another_prefill() -> None:
+    kv = asyncio.Event()
+    workers = FakeWorkers({"p0": status(503), "p1": prefill_ok("p1", done=kv), "d0": decode_ok(kv=kv)})
+    dispatcher, _, timings = await make(workers, prefill=[P0, "http://p1:8100,engine_id=p1,side_port=5601"],
+                                        prefill_policy="round-robin")
+    await relay(await dispatcher.handle(call_of(dispatcher)))
+    (failed,), (retried,) = workers.legs("p0"), workers.legs("p1")
+    assert failed.headers["x-request-id"] != retried.headers["x-request-id"]
+    assert failed.body["kv_transfer_params"]["transfer_id"] != retried.body["kv_transfer_params"]["transfer_id"]
+    decode = workers.legs("d0")[-1]
+    assert decode.headers["x-request-id"] == retried.headers["x-request-id"]
+    assert decode.body["kv_transfer_params"]["remote_engine_id"] == "p1"
+    assert timings.query()[0]["attempts"] == 2
+
+
+async def test_a_refused_prefill_is_marked_down_and_skipped() -> None:
+    workers = FakeWorkers({"p1": prefill_ok("p1"), "d0": decode_ok()})
+    dispatcher, pool, _ = await make(workers, prefill=[P0, "http://p1:8100,engine_id=p1,side_port=5601"],
+                                     prefill_policy="round-robin")
+    workers.down.add("p0")
+    await relay(await dispatcher.handle(call_of(dispatcher)))
+    assert [v.id for v in pool.candidates(Role.PREFILL)] == ["http://p1:8100"]
+    assert pool.ready()
+
+
+async def test_decode_client_error_passes_through_without_retry() -> None:
+    workers = FakeWorkers({"p0": prefill_ok(), "d0": status(400, "prompt too long")})
+    dispatcher, _, _ = await make(workers)
+    with pytest.raises(UpstreamStatus) as info:
+        await dispatcher.handle(call_of(dispatcher))
+    assert info.value.http_status == 400
+    assert info.value.to_body()["error"]["message"] == "prompt too long"
+    assert len(workers.legs("d0")) == 1
+
+
+async def test_decode_first_byte_deadline_cancels_both_legs() -> None:
+    closed = asyncio.Event()
+    workers = FakeWorkers({"p0": hang(closed), "d0": hang()})
+    dispatcher, _, _ = await make(workers, timeouts={"decode_first_byte": 0.05})
+    with pytest.raises(UpstreamTimeout) as info:
+        await dispatcher.handle(call_of(dispatcher))
+    assert info.value.leg == "decode" and info.value.http_status == 504
+    assert closed.is_set()
+
+
+async def test_auto_identity_is_learned_from_a_first_sequential_prefill() -> None:
+    workers = FakeWorkers({"p0": prefill_ok("learned"), "d0": decode_ok()})
+    dispatcher, pool, timings = await make(workers, prefill=["http://p0:8100"])
+    await relay(await dispatcher.handle(call_of(dispatcher)))
+    first = timings.query()[0]
+    assert first["prefill_done"] <= first["decode_sent"]
+    assert pool.get("http://p0:8100").identity is not None
+    gate = asyncio.Event()
+    workers.handlers = {"p0": prefill_ok("learned", gate=gate), "d0": decode_ok(on_request=gate.set)}
+    await relay(await dispatcher.handle(call_of(dispatcher)))
+    assert workers.legs("d0")[-1].body["kv_transfer_params"]["remote_engine_id"] == "learned"
+
+
+async def test_a_pull_mode_prefill_behind_a_push_router_is_a_clear_error() -> None:
+    workers = FakeWorkers({"p0": prefill_ok(mode="pull"), "d0": decode_ok()})
+    dispatcher, _, _ = await make(workers, prefill=["http://p0:8100"])
+    with pytest.raises(UpstreamProtocolError, match="pull-mode connector"):
+        await dispatcher.handle(call_of(dispatcher))
+
+
+async def test_closing_a_stream_midway_releases_it_and_records_the_client_leaving() -> None:
+    hold = asyncio.Event()
+    workers = FakeWorkers({"p0": prefill_ok(), "d0": decode_ok(tokens=5, hold=hold)})
+    dispatcher, pool, timings = await make(workers)
+    answer = await dispatcher.handle(call_of(dispatcher))
+    assert isinstance(answer, StreamAnswer)
+    events = answer.events()
+    assert b"t0" in await anext(events)
+    await events.aclose()
+    await answer.aclose()
+    assert timings.query()[0]["outcome"] == "client_gone"
+    assert all(v.in_flight == 0 for role in Role for v in pool.candidates(role))
+
+
+async def test_no_healthy_decode_is_503() -> None:
+    workers = FakeWorkers({"p0": prefill_ok()}, down={"d0"})
+    dispatcher, _, _ = await make(workers)
+    with pytest.raises(NoHealthyWorker) as info:
+        await dispatcher.handle(call_of(dispatcher))
+    assert info.value.http_status == 503
