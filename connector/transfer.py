@@ -1,0 +1,163 @@
+"""The transfer seam: ``TransferBackend`` (what the transfer thread needs) and ``NixlBackend``.
+
+This is the only module that imports NIXL, and it does so lazily inside ``NixlBackend``, so
+``import connector.transfer`` works without NIXL installed. ``connector.memory_backend`` offers
+the same interface in memory for unit tests.
+
+Contract for every backend: **one thread calls it** (the transfer thread). NIXL runs without its
+busy progress thread (``enable_prog_thread=False``) and in its default unsynchronised mode, which
+is only safe under that rule; the owner thread keeps UCX progressing by polling
+``poll_notices`` and ``write_state``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from connector.layout import descriptor_indices, pair_blocks, region_descriptors
+from connector.metadata import HandshakePayload, KVLayout
+
+logger = logging.getLogger(__name__)
+
+WriteState = Literal["PROC", "DONE", "ERR"]
+
+
+class TransferError(RuntimeError):
+    """A backend call failed (unknown peer, refused descriptor list, NIXL error)."""
+
+
+@dataclass(frozen=True)
+class WriteTicket:
+    """A posted WRITE: the backend's handle plus what it moves (for statistics)."""
+
+    handle: int
+    num_bytes: int
+    num_descriptors: int
+
+
+class TransferBackend(Protocol):
+    """One agent: registered local KV regions, known peers, notices and block WRITEs."""
+
+    @property
+    def agent_name(self) -> str: ...
+
+    def agent_metadata(self) -> bytes:
+        """Opaque bytes a peer passes to ``add_peer`` (sent over the side channel)."""
+
+    def add_peer(self, payload: HandshakePayload) -> None:
+        """Load a peer's agent metadata and remember its KV layout; idempotent per agent."""
+
+    def send_notice(self, agent_name: str, message: bytes) -> None:
+        """Send a standalone notification; raise ``TransferError`` if it cannot be sent."""
+
+    def poll_notices(self) -> list[tuple[str, bytes]]:
+        """Notifications received since the last call, as ``(sender agent name, message)``."""
+
+    def write(
+        self, agent_name: str, local_blocks: tuple[int, ...], remote_blocks: tuple[int, ...], notice: bytes
+    ) -> WriteTicket:
+        """Post a WRITE of local blocks into the peer's blocks (tails aligned); ``notice`` is
+        delivered to the peer after the data. Raise ``TransferError`` if it cannot be posted."""
+
+    def write_state(self, handle: int) -> WriteState: ...
+
+    def release(self, handle: int) -> None:
+        """Forget a WRITE (cancels it if still running)."""
+
+    def close(self) -> None: ...
+
+
+class NixlBackend:
+    """``TransferBackend`` over a NIXL agent (UCX by default), DRAM or VRAM."""
+
+    def __init__(self, name: str, layout: KVLayout, backends: tuple[str, ...] = ("UCX",)) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        config = nixl_agent_config(enable_prog_thread=False, backends=list(backends))
+        self._agent: Any = nixl_agent(name, config)
+        self._name = name
+        self._layout = layout
+        regions = [(r.base, r.block_len * r.num_blocks, layout.device_id, "") for r in layout.regions]
+        self._registered = self._agent.register_memory(regions, layout.mem_type)
+        self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", region_descriptors(layout), layout.mem_type)
+        self._peers: dict[str, tuple[KVLayout, Any]] = {}  # agent name -> (layout, prepped dlist)
+        self._handles: dict[int, Any] = {}
+        self._next_handle = 0
+
+    @property
+    def agent_name(self) -> str:
+        return self._name
+
+    def agent_metadata(self) -> bytes:
+        return bytes(self._agent.get_agent_metadata())
+
+    def add_peer(self, payload: HandshakePayload) -> None:
+        if payload.agent_name in self._peers:
+            return
+        added = self._agent.add_remote_agent(payload.agent_metadata)
+        name = added.decode() if isinstance(added, bytes) else str(added)
+        if name != payload.agent_name:
+            raise TransferError(f"peer metadata names agent {name!r}, handshake said {payload.agent_name!r}")
+        dlist = self._agent.prep_xfer_dlist(name, region_descriptors(payload.layout), payload.layout.mem_type)
+        self._peers[name] = (payload.layout, dlist)
+
+    def send_notice(self, agent_name: str, message: bytes) -> None:
+        try:
+            self._agent.send_notif(agent_name, message)
+        except Exception as exc:  # nixl raises its own binding exceptions
+            raise TransferError(f"send_notif to {agent_name!r} failed: {exc}") from exc
+
+    def poll_notices(self) -> list[tuple[str, bytes]]:
+        return [
+            (agent.decode() if isinstance(agent, bytes) else agent, msg)
+            for agent, msgs in self._agent.get_new_notifs().items()
+            for msg in msgs
+        ]
+
+    def write(
+        self, agent_name: str, local_blocks: tuple[int, ...], remote_blocks: tuple[int, ...], notice: bytes
+    ) -> WriteTicket:
+        peer = self._peers.get(agent_name)
+        if peer is None:
+            raise TransferError(f"WRITE to unknown agent {agent_name!r}")
+        remote_layout, remote_dlist = peer
+        local_blocks, remote_blocks = pair_blocks(local_blocks, remote_blocks)
+        local_idx = descriptor_indices(self._layout, local_blocks)
+        remote_idx = descriptor_indices(remote_layout, remote_blocks)
+        try:
+            xfer = self._agent.make_prepped_xfer(
+                "WRITE", self._local_dlist, local_idx, remote_dlist, remote_idx, notice
+            )
+            state = self._agent.transfer(xfer)
+        except Exception as exc:
+            raise TransferError(f"WRITE to {agent_name!r} could not be posted: {exc}") from exc
+        if state == "ERR":
+            xfer.release()
+            raise TransferError(f"WRITE to {agent_name!r} failed at post")
+        self._next_handle += 1
+        self._handles[self._next_handle] = xfer
+        num_bytes = sum(r.block_len for r in self._layout.regions) * len(local_blocks)
+        return WriteTicket(self._next_handle, num_bytes, len(local_idx))
+
+    def write_state(self, handle: int) -> WriteState:
+        state: WriteState = self._agent.check_xfer_state(self._handles[handle])
+        return state
+
+    def release(self, handle: int) -> None:
+        xfer = self._handles.pop(handle, None)
+        if xfer is None:
+            return
+        try:
+            xfer.release()
+        except Exception:  # a transfer NIXL cannot cancel stays leaked, not fatal
+            logger.warning("could not release NIXL transfer handle %d", handle, exc_info=True)
+
+    def close(self) -> None:
+        for handle in list(self._handles):
+            self.release(handle)
+        for _, dlist in self._peers.values():
+            dlist.release()
+        self._local_dlist.release()
+        self._agent.deregister_memory(self._registered)
