@@ -1,0 +1,190 @@
+"""stack.engines without processes: spec validation, port resolution, the exact command and environment."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from stack.engines import (
+    REPO_ROOT,
+    EngineSpec,
+    engine_argv,
+    kv_transfer_config,
+    process_spec,
+    resolve_ports,
+    vllm_env,
+)
+
+MODEL = Path("/models/tiny")
+
+
+def spec(**overrides: object) -> EngineSpec:
+    fields: dict[str, object] = {"name": "p0", "role": "prefill", "model": MODEL, "http_port": 8100, "core": 0}
+    fields.update(overrides)
+    return EngineSpec(**fields)  # type: ignore[arg-type]
+
+
+def push_prefill(**overrides: object) -> EngineSpec:
+    return spec(connector="NixlPushConnector", side_port=5600, engine_id="p-id", **overrides)
+
+
+def counter(start: int = 40000) -> itertools.count[int]:
+    return itertools.count(start)
+
+
+class TestValidation:
+    def test_a_plain_single_engine_is_valid(self) -> None:
+        assert spec(role="single").effective_kv_role is None
+
+    @pytest.mark.parametrize(
+        ("overrides", "fragment"),
+        [
+            ({"name": "a b"}, "name"),
+            ({"name": ""}, "name"),
+            ({"role": "router"}, "role"),
+            ({"http_port": 70000}, "http_port"),
+            ({"side_port": -1, "connector": "NixlConnector"}, "side_port"),
+            ({"core": -1}, "core"),
+            ({"max_model_len": 0}, "max_model_len"),
+            ({"served_model_name": ""}, "served_model_name"),
+            ({"engine_id": "x"}, "need a connector"),
+            ({"connector_module": "connector.plugin"}, "need a connector"),
+            ({"kv_role": "kv_producer"}, "need a connector"),
+            ({"connector_extra": {"a": 1}}, "need a connector"),
+            ({"connector": "NixlConnector", "kv_role": "kv_consumer"}, "cannot be kv_consumer"),
+            ({"role": "decode", "connector": "NixlConnector", "kv_role": "kv_producer"}, "cannot be kv_producer"),
+            ({"connector": "NixlConnector", "kv_role": "kv_sometimes"}, "kv_role must be one of"),
+            ({"extra_args": ("--port", "9")}, "--port"),
+            ({"extra_args": ("--kv-transfer-config={}",)}, "--kv-transfer-config"),
+        ],
+    )
+    def test_invalid_specs_are_rejected_with_the_reason(self, overrides: dict[str, object], fragment: str) -> None:
+        with pytest.raises(ValueError, match="invalid engine spec") as info:
+            spec(**overrides)
+        assert fragment in str(info.value)
+
+    def test_several_problems_are_joined(self) -> None:
+        with pytest.raises(ValueError) as info:
+            spec(core=-1, max_model_len=0)
+        assert "core" in str(info.value)
+        assert "max_model_len" in str(info.value)
+
+    @pytest.mark.parametrize(("role", "expected"), [("prefill", "kv_producer"), ("decode", "kv_consumer"),
+                                                   ("single", "kv_both")])  # fmt: skip
+    def test_kv_role_defaults_from_the_role(self, role: str, expected: str) -> None:
+        assert spec(role=role, connector="NixlConnector").effective_kv_role == expected
+
+
+class TestPorts:
+    def test_zero_ports_are_picked_and_given_ports_kept(self) -> None:
+        picks = counter()
+        resolved = resolve_ports(spec(http_port=0, connector="NixlConnector", side_port=0), lambda: next(picks))
+        assert (resolved.http_port, resolved.side_port) == (40000, 40001)
+        assert resolve_ports(push_prefill(), lambda: next(picks)) == push_prefill()
+
+    def test_a_connector_always_gets_a_side_port(self) -> None:
+        resolved = resolve_ports(spec(connector="NixlConnector"), lambda: 5999)
+        assert resolved.side_port == 5999
+
+    def test_a_plain_engine_gets_no_side_port(self) -> None:
+        assert resolve_ports(spec(http_port=0), lambda: 41000).side_port is None
+
+    def test_the_command_needs_resolved_ports(self) -> None:
+        with pytest.raises(ValueError, match="resolve ports"):
+            engine_argv(spec(http_port=0))
+
+
+class TestCommand:
+    def test_plain_engine_command_is_exact(self) -> None:
+        argv = engine_argv(spec(role="single", core=1, http_port=8300), python="/venv/bin/python")
+        assert argv == (
+            "taskset", "-c", "1",
+            "/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server",
+            "--model", "/models/tiny",
+            "--served-model-name", "tiny",
+            "--host", "127.0.0.1",
+            "--port", "8300",
+            "--enforce-eager",
+            "--dtype", "float32",
+            "--max-model-len", "2048",
+        )  # fmt: skip
+
+    def test_connector_engine_carries_the_kv_transfer_config_then_extra_args(self) -> None:
+        argv = engine_argv(push_prefill(extra_args=("--block-size", "32")), python="py")
+        flag = argv.index("--kv-transfer-config")
+        assert json.loads(argv[flag + 1]) == {
+            "kv_connector": "NixlPushConnector",
+            "kv_role": "kv_producer",
+            "kv_buffer_device": "cpu",
+            "engine_id": "p-id",
+        }
+        assert argv[-2:] == ("--block-size", "32")
+
+    def test_our_connector_is_loaded_by_module_path_with_extra_config(self) -> None:
+        config = kv_transfer_config(
+            spec(
+                role="decode",
+                connector="KvpushConnector",
+                connector_module="connector.plugin",
+                connector_extra={"poll_ms": 1},
+            )
+        )
+        assert config == {
+            "kv_connector": "KvpushConnector",
+            "kv_role": "kv_consumer",
+            "kv_buffer_device": "cpu",
+            "kv_connector_module_path": "connector.plugin",
+            "kv_connector_extra_config": {"poll_ms": 1},
+        }
+
+    def test_plain_engine_has_no_kv_transfer_config(self) -> None:
+        assert kv_transfer_config(spec()) is None
+        assert "--kv-transfer-config" not in engine_argv(spec())
+
+
+class TestEnvironment:
+    def test_stack_settings_override_the_base_and_keep_the_rest(self) -> None:
+        base = {"PATH": "/bin", "VLLM_HOST_IP": "10.0.0.1", "PYTHONPATH": "/elsewhere"}
+        env = vllm_env(core=1, side_port=5601, repo_root=Path("/repo"), base=base)
+        assert env == {
+            "PATH": "/bin",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "UCX_NET_DEVICES": "lo",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": "5601",
+            "PYTHONPATH": "/repo/stack/site:/repo",
+            "KVPUSH_NIXL_NO_PROG_THREAD": "1",
+            "KVPUSH_KEEP_AFFINITY": "1",
+        }
+
+    def test_without_side_port_an_inherited_one_is_dropped(self) -> None:
+        env = vllm_env(core=0, side_port=None, base={"VLLM_NIXL_SIDE_CHANNEL_PORT": "5600"})
+        assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in env
+
+    def test_base_is_not_modified(self) -> None:
+        base = {"PATH": "/bin"}
+        vllm_env(core=0, side_port=1, base=base)
+        assert base == {"PATH": "/bin"}
+
+    def test_the_harness_folder_exists_where_the_env_points(self) -> None:
+        site = vllm_env(core=0, side_port=None, base={})["PYTHONPATH"].split(":")[0]
+        assert (Path(site) / "sitecustomize.py").is_file()
+        assert Path(site) == REPO_ROOT / "stack" / "site"
+
+
+def test_process_spec_logs_by_name_and_waits_for_health() -> None:
+    proc = process_spec(push_prefill(), Path("/logs"), python="py", base_env={})
+    assert proc.log_path == Path("/logs/p0.log")
+    assert proc.ready_url == "http://127.0.0.1:8100/health"
+    assert proc.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
+    assert proc.env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert proc.argv[:3] == ("taskset", "-c", "0")

@@ -1,0 +1,120 @@
+"""stack.local decisions: which engines, which connector, the router command, the ready line, the flags."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from stack.engines import engine_argv
+from stack.local import (
+    DEFAULT_CACHE_DIR,
+    KVPUSH_CONNECTOR_CLASS,
+    PREFILL_ENGINE_ID,
+    StackOptions,
+    connector_for,
+    parse_args,
+    plan_engines,
+    ready_line,
+    router_argv,
+    router_process,
+)
+
+
+def kv_config(argv: tuple[str, ...]) -> dict[str, object]:
+    return dict(json.loads(argv[argv.index("--kv-transfer-config") + 1]))
+
+
+@pytest.mark.parametrize(
+    ("mode", "choice", "expected"),
+    [
+        ("push", "upstream", ("NixlPushConnector", None)),
+        ("pull", "upstream", ("NixlConnector", None)),
+        ("push", "kvpush", (KVPUSH_CONNECTOR_CLASS, "connector.plugin")),
+        ("pull", "kvpush", (KVPUSH_CONNECTOR_CLASS, "connector.plugin")),
+    ],
+)
+def test_connector_choice(mode: str, choice: str, expected: tuple[str, str | None]) -> None:
+    assert connector_for(mode, choice) == expected  # type: ignore[arg-type]
+
+
+def test_default_push_stack_engines() -> None:
+    options = StackOptions(cache_dir=Path("/c"))
+    prefill, decode = plan_engines(options)
+    assert (prefill.core, prefill.http_port, prefill.side_port) == (0, 8100, 5600)
+    assert (decode.core, decode.http_port, decode.side_port) == (1, 8200, 5601)
+    assert prefill.model == decode.model == Path("/c/models/tiny")
+    assert kv_config(engine_argv(prefill)) == {
+        "kv_connector": "NixlPushConnector",
+        "kv_role": "kv_producer",
+        "kv_buffer_device": "cpu",
+        "engine_id": PREFILL_ENGINE_ID,
+    }
+    assert kv_config(engine_argv(decode)) == {
+        "kv_connector": "NixlPushConnector",
+        "kv_role": "kv_consumer",
+        "kv_buffer_device": "cpu",
+    }
+
+
+def test_pull_mode_uses_nixl_connector_on_both() -> None:
+    prefill, decode = plan_engines(StackOptions(mode="pull"))
+    assert prefill.connector == decode.connector == "NixlConnector"
+    assert (prefill.effective_kv_role, decode.effective_kv_role) == ("kv_producer", "kv_consumer")
+
+
+def test_our_connector_is_loaded_from_its_module() -> None:
+    for engine in plan_engines(StackOptions(connector="kvpush")):
+        assert kv_config(engine_argv(engine))["kv_connector_module_path"] == "connector.plugin"
+
+
+def test_router_command_names_the_prefill_identity() -> None:
+    options = StackOptions(python="py", port=8000)
+    prefill, decode = plan_engines(options)
+    assert router_argv(options, prefill, decode) == (
+        "py", "-m", "router", "serve",
+        "--host", "127.0.0.1",
+        "--port", "8000",
+        "--mode", "push",
+        "--prefill", f"http://127.0.0.1:8100,engine_id={PREFILL_ENGINE_ID},side_port=5600",
+        "--decode", "http://127.0.0.1:8200",
+    )  # fmt: skip
+
+
+def test_router_process_waits_for_ready_and_finds_the_repo() -> None:
+    options = StackOptions(cache_dir=Path("/c"), port=8123)
+    proc = router_process(options, ("py", "-m", "router"), {"PATH": "/bin", "PYTHONPATH": "/x"})
+    assert proc.ready_url == "http://127.0.0.1:8123/ready"
+    assert proc.log_path == Path("/c/logs/router.log")
+    assert proc.env["PATH"] == "/bin"
+    assert proc.env["PYTHONPATH"].split(":")[1:] == ["/x"]
+    assert (Path(proc.env["PYTHONPATH"].split(":")[0]) / "router").is_dir()
+
+
+def test_ready_line_is_one_line_with_a_working_curl() -> None:
+    line = ready_line(StackOptions(port=8000), "http://127.0.0.1:8100", "http://127.0.0.1:8200")
+    assert "\n" not in line
+    curl = shlex.split(line.split("try: ", 1)[1])
+    assert curl[:3] == ["curl", "-N", "http://127.0.0.1:8000/v1/chat/completions"]
+    body = json.loads(curl[curl.index("-d") + 1])
+    assert body["model"] == "tiny"
+    assert body["stream"] is True
+    assert body["messages"][0]["role"] == "user"
+
+
+def test_flags_and_defaults(tmp_path: Path) -> None:
+    assert parse_args([]) == StackOptions(cache_dir=DEFAULT_CACHE_DIR.resolve())
+    options = parse_args(
+        ["--mode", "pull", "--connector", "kvpush", "--port", "9000", "--model-size", "bench",
+         "--cache-dir", str(tmp_path), "--prefill-port", "0", "--decode-port", "0", "--startup-timeout", "5"]
+    )  # fmt: skip
+    assert options == StackOptions(mode="pull", connector="kvpush", port=9000, model_size="bench",
+                                   cache_dir=tmp_path, prefill_port=0, decode_port=0, startup_timeout=5.0)  # fmt: skip
+    assert options.model_dir == tmp_path / "models" / "bench"
+
+
+def test_unknown_mode_is_a_usage_error() -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--mode", "sideways"])
