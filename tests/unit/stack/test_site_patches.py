@@ -97,7 +97,7 @@ def test_import_hook_patches_only_the_named_module_after_it_ran(site: ModuleType
 
     def patch(module: ModuleType) -> None:
         seen.append(module.__dict__["VALUE"])
-        module.VALUE = "patched"
+        module.__dict__["VALUE"] = "patched"
 
     hook = site._PatchOnImport({"kvpush_fake_pkg._api"}, patch)
     sys.meta_path.insert(0, hook)
