@@ -252,9 +252,18 @@ def parse_args(argv: Sequence[str] | None) -> StackOptions:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `kvpush stack`: returns 0 after a requested stop, 1 when any child failed."""
     options = parse_args(argv)
+    return run_supervised(options.log_dir, lambda fleet: _serve(options, fleet))
+
+
+def run_supervised(log_dir: Path, body: Callable[[Fleet], int]) -> int:
+    """Run body with a fresh Fleet while SIGTERM/SIGINT mean "stop"; every child is stopped on the way out.
+
+    Returns body's status, 0 after a stop signal, 1 when a start-up failed (its log tail is printed).
+    """
     with stop_signals():
         try:
-            return _serve(options)
+            with Fleet(log_dir) as fleet:
+                return body(fleet)
         except StopRequested as stop:
             _say(f"stopped ({stop})")
             return 0
@@ -263,19 +272,18 @@ def main(argv: list[str] | None = None) -> int:
             return 1
 
 
-def _serve(options: StackOptions) -> int:
+def _serve(options: StackOptions, fleet: Fleet) -> int:
     ensure_model(options)
-    with Fleet(options.log_dir, python=options.python) as fleet:
-        prefill, decode = (Engine(s, log_dir=options.log_dir, python=options.python) for s in plan_engines(options))
-        _say(f"starting prefill {prefill.url} and decode {decode.url} (about a minute); logs in {options.log_dir}")
-        argv = router_argv(options, prefill.engine_spec, decode.engine_spec)
-        return run_stack(
-            fleet,
-            [prefill, decode],
-            lambda: ManagedProcess(router_process(options, argv, dict(os.environ))),
-            startup_timeout=options.startup_timeout,
-            announce=lambda: ready_line(options, prefill.url, decode.url),
-        )
+    prefill, decode = (Engine(s, log_dir=options.log_dir, python=options.python) for s in plan_engines(options))
+    _say(f"starting prefill {prefill.url} and decode {decode.url} (about a minute); logs in {options.log_dir}")
+    argv = router_argv(options, prefill.engine_spec, decode.engine_spec)
+    return run_stack(
+        fleet,
+        [prefill, decode],
+        lambda: ManagedProcess(router_process(options, argv, dict(os.environ))),
+        startup_timeout=options.startup_timeout,
+        announce=lambda: ready_line(options, prefill.url, decode.url),
+    )
 
 
 def _say(message: str) -> None:
