@@ -1,0 +1,136 @@
+"""The class vLLM loads (``kv_connector_module_path="connector.plugin"``): a role switch that
+delegates every hook to ``connector.scheduler.SchedulerHalf`` or ``connector.worker.WorkerHalf``.
+
+Launch (P and D differ only in ``kv_role`` and ``engine_id``)::
+
+    --kv-transfer-config '{"kv_connector":"KvpushConnector","kv_connector_module_path":"connector.plugin",
+                           "kv_role":"kv_producer","engine_id":"p0","kv_buffer_device":"cpu"}'
+
+The side channel listens on ``VLLM_NIXL_SIDE_CHANNEL_HOST``:``VLLM_NIXL_SIDE_CHANNEL_PORT`` (the same
+variables as upstream NIXL, so routers and launchers need no change). TP = PP = 1 only.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from connector.scheduler import KvpushMetadata, SchedulerHalf
+from connector.stats import KvpushPromMetrics, KvpushStats
+from connector.worker import WorkerHalf
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+def _side_channel() -> tuple[str, int]:
+    host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+    return host, int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))
+
+
+class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vllm is untyped for mypy here
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if vllm_config.parallel_config.tensor_parallel_size != 1:
+            raise NotImplementedError("KvpushConnector supports tensor_parallel_size=1 only")
+        engine_id = str(vllm_config.kv_transfer_config.engine_id)
+        host, port = _side_channel()
+        self._scheduler: SchedulerHalf | None = None
+        self._worker: WorkerHalf | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerHalf(vllm_config, engine_id, host, port)
+        else:
+            self._worker = WorkerHalf(vllm_config, engine_id, host, port)
+            self._worker.set_num_blocks(kv_cache_config.num_blocks)
+
+    # ---- scheduler side -----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()
+
+    # ---- worker side --------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KvpushMetadata):
+            self._worker.start(meta.plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # KV arrives before the request is scheduled at all
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # prefill's blocks are pushed whole after the request finished
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        return self._worker.transfer_results()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._worker.take_stats() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ---- class hooks --------------------------------------------------------------------
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvpushStats(data=data) if data is not None else KvpushStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvpushPromMetrics:
+        return KvpushPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,131 @@
+"""Transfer statistics through vLLM's connector-stats hooks (shown on /metrics as ``vllm:kvpush_*``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+from connector.transfer_thread import TransferRecord
+
+_SERIES = ("transfer_duration", "bytes_transferred", "num_descriptors")
+
+# Prometheus counter (without "vllm:kvpush_" and "_total") -> rendezvous / thread counter names.
+COUNTERS: dict[str, tuple[str, ...]] = {
+    "failed_transfers": ("write_failed", "failed", "peer_lost", "prefill_failed", "thread_errors"),
+    "expired": ("expired",),
+    "failed_notifications": ("failed_notices", "bad_notices"),
+    "ignored_notices": ("duplicate", "stale", "conflict", "unknown_notices", "late_prefill"),
+    "cancelled": ("cancelled", "released"),
+}
+
+
+def _empty() -> dict[str, Any]:
+    return {**{k: [] for k in _SERIES}, "counters": {}}
+
+
+@dataclass
+class KvpushStats(KVConnectorStats):  # type: ignore[misc]  # vllm is untyped here
+    """Per-interval data: one entry per completed WRITE in each series, plus event counters."""
+
+    data: dict[str, Any] = field(default_factory=_empty)
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.data = _empty()
+
+    def record(self, records: Iterable[TransferRecord], counters: Mapping[str, int]) -> None:
+        for r in records:
+            self.data["transfer_duration"].append(r.seconds)
+            self.data["bytes_transferred"].append(r.num_bytes)
+            self.data["num_descriptors"].append(r.num_descriptors)
+        for name, n in counters.items():
+            self.data["counters"][name] = self.data["counters"].get(name, 0) + n
+
+    def reset(self) -> None:
+        self.data = _empty()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        if other.is_empty():
+            return self
+        for k in _SERIES:
+            self.data[k].extend(other.data[k])
+        for name, n in other.data["counters"].items():
+            self.data["counters"][name] = self.data["counters"].get(name, 0) + n
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        n = len(self.data["transfer_duration"])
+        total_s = sum(self.data["transfer_duration"])
+        total_b = sum(self.data["bytes_transferred"])
+        out: dict[str, int | float] = {
+            "Num successful transfers": n,
+            "Avg xfer time (ms)": round(1e3 * total_s / n, 3) if n else 0,
+            "Avg MB per transfer": round(total_b / n / 2**20, 3) if n else 0,
+            "Throughput (MB/s)": round(total_b / total_s / 2**20, 3) if total_s else 0,
+        }
+        out.update(self.data["counters"])
+        return out
+
+    def is_empty(self) -> bool:
+        return not self.data["transfer_duration"] and not self.data["counters"]
+
+
+class KvpushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        per_engine = per_engine_labelvalues
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> dict[int, Any]:
+            metric = self._histogram_cls(name=name, documentation=doc, buckets=buckets, labelnames=labelnames)
+            per: dict[int, Any] = create_metric_per_engine(metric, per_engine)
+            return per
+
+        self.histograms = {
+            "transfer_duration": histogram(
+                "vllm:kvpush_xfer_time_seconds",
+                "Duration of kvpush KV WRITEs, post to completion.",
+                [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0],
+            ),
+            "bytes_transferred": histogram(
+                "vllm:kvpush_bytes_transferred",
+                "Bytes per kvpush KV WRITE.",
+                [float(2**k) for k in range(12, 36, 2)],
+            ),
+            "num_descriptors": histogram(
+                "vllm:kvpush_num_descriptors",
+                "Descriptors per kvpush KV WRITE.",
+                [float(2**k) for k in range(0, 16)],
+            ),
+        }
+        self.counters = {
+            name: create_metric_per_engine(
+                self._counter_cls(
+                    name=f"vllm:kvpush_{name}",
+                    documentation=f"kvpush connector events: {', '.join(sources)}.",
+                    labelnames=labelnames,
+                ),
+                per_engine,
+            )
+            for name, sources in COUNTERS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, metric in self.histograms.items():
+            for value in transfer_stats_data.get(key, ()):
+                metric[engine_idx].observe(value)
+        counters = transfer_stats_data.get("counters", {})
+        for name, sources in COUNTERS.items():
+            n = sum(counters.get(s, 0) for s in sources)
+            if n:
+                self.counters[name][engine_idx].inc(n)
