@@ -71,10 +71,10 @@ async def test_ready_models_health_and_metrics(client: tuple[httpx.AsyncClient, 
 async def test_not_ready_when_a_pool_is_down() -> None:
     workers = FakeWorkers({"p0": prefill_ok()}, down={"d0"})
     app = create_app(build_settings(SETTINGS), transport=workers.transport())
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r") as c:
-            ready = await c.get("/ready")
-            assert ready.status_code == 503 and ready.json()["ready"] is False
-            failed = await c.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
-            assert failed.status_code == 503
-            assert "no healthy decode worker" in json.loads(failed.content)["error"]["message"]
+    transport = httpx.ASGITransport(app=app)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://r") as c:
+        ready = await c.get("/ready")
+        assert ready.status_code == 503 and ready.json()["ready"] is False
+        failed = await c.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
+        assert failed.status_code == 503
+        assert "no healthy decode worker" in json.loads(failed.content)["error"]["message"]
