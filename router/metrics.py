@@ -41,6 +41,22 @@ class Metrics:
         self.retries = Counter(
             "kvpush_retries", "Dispatch attempts retried with fresh ids, by the leg that failed.",
             ["leg"], registry=r)
+        self.decode_ttft = Histogram(
+            "kvpush_decode_ttft_seconds", "Router-side time to first byte, by mode and decode worker.",
+            ["mode", "worker"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.pool_members = Gauge("kvpush_pool_members", "Workers in the pool, by role.", ["role"], registry=r)
+        self.pool_healthy = Gauge(
+            "kvpush_pool_healthy", "Healthy workers in the pool, by role.", ["role"], registry=r)
+        self.ejections = Counter(
+            "kvpush_ejections", "Workers taken out of rotation after failures, by role.", ["role"], registry=r)
+        self.in_flight_total = Gauge("kvpush_in_flight", "Client requests in flight.", registry=r)
+        self.queued = Gauge("kvpush_admission_queued", "Client requests waiting for admission.", registry=r)
+        self.rejected = Counter(
+            "kvpush_admission_rejected", "Client requests refused with 429 (admission bound reached).",
+            registry=r)
+        self.scrape_errors = Counter(
+            "kvpush_scrape_errors", "Failed scrapes of a worker's /metrics, by role.", ["role"], registry=r)
+        self.draining = Gauge("kvpush_draining", "1 while the router drains before it exits.", registry=r)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
