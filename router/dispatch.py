@@ -21,7 +21,14 @@ from router import protocol, upstream
 from router.answer import JsonAnswer, StreamAnswer, read_first_events
 from router.config import Settings
 from router.domain import Mode, NixlIdentity, RequestInfo, Role
-from router.errors import NoHealthyWorker, RouterError, UpstreamError, UpstreamProtocolError, UpstreamTimeout
+from router.errors import (
+    NoHealthyWorker,
+    RouterError,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamStatus,
+    UpstreamTimeout,
+)
 from router.metrics import Metrics
 from router.policy import Policy, make_policy
 from router.pool import Pool, WorkerState
@@ -164,6 +171,7 @@ class Dispatcher:
                 self._passive_check(error)
                 raise
         rec.prefill_done = self._clock()
+        self._pool.report(wid, ok=True)
         self._metrics.leg.labels("prefill", str(self._settings.mode)).observe(rec.prefill_done - rec.prefill_sent)
         return self._check_prefill_answer(worker, answer)
 
@@ -224,14 +232,19 @@ class Dispatcher:
 
     def _observe_first_byte(self, rec: RequestRecord) -> None:
         mode = str(self._settings.mode)
+        if rec.decode_worker is not None:
+            self._pool.report(rec.decode_worker, ok=True)
         if rec.ttft is not None:
             self._metrics.ttft.labels(rec.endpoint, mode).observe(rec.ttft)
+            self._metrics.decode_ttft.labels(mode, rec.decode_worker or "").observe(rec.ttft)
         if rec.handoff is not None:
             self._metrics.handoff.labels(mode).observe(max(0.0, rec.handoff))
 
     def _passive_check(self, error: UpstreamError) -> None:
-        if error.kind == "connect":
-            self._pool.mark_down(error.worker, error.message)
+        """Feeds a leg's failure to the worker's health, unless the client's request was at fault."""
+        if isinstance(error, UpstreamStatus) and error.client_fault:
+            return
+        self._pool.report(error.worker, ok=False, hard=error.kind == "connect", reason=error.message)
 
     def _drain(self, pairing_id: str, prefill_leg: asyncio.Task[dict[str, Any]]) -> None:
         """Lets a prefill leg still running after decode answered finish on its deadline (checked when done).

@@ -50,12 +50,25 @@ class WorkerSpec:
 
 
 @dataclass(frozen=True)
+class EngineLoad:
+    """A worker's own load as its vLLM /metrics last said (summed over its engines)."""
+
+    running: int
+    waiting: int
+    kv_usage: float  # 0..1
+
+
+@dataclass(frozen=True)
 class WorkerView:
     """A snapshot of one worker's load, as selection policies see it."""
 
     id: str
-    in_flight: int
-    outstanding_tokens: int
+    in_flight: int  # legs in flight through this router
+    outstanding_tokens: int  # prompt tokens of those legs
+    engine_running: int = 0  # from the last scrape, when load_known
+    engine_waiting: int = 0
+    kv_usage: float = 0.0
+    load_known: bool = False
 
 
 @dataclass(frozen=True)

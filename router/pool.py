@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
-from router.domain import NixlIdentity, Role, WorkerSpec, WorkerView
+from router.domain import EngineLoad, NixlIdentity, Role, WorkerSpec, WorkerView
+from router.health import HealthPolicy, WorkerHealth
 from router.metrics import Metrics
 
 logger = logging.getLogger("kvpush.pool")
@@ -21,55 +23,58 @@ class WorkerState:
     """One worker's live state. Owned by the event loop thread; never shared across threads."""
 
     spec: WorkerSpec
-    healthy: bool = False  # unknown until the first probe answers
+    health: WorkerHealth
     in_flight: int = 0
     outstanding_tokens: int = 0
     learned_identity: NixlIdentity | None = None
+    load: EngineLoad | None = None  # from the last good scrape of its /metrics
+    draining: bool = False  # an operator asked: no new requests
+    extra: dict[str, str] = field(default_factory=dict)
 
     @property
     def identity(self) -> NixlIdentity | None:
         return self.spec.identity or self.learned_identity
 
+    @property
+    def healthy(self) -> bool:
+        return self.health.usable
+
     def view(self) -> WorkerView:
-        return WorkerView(id=self.spec.id, in_flight=self.in_flight, outstanding_tokens=self.outstanding_tokens)
+        load = self.load
+        return WorkerView(
+            id=self.spec.id, in_flight=self.in_flight, outstanding_tokens=self.outstanding_tokens,
+            engine_running=load.running if load else 0, engine_waiting=load.waiting if load else 0,
+            kv_usage=load.kv_usage if load else 0.0, load_known=load is not None)
 
 
 class Pool:
-    """Both pools. Selection reads `candidates`; dispatch wraps each leg in `track` and reports failures."""
+    """Both pools. Selection reads `candidates`; dispatch wraps each leg in `track` and reports its outcome."""
 
-    def __init__(self, workers: Sequence[WorkerSpec], metrics: Metrics) -> None:
-        self._workers = {w.id: WorkerState(w) for w in workers}
+    def __init__(
+        self, workers: Sequence[WorkerSpec], metrics: Metrics, policy: HealthPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._metrics = metrics
-        for state in self._workers.values():
-            self._publish(state)
+        self._policy = policy or HealthPolicy()
+        self._clock = clock
+        self._workers: dict[str, WorkerState] = {}
+        for spec in workers:
+            self._add(spec)
+        self._publish_pools()
 
     def get(self, worker_id: str) -> WorkerState:
         return self._workers[worker_id]
 
+    def find(self, worker_id: str) -> WorkerState | None:
+        return self._workers.get(worker_id)
+
     def members(self, role: Role) -> list[WorkerSpec]:
         return [s.spec for s in self._workers.values() if s.spec.role is role]
 
-    def set_members(self, role: Role, specs: Sequence[WorkerSpec]) -> None:
-        """Replaces one role's membership (discovery). Kept workers keep their state; new ones start unknown
-        until probed; removed ones leave at once (legs in flight on them finish on their own)."""
-        wanted = {s.id: s for s in specs if s.role is role}
-        for worker_id, state in list(self._workers.items()):
-            if state.spec.role is role and (worker_id not in wanted or wanted[worker_id] != state.spec):
-                logger.info("%s worker %s left the pool", role, worker_id)
-                del self._workers[worker_id]
-                self._metrics.healthy.remove(str(role), worker_id)
-                self._metrics.in_flight.remove(str(role), worker_id)
-        for worker_id, spec in wanted.items():
-            if worker_id not in self._workers:
-                logger.info("%s worker %s joined the pool", role, worker_id)
-                self._workers[worker_id] = WorkerState(spec)
-                self._publish(self._workers[worker_id])
-
     def candidates(self, role: Role, exclude: frozenset[str] = frozenset()) -> list[WorkerView]:
         return [
-            s.view()
-            for s in self._workers.values()
-            if s.spec.role is role and s.healthy and s.spec.id not in exclude
+            s.view() for s in self._workers.values()
+            if s.spec.role is role and s.healthy and not s.draining and s.spec.id not in exclude
         ]
 
     def ready(self) -> bool:
@@ -77,10 +82,49 @@ class Pool:
 
     def snapshot(self) -> list[dict[str, object]]:
         return [
-            {"url": s.spec.url, "role": str(s.spec.role), "healthy": s.healthy, "in_flight": s.in_flight,
+            {"url": s.spec.url, "role": str(s.spec.role), "healthy": s.healthy, "state": s.health.state.value,
+             "draining": s.draining, "in_flight": s.in_flight,
              "identity": None if s.identity is None else s.identity.engine_id}
             for s in self._workers.values()
         ]
+
+    def set_members(self, role: Role, specs: Sequence[WorkerSpec]) -> None:
+        """Replaces one role's membership (discovery, admin). Kept workers keep their state; new ones start
+        unknown until probed; removed ones leave at once (legs in flight on them finish on their own)."""
+        wanted = {s.id: s for s in specs if s.role is role}
+        for worker_id, state in list(self._workers.items()):
+            if state.spec.role is role and (worker_id not in wanted or wanted[worker_id] != state.spec):
+                self.remove(worker_id)
+        for spec in wanted.values():
+            if spec.id not in self._workers:
+                self._add(spec)
+        self._publish_pools()
+
+    def add(self, spec: WorkerSpec) -> bool:
+        """Adds one worker (admin); False when its URL is already a member."""
+        if spec.id in self._workers:
+            return False
+        self._add(spec)
+        self._publish_pools()
+        return True
+
+    def remove(self, worker_id: str) -> bool:
+        state = self._workers.pop(worker_id, None)
+        if state is None:
+            return False
+        logger.info("%s worker %s left the pool", state.spec.role, worker_id)
+        for gauge in (self._metrics.healthy, self._metrics.in_flight):
+            gauge.remove(str(state.spec.role), worker_id)
+        self._publish_pools()
+        return True
+
+    def drain(self, worker_id: str) -> bool:
+        state = self._workers.get(worker_id)
+        if state is None:
+            return False
+        state.draining = True
+        self._publish(state)
+        return True
 
     @contextmanager
     def track(self, worker_id: str, tokens: int) -> Iterator[None]:
@@ -98,21 +142,29 @@ class Pool:
 
     def learn_identity(self, worker_id: str, identity: NixlIdentity) -> None:
         state = self._workers.get(worker_id)
-        if state is None:
-            return
-        if state.learned_identity != identity:
+        if state is not None and state.learned_identity != identity:
             logger.info("prefill %s: learned NIXL identity %s", worker_id, identity)
-        state.learned_identity = identity
+            state.learned_identity = identity
 
-    def mark_down(self, worker_id: str, reason: str) -> None:
-        """Passive ejection: the worker failed a connection; the next good probe brings it back."""
+    def set_load(self, worker_id: str, load: EngineLoad | None) -> None:
+        state = self._workers.get(worker_id)
+        if state is not None:
+            state.load = load
+
+    def report(self, worker_id: str, *, ok: bool, hard: bool = False, reason: str = "") -> None:
+        """A leg's outcome on the worker: passive health."""
         state = self._workers.get(worker_id)
         if state is None:
             return
-        if state.healthy:
-            logger.warning("%s worker %s marked down: %s", state.spec.role, worker_id, reason)
-        state.healthy = False
-        self._publish(state)
+        now = self._clock()
+        if ok:
+            state.health.on_request_ok(now)
+            return
+        if state.health.on_request_failed(now, hard=hard):
+            logger.warning("%s worker %s ejected for %.1f s: %s", state.spec.role, worker_id,
+                           state.health.held_until - now, reason)
+            self._metrics.ejections.labels(str(state.spec.role)).inc()
+            self._publish(state)
 
     async def probe_all(self, client: httpx.AsyncClient, timeout: float) -> None:
         await asyncio.gather(*(self._probe(client, s, timeout) for s in list(self._workers.values())))
@@ -129,16 +181,30 @@ class Pool:
             ok, reason = response.is_success, f"HTTP {response.status_code}"
         except httpx.HTTPError as exc:
             ok, reason = False, f"{type(exc).__name__}: {exc}"
-        if ok != state.healthy:
+        now = self._clock()
+        changed = state.health.on_probe_ok(now) if ok else state.health.on_probe_failed(now)
+        if changed:
             log = logger.info if ok else logger.warning
             log("%s worker %s is %s (%s)", state.spec.role, state.spec.id, "up" if ok else "down", reason)
-        state.healthy = ok
         self._publish(state)
+
+    def _add(self, spec: WorkerSpec) -> None:
+        logger.info("%s worker %s joined the pool", spec.role, spec.id)
+        self._workers[spec.id] = WorkerState(spec, WorkerHealth(self._policy))
+        self._publish(self._workers[spec.id])
 
     def _publish(self, state: WorkerState) -> None:
         if self._workers.get(state.spec.id) is state:
-            self._metrics.healthy.labels(str(state.spec.role), state.spec.id).set(1 if state.healthy else 0)
+            usable = state.healthy and not state.draining
+            self._metrics.healthy.labels(str(state.spec.role), state.spec.id).set(1 if usable else 0)
+            self._publish_pools()
 
     def _publish_load(self, state: WorkerState) -> None:
         if self._workers.get(state.spec.id) is state:
             self._metrics.in_flight.labels(str(state.spec.role), state.spec.id).set(state.in_flight)
+
+    def _publish_pools(self) -> None:
+        for role in Role:
+            members = [s for s in self._workers.values() if s.spec.role is role]
+            self._metrics.pool_members.labels(str(role)).set(len(members))
+            self._metrics.pool_healthy.labels(str(role)).set(sum(1 for s in members if s.healthy and not s.draining))

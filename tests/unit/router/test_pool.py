@@ -13,14 +13,14 @@ D0 = WorkerSpec("http://d0:1", Role.DECODE)
 def healthy_pool(*specs: WorkerSpec) -> Pool:
     pool = Pool(specs, Metrics())
     for spec in specs:
-        pool.get(spec.id).healthy = True
+        pool.get(spec.id).health.on_probe_ok(0.0)
     return pool
 
 
 def test_ready_needs_a_healthy_worker_in_each_role() -> None:
     pool = healthy_pool(P0, D0)
     assert pool.ready()
-    pool.mark_down(D0.id, "refused")
+    pool.report(D0.id, ok=False, hard=True, reason="refused")
     assert not pool.ready()
     assert pool.candidates(Role.PREFILL)[0].id == P0.id
 
@@ -39,7 +39,7 @@ def test_a_leg_in_flight_on_a_leaving_worker_finishes_cleanly() -> None:
         assert pool.get(P0.id).in_flight == 1
         pool.set_members(Role.PREFILL, [P1])
     assert pool.members(Role.PREFILL) == [P1]
-    pool.mark_down(P0.id, "gone")  # a late failure report for a departed worker is ignored
+    pool.report(P0.id, ok=False, hard=True, reason="gone")  # a late failure report for a departed worker is ignored
 
 
 def test_tracking_counts_requests_and_tokens() -> None:

@@ -1,0 +1,76 @@
+"""The worker health state machine: every state × event, backoff growth and reset."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.health import Health, HealthPolicy, WorkerHealth
+
+POLICY = HealthPolicy(eject_after=3, base_backoff=1.0, max_backoff=4.0)
+
+
+def at(state: Health) -> WorkerHealth:
+    h = WorkerHealth(POLICY)
+    if state is Health.UP:
+        h.on_probe_ok(0.0)
+    elif state is Health.DOWN:
+        h.on_probe_failed(0.0)
+    assert h.state is state
+    return h
+
+
+@pytest.mark.parametrize(("start", "event", "end", "changed"), [
+    (Health.UNKNOWN, "probe_ok", Health.UP, True),
+    (Health.UNKNOWN, "probe_failed", Health.DOWN, False),
+    (Health.UNKNOWN, "hard_failure", Health.DOWN, True),
+    (Health.UNKNOWN, "soft_failure", Health.UNKNOWN, False),
+    (Health.UNKNOWN, "request_ok", Health.UNKNOWN, None),
+    (Health.UP, "probe_ok", Health.UP, False),
+    (Health.UP, "probe_failed", Health.DOWN, True),
+    (Health.UP, "hard_failure", Health.DOWN, True),
+    (Health.UP, "soft_failure", Health.UP, False),
+    (Health.UP, "request_ok", Health.UP, None),
+    (Health.DOWN, "probe_ok", Health.UP, True),
+    (Health.DOWN, "probe_failed", Health.DOWN, False),
+    (Health.DOWN, "hard_failure", Health.DOWN, False),
+    (Health.DOWN, "soft_failure", Health.DOWN, False),
+    (Health.DOWN, "request_ok", Health.DOWN, None),
+])
+def test_every_state_and_event(start: Health, event: str, end: Health, changed: bool | None) -> None:
+    h = at(start)
+    result = {
+        "probe_ok": lambda: h.on_probe_ok(1.0),
+        "probe_failed": lambda: h.on_probe_failed(1.0),
+        "hard_failure": lambda: h.on_request_failed(1.0, hard=True),
+        "soft_failure": lambda: h.on_request_failed(1.0, hard=False),
+        "request_ok": lambda: h.on_request_ok(1.0),
+    }[event]()
+    assert h.state is end
+    assert result is changed
+    assert h.usable is (end is Health.UP)
+
+
+def test_soft_failures_eject_after_n_in_a_row_and_success_resets_the_streak() -> None:
+    h = at(Health.UP)
+    assert not h.on_request_failed(1.0, hard=False)
+    assert not h.on_request_failed(1.0, hard=False)
+    h.on_request_ok(1.0)
+    assert not h.on_request_failed(1.0, hard=False)
+    assert not h.on_request_failed(1.0, hard=False)
+    assert h.on_request_failed(1.0, hard=False)
+    assert h.state is Health.DOWN
+
+
+def test_an_ejected_worker_is_held_out_for_a_doubling_backoff() -> None:
+    h = at(Health.UP)
+    holds = []
+    now = 10.0
+    for _ in range(4):
+        assert h.on_request_failed(now, hard=True)
+        assert not h.on_probe_ok(h.held_until - 0.01), "a probe inside the hold does not bring it back"
+        assert h.on_probe_ok(h.held_until)
+        holds.append(h.held_until - now)
+        now = h.held_until
+    assert holds == [1.0, 2.0, 4.0, 4.0]
+    h.on_request_ok(now)
+    assert h.on_request_failed(now, hard=True) and h.held_until - now == 1.0
