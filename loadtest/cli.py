@@ -51,6 +51,8 @@ def _add_sim(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--profile", default="zero", help="a name under loadtest/profiles/ or a YAML path")
     p.add_argument("--engine-id", default="", help="default: sim-<role>-<port>")
     p.add_argument("--model", default="sim", help="served model name")
+    p.add_argument("--kv-mode", choices=("pull", "push", "both"), default="both",
+                   help="the connector a prefill sim states (transfer_mode); both = state none")  # fmt: skip
 
 
 def _add_bench(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -109,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.cmd == "sim":
         from loadtest.sim.server import serve
 
-        return serve(a.role, a.host, a.port, a.profile, a.engine_id or f"sim-{a.role}-{a.port}", a.model)
+        return serve(a.role, a.host, a.port, a.profile, a.engine_id or f"sim-{a.role}-{a.port}", a.model, a.kv_mode)
     from loadtest.bench import run_suites
 
     return run_suites(a.suite, smoke=a.smoke, results=a.results, progress=not a.no_progress)

@@ -90,7 +90,8 @@ class HandoffDesk:
             raise HandoffError(f"handoff {key} already claimed")
         h.claimed = True
         try:
-            await asyncio.wait_for(h.prefilled.wait(), wait_s)
+            if not h.prefilled.is_set():
+                await asyncio.wait_for(h.prefilled.wait(), wait_s)
         except TimeoutError:
             self._table.pop(key, None)
             raise HandoffError(f"no prefill for {key} within {wait_s:.0f}s") from None
@@ -110,9 +111,15 @@ class HandoffDesk:
         self.moved += 1
         return done - now
 
-    async def read(self, key: str, peer: str, wait_s: float) -> float:
-        """D READs (its setup was paid on D's loop): the bytes cross the link, then P frees the blocks."""
-        h = await self._claim(key, wait_s)
+    async def read(self, key: str, peer: str) -> float:
+        """D READs (its setup was paid on D's loop): the bytes cross the link, then P frees the blocks.
+
+        A READ only follows P's answer, so an unknown or unfinished handoff fails at once.
+        """
+        known = self._table.get(key)
+        if known is None or not known.prefilled.is_set():
+            raise HandoffError(f"no prefilled KV for {key}")
+        h = await self._claim(key, 0.0)
         assert h.req is not None
         now = self._clock()
         done = self.link.reserve(now, self._handshake(peer) + costs.transfer_time(self.profile, h.req.prompt))

@@ -35,9 +35,10 @@ PREFILL_WAIT_S = 300.0
 
 class SimServer:
     def __init__(self, role: str, profile: Profile, engine_id: str, host: str, port: int, model: str,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+                 kv_mode: str = "both", clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.role, self.profile, self.engine_id, self.host, self.port, self.model = (
             role, profile, engine_id, host, port, model)  # fmt: skip
+        self.kv_mode = kv_mode
         self.engine = Engine(profile)
         self.loop = EngineLoop(self.engine, asyncio.sleep, self._on_events)
         self.desk = HandoffDesk(profile, self._release, clock, asyncio.sleep)
@@ -204,7 +205,7 @@ class SimServer:
         kv = None
         if inc.kind is Kind.PREFILL:
             kv = wire.prefill_kv_params(self.engine_id, self.host, self.port, key, req.prompt,
-                                        costs.blocks(self.profile, req.prompt))  # fmt: skip
+                                        costs.blocks(self.profile, req.prompt), self.kv_mode)  # fmt: skip
         await send_json(send, 200, wire.full_response(req.rid, self.model, inc.chat, req.prompt, n, kv), req.rid)
 
     async def _stream(self, req: Req, inc: wire.Incoming, queue: asyncio.Queue[Item], send: Send) -> None:
@@ -238,7 +239,7 @@ class SimServer:
         key, peer = str(body["key"]), str(body.get("peer", ""))
         try:
             if read:
-                took = await self.desk.read(key, peer, PREFILL_WAIT_S)
+                took = await self.desk.read(key, peer)
             else:
                 took = await self.desk.push(key, peer, PREFILL_WAIT_S)
         except HandoffError as exc:
@@ -285,11 +286,11 @@ async def send_text(send: Send, status: int, text: str, rid: str) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
-def serve(role: str, host: str, port: int, profile: str, engine_id: str, model: str) -> int:
+def serve(role: str, host: str, port: int, profile: str, engine_id: str, model: str, kv_mode: str) -> int:
     """Run one simulated engine until interrupted (uvicorn, httptools, uvloop when available)."""
     import uvicorn
 
-    app = SimServer(role, load(profile), engine_id, host, port, model)
+    app = SimServer(role, load(profile), engine_id, host, port, model, kv_mode)
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
                 timeout_keep_alive=75, backlog=4096)  # fmt: skip
     return 0

@@ -72,10 +72,14 @@ def handoff_key(kv: Mapping[str, Any], request_id: str) -> str:
 
 
 def prefill_kv_params(
-    engine_id: str, host: str, port: int, key: str, prompt_tokens: int, num_blocks: int
+    engine_id: str, host: str, port: int, key: str, prompt_tokens: int, num_blocks: int, kv_mode: str
 ) -> dict[str, Any]:
-    """What P returns to the router: enough for a pull D to READ, and P's identity for push."""
-    return {
+    """What P returns to the router: enough for a pull D to READ, and P's identity for push.
+
+    kv_mode is the connector the simulated P runs: "pull" or "push" (stated as transfer_mode, so a router in
+    the other mode can refuse the pair) or "both" (no transfer_mode stated).
+    """
+    out: dict[str, Any] = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_engine_id": engine_id,
@@ -86,9 +90,14 @@ def prefill_kv_params(
         "tp_size": 1,
         "pp_size": 1,
         "remote_num_tokens": prompt_tokens,
-        "transfer_mode": "pull",
+        "transfer_mode": kv_mode,
         "transfer_id": key,
     }
+    if kv_mode == "push":
+        del out["remote_block_ids"]
+    if kv_mode == "both":
+        del out["transfer_mode"]
+    return out
 
 
 def usage(prompt: int, completion: int) -> dict[str, int]:

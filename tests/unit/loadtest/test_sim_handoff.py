@@ -67,7 +67,7 @@ def test_reads_pay_the_handshake_once_per_peer() -> None:
         for k in ("a", "b"):
             d.on_leg(k, Req(k, Kind.PREFILL, 1024, 1))
             d.on_prefilled(k)
-            took.append(await d.read(k, "D1", 10))
+            took.append(await d.read(k, "D1"))
         return took
 
     first, second = asyncio.run(go())
@@ -75,6 +75,18 @@ def test_reads_pay_the_handshake_once_per_peer() -> None:
     assert first == pytest.approx(QWEN.handshake_s + x)
     assert second == pytest.approx(x)
     assert len(released) == 2
+
+
+def test_read_of_unknown_or_unfinished_kv_fails_at_once() -> None:
+    async def go() -> None:
+        d = desk(FakeTime(), [])
+        with pytest.raises(HandoffError):
+            await d.read("nobody", "D1")
+        d.on_leg("k", Req("k", Kind.PREFILL, 16, 1))
+        with pytest.raises(HandoffError):
+            await d.read("k", "D1")
+
+    asyncio.run(go())
 
 
 def test_failed_prefill_leg_fails_the_registration() -> None:

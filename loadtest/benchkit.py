@@ -1,0 +1,170 @@
+"""Shared machinery of the benchmark suites: child processes (sims, routers), probes, one measured point."""
+
+import asyncio
+import os
+import shutil
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loadtest import promtext
+from loadtest.arrivals import ArrivalSpec
+from loadtest.job import REPO, Job, execute
+from loadtest.results import RowLabels, append_rows, build_row, git_commit
+from loadtest.runner import LoadConfig
+from stack.procs import LOOPBACK, ManagedProcess, ProcessSpec
+
+VROUTER_VERSION = "0.1.17"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def url(port: int) -> str:
+    return f"http://{LOOPBACK}:{port}"
+
+
+def sim_proc(name: str, role: str, port: int, profile: str, kv_mode: str, log_dir: Path) -> ManagedProcess:
+    argv = (sys.executable, "-m", "loadtest", "sim", "--role", role, "--port", str(port), "--profile", profile,
+            "--engine-id", name, "--kv-mode", kv_mode)  # fmt: skip
+    return ManagedProcess(ProcessSpec(name, argv, _env(), log_dir / f"{name}.log", f"{url(port)}/health", REPO))
+
+
+def router_proc(name: str, port: int, mode: str, prefill: str, decode: str, log_dir: Path) -> ManagedProcess:
+    """Our router. `prefill` is a SPEC: URL or URL,engine_id=..,side_port=.. (see router's contract)."""
+    argv = (sys.executable, "-m", "router", "serve", "--host", LOOPBACK, "--port", str(port), "--mode", mode,
+            "--prefill", prefill, "--decode", decode, "--log-level", "warning")  # fmt: skip
+    return ManagedProcess(ProcessSpec(name, argv, _env(), log_dir / f"{name}.log", f"{url(port)}/ready", REPO))
+
+
+def vrouter_binary() -> str | None:
+    """vllm-router from $VLLM_ROUTER, the repo's .venv-vrouter, or PATH (in that order)."""
+    for candidate in (os.environ.get("VLLM_ROUTER"), str(REPO / ".venv-vrouter" / "bin" / "vllm-router")):
+        if candidate and Path(candidate).exists():
+            return candidate
+    return shutil.which("vllm-router")
+
+
+def vrouter_proc(name: str, port: int, prom_port: int, prefill: str, decode: str, log_dir: Path,
+                 binary: str) -> ManagedProcess:  # fmt: skip
+    """vllm-router 0.1.17 in P/D mode with the NIXL connector (the anchors' flags, section 1)."""
+    argv = (binary, "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode, "--kv-connector", "nixl",
+            "--host", LOOPBACK, "--port", str(port), "--policy", "round_robin",
+            "--worker-startup-check-interval", "1", "--prometheus-port", str(prom_port),
+            "--log-level", "warning")  # fmt: skip
+    return ManagedProcess(ProcessSpec(name, argv, _env(), log_dir / f"{name}.log", f"{url(port)}/health", REPO))
+
+
+def scrape(base_url: str, timeout_s: float = 10.0) -> dict[promtext.Sample, float]:
+    resp = httpx.get(base_url.rstrip("/") + "/metrics", timeout=timeout_s)
+    resp.raise_for_status()
+    return promtext.parse(resp.text)
+
+
+def kv_sources(before: Mapping[promtext.Sample, float], after: Mapping[promtext.Sample, float]) -> dict[str, float]:
+    """Prompt tokens the decode engine got per source over a run (vllm:prompt_tokens_by_source_total delta)."""
+    name = "vllm:prompt_tokens_by_source_total"
+    b, a = promtext.by_label(before, name, "source"), promtext.by_label(after, name, "source")
+    return {k: a.get(k, 0.0) - b.get(k, 0.0) for k in sorted(set(a) | set(b))}
+
+
+def kv_external_frac(sources: Mapping[str, float]) -> float | None:
+    total = sum(sources.values())
+    return None if total <= 0 else sources.get("external_kv_transfer", 0.0) / total
+
+
+def group_cpu_seconds(pid: int) -> float:
+    """utime + stime of every live process in `pid`'s process group (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pid:  # field 5 of stat: pgrp
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def group_peak_rss_mb(pid: int) -> float:
+    """Sum of VmHWM (peak resident set) over the group's live processes, in MiB."""
+    total_kb = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pid:
+                continue
+            for line in (entry / "status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total_kb += int(line.split()[1])
+        except OSError:
+            continue
+    return total_kb / 1024
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured run of a suite: where to send, how much, and how to label the row."""
+
+    labels: RowLabels
+    base_url: str
+    n: int
+    seed: int
+    warmup: int = 2
+    tokenizer: str = "synthetic"
+    tokenizer_url: str | None = None
+    router_timings: bool = False
+    decode_url: str | None = None  # scrape its /metrics before and after (KV arrived by transfer?)
+    timeout_s: float = 300.0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+def measure(
+    point: Point, run_dir: Path, summary_path: Path, progress: bool, cpu_pid: int | None = None
+) -> dict[str, Any]:
+    """Run one point, append its row to summary_path and return the row (per-request JSONL under run_dir)."""
+    lab = point.labels
+    name = f"{lab.suite}-{lab.router}-{lab.mode}-q{lab.qps}-c{lab.concurrency}"
+    load = LoadConfig(
+        base_url=point.base_url, model="", input_len=lab.input_len, output_len=lab.output_len, num_requests=point.n,
+        arrivals=ArrivalSpec(lab.qps or float("inf"), 1.0, point.seed), concurrency=lab.concurrency,
+        warmup=point.warmup, timeout_s=point.timeout_s, request_id_prefix=f"{lab.suite}-{lab.mode}-{point.seed}",
+    )  # fmt: skip
+    job = Job(load=load, tokenizer=point.tokenizer, tokenizer_url=point.tokenizer_url,
+              router_timings=point.router_timings, out_dir=run_dir / name,
+              progress=sys.stderr if progress else None, label=name)  # fmt: skip
+    before = scrape(point.decode_url) if point.decode_url else None
+    cpu0 = group_cpu_seconds(cpu_pid) if cpu_pid else None
+    result, summary = asyncio.run(execute(job))
+    extra: dict[str, Any] = dict(lab.extra) | dict(point.extra)
+    if cpu_pid is not None and cpu0 is not None:
+        done = max(summary.n + point.warmup, 1)
+        extra["cpu_s_per_1k"] = (group_cpu_seconds(cpu_pid) - cpu0) / done * 1000
+        extra["peak_rss_mb"] = group_peak_rss_mb(cpu_pid)
+    if before is not None and point.decode_url:
+        sources = kv_sources(before, scrape(point.decode_url))
+        extra["decode_prompt_tokens_by_source"] = sources
+        extra["kv_external_frac"] = kv_external_frac(sources)
+    extra["errors"] = sorted({r.error for r in result.records if r.error})[:5]
+    extra["records"] = (
+        str((run_dir / name / "requests.jsonl").relative_to(REPO))
+        if run_dir.is_relative_to(REPO)
+        else str(run_dir / name / "requests.jsonl")
+    )
+    labels = RowLabels(lab.suite, lab.router, lab.mode, lab.connector, lab.qps, lab.concurrency, lab.input_len,
+                       lab.output_len, extra)  # fmt: skip
+    row = build_row(summary, labels, git_commit(REPO))
+    append_rows(summary_path, [row])
+    return row

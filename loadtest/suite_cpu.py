@@ -1,0 +1,96 @@
+"""Suite "cpu-vllm": real vLLM CPU engines (tiny model) behind kvpush (push and pull) and vllm-router (pull).
+
+One P/D pair at a time (P on core 0, D on core 1): the pull pair (NixlConnector) serves kvpush-pull and
+vllm-router, the push pair (NixlPushConnector) serves kvpush-push. Holds /tmp/kvpush-vllm.lock throughout.
+Every row records decode's prompt tokens by source, to show the KV arrived by transfer.
+"""
+
+import fcntl
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loadtest.benchkit import Point, measure, router_proc, url, vrouter_binary, vrouter_proc
+from loadtest.job import REPO
+from loadtest.results import RowLabels
+from stack import tiny_model
+from stack.engines import EngineSpec, Fleet
+from stack.procs import free_port
+
+LOCK = Path("/tmp/kvpush-vllm.lock")
+MODEL_SIZE = "bench"  # 4 layers, hidden 256: a 1024-token prefill takes ~0.33 s on one core (anchors.md)
+CONNECTORS = {"pull": ("NixlConnector", "upstream-pull"), "push": ("NixlPushConnector", "upstream-push")}
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    input_len: int
+    output_len: int
+    points: tuple[tuple[float, int], ...]  # (qps, requests)
+    warmup: int
+
+
+# P prefills ~2.6-3 req/s of 1024-token prompts (anchors.md): 0.5 light, 1.5 and 2.5 loaded, 3.0 past saturation.
+FULL = CpuPlan(1024, 64, ((0.5, 24), (1.5, 40), (2.5, 40), (3.0, 40)), warmup=2)
+SMOKE = CpuPlan(256, 8, ((1.0, 3),), warmup=0)
+
+
+@contextmanager
+def vllm_lock() -> Iterator[None]:
+    with LOCK.open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def pair_specs(mode: str, model: Path) -> tuple[EngineSpec, EngineSpec]:
+    connector = CONNECTORS[mode][0]
+    p = EngineSpec(name=f"vllm-{mode}-p", role="prefill", model=model, core=0, connector=connector,
+                   engine_id=f"kvpush-bench-{mode}-p")  # fmt: skip
+    d = EngineSpec(name=f"vllm-{mode}-d", role="decode", model=model, core=1, connector=connector)
+    return p, d
+
+
+def _fronts(fleet: Fleet, mode: str, p_url: str, p_spec: str, d_url: str, logs: Path) -> list[tuple[str, str]]:
+    """(router name, base URL) of every front door for this pair, started and ready."""
+    out = []
+    port = free_port()
+    proc = fleet.start(router_proc(f"router-{mode}", port, mode, p_spec, d_url, logs))
+    proc.wait_healthy(timeout=60.0)
+    out.append(("kvpush", url(port)))
+    binary = vrouter_binary()
+    if mode == "pull" and binary is not None:
+        port, prom = free_port(), free_port()
+        proc = fleet.start(vrouter_proc("vllm-router", port, prom, p_url, d_url, logs, binary))
+        proc.wait_healthy(timeout=120.0)
+        out.append(("vllm-router", url(port)))
+    elif mode == "pull":
+        print("cpu-vllm: vllm-router not found (.venv-vrouter); its rows are skipped")
+    return out
+
+
+def run(plan: CpuPlan, run_dir: Path, summary: Path, progress: bool, run_id: str) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    logs = run_dir / "logs"
+    model = tiny_model.build(REPO / ".cache" / "kvpush" / f"model-{MODEL_SIZE}", MODEL_SIZE)
+    with vllm_lock():
+        for mode in ("pull", "push"):
+            with Fleet(logs) as fleet:
+                p, d = fleet.start_all(pair_specs(mode, model))
+                fleet.wait_all_healthy(timeout=600.0)
+                side = p.engine_spec.side_port
+                p_spec = f"{p.url},engine_id={p.engine_spec.engine_id},side_port={side}"
+                fronts = _fronts(fleet, mode, p.url, p_spec, d.url, logs)
+                for i, (qps, n) in enumerate(plan.points):
+                    for j, (router, base) in enumerate(fronts if i % 2 == 0 else fronts[::-1]):
+                        labels = RowLabels("cpu-vllm", router, mode, CONNECTORS[mode][1], qps, None, plan.input_len,
+                                           plan.output_len, {"run_id": run_id, "model": MODEL_SIZE})  # fmt: skip
+                        point = Point(labels, base, n, seed=3000 + i, warmup=plan.warmup, tokenizer="server",
+                                      tokenizer_url=p.url, router_timings=router == "kvpush", decode_url=d.url,
+                                      timeout_s=120.0, extra={"order": j})  # fmt: skip
+                        rows.append(measure(point, run_dir, summary, progress))
+    return rows

@@ -1,0 +1,54 @@
+"""Tiny versions of the benchmark suites, run for real (simulator processes, the real router, vllm-router)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from loadtest.bench import run_suites
+from loadtest.benchkit import vrouter_binary
+from loadtest.results import REQUIRED
+
+pytestmark = pytest.mark.integration
+
+needs_router = pytest.mark.skipif(
+    importlib.util.find_spec("router") is None, reason="the router package is not importable yet"
+)
+
+
+def rows_of(results: Path) -> list[dict[str, object]]:
+    rows = json.loads((results / "summary.json").read_text())
+    assert isinstance(rows, list)
+    for row in rows:
+        assert set(REQUIRED) <= set(row)
+    return rows
+
+
+@needs_router
+def test_seed_sim_smoke_push_and_pull_through_the_router(tmp_path: Path) -> None:
+    assert run_suites("seed-sim", smoke=True, results=tmp_path, progress=False) == 0
+    rows = rows_of(tmp_path)
+    assert sorted((r["qps"], r["mode"]) for r in rows) == [(1.0, "pull"), (1.0, "push"), (2.0, "pull"), (2.0, "push")]
+    for r in rows:
+        assert r["failed"] == 0, r["errors"]
+        assert r["router"] == "kvpush" and r["connector"] == "sim"
+        assert r["handoff_ms"] is not None  # the router measured every handoff
+        assert r["kv_external_frac"] == 1.0  # decode got all its prompt tokens by (simulated) transfer
+    for name in ("seed-sim.png", "seed-sim-ttft-cdf.png", "seed-sim-handoff-cdf.png", "README.md"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert "pull/push TTFT mean" in (tmp_path / "README.md").read_text()
+
+
+@needs_router
+def test_overhead_smoke_has_direct_kvpush_and_vllm_router(tmp_path: Path) -> None:
+    assert run_suites("overhead", smoke=True, results=tmp_path, progress=False) == 0
+    rows = rows_of(tmp_path)
+    fronts = {(r["router"], r["mode"]) for r in rows}
+    assert {("direct", "direct"), ("kvpush", "push"), ("kvpush", "pull")} <= fronts
+    if vrouter_binary() is not None:
+        assert ("vllm-router", "pull") in fronts
+    for r in rows:
+        assert r["failed"] == 0, (r["router"], r["mode"], r["errors"])
+        if r["router"] != "direct":
+            assert r["cpu_s_per_1k"] is not None and r["peak_rss_mb"] > 0
