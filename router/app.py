@@ -16,12 +16,22 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from router import protocol
+from router import auth, protocol
+from router.admission import Admission
 from router.answer import JsonAnswer, StreamAnswer
-from router.config import Settings
+from router.config import Settings, parse_decode_url, parse_prefill_spec
 from router.dispatch import Call, Dispatcher
-from router.domain import Endpoint, Role
-from router.errors import BadRequest, NoHealthyWorker, RouterError, UpstreamError
+from router.domain import Endpoint, Role, WorkerSpec
+from router.errors import (
+    BadRequest,
+    ConfigError,
+    NoHealthyWorker,
+    Overloaded,
+    RouterError,
+    Unauthorized,
+    UpstreamError,
+)
+from router.health import HealthPolicy
 from router.metrics import Metrics
 from router.pool import Pool
 from router.timings import TimingLog
@@ -35,6 +45,20 @@ class ClientGone(Exception):
     """The client closed its connection before the answer was ready."""
 
 
+class Runtime:
+    """What the process around the app needs to reach: the drain switch (SIGTERM handling in cli.py)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+        self.draining = False
+
+    def begin_drain(self) -> None:
+        if not self.draining:
+            logger.info("draining: /ready answers 503 from now on")
+        self.draining = True
+        self._metrics.draining.set(1)
+
+
 def create_app(
     settings: Settings,
     *,
@@ -43,10 +67,13 @@ def create_app(
 ) -> FastAPI:
     """Everything is built here and in the lifespan; nothing lives at module level."""
     metrics = Metrics()
-    pool = Pool((*settings.prefill, *settings.decode), metrics)
+    health_policy = HealthPolicy(settings.eject_after, settings.eject_backoff, settings.eject_backoff_max)
+    pool = Pool((*settings.prefill, *settings.decode), metrics, health_policy, clock)
     timings = TimingLog(settings.timings_capacity)
     client = make_client(settings, transport)
     dispatcher = Dispatcher(settings, pool, client, metrics, timings, clock)
+    admission = Admission(settings.max_in_flight, settings.admission_queue, settings.admission_wait, metrics)
+    runtime = Runtime(metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -61,15 +88,30 @@ def create_app(
             await client.aclose()
 
     app = FastAPI(title="kvpush router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.runtime = runtime
 
     @app.exception_handler(RouterError)
     async def router_error(request: Request, error: RouterError) -> Response:
-        headers = {protocol.REQUEST_ID_HEADER: request.headers.get(protocol.REQUEST_ID_HEADER, "")}
-        return Response(error.to_json(), status_code=error.http_status, media_type="application/json",
-                        headers={k: v for k, v in headers.items() if v})
+        metrics.errors.labels(error.kind).inc()
+        return _error_response(error, request.headers.get(protocol.REQUEST_ID_HEADER, ""))
 
     async def serve(request: Request, endpoint: Endpoint) -> Response:
         request_id = request.headers.get(protocol.REQUEST_ID_HEADER) or f"req-{uuid.uuid4().hex}"
+        auth.check_client(request.headers.get("authorization"), settings.api_keys)
+        try:
+            await admission.acquire()
+        except Overloaded as refused:
+            metrics.requests.labels(str(endpoint), str(settings.mode), refused.kind).inc()
+            return _error_response(refused, request_id)
+        response: Response | None = None
+        try:
+            response = await admitted(request, endpoint, request_id)
+            return response
+        finally:
+            if not isinstance(response, RelayResponse):
+                admission.release()  # a relayed stream holds its slot until it ends
+
+    async def admitted(request: Request, endpoint: Endpoint, request_id: str) -> Response:
         try:
             body = json.loads(await request.body())
         except ValueError:
@@ -95,7 +137,7 @@ def create_app(
         headers = {protocol.REQUEST_ID_HEADER: request_id, protocol.PAIRING_ID_HEADER: call.record.pairing_id or ""}
         if isinstance(answer, JsonAnswer):
             return Response(answer.content, status_code=answer.status, media_type="application/json", headers=headers)
-        return RelayResponse(answer, headers)
+        return RelayResponse(answer, headers, admission)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -124,9 +166,38 @@ def create_app(
 
     @app.get("/ready")
     async def ready() -> Response:
-        ok = pool.ready()
-        return JSONResponse({"ready": ok, "mode": str(settings.mode), "workers": pool.snapshot()},
-                            status_code=200 if ok else 503)
+        ok = pool.ready() and not runtime.draining
+        body = {"ready": ok, "draining": runtime.draining, "mode": str(settings.mode), "workers": pool.snapshot()}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/admin/workers")
+    async def admin_list(request: Request) -> dict[str, Any]:
+        auth.check_admin(request.headers.get("authorization"), settings.admin_key)
+        return {"workers": pool.snapshot()}
+
+    @app.post("/admin/workers")
+    async def admin_add(request: Request) -> Response:
+        auth.check_admin(request.headers.get("authorization"), settings.admin_key)
+        spec = _worker_from(await _json_object(request))
+        added = pool.add(spec)
+        await pool.probe_all(client, settings.timeouts.health)
+        return JSONResponse({"added": added, "url": spec.url}, status_code=201 if added else 200)
+
+    @app.post("/admin/workers/drain")
+    async def admin_drain(request: Request) -> dict[str, Any]:
+        auth.check_admin(request.headers.get("authorization"), settings.admin_key)
+        url = _url_of(await _json_object(request))
+        if not pool.drain(url):
+            raise BadRequest(f"no worker {url!r} in the pool")
+        return {"draining": url}
+
+    @app.post("/admin/workers/remove")
+    async def admin_remove(request: Request) -> dict[str, Any]:
+        auth.check_admin(request.headers.get("authorization"), settings.admin_key)
+        url = _url_of(await _json_object(request))
+        if not pool.remove(url):
+            raise BadRequest(f"no worker {url!r} in the pool")
+        return {"removed": url}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -140,10 +211,45 @@ def create_app(
     return app
 
 
+async def _json_object(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except ValueError:
+        raise BadRequest("the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
+
+def _url_of(body: dict[str, Any]) -> str:
+    url = body.get("url")
+    if not isinstance(url, str) or not url:
+        raise BadRequest("'url' is required")
+    return url.rstrip("/")
+
+
+def _worker_from(body: dict[str, Any]) -> WorkerSpec:
+    """An admin's new worker: {"role": "prefill"|"decode", "url": ..., optional prefill identity fields}."""
+    role, url = body.get("role"), _url_of(body)
+    options = {k: v for k, v in body.items() if k not in ("role", "url")}
+    try:
+        if role == "prefill":
+            return parse_prefill_spec(",".join([url, *(f"{k}={v}" for k, v in options.items())]))
+        if role == "decode" and not options:
+            return parse_decode_url(url)
+    except ConfigError as bad:
+        raise BadRequest(str(bad)) from None
+    raise BadRequest("'role' must be 'prefill' or 'decode' (decode workers take only a url)")
+
+
 def _error_response(error: RouterError, request_id: str, pairing_id: str | None = None) -> Response:
-    headers = {protocol.REQUEST_ID_HEADER: request_id}
+    headers = {protocol.REQUEST_ID_HEADER: request_id} if request_id else {}
     if pairing_id:
         headers[protocol.PAIRING_ID_HEADER] = pairing_id
+    if isinstance(error, Overloaded):
+        headers["retry-after"] = str(error.retry_after)
+    if isinstance(error, Unauthorized):
+        headers["www-authenticate"] = "Bearer"
     if isinstance(error, UpstreamError) and error.http_status >= 500:
         logger.warning("request %s failed: %s", request_id, error.message)
     return Response(error.to_json(), status_code=error.http_status, media_type="application/json", headers=headers)
@@ -178,10 +284,11 @@ async def _until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
 class RelayResponse(StreamingResponse):
     """Relays a primed decode stream event by event; closes it (and so the upstream legs) however it ends."""
 
-    def __init__(self, answer: StreamAnswer, headers: dict[str, str]) -> None:
+    def __init__(self, answer: StreamAnswer, headers: dict[str, str], admission: Admission) -> None:
         super().__init__(answer.events(), status_code=200, media_type="text/event-stream",
                          headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"})
         self._answer = answer
+        self._admission = admission
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         pump = asyncio.ensure_future(self._pump(send))
@@ -194,7 +301,10 @@ class RelayResponse(StreamingResponse):
             for task in (pump, watcher):
                 task.cancel()
             await asyncio.wait({pump, watcher})
-            await asyncio.shield(self._answer.aclose())
+            try:
+                await asyncio.shield(self._answer.aclose())
+            finally:
+                self._admission.release()
 
     async def _pump(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
@@ -79,13 +78,16 @@ def serve(argv: list[str]) -> int:
         return 2
     import uvicorn
 
+    from router import logs
     from router.app import create_app
+    from router.drain import DrainingServer
 
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is too much
+    logs.configure(settings.log_level, settings.log_format)
     app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False,
-                timeout_graceful_shutdown=30)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            access_log=False, log_config=None, timeout_graceful_shutdown=int(settings.drain_grace))
+    server = DrainingServer(config, app.state.runtime, settings.drain_delay)
+    server.run()
     return 0
 
 

@@ -36,9 +36,23 @@ class Settings:
     timeouts: Timeouts = field(default_factory=Timeouts)
     health_interval: float = 2.0
     retries: int = 1  # extra attempts with fresh ids when nothing was sent to the client yet
+    fallback: str = "none"  # "decode-only": with no healthy prefill, decode computes the prompt itself
     max_connections: int = 1024
+    max_in_flight: int = 512  # admission: client requests in flight at once
+    admission_queue: int = 64  # admission: requests that may wait for a slot; beyond it, 429
+    admission_wait: float = 5.0  # admission: longest wait for a slot
+    eject_after: int = 3  # passive health: soft failures in a row before a worker is ejected
+    eject_backoff: float = 1.0  # passive health: first ejection's hold, doubled per ejection
+    eject_backoff_max: float = 30.0
+    drain_delay: float = 3.0  # on SIGTERM: /ready is 503 this long before the listener closes
+    drain_grace: float = 30.0  # on SIGTERM: how long requests in flight may still run
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # client Bearer keys; empty: no auth
+    admin_key: str | None = field(default=None, repr=False)  # Bearer key of /admin/*; None: admin API off
+    discovery: dict[str, Any] = field(default_factory=dict)  # per role: dns/kubernetes source settings
+    scrape_interval: float = 0.0  # seconds between scrapes of workers' /metrics; 0: off
     timings_capacity: int = 4096  # requests kept for GET /debug/timings
     log_level: str = "info"
+    log_format: str = "json"  # "json" (one object per line) or "text"
 
 
 _ENV = {  # environment variable → setting
@@ -50,6 +64,10 @@ _ENV = {  # environment variable → setting
     "KVPUSH_DECODE_POLICY": "decode_policy",
     "KVPUSH_PREFILL_POLICY": "prefill_policy",
     "KVPUSH_LOG_LEVEL": "log_level",
+    "KVPUSH_LOG_FORMAT": "log_format",
+    "KVPUSH_FALLBACK": "fallback",
+    "KVPUSH_API_KEYS": "api_keys",
+    "KVPUSH_ADMIN_KEY": "admin_key",
 }
 _TIMEOUT_NAMES = {f.name for f in fields(Timeouts)}
 _TOP_NAMES = {f.name for f in fields(Settings)} - {"timeouts"}
@@ -65,6 +83,10 @@ def parse_prefill_spec(spec: str) -> WorkerSpec:
             raise ConfigError(f"prefill worker {spec!r}: expected key=value after the URL, got {pair!r}")
         options[key] = value
     return _prefill_from_mapping({"url": url, **options}, where=f"prefill worker {spec!r}")
+
+
+def parse_decode_url(url: str) -> WorkerSpec:
+    return WorkerSpec(url=_url(url, f"decode worker {url!r}"), role=Role.DECODE)
 
 
 def _prefill_from_mapping(item: Mapping[str, Any], *, where: str) -> WorkerSpec:
@@ -146,6 +168,35 @@ def _float(value: Any, where: str) -> float:
     return number
 
 
+def _seconds(value: Any, where: str) -> float:
+    """Like _float, but 0 is allowed (it switches the feature off)."""
+    return 0.0 if value in (0, "0", 0.0) else _float(value, where)
+
+
+def _keys(value: Any) -> tuple[str, ...]:
+    items = value.replace(",", " ").split() if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(k, str) and len(k) >= 8 for k in items):
+        raise ConfigError("api_keys: expected a list of key strings of at least 8 characters")
+    return tuple(items)
+
+
+def _key(value: Any, where: str) -> str | None:
+    if value in (None, ""):
+        return None
+    if not isinstance(value, str) or len(value) < 8:
+        raise ConfigError(f"{where}: expected a key string of at least 8 characters")
+    return value
+
+
+def _discovery(value: Any) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError("discovery: expected a mapping of role → source settings")
+    unknown = set(value) - {"prefill", "decode"}
+    if unknown:
+        raise ConfigError(f"discovery: unknown role(s) {sorted(unknown)}; expected prefill and/or decode")
+    return dict(value)
+
+
 def from_env(env: Mapping[str, str]) -> dict[str, Any]:
     """The settings named by KVPUSH_* variables, as raw values."""
     return {name: env[var] for var, name in _ENV.items() if env.get(var)}
@@ -192,14 +243,34 @@ def _validate(raw: dict[str, Any], timeouts_raw: dict[str, Any]) -> Settings:
         timeouts=timeouts,
         health_interval=_float(raw.get("health_interval", Settings.health_interval), "health_interval"),
         retries=_int(raw.get("retries", Settings.retries), "retries", low=0, high=5),
+        fallback=str(raw.get("fallback", Settings.fallback)),
         max_connections=_int(raw.get("max_connections", Settings.max_connections), "max_connections", low=1),
+        max_in_flight=_int(raw.get("max_in_flight", Settings.max_in_flight), "max_in_flight", low=1),
+        admission_queue=_int(raw.get("admission_queue", Settings.admission_queue), "admission_queue", low=0),
+        admission_wait=_float(raw.get("admission_wait", Settings.admission_wait), "admission_wait"),
+        eject_after=_int(raw.get("eject_after", Settings.eject_after), "eject_after", low=1),
+        eject_backoff=_float(raw.get("eject_backoff", Settings.eject_backoff), "eject_backoff"),
+        eject_backoff_max=_float(raw.get("eject_backoff_max", Settings.eject_backoff_max), "eject_backoff_max"),
+        drain_delay=_seconds(raw.get("drain_delay", Settings.drain_delay), "drain_delay"),
+        drain_grace=_float(raw.get("drain_grace", Settings.drain_grace), "drain_grace"),
+        api_keys=_keys(raw.get("api_keys", ())),
+        admin_key=_key(raw.get("admin_key"), "admin_key"),
+        discovery=_discovery(raw.get("discovery", {})),
+        scrape_interval=_seconds(raw.get("scrape_interval", Settings.scrape_interval), "scrape_interval"),
         timings_capacity=_int(raw.get("timings_capacity", Settings.timings_capacity), "timings_capacity", low=0),
         log_level=str(raw.get("log_level", Settings.log_level)).lower(),
+        log_format=str(raw.get("log_format", Settings.log_format)).lower(),
     )
-    if not settings.prefill:
-        raise ConfigError("no prefill workers: give at least one (--prefill URL[,engine_id=..,side_port=..])")
-    if not settings.decode:
-        raise ConfigError("no decode workers: give at least one (--decode URL)")
+    for role, workers in (("prefill", settings.prefill), ("decode", settings.decode)):
+        if not workers and role not in settings.discovery:
+            hint = "--prefill URL[,engine_id=..,side_port=..]" if role == "prefill" else "--decode URL"
+            raise ConfigError(f"no {role} workers: give at least one ({hint}) or a discovery source for {role}")
+    if settings.fallback not in ("none", "decode-only"):
+        raise ConfigError(f"fallback: expected 'none' or 'decode-only', got {settings.fallback!r}")
+    if settings.log_format not in ("json", "text"):
+        raise ConfigError(f"log_format: expected 'json' or 'text', got {settings.log_format!r}")
+    if settings.admin_key is not None and settings.admin_key in settings.api_keys:
+        raise ConfigError("admin_key must differ from every client API key")
     for name in (settings.decode_policy, settings.prefill_policy):
         if name not in REGISTRY:
             raise ConfigError(f"unknown selection policy {name!r}; known policies: {', '.join(sorted(REGISTRY))}")

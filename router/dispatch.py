@@ -38,6 +38,7 @@ from router.timings import RequestRecord, TimingLog
 logger = logging.getLogger("kvpush.dispatch")
 
 Answer = JsonAnswer | StreamAnswer
+DECODE_ONLY = "decode-only"  # the record's mode when the fallback served a request
 
 
 @dataclass
@@ -82,9 +83,12 @@ class Dispatcher:
             for attempt in range(1 + self._settings.retries):
                 call.record.new_attempt()
                 decode = self._select(Role.DECODE, call.info, exclude[Role.DECODE])
-                prefill = self._select(Role.PREFILL, call.info, exclude[Role.PREFILL])
                 try:
-                    answer = await self._attempt(call, prefill, decode)
+                    if self._decode_only(exclude[Role.PREFILL]):
+                        answer = await self._attempt_decode_only(call, decode)
+                    else:
+                        prefill = self._select(Role.PREFILL, call.info, exclude[Role.PREFILL])
+                        answer = await self._attempt(call, prefill, decode)
                 except UpstreamError as error:
                     role = Role(error.leg)
                     exclude[role].add(error.worker)
@@ -111,6 +115,19 @@ class Dispatcher:
         if not candidates:
             raise NoHealthyWorker(f"no healthy {role} worker is available")
         return self._pool.get(self._policies[role].select(candidates, info).id)
+
+    def _decode_only(self, excluded_prefills: set[str]) -> bool:
+        """With fallback "decode-only" and no healthy prefill left, decode computes the prompt itself."""
+        return self._settings.fallback == "decode-only" and not self._pool.candidates(
+            Role.PREFILL, frozenset(excluded_prefills))
+
+    async def _attempt_decode_only(self, call: Call, decode: WorkerState) -> Answer:
+        rec = call.record
+        rec.mode, rec.prefill_worker, rec.decode_worker = DECODE_ONLY, None, decode.spec.id
+        ids = protocol.mint_ids()
+        rec.pairing_id, rec.transfer_id = ids.request_id, None
+        logger.warning("request %s: no healthy prefill worker; decode-only fallback", rec.request_id)
+        return await self._decode(call, decode, call.body, ids)
 
     async def _attempt(self, call: Call, prefill: WorkerState, decode: WorkerState) -> Answer:
         rec = call.record
@@ -172,7 +189,7 @@ class Dispatcher:
                 raise
         rec.prefill_done = self._clock()
         self._pool.report(wid, ok=True)
-        self._metrics.leg.labels("prefill", str(self._settings.mode)).observe(rec.prefill_done - rec.prefill_sent)
+        self._metrics.leg.labels("prefill", rec.mode).observe(rec.prefill_done - rec.prefill_sent)
         return self._check_prefill_answer(worker, answer)
 
     def _check_prefill_answer(self, worker: WorkerState, answer: dict[str, Any]) -> dict[str, Any]:
@@ -231,7 +248,7 @@ class Dispatcher:
                             on_close=lambda outcome: self._finish(rec, outcome))
 
     def _observe_first_byte(self, rec: RequestRecord) -> None:
-        mode = str(self._settings.mode)
+        mode = rec.mode
         if rec.decode_worker is not None:
             self._pool.report(rec.decode_worker, ok=True)
         if rec.ttft is not None:
@@ -263,17 +280,18 @@ class Dispatcher:
         leftover = self._background.get(rec.pairing_id or "")
         if leftover is not None and outcome != "ok":
             leftover.cancel()
-        mode = str(self._settings.mode)
+        mode = rec.mode
         self._metrics.requests.labels(rec.endpoint, mode, outcome).inc()
         self._metrics.e2e.labels(rec.endpoint, mode).observe(rec.t_end - rec.t_start)
         if rec.decode_first_byte is not None and rec.decode_sent is not None:
             self._metrics.leg.labels("decode", mode).observe(rec.t_end - rec.decode_sent)
         self._timings.add(rec)
         data = rec.to_json()
-        logger.info(
-            "request_id=%s pairing_id=%s mode=%s endpoint=%s prefill=%s decode=%s outcome=%s attempts=%d "
-            "ttft_ms=%s handoff_ms=%s", rec.request_id, rec.pairing_id, mode, rec.endpoint, rec.prefill_worker,
-            rec.decode_worker, outcome, rec.attempts, data["ttft_ms"], data["handoff_ms"])
+        fields = {k: data[k] for k in ("request_id", "pairing_id", "mode", "endpoint", "stream", "prefill_worker",
+                                       "decode_worker", "outcome", "attempts", "ttft_ms", "handoff_ms")}
+        fields["e2e_ms"] = round((rec.t_end - rec.t_start) * 1000.0, 3)
+        logger.info("request %s %s (%s, %s attempt(s))", rec.request_id, outcome, rec.mode, rec.attempts,
+                    extra={"fields": fields})
 
     async def aclose(self) -> None:
         tasks = list(self._background.values())

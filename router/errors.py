@@ -63,6 +63,10 @@ class Overloaded(RouterError):
     type = "rate_limit_error"
     kind = "overloaded"
 
+    def __init__(self, message: str, *, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
 
 class NoHealthyWorker(RouterError):
     status = 503
