@@ -207,7 +207,8 @@ def vllm_env(
     """Environment for a vLLM process on this box: base (default os.environ) plus the stack's settings.
 
     Offline, loopback only, 1 GiB of KV cache, OpenMP bound to `core`, the NIXL side channel on
-    side_port, and the harness (stack/site) on PYTHONPATH with both of its switches on.
+    side_port, and PYTHONPATH set to the harness (stack/site) and the repository (replacing any inherited
+    value) with both harness switches on.
     """
     env = dict(os.environ if base is None else base)
     env.update(

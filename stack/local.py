@@ -27,7 +27,7 @@ from typing import Literal
 
 from stack import tiny_model
 from stack.engines import REPO_ROOT, Engine, EngineSpec, Fleet
-from stack.procs import LOOPBACK, ManagedProcess, ProcessSpec, StartupError, tail_lines
+from stack.procs import LOOPBACK, ManagedProcess, ProcessSpec, StartupError, port_is_free, tail_lines
 
 Mode = Literal["push", "pull"]
 ConnectorChoice = Literal["upstream", "kvpush"]
@@ -127,6 +127,14 @@ def router_process(options: StackOptions, argv: Sequence[str], base_env: dict[st
         ready_url=f"http://{LOOPBACK}:{options.port}/ready",
         cwd=REPO_ROOT,
     )
+
+
+def stack_ports(options: StackOptions, engines: Sequence[EngineSpec]) -> list[int]:
+    """Every loopback port the stack will listen on: the router's, each engine's HTTP and side channel."""
+    ports = [options.port]
+    for spec in engines:
+        ports += [spec.http_port] + ([spec.side_port] if spec.side_port else [])
+    return ports
 
 
 def ready_line(options: StackOptions, prefill_url: str, decode_url: str) -> str:
@@ -275,6 +283,10 @@ def run_supervised(log_dir: Path, body: Callable[[Fleet], int]) -> int:
 def _serve(options: StackOptions, fleet: Fleet) -> int:
     ensure_model(options)
     prefill, decode = (Engine(s, log_dir=options.log_dir, python=options.python) for s in plan_engines(options))
+    busy = [port for port in stack_ports(options, [prefill.engine_spec, decode.engine_spec]) if not port_is_free(port)]
+    if busy:
+        _say(f"ports already in use on {LOOPBACK}: {busy}; is another stack running? (see --port, --prefill-port)")
+        return 1
     _say(f"starting prefill {prefill.url} and decode {decode.url} (about a minute); logs in {options.log_dir}")
     argv = router_argv(options, prefill.engine_spec, decode.engine_spec)
     return run_stack(

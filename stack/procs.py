@@ -92,6 +92,17 @@ def free_port(host: str = LOOPBACK) -> int:
         return port
 
 
+def port_is_free(port: int, host: str = LOOPBACK) -> bool:
+    """True when a server could bind host:port now (SO_REUSEADDR, as servers use, so TIME_WAIT is free)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def group_members(pgid: int, proc_root: Path = Path("/proc")) -> list[int]:
     """Live (non-zombie) processes whose process group is pgid, read from /proc."""
     members = []

@@ -6,6 +6,7 @@ import os
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -98,3 +99,22 @@ def test_a_router_that_fails_to_start_is_reported_with_its_log(tmp_path: Path) -
     assert "router failed to start: exited with status 2" in err
     assert "standin: failing on purpose at start-up" in err
     assert not [pid for pid in child_pids(tmp_path) if alive(pid)]
+
+
+def test_the_real_entry_point_refuses_ports_already_in_use(tmp_path: Path) -> None:
+    """`kvpush stack` checks its ports before starting anything (the model is built first: needs torch)."""
+    pytest.importorskip("transformers", reason="the entry point builds the tiny model first")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+        cache = Path(os.environ.get("KVPUSH_TEST_CACHE", REPO_ROOT / ".cache" / "kvpush"))
+        done = subprocess.run(
+            [sys.executable, "-m", "stack.local", "--port", str(port), "--cache-dir", str(cache),
+             "--prefill-port", "0", "--decode-port", "0"],
+            env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+    assert done.returncode == 1
+    assert f"ports already in use on 127.0.0.1: [{port}" in done.stderr  # the router port comes first
+    assert done.stdout == ""

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from stack.engines import EngineSpec, Fleet
-from stack.procs import ManagedProcess, ProcessSpec, StartupError, free_port, group_members
+from stack.procs import ManagedProcess, ProcessSpec, StartupError, free_port, group_members, port_is_free
 
 pytestmark = pytest.mark.integration
 STANDIN = Path(__file__).with_name("standin.py")
@@ -124,3 +124,12 @@ def test_free_port_is_bindable_on_loopback() -> None:
     port = free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+def test_port_is_free_sees_a_listener() -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        assert not port_is_free(port)
+    assert port_is_free(port)

@@ -20,6 +20,7 @@ from stack.local import (
     ready_line,
     router_argv,
     router_process,
+    stack_ports,
 )
 
 
@@ -118,3 +119,8 @@ def test_flags_and_defaults(tmp_path: Path) -> None:
 def test_unknown_mode_is_a_usage_error() -> None:
     with pytest.raises(SystemExit):
         parse_args(["--mode", "sideways"])
+
+
+def test_stack_ports_are_router_then_each_engines_http_and_side_port() -> None:
+    options = StackOptions()
+    assert stack_ports(options, plan_engines(options)) == [8000, 8100, 5600, 8200, 5601]
