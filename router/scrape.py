@@ -7,12 +7,13 @@ import logging
 import math
 import re
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import httpx
 
-from router.domain import WorkerSpec
+from router.domain import EngineLoad, WorkerSpec
+
+__all__ = ["EngineLoad", "LoadSink", "ScrapeError", "Scraper", "parse_engine_load", "samples"]
 
 logger = logging.getLogger("kvpush.scrape")
 
@@ -21,16 +22,6 @@ WAITING = "vllm:num_requests_waiting"
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # the second is the pre-0.10 name
 
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """One worker's engine load: requests running and waiting (summed over its engines) and KV-cache usage
-    (a fraction in [0, 1], the mean over its engines)."""
-
-    running: int
-    waiting: int
-    kv_usage: float
 
 
 class ScrapeError(ValueError):
@@ -83,7 +74,8 @@ def samples(text: str) -> Iterator[tuple[str, float]]:
 
 
 def parse_engine_load(text: str) -> EngineLoad:
-    """The load in one vLLM /metrics page. Raises ScrapeError when the running/waiting gauges are absent."""
+    """The load in one vLLM /metrics page: requests running and waiting summed over its engines, KV-cache usage
+    the mean over them (a fraction). Raises ScrapeError when the running/waiting gauges are absent."""
     found: dict[str, list[float]] = {}
     for name, value in samples(text):
         if (name in (RUNNING, WAITING) or name in KV_USAGE) and not math.isnan(value):
