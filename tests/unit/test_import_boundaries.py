@@ -22,7 +22,7 @@ PURE = {
 
 
 def loaded_after_import(module: str) -> set[str]:
-    code = f"import sys; before = set(sys.modules); import {module}; print(__import__('json').dumps(sorted(sys.modules)))"
+    code = f"import json, sys; import {module}; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     return {name.split(".")[0] for name in json.loads(out.stdout)}
 
