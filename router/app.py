@@ -34,6 +34,7 @@ from router.errors import (
 from router.health import HealthPolicy
 from router.metrics import Metrics
 from router.pool import Pool
+from router.scrape import Scraper
 from router.timings import TimingLog
 from router.upstream import make_client, translate
 
@@ -78,12 +79,18 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await pool.probe_all(client, settings.timeouts.health)
-        health = asyncio.create_task(pool.run_health(client, settings.health_interval, settings.timeouts.health))
+        loops = {asyncio.create_task(pool.run_health(client, settings.health_interval, settings.timeouts.health))}
+        if settings.scrape_interval > 0:
+            scraper = Scraper(client, pool.all_members, pool, interval=settings.scrape_interval,
+                              timeout=settings.timeouts.health,
+                              on_error=lambda spec, _: metrics.scrape_errors.labels(str(spec.role)).inc())
+            loops.add(asyncio.create_task(scraper.run()))
         try:
             yield
         finally:
-            health.cancel()
-            await asyncio.wait({health})
+            for task in loops:
+                task.cancel()
+            await asyncio.wait(loops)
             await dispatcher.aclose()
             await client.aclose()
 

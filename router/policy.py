@@ -7,6 +7,7 @@ from typing import ClassVar, Protocol
 
 from router.domain import RequestInfo, WorkerView
 from router.errors import ConfigError
+from router.loadaware import LoadAware
 
 
 class Policy(Protocol):
@@ -67,7 +68,7 @@ class LeastPrefillTokens(_FairTies):
 
 
 REGISTRY: dict[str, Callable[[], Policy]] = {
-    cls.name: cls for cls in (RoundRobin, LeastInFlight, LeastLoaded, LeastPrefillTokens)
+    cls.name: cls for cls in (RoundRobin, LeastInFlight, LeastLoaded, LeastPrefillTokens, LoadAware)
 }
 
 

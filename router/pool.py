@@ -71,6 +71,9 @@ class Pool:
     def members(self, role: Role) -> list[WorkerSpec]:
         return [s.spec for s in self._workers.values() if s.spec.role is role]
 
+    def all_members(self) -> list[WorkerSpec]:
+        return [s.spec for s in self._workers.values()]
+
     def candidates(self, role: Role, exclude: frozenset[str] = frozenset()) -> list[WorkerView]:
         return [
             s.view() for s in self._workers.values()
@@ -84,7 +87,9 @@ class Pool:
         return [
             {"url": s.spec.url, "role": str(s.spec.role), "healthy": s.healthy, "state": s.health.state.value,
              "draining": s.draining, "in_flight": s.in_flight,
-             "identity": None if s.identity is None else s.identity.engine_id}
+             "identity": None if s.identity is None else s.identity.engine_id,
+             "load": None if s.load is None else
+             {"running": s.load.running, "waiting": s.load.waiting, "kv_usage": s.load.kv_usage}}
             for s in self._workers.values()
         ]
 

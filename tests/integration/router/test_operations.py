@@ -222,3 +222,14 @@ def test_with_the_prefill_pool_down(fallback: str) -> None:
             assert answer.status_code == 200 and answer.json()["choices"]
             record = httpx.get(f"{r.url}/debug/timings", timeout=5).json()["requests"][-1]
             assert record["mode"] == "decode-only" and record["prefill_worker"] is None
+
+
+def test_load_aware_selection_reads_scraped_engine_load() -> None:
+    p, d1, d2 = fake("p"), fake("d1"), fake("d2")
+    r = router([p], [d1, d2], "--scrape-interval", "0.2", "--decode-policy", "load-aware", ready="/ready")
+    with running(p, d1, d2, r):
+        wait_for(lambda: all(w["load"] is not None for w in ready(r.url).json()["workers"]), "every worker scraped")
+        assert [stream(r.url)[0] for _ in range(4)] == [200] * 4
+        d2.handle.stop(5.0)
+        text = lambda: httpx.get(f"{r.url}/metrics", timeout=5).text  # noqa: E731
+        wait_for(lambda: 'kvpush_scrape_errors_total{role="decode"}' in text(), "a failed scrape is counted")
