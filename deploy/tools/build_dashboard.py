@@ -81,8 +81,8 @@ ROWS: list[tuple[str, list[Panel]]] = [
               "Requests in flight through each router, per worker (pod: the router, worker: the vLLM instance).",
               [(f"sum by (pod, role, worker) (kvpush_worker_in_flight{{{NS}}})", "{{pod}} {{role}} {{worker}}")]),
         Panel("Worker health",
-              "1 when the worker passes the router's health checks (lowest value over the routers that see it).",
-              [(f"min by (role, worker) (kvpush_worker_healthy{{{NS}}})", "{{role}} {{worker}}")],
+              "1 when the worker passes the health checks of the router in pod `pod`.",
+              [(f"min by (pod, role, worker) (kvpush_worker_healthy{{{NS}}})", "{{pod}} {{role}} {{worker}}")],
               kind="state-timeline",
               extra={"mappings": [{"type": "value", "options": {
                   "0": {"text": "unhealthy", "color": "red"}, "1": {"text": "healthy", "color": "green"}}}]}),
