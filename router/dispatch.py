@@ -165,6 +165,9 @@ class Dispatcher:
             for leg in (prefill_leg, decode_leg):
                 leg.cancel()
             await asyncio.wait({prefill_leg, decode_leg})
+            opened = None if _failed(decode_leg) else decode_leg.result()
+            if isinstance(opened, StreamAnswer):
+                await asyncio.shield(opened.aclose())  # it opened just as we gave up
             if _failed(prefill_leg) and not prefill_leg.cancelled():
                 raise prefill_leg.exception() from None  # type: ignore[misc]  # the root cause
             raise
