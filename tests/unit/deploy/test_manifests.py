@@ -328,3 +328,18 @@ def test_everything_a_pod_references_is_in_the_layout(layout: tuple[str, list[Do
                     assert ref["key"] in one(docs, "ConfigMap", ref["name"])["data"]
             mounted = {m["name"] for m in c.get("volumeMounts", [])}
             assert mounted <= {v["name"] for v in spec.get("volumes", [])}
+
+
+def prestop_sleep(c: Doc) -> float:
+    command = c.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
+    return float(command[1]) if command[:1] == ["sleep"] else 0.0
+
+
+def test_the_pod_outlives_the_router_s_drain(layout: tuple[str, list[Doc]], tmp_path: Path) -> None:
+    name, docs = layout
+    pod = router_pod(name, docs)
+    settings = router_settings(pod, docs, tmp_path)
+    drain = prestop_sleep(container(pod, "router")) + settings.drain_delay + settings.drain_grace
+    assert pod["terminationGracePeriodSeconds"] > drain
+    if name == "base":  # the decode engine must keep serving the sidecar's streams until the drain is over
+        assert prestop_sleep(container(pod, "vllm")) > drain
