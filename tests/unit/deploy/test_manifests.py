@@ -17,7 +17,9 @@ from router.cli import load_serve_settings
 
 REPO = Path(__file__).resolve().parents[3]
 K8S = REPO / "deploy" / "k8s"
-LAYOUTS = {"base": K8S / "base", "standalone": K8S / "overlays" / "standalone"}
+LAYOUTS = {"base": K8S / "base", "standalone": K8S / "overlays" / "standalone",
+           "kvpush-connector": K8S / "overlays" / "kvpush-connector"}
+SIDECAR = {"base", "kvpush-connector"}  # layouts with the router in the decode pods
 KUBE_VERSION = "1.32"
 CRD_KINDS = {"PodMonitor", "PrometheusRule"}
 Doc = dict[str, Any]
@@ -181,7 +183,13 @@ def test_vllm_pools_run_the_push_connector_with_their_own_nixl_identity(
     spec = one(layout[1], "Deployment", f"kvpush-{pool}")["spec"]["template"]["spec"]
     vllm = container(spec, "vllm")
     config = kv_config(vllm)
-    assert config["kv_connector"] == "NixlPushConnector"
+    if layout[0] == "kvpush-connector":  # ours, from the image deploy/vllm/Dockerfile builds
+        assert (config["kv_connector"], config["kv_connector_module_path"]) == ("KvpushConnector", "connector.plugin")
+        assert vllm["image"].startswith("kvpush/vllm:")
+    else:  # vLLM's own: nothing to add to the image
+        assert config["kv_connector"] == "NixlPushConnector"
+        assert "kv_connector_module_path" not in config
+        assert vllm["image"].startswith("vllm/vllm-openai:")
     assert config["kv_role"] == kv_role
     assert config["engine_id"] == "$(POD_NAME)"  # one engine id per pod, expanded by the kubelet
     env = env_of(vllm)
@@ -236,7 +244,7 @@ def test_pod_monitors_find_their_ports(layout: tuple[str, list[Doc]]) -> None:
 
 
 def router_pod(name: str, docs: list[Doc]) -> Doc:
-    deployment = "kvpush-decode" if name == "base" else "kvpush-router"
+    deployment = "kvpush-decode" if name in SIDECAR else "kvpush-router"
     return dict(one(docs, "Deployment", deployment)["spec"]["template"]["spec"])
 
 
@@ -267,7 +275,7 @@ def test_the_router_config_map_loads_with_the_router_s_own_loader(layout: tuple[
     prefill_port = {p["name"]: p["port"] for p in prefill_service["spec"]["ports"]}["vllm"]
     assert [w.url for w in settings.prefill] == [f"http://kvpush-prefill:{prefill_port}"]
     decode_vllm = container(one(docs, "Deployment", "kvpush-decode")["spec"]["template"]["spec"], "vllm")
-    decode_host = "127.0.0.1" if name == "base" else "kvpush-decode"  # sidecar: its own pod's vLLM
+    decode_host = "127.0.0.1" if name in SIDECAR else "kvpush-decode"  # sidecar: its own pod's vLLM
     assert [w.url for w in settings.decode] == [f"http://{decode_host}:{ports_of(decode_vllm)['vllm']}"]
 
 
@@ -289,7 +297,7 @@ def test_layouts_place_the_router_where_they_say(layout: tuple[str, list[Doc]]) 
     decode = one(docs, "Deployment", "kvpush-decode")["spec"]["template"]["spec"]
     names = [c["name"] for c in decode["containers"]]
     frontdoor = one(docs, "Service", "kvpush")["spec"]["selector"]["app.kubernetes.io/component"]
-    if name == "base":
+    if name in SIDECAR:
         assert names == ["vllm", "router"]
         assert frontdoor == "decode"
         assert not any(d["kind"] == "Deployment" and d["metadata"]["name"] == "kvpush-router" for d in docs)
@@ -341,5 +349,5 @@ def test_the_pod_outlives_the_router_s_drain(layout: tuple[str, list[Doc]], tmp_
     settings = router_settings(pod, docs, tmp_path)
     drain = prestop_sleep(container(pod, "router")) + settings.drain_delay + settings.drain_grace
     assert pod["terminationGracePeriodSeconds"] > drain
-    if name == "base":  # the decode engine must keep serving the sidecar's streams until the drain is over
+    if name in SIDECAR:  # the decode engine must keep serving the sidecar's streams until the drain is over
         assert prestop_sleep(container(pod, "vllm")) > drain
