@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -103,3 +106,12 @@ def test_an_empty_block_means_no_discovery() -> None:
 def test_mistakes_are_refused_with_a_clear_message(raw: Any, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_discovery(raw)
+
+
+@pytest.mark.parametrize("module", ["router.discovery.settings", "router.discovery.pods", "router.discovery.base",
+                                    "router.loadaware"])
+def test_the_pure_discovery_modules_load_no_io_library(module: str) -> None:
+    code = f"import sys, json; import {module}; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    loaded = {name.split(".")[0] for name in json.loads(out.stdout)}
+    assert not loaded & {"httpx", "dns", "uvicorn", "prometheus_client", "fastapi"}
