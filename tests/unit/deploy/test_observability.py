@@ -191,3 +191,11 @@ def test_the_alerts_cover_what_operators_are_paged_for() -> None:
     for name, rule in rules.items():
         assert rule["labels"]["severity"] in ("warning", "critical"), name
         assert rule["annotations"]["summary"] and rule["annotations"]["description"], name
+
+
+def test_promtool_accepts_the_plain_scrape_config_and_the_rules_it_loads() -> None:
+    config = promql.REPO / "deploy" / "prometheus" / "prometheus.example.yml"
+    done = promtool("check", "config", str(config))
+    assert done.returncode == 0, done.stdout + done.stderr
+    jobs = {c["job_name"] for c in yaml.safe_load(config.read_text())["scrape_configs"]}
+    assert jobs == {"kvpush-router", "kvpush-vllm"}  # the names the alert rules select on
