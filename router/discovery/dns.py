@@ -32,9 +32,11 @@ class Resolver(Protocol):
 
 
 class DnspythonResolver:
-    """Resolves with dnspython: the system's resolver, or one given nameserver (an IP, with a port)."""
+    """Resolves with dnspython: the system's resolver (its search list and ndots apply, as for getaddrinfo;
+    a name ending in '.' is absolute), or one given nameserver (an IP, with a port; names are absolute)."""
 
     def __init__(self, nameserver: str | None = None, port: int = 53, timeout: float = 2.0) -> None:
+        self._search = nameserver is None
         if nameserver is None:
             try:
                 self._resolver = dns.asyncresolver.Resolver(configure=True)
@@ -53,7 +55,7 @@ class DnspythonResolver:
 
     async def _query(self, name: str, rdtype: str) -> frozenset[str]:
         try:
-            answer = await self._resolver.resolve(name, rdtype, raise_on_no_answer=False)
+            answer = await self._resolver.resolve(name, rdtype, raise_on_no_answer=False, search=self._search)
         except dns.resolver.NXDOMAIN:
             return frozenset()
         except dns.exception.DNSException as exc:

@@ -18,6 +18,8 @@ from router.discovery.kubernetes import KubernetesSource, in_cluster_api_url
 from router.discovery.settings import DnsConfig, KubernetesConfig, StaticConfig
 from router.domain import Role, WorkerSpec
 from router.errors import ConfigError
+from router.metrics import Metrics
+from router.pool import Pool
 
 
 class Sink:
@@ -201,3 +203,14 @@ def test_in_cluster_settings_come_from_the_environment_and_the_service_account(t
 def test_a_dns_config_builds_a_dns_source_with_the_given_nameserver() -> None:
     source = build_source(DnsConfig(Role.PREFILL, "p.test", 8100, nameserver="127.0.0.1", nameserver_port=5353))
     assert isinstance(source, DnsSource) and (source.name, source.port) == ("p.test", 8100)
+
+
+async def test_the_routers_pool_is_a_membership_sink() -> None:
+    pool = Pool([WorkerSpec("http://10.9.9.9:8000", Role.DECODE), WorkerSpec("http://10.0.0.5:8100", Role.PREFILL)],
+                Metrics())
+    resolver = ScriptedResolver(frozenset({"10.0.0.1", "10.0.0.2"}))
+    source = DnsSource(Role.DECODE, "d.test", 8000, interval=1.0, timeout=1.0, resolver=resolver, sleep=Sleeps(1))
+    with pytest.raises(Stop):
+        await source.run(pool)
+    assert [s.url for s in pool.members(Role.DECODE)] == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
+    assert [s.url for s in pool.members(Role.PREFILL)] == ["http://10.0.0.5:8100"]  # the other role is untouched

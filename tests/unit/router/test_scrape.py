@@ -8,6 +8,8 @@ import httpx
 import pytest
 
 from router.domain import Role, WorkerSpec
+from router.metrics import Metrics
+from router.pool import Pool
 from router.scrape import EngineLoad, ScrapeError, Scraper, parse_engine_load, samples
 
 PAGE = """\
@@ -115,3 +117,12 @@ async def test_the_targets_are_asked_afresh_every_round() -> None:
         with pytest.raises(Stop):
             await scraper.run()
     assert seen == [{GOOD.id}, {GOOD.id, BROKEN.id}, set()]
+
+
+async def test_the_routers_pool_is_a_load_sink_and_its_views_carry_the_load() -> None:
+    pool = Pool([GOOD, BROKEN], Metrics())
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        await Scraper(client, pool.all_members, pool, interval=1.0, timeout=1.0).scrape_once()
+    good, broken = pool.get(GOOD.id).view(), pool.get(BROKEN.id).view()
+    assert (good.load_known, good.engine_running, good.engine_waiting, good.kv_usage) == (True, 7, 2, 0.5)
+    assert not broken.load_known
