@@ -8,6 +8,9 @@ Bookkeeping (all keyed by vLLM request id):
 * ``_awaiting`` (decode): registered, not yet reported received. If vLLM finishes such a request
   (abort, client gone), vLLM itself keeps its blocks until the worker reports it received; we
   add a cancel to the plan, and the worker reports it only once prefill cannot write any more.
+  No cancel for ``FINISHED_ERROR``: that is vLLM failing a receive we reported failed in this very
+  step (its ``finished_recving`` frees the blocks right after); any other error just waits for
+  the transfer's own end (Done, Failure, peer lost or deadline), blocks still held.
 * ``_cancelling`` (decode): the finished subset of ``_awaiting``; keeps the engine stepping.
 * ``_held`` (prefill): blocks kept for a transfer until the worker reports them sent.
 """
@@ -104,8 +107,9 @@ class SchedulerHalf:
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id
         if request_id in self._awaiting:
-            self._plan.cancel.append(request_id)
             self._cancelling.add(request_id)
+            if request.status != RequestStatus.FINISHED_ERROR:
+                self._plan.cancel.append(request_id)
             return False, None  # vLLM holds the blocks until we report the request received
         leg = PrefillLeg.parse(request.kv_transfer_params)
         if leg is None:

@@ -1,44 +1,34 @@
 """Our connector on real vLLM CPU: a prefill and a decode engine, push flow driven like the router.
 
-The pair is started once per session (about a minute) under an exclusive file lock, so no other
-vLLM pair of this test run competes for the two cores.
+The engines are the package's family (conftest.py), started once; these tests use prefill p0 and the decode.
 """
 
 from __future__ import annotations
 
-import fcntl
 import time
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.integration.connector.kvpush_support import Engines
+from tests.integration.vllm_support import kv_sources, metric, prompt_text
+
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
-try:
-    from tests.integration.vllm_support import CACHE, Pair, kv_sources, metric, pair, prompt_text, require_vllm
-except ImportError:  # run from the tests directory
-    from integration.vllm_support import CACHE, Pair, kv_sources, metric, pair, prompt_text, require_vllm  # type: ignore[no-redef]
 
-
-@pytest.fixture(scope="session")
-def kvpush_pair() -> Iterator[Pair]:
-    require_vllm()
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / "vllm-pair.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        with pair("KvpushConnector", module="connector.plugin", tag="kvpush") as p:
-            yield p
+@pytest.fixture
+def kvpush_pair(kvpush_family: Engines) -> Engines:
+    return kvpush_family
 
 
 def post(url: str, body: dict[str, Any], request_id: str, timeout: float = 120.0) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": request_id}, timeout=timeout)
 
 
-def push(p: Pair, body: dict[str, Any], transfer_id: str | None = None) -> tuple[httpx.Response, httpx.Response]:
+def push(p: Engines, body: dict[str, Any], transfer_id: str | None = None) -> tuple[httpx.Response, httpx.Response]:
     """Both legs at once, same X-Request-Id, as the router sends them."""
     rid, tid = str(uuid.uuid4()), transfer_id or f"xfer-{uuid.uuid4()}"
     prefill = p.prefills[0]
@@ -59,7 +49,7 @@ def body(words: int = 60, max_tokens: int = 12) -> dict[str, Any]:
             "ignore_eos": True}  # fmt: skip
 
 
-def test_push_output_equals_single_instance_and_kv_came_from_prefill(kvpush_pair):
+def test_push_output_equals_single_instance_and_kv_came_from_prefill(kvpush_pair: Engines) -> None:
     p = kvpush_pair
     b = body()
     before = kv_sources(p.decode.url)
@@ -76,7 +66,7 @@ def test_push_output_equals_single_instance_and_kv_came_from_prefill(kvpush_pair
     assert d_res.json()["choices"][0]["text"] == reference["choices"][0]["text"]
 
 
-def test_sixteen_concurrent_pushes(kvpush_pair):
+def test_sixteen_concurrent_pushes(kvpush_pair: Engines) -> None:
     p = kvpush_pair
     before = kv_sources(p.decode.url)["external_kv_transfer"]
     with ThreadPoolExecutor(16) as pool:
@@ -99,7 +89,7 @@ def wait_idle(url: str, timeout: float = 15.0) -> None:
         time.sleep(0.25)
 
 
-def test_decode_disconnect_before_prefill_is_cancelled_and_leaks_nothing(kvpush_pair):
+def test_decode_disconnect_before_prefill_is_cancelled_and_leaks_nothing(kvpush_pair: Engines) -> None:
     """Decode registers, its client leaves before any prefill: D cancels, P acks, D frees its blocks;
     the late prefill leg of that transfer is refused a pairing and P frees its blocks at once."""
     p = kvpush_pair

@@ -1,0 +1,217 @@
+"""Issue 3 end to end: our connector (KvpushConnector) on both instances, real vLLM CPU, through our router.
+
+The engines are the package's family (conftest.py: plain prefill p0, chunked prefill p1, decode d), started
+once. This module's main router uses p0; a second router uses p1 with deadlines far above any bound here.
+The last test kills p1 for good: nothing after it may use p1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integration.connector.kvpush_support import (
+    Engines,
+    FailingPrefill,
+    decode_params,
+    prefill_body,
+    read_stream,
+    wait_for,
+    wait_idle,
+)
+from tests.integration.vllm_support import (
+    complete,
+    kv_sources,
+    metric,
+    path_of,
+    prompt_text,
+    request_body,
+    router,
+    timing,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+LONG_WORDS = 150  # about 1850 prompt tokens: over a hundred 16-token prefill steps on p1
+KILL_BOUND = 20.0  # decode must end a request whose prefill died well within this (vLLM's own watchdog: 480 s)
+
+
+@dataclass
+class Stack:
+    engines: Engines
+    router_url: str  # push router over p0
+    slow_router_url: str  # push router over p1 (chunked prefill), long decode deadline
+
+    @property
+    def decode_url(self) -> str:
+        return self.engines.decode.url
+
+    @property
+    def p0_url(self) -> str:
+        return self.engines.prefills[0].url
+
+
+@pytest.fixture(scope="module")
+def stack(kvpush_family: Engines) -> Iterator[Stack]:
+    engines = kvpush_family
+    with router("push", [engines.prefill_spec(0)], [engines.decode.url]) as url, \
+            router("push", [engines.prefill_spec(1)], [engines.decode.url],
+                   "--timeout", "decode_first_byte=400", "--timeout", "prefill=400") as slow_url:
+        yield Stack(engines, url, slow_url)
+
+
+def long_body(max_tokens: int, stream: bool) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": prompt_text(LONG_WORDS), "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": stream}  # fmt: skip
+
+
+def transferred_since(stack: Stack, before: dict[str, float]) -> float:
+    return kv_sources(stack.decode_url)["external_kv_transfer"] - before["external_kv_transfer"]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_output_equals_a_single_instance_and_the_prompt_came_from_prefill(
+    stack: Stack, endpoint: str, stream: bool
+) -> None:
+    body = request_body(endpoint, stream)
+    before = kv_sources(stack.decode_url)
+    got = complete(stack.router_url, endpoint, body)
+    assert got.status == 200, got.text
+    assert got.prompt_tokens > 100
+    wait_for(lambda: transferred_since(stack, before) >= got.prompt_tokens, "decode counted the prompt")
+    after = kv_sources(stack.decode_url)
+    assert after["external_kv_transfer"] - before["external_kv_transfer"] == got.prompt_tokens
+    assert after["local_compute"] == before["local_compute"]
+    reference = complete(stack.p0_url, endpoint, body)  # the same request on one plain instance
+    assert got.text == reference.text and got.text
+    record = timing(stack.router_url, got.headers["x-kvpush-pairing-id"])
+    assert record["outcome"] == "ok" and record["attempts"] == 1
+    assert record["decode_sent"] < record["prefill_done"], "push legs must overlap"
+
+
+def test_sixteen_concurrent_requests_succeed_and_each_prompt_is_transferred(stack: Stack) -> None:
+    endpoints = ["completions" if i % 2 else "chat" for i in range(16)]
+    bodies = [request_body(e, stream=i % 3 != 0) for i, e in enumerate(endpoints)]
+    before = kv_sources(stack.decode_url)
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda eb: complete(stack.router_url, *eb), zip(endpoints, bodies, strict=True)))
+    assert [r.status for r in results] == [200] * 16, [r.text for r in results if r.status != 200]
+    assert all(r.text for r in results)
+    expected = sum(r.prompt_tokens for r in results)  # JSON answers and streams (include_usage) carry usage
+    assert all(r.prompt_tokens > 100 for r in results)
+    wait_for(lambda: transferred_since(stack, before) >= expected, "decode counted every prompt")
+    assert transferred_since(stack, before) == expected
+    assert kv_sources(stack.decode_url)["local_compute"] == before["local_compute"]
+    for r in results:
+        record = timing(stack.router_url, r.headers["x-kvpush-pairing-id"])
+        assert record["outcome"] == "ok" and record["decode_sent"] < record["prefill_done"]
+    wait_idle(stack.engines, [stack.p0_url, stack.decode_url], "after sixteen requests")
+
+
+def test_a_client_leaving_during_prefill_leaves_nothing_running_or_held(stack: Stack) -> None:
+    """The client goes while p1 is still prefilling (decode waits for KV): both legs end, no block stays held."""
+    p1 = stack.engines.prefills[1]
+    cancelled = metric(p1.url, "vllm:kvpush_cancelled_total") + metric(stack.decode_url, "vllm:kvpush_cancelled_total")
+    host, port = stack.slow_router_url.removeprefix("http://").split(":")
+    raw = httpx.Request("POST", f"{stack.slow_router_url}{path_of('completions')}", json=long_body(8, True))
+    head = f"POST {raw.url.raw_path.decode()} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+    head += "content-type: application/json\r\n" f"content-length: {len(raw.content)}\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=30) as client:
+        client.sendall(head.encode() + raw.content)
+        wait_for(lambda: metric(p1.url, "vllm:num_requests_running") >= 1, "p1 is prefilling")
+        wait_for(lambda: metric(stack.decode_url, "vllm:num_requests_waiting") >= 1, "decode waits for the KV")
+        assert metric(stack.decode_url, "vllm:num_requests_running") == 0
+    wait_idle(stack.engines, [p1.url, stack.decode_url], "after the client left during prefill")
+    record = httpx.get(f"{stack.slow_router_url}/debug/timings", timeout=10).json()["requests"][-1]
+    assert record["outcome"] == "client_gone" and record["decode_first_byte"] is None
+    # Decode's registration was cancelled (D) or refused as failed prefill (P): the connector saw it end.
+    wait_for(lambda: metric(p1.url, "vllm:kvpush_cancelled_total")
+             + metric(stack.decode_url, "vllm:kvpush_cancelled_total")
+             + metric(stack.decode_url, "vllm:kvpush_failed_transfers_total") > cancelled,
+             "the connector recorded the abandoned transfer")  # fmt: skip
+
+
+def test_a_client_leaving_during_decode_leaves_nothing_running_or_held(stack: Stack) -> None:
+    body = dict(request_body("completions", stream=True, max_tokens=1500))
+    url = f"{stack.router_url}{path_of('completions')}"
+    with httpx.Client(timeout=60) as client, client.stream("POST", url, json=body) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        got = [line for line in (next(lines) for _ in range(8)) if line.startswith("data: ")]
+        assert got
+        wait_for(lambda: metric(stack.decode_url, "vllm:num_requests_running") >= 1, "decode is generating")
+    wait_idle(stack.engines, [stack.p0_url, stack.decode_url], "after the client left during decode")
+    record = httpx.get(f"{stack.router_url}/debug/timings", timeout=10).json()["requests"][-1]
+    assert record["outcome"] == "client_gone"
+
+
+def test_a_retry_with_fresh_ids_never_pairs_with_the_failed_attempt(stack: Stack) -> None:
+    """Attempt 1: decode registers its blocks with p0's connector (the stand-in prefill carries p0's
+    identity), then the stand-in's prefill leg fails, the router cancels decode and retries with fresh
+    X-Request-Id / transfer_id on the real p0. The retry must pair only with its own transfer."""
+    p0 = stack.engines.prefills[0]
+    spec = p0.engine_spec
+    cancelled = metric(p0.url, "vllm:kvpush_cancelled_total")
+    with FailingPrefill(delay=1.5) as fake, \
+            router("push", [f"{fake.url},engine_id={spec.engine_id},side_port={spec.side_port}",
+                            stack.engines.prefill_spec(0)], [stack.decode_url],
+                   "--prefill-policy", "round-robin", "--retries", "1") as url:
+        before = kv_sources(stack.decode_url)
+        bodies = [request_body("completions", stream=False) for _ in range(2)]
+        results = [complete(url, "completions", b) for b in bodies]
+        records = [timing(url, r.headers["x-kvpush-pairing-id"]) for r in results]
+    assert [r.status for r in results] == [200, 200], [r.text for r in results]
+    assert fake.calls >= 1 and any(rec["attempts"] == 2 for rec in records)
+    for body, got in zip(bodies, results, strict=True):
+        assert got.text == complete(stack.p0_url, "completions", body).text
+    prompt = sum(r.prompt_tokens for r in results)
+    wait_for(lambda: transferred_since(stack, before) >= prompt, "decode counted both prompts")
+    assert transferred_since(stack, before) == prompt  # the failed attempt loaded nothing
+    assert kv_sources(stack.decode_url)["local_compute"] == before["local_compute"]
+    # The failed attempt's registration reached p0 and was cancelled there, not written.
+    wait_for(lambda: metric(p0.url, "vllm:kvpush_cancelled_total") > cancelled, "p0 acked the stale cancel")
+    wait_idle(stack.engines, [p0.url, stack.decode_url], "after the retried requests")
+
+
+def test_a_killed_prefill_fails_its_decode_request_within_seconds(stack: Stack) -> None:
+    """Runs last: kills p1. Both legs go straight to the engines (no router deadline can end the wait):
+    decode must end the request with an error soon after the prefill's process dies mid-prefill."""
+    victim = stack.engines.prefills[1]
+    decode = stack.engines.decode
+    rid, tid = f"kvp-{uuid.uuid4().hex}", f"xfer-{uuid.uuid4().hex}"
+    body = long_body(8, stream=True)
+    killed_at: list[float] = []
+    with ThreadPoolExecutor(2) as pool, httpx.Client(timeout=httpx.Timeout(120.0, connect=10.0)) as client:
+        d_leg = pool.submit(read_stream, client, f"{decode.url}{path_of('completions')}",
+                            dict(body, kv_transfer_params=decode_params(stack.engines, 1, rid, tid)), rid,
+                            lambda: killed_at[0])  # fmt: skip
+        p_leg = pool.submit(client.post, f"{victim.url}{path_of('completions')}",
+                            json=prefill_body(dict(body, stream=False), tid), headers={"X-Request-Id": rid})
+        wait_for(lambda: metric(victim.url, "vllm:num_requests_running") >= 1, "p1 is prefilling")
+        wait_for(lambda: metric(decode.url, "vllm:num_requests_waiting") >= 1, "decode waits for the KV")
+        killed_at.append(time.monotonic())
+        os.killpg(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        end = d_leg.result(timeout=KILL_BOUND + 100)
+        with pytest.raises(httpx.TransportError):
+            p_leg.result(timeout=30)
+    assert end.seconds < KILL_BOUND, f"decode took {end.seconds:.1f} s to give up"
+    failed = end.status >= 400 or end.error is not None or "error" in end.finish_reasons or any(
+        "error" in e for e in end.events)
+    assert failed, f"decode answered as if the KV had arrived: {end}"
+    assert end.finish_reasons != ["length"], f"decode generated a whole answer without KV: {end}"
+    wait_for(lambda: metric(decode.url, "vllm:num_requests_running") == 0
+             and metric(decode.url, "vllm:num_requests_waiting") == 0, "decode has nothing left")
+    wait_idle(stack.engines, [decode.url], "decode after the prefill died")
+    assert metric(decode.url, "vllm:kvpush_failed_transfers_total") >= 1
+    # The decode instance still serves: a plain request on it works.
+    assert complete(decode.url, "completions", request_body("completions", stream=False)).status == 200
