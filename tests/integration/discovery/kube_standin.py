@@ -56,6 +56,7 @@ class KubeStandin:
     """The API's pod state and history; an ASGI app served by uvicorn on 127.0.0.1."""
 
     def __init__(self) -> None:
+        self.token = TOKEN  # the bearer token it accepts; a test may rotate it
         self.pods: dict[str, dict[str, Any]] = {}
         self.rv = 100
         self.history: list[Event] = []
@@ -100,12 +101,13 @@ class KubeStandin:
             self._changed.notify_all()
 
     # --- serving ------------------------------------------------------------------------------------------
-    async def start(self) -> None:
+    async def start(self, *, certfile: str | None = None, keyfile: str | None = None) -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        config = uvicorn.Config(self, lifespan="off", log_level="warning", timeout_graceful_shutdown=2)
+        self.url = f"{'https' if certfile else 'http'}://127.0.0.1:{sock.getsockname()[1]}"
+        config = uvicorn.Config(self, lifespan="off", log_level="warning", timeout_graceful_shutdown=2,
+                                ssl_certfile=certfile, ssl_keyfile=keyfile)
         self._server = uvicorn.Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         for _ in range(1000):
@@ -125,7 +127,7 @@ class KubeStandin:
         headers = dict(scope["headers"])
         match = _PODS_PATH.fullmatch(scope["path"])
         query = {k: v[0] for k, v in parse_qs(scope["query_string"].decode()).items()}
-        if headers.get(b"authorization") != f"Bearer {TOKEN}".encode():
+        if headers.get(b"authorization") != f"Bearer {self.token}".encode():
             await self._json(send, 401, {"kind": "Status", "code": 401, "reason": "Unauthorized"})
         elif match is None or scope["method"] != "GET":
             await self._json(send, 404, {"kind": "Status", "code": 404, "reason": "NotFound"})
