@@ -21,6 +21,7 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # the second is the pre-0.10 name
 
+_WANTED = (RUNNING, WAITING, *KV_USAGE)
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 
@@ -77,7 +78,8 @@ def parse_engine_load(text: str) -> EngineLoad:
     """The load in one vLLM /metrics page: requests running and waiting summed over its engines, KV-cache usage
     the mean over them (a fraction). Raises ScrapeError when the running/waiting gauges are absent."""
     found: dict[str, list[float]] = {}
-    for name, value in samples(text):
+    relevant = "\n".join(line for line in text.splitlines() if line.startswith(_WANTED))  # others are not read
+    for name, value in samples(relevant):
         if (name in (RUNNING, WAITING) or name in KV_USAGE) and not math.isnan(value):
             found.setdefault(name, []).append(value)
     missing = [name for name in (RUNNING, WAITING) if name not in found]
@@ -131,7 +133,7 @@ class Scraper:
             return parse_engine_load(response.text)
         except TimeoutError:
             return f"no answer within {self.timeout:g} s"
-        except (httpx.HTTPError, ScrapeError) as exc:
+        except (httpx.HTTPError, httpx.InvalidURL, ScrapeError) as exc:
             return f"{type(exc).__name__}: {exc}"
 
     def _ok(self, spec: WorkerSpec) -> None:

@@ -166,7 +166,8 @@ def _token_source(cfg: KubernetesConfig) -> TokenSource:
     def read() -> str | None:  # read before every call: projected service-account tokens rotate
         try:
             return path.read_text().strip() or None
-        except FileNotFoundError:
+        except OSError as exc:  # absent (e.g. kubectl proxy) or unreadable: the call goes without, and says why
+            logger.debug("no service-account token: %s", exc)
             return None
 
     return read

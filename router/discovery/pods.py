@@ -126,7 +126,7 @@ def members_from_list(pod_list: Mapping[str, Any], role: Role, default_port: int
     """A PodList → its members and the list's resourceVersion (where the watch starts)."""
     items = pod_list.get("items")
     rv = resource_version(pod_list)
-    if not isinstance(items, list) or rv is None:
+    if not isinstance(items, list) or rv is None or not all(isinstance(pod, Mapping) for pod in items):
         raise WatchFailed(f"not a PodList with items and metadata.resourceVersion: {str(pod_list)[:200]}")
     by_pod: dict[str, WorkerSpec] = {}
     problems: list[str] = []

@@ -92,7 +92,8 @@ def test_a_list_gives_the_ready_members_their_problems_and_the_resource_version(
     assert len(members.problems) == 1 and "pod e" in members.problems[0]
 
 
-@pytest.mark.parametrize("bad", [{"items": []}, {"metadata": {"resourceVersion": "1"}}])
+@pytest.mark.parametrize("bad", [{"items": []}, {"metadata": {"resourceVersion": "1"}},
+                                 {"metadata": {"resourceVersion": "1"}, "items": ["a-pod"]}])
 def test_something_that_is_not_a_pod_list_is_refused(bad: dict[str, Any]) -> None:
     with pytest.raises(WatchFailed):
         members_from_list(bad, Role.DECODE, 8000)

@@ -41,6 +41,13 @@ def test_label_values_may_hold_braces_spaces_and_escaped_quotes() -> None:
     assert parse_engine_load(text) == EngineLoad(5, 1, 0.0)  # no KV gauge: usage unknown, taken as 0
 
 
+def test_malformed_lines_of_other_metrics_are_not_read_but_the_generic_parser_refuses_them() -> None:
+    text = "vllm:num_requests_running 1\nvllm:num_requests_waiting 2\n<html>\nother{a=\"1\" 3\n"
+    assert parse_engine_load(text) == EngineLoad(1, 2, 0.0)
+    with pytest.raises(ScrapeError, match="not a sample line"):
+        list(samples(text))
+
+
 def test_the_older_kv_gauge_name_is_understood_and_nan_is_ignored() -> None:
     text = ("vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
             'vllm:gpu_cache_usage_perc{engine="0"} 0.4\nvllm:gpu_cache_usage_perc{engine="1"} NaN\n')
@@ -50,7 +57,7 @@ def test_the_older_kv_gauge_name_is_understood_and_nan_is_ignored() -> None:
 @pytest.mark.parametrize(("text", "message"), [
     ("", "no vllm:num_requests_running or vllm:num_requests_waiting"),
     ("vllm:num_requests_running 1\n", "no vllm:num_requests_waiting"),
-    ("<html>503</html>", "not a sample line"),
+    ("<html>503</html>", "no vllm:num_requests_running"),
     ('vllm:num_requests_running{engine="0" 1\n', "unclosed label set"),
     ("vllm:num_requests_running\n", "without a value"),
     ("vllm:num_requests_running many\n", "not a number"),
@@ -95,7 +102,7 @@ async def test_each_worker_gets_its_load_or_none_and_failures_are_reported() -> 
     reasons = dict(errors)
     assert set(reasons) == {BROKEN.id, SLOW.id, GARBAGE.id, GONE.id}
     assert reasons[BROKEN.id] == "HTTP 500" and "0.05 s" in reasons[SLOW.id]
-    assert "not a sample line" in reasons[GARBAGE.id] and "ConnectError" in reasons[GONE.id]
+    assert "no vllm:num_requests_running" in reasons[GARBAGE.id] and "ConnectError" in reasons[GONE.id]
 
 
 async def test_the_targets_are_asked_afresh_every_round() -> None:
