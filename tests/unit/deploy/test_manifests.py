@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -166,6 +167,22 @@ def test_every_object_lives_in_the_layout_s_namespace_and_every_image_is_pinned(
         for c in template["spec"]["containers"]:
             name, _, tag = c["image"].rpartition(":")
             assert name and tag and tag != "latest", f"{c['name']}: image {c['image']!r} has no pinned tag"
+
+
+def test_an_overlay_can_move_every_layout_to_another_namespace(tmp_path: Path) -> None:
+    for name, path in LAYOUTS.items():
+        overlay = tmp_path / name
+        overlay.mkdir()
+        (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
+            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "llm-serving",
+            "resources": [os.path.relpath(path, overlay)]}))
+        docs = render(overlay)
+        assert one(docs, "Namespace", "llm-serving")
+        for doc in docs:
+            if doc["kind"] != "Namespace":
+                assert doc["metadata"]["namespace"] == "llm-serving", f"{name}: {doc['kind']}"
+        subjects = one(docs, "RoleBinding", "kvpush-router-pod-reader")["subjects"]
+        assert [s["namespace"] for s in subjects] == ["llm-serving"], f"{name}: the binding stays behind"
 
 
 # --- the pools -------------------------------------------------------------------------------------------------
