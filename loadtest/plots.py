@@ -33,6 +33,7 @@ def vs_load(rows: Sequence[Row], x: str, panels: Sequence[tuple[str, Sequence[st
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     names = sorted({series_name(r) for r in rows})
+    colors = {name: f"C{i}" for i, name in enumerate(names)}  # one colour per series, one line style per stat
     for ax, (metric, stats) in zip(axes[0], panels, strict=True):
         for name in names:
             pts = sorted((r[x], r) for r in rows if series_name(r) == name and r.get(x) is not None)
@@ -40,7 +41,7 @@ def vs_load(rows: Sequence[Row], x: str, panels: Sequence[tuple[str, Sequence[st
                 xs = [p[0] for p in pts if _stat(p[1], metric, stat) is not None]
                 ys = [_stat(p[1], metric, stat) for p in pts if _stat(p[1], metric, stat) is not None]
                 if xs:
-                    ax.plot(xs, ys, style, label=f"{name} {stat}")
+                    ax.plot(xs, ys, style, color=colors[name], label=f"{name} {stat}")
         ax.set_xlabel(x)
         ax.set_ylabel(metric.replace("_ms", " (ms)"))
         if metric == "ttft_ms":

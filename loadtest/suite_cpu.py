@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.benchkit import Point, measure, router_proc, url, vrouter_binary, vrouter_proc
-from loadtest.job import REPO
 from loadtest.results import RowLabels
-from stack import tiny_model
 from stack.engines import EngineSpec, Fleet
+from stack.local import StackOptions, ensure_model
 from stack.procs import free_port
 
 LOCK = Path("/tmp/kvpush-vllm.lock")
@@ -76,7 +75,7 @@ def _fronts(fleet: Fleet, mode: str, p_url: str, p_spec: str, d_url: str, logs: 
 def run(plan: CpuPlan, run_dir: Path, summary: Path, progress: bool, run_id: str) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     logs = run_dir / "logs"
-    model = tiny_model.build(REPO / ".cache" / "kvpush" / f"model-{MODEL_SIZE}", MODEL_SIZE)
+    model = ensure_model(StackOptions(model_size=MODEL_SIZE))  # shared cache; built in a child process
     with vllm_lock():
         for mode in ("pull", "push"):
             with Fleet(logs) as fleet:
