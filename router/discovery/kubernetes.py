@@ -123,7 +123,6 @@ class KubernetesSource:
         pods = await self.api.list_pods(self.namespace, self.selector)
         self.members, resource_version = members_from_list(pods, self.role, self.port)
         self._changed(publisher, "list")
-        self._backoff.reset()
 
         def on_event(event: WatchEvent) -> None:
             nonlocal resource_version
@@ -132,8 +131,9 @@ class KubernetesSource:
             self._changed(publisher, event.type)
             self._backoff.reset()
 
-        while True:
+        while True:  # only a working watch resets the backoff: a LIST that works while WATCH fails must not spin
             await self.api.watch_pods(self.namespace, self.selector, resource_version, self.watch_timeout, on_event)
+            self._backoff.reset()
 
     def _changed(self, publisher: Publisher, why: str) -> None:
         for problem in self.members.problems:

@@ -154,9 +154,10 @@ async def test_kubernetes_lists_then_watches_and_lists_again_on_410() -> None:
                                                    ("DELETED", pod("a", "10.1.0.1", rv="12")))),
                  httpx.Response(200, content=lines(("BOOKMARK", {"metadata": {"resourceVersion": "20"}}))),
                  httpx.Response(410, json={"kind": "Status", "code": 410})])
-    sink = Sink()
+    sink, sleeps = Sink(), Sleeps(rounds=99)
     with pytest.raises(Stop):
-        await kube_source(api, Sleeps(rounds=99)).run(sink)
+        await kube_source(api, sleeps).run(sink)
+    assert sleeps.delays == [0.2]  # one short pause before the re-list: the watches had been working
     assert sink.urls == [["http://10.1.0.1:8000"], ["http://10.1.0.1:8000", "http://10.1.0.2:8000"],
                          ["http://10.1.0.2:8000"]]  # the re-list after 410 changed nothing: not published again
     watch_rvs = [r.url.params.get("resourceVersion") for r in api.requests if r.url.params.get("watch")]
@@ -180,7 +181,17 @@ async def test_kubernetes_failures_keep_the_membership_and_back_off() -> None:
     assert sink.urls == [["http://10.1.0.1:8000"]]  # never emptied by the failures
     assert len(errors) == 3 and source.errors == 3
     assert "500" in errors[0] and "403" in errors[1] and "not JSON" in errors[2]
-    assert sleeps.delays == [0.2, 0.4, 0.2]  # doubling while failing; reset by the good list
+    assert sleeps.delays == [0.2, 0.4, 0.8]  # doubling while failing: a good LIST alone does not reset it
+
+
+async def test_a_list_that_works_while_watch_is_forbidden_does_not_spin() -> None:
+    pod_list = {"metadata": {"resourceVersion": "10"}, "items": [pod("a", "10.1.0.1")]}
+    api = FakeApi(lists=[httpx.Response(200, json=pod_list) for _ in range(4)],
+                  watches=[httpx.Response(403, text="cannot watch pods") for _ in range(4)])
+    sleeps = Sleeps(rounds=99)
+    with pytest.raises(Stop):
+        await kube_source(api, sleeps).run(Sink())
+    assert sleeps.delays == [0.2, 0.4, 0.8, 1.6]
 
 
 def test_in_cluster_settings_come_from_the_environment_and_the_service_account(tmp_path: Path) -> None:
