@@ -368,3 +368,19 @@ def test_the_pod_outlives_the_router_s_drain(layout: tuple[str, list[Doc]], tmp_
     assert pod["terminationGracePeriodSeconds"] > drain
     if name in SIDECAR:  # the decode engine must keep serving the sidecar's streams until the drain is over
         assert prestop_sleep(container(pod, "vllm")) > drain
+
+
+def test_the_readme_s_own_overlay_example_renders_and_replaces_the_model(tmp_path: Path) -> None:
+    readme = (REPO / "deploy" / "README.md").read_text()
+    (block,) = [b for b in readme.split("```yaml\n")[1:] if b.startswith("# my-kvpush/kustomization.yaml")]
+    example = yaml.safe_load(block.split("```")[0])
+    overlay = tmp_path / "my-kvpush"
+    overlay.mkdir()
+    example["resources"] = [os.path.relpath(REPO / r.removeprefix("../"), overlay) for r in example["resources"]]
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(example))
+    docs = render(overlay)
+    (engine,) = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"].startswith("kvpush-engine")]
+    assert engine["data"]["KVPUSH_MODEL"] == "Qwen/Qwen3-32B"
+    router = container(one(docs, "Deployment", "kvpush-decode")["spec"]["template"]["spec"], "router")
+    assert router["image"] == "registry.example.com/ml/kvpush-router:0.1.0"
+    assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {example["namespace"]}
