@@ -124,16 +124,22 @@ class KubernetesSource:
         self.members, resource_version = members_from_list(pods, self.role, self.port)
         self._changed(publisher, "list")
 
+        events = 0
+
         def on_event(event: WatchEvent) -> None:
-            nonlocal resource_version
+            nonlocal resource_version, events
             self.members, rv = apply_event(self.members, event, self.role, self.port)
             resource_version = rv or resource_version
+            events += 1
             self._changed(publisher, event.type)
-            self._backoff.reset()
+            self._backoff.reset()  # only a working watch resets it: a LIST that works while WATCH fails must wait
 
-        while True:  # only a working watch resets the backoff: a LIST that works while WATCH fails must not spin
+        loop = asyncio.get_running_loop()
+        while True:
+            events, started = 0, loop.time()
             await self.api.watch_pods(self.namespace, self.selector, resource_version, self.watch_timeout, on_event)
-            self._backoff.reset()
+            if events == 0 and loop.time() - started < self.watch_timeout / 2:
+                await self._sleep(self._backoff.next())  # ended early with nothing: do not spin on such a server
 
     def _changed(self, publisher: Publisher, why: str) -> None:
         for problem in self.members.problems:

@@ -225,3 +225,12 @@ async def test_the_routers_pool_is_a_membership_sink() -> None:
         await source.run(pool)
     assert [s.url for s in pool.members(Role.DECODE)] == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
     assert [s.url for s in pool.members(Role.PREFILL)] == ["http://10.0.0.5:8100"]  # the other role is untouched
+
+
+async def test_watches_that_end_at_once_with_nothing_are_not_reopened_in_a_spin() -> None:
+    pod_list = {"metadata": {"resourceVersion": "10"}, "items": []}
+    api = FakeApi(lists=[httpx.Response(200, json=pod_list)], watches=[httpx.Response(200) for _ in range(3)])
+    sleeps = Sleeps(rounds=99)
+    with pytest.raises(Stop):
+        await kube_source(api, sleeps).run(Sink())
+    assert sleeps.delays == [0.2, 0.4, 0.8]
