@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +156,12 @@ def test_prometheus_operator_objects_are_well_formed(layout: tuple[str, list[Doc
 def test_the_prometheus_rule_holds_exactly_the_plain_rules_file(layout: tuple[str, list[Doc]]) -> None:
     plain = yaml.safe_load((REPO / "deploy" / "prometheus" / "rules.yml").read_text())
     assert one(layout[1], "PrometheusRule", "kvpush")["spec"]["groups"] == plain["groups"]
+
+
+def test_the_committed_prometheus_rule_is_what_the_builder_makes() -> None:
+    done = subprocess.run([sys.executable, str(REPO / "deploy" / "tools" / "build_alerts.py"), "--check"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_every_object_lives_in_the_layout_s_namespace_and_every_image_is_pinned(
