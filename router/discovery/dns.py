@@ -75,6 +75,7 @@ class DnsSource:
         self.timeout = timeout
         self.resolver = resolver
         self.errors = 0
+        self.synced = False
         self._on_error = on_error
         self._sleep = sleep
 
@@ -99,7 +100,9 @@ class DnsSource:
                 self._on_error(self.role, reason)
             return
         specs = specs_from_addresses(addresses, self.role, self.port)
-        if publisher.publish(specs):
+        changed = publisher.publish(specs)
+        self.synced = True
+        if changed:
             log = logger.info if specs else logger.warning
             log("%s discovery: %s has %d address(es): %s", self.role, self.name, len(specs),
                 " ".join(s.url for s in specs) or "none")

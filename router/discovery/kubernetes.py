@@ -100,6 +100,7 @@ class KubernetesSource:
         self.watch_timeout = watch_timeout
         self.members = Members()
         self.errors = 0
+        self.synced = False
         self._backoff = Backoff(0.2, backoff_max)
         self._on_error = on_error
         self._sleep = sleep
@@ -145,7 +146,9 @@ class KubernetesSource:
         for problem in self.members.problems:
             logger.warning("%s discovery: %s (left out)", self.role, problem)
         specs = self.members.specs()
-        if publisher.publish(specs):
+        changed = publisher.publish(specs)
+        self.synced = True
+        if changed:
             logger.info("%s discovery (%s %s, %s): %d pod(s) ready: %s", self.role, self.namespace, self.selector,
                         why, len(specs), " ".join(s.url for s in specs) or "none")
 

@@ -80,7 +80,7 @@ async def test_dns_source_publishes_changes_only_and_keeps_the_last_set_when_loo
         ["http://[fd00::1]:8000"],
     ]
     assert all(role is Role.DECODE for role, _ in sink.calls)
-    assert errors == [(Role.DECODE, "SERVFAIL")] and source.errors == 1
+    assert errors == [(Role.DECODE, "SERVFAIL")] and source.errors == 1 and source.synced
     assert sleeps.delays == [3.0] * 6
 
 
@@ -91,9 +91,10 @@ async def test_dns_source_counts_a_resolver_that_hangs_past_its_deadline() -> No
             raise AssertionError("unreachable")
 
     source = DnsSource(Role.PREFILL, "p.test", 1, interval=1.0, timeout=0.01, resolver=Hangs(), sleep=Sleeps(1))
+    sink = Sink()
     with pytest.raises(Stop):
-        await source.run(Sink())
-    assert source.errors == 1
+        await source.run(sink)
+    assert source.errors == 1 and not source.synced and sink.calls == []
 
 
 async def test_static_source_publishes_once_and_runs_until_cancelled() -> None:
@@ -104,7 +105,7 @@ async def test_static_source_publishes_once_and_runs_until_cancelled() -> None:
     task = asyncio.create_task(source.run(sink))
     await asyncio.sleep(0)
     await asyncio.sleep(0)
-    assert sink.calls == [(Role.DECODE, ["http://10.0.0.1:1"])] and not task.done()
+    assert sink.calls == [(Role.DECODE, ["http://10.0.0.1:1"])] and not task.done() and source.synced
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -176,8 +177,10 @@ async def test_kubernetes_failures_keep_the_membership_and_back_off() -> None:
     sink, sleeps = Sink(), Sleeps(rounds=99)
     errors: list[str] = []
     source = kube_source(api, sleeps, errors)
+    assert not source.synced
     with pytest.raises(Stop):
         await source.run(sink)
+    assert source.synced
     assert sink.urls == [["http://10.1.0.1:8000"]]  # never emptied by the failures
     assert len(errors) == 3 and source.errors == 3
     assert "500" in errors[0] and "403" in errors[1] and "not JSON" in errors[2]
