@@ -153,6 +153,16 @@ def test_promtool_accepts_the_alert_rules() -> None:
     assert "SUCCESS: 6 rules found" in done.stdout
 
 
+def test_every_alert_fires_when_it_should_and_not_before(tmp_path: Path) -> None:
+    """deploy/prometheus/rules.test.yml: synthetic series per alert, firing and quiet times, rendered text."""
+    tests = promql.REPO / "deploy" / "prometheus" / "rules.test.yml"
+    done = promtool("test", "rules", str(tests))
+    assert done.returncode == 0, done.stdout + done.stderr
+    covered = {case["alertname"] for test in yaml.safe_load(tests.read_text())["tests"]
+               for case in test["alert_rule_test"] if case["exp_alerts"]}
+    assert covered == set(alerts()), f"alerts without a firing test: {set(alerts()) - covered}"
+
+
 def test_promtool_parses_every_dashboard_query(tmp_path: Path) -> None:
     done = promtool("check", "rules", str(dashboard_as_rules(tmp_path)))
     assert done.returncode == 0, done.stdout + done.stderr
