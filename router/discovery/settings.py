@@ -75,13 +75,14 @@ def parse_discovery(raw: Mapping[str, Any]) -> list[SourceConfig]:
 def _source(role: Role, block: Any) -> SourceConfig:
     where = f"discovery.{role}"
     if not isinstance(block, Mapping) or len(block) != 1 or next(iter(block)) not in _KINDS:
-        raise ConfigError(f"{where}: expected exactly one of {', '.join(_KINDS)}, got {block!r}")
+        got = f"keys {sorted(map(str, block))}" if isinstance(block, Mapping) else type(block).__name__
+        raise ConfigError(f"{where}: expected exactly one of {', '.join(_KINDS)}, got {got}")
     kind, options = next(iter(block.items()))
     where = f"{where}.{kind}"
     if kind == "static":
         return _static(role, options, where)
     if not isinstance(options, Mapping):
-        raise ConfigError(f"{where}: expected a mapping of options, got {options!r}")
+        raise ConfigError(f"{where}: expected a mapping of options, got {type(options).__name__}")
     known = _DNS_KEYS if kind == "dns" else _KUBE_KEYS
     extra = set(options) - known
     if extra:
@@ -120,7 +121,7 @@ def _kubernetes(role: Role, o: Mapping[str, Any], where: str) -> KubernetesConfi
     return KubernetesConfig(
         role=role, selector=selector.strip(), port=_port(o.get("port"), f"{where}.port"),
         namespace=_text(o.get("namespace"), f"{where}.namespace"), api_url=api_url,
-        token=_text(o.get("token"), f"{where}.token"),
+        token=_text(o.get("token"), f"{where}.token", secret=True),
         token_path=_text(o.get("token_path"), f"{where}.token_path") or KubernetesConfig.token_path,
         ca_path=None if ca_path is None else _text(ca_path, f"{where}.ca_path"),
         insecure=_bool(o.get("insecure", False), f"{where}.insecure"),
@@ -180,11 +181,12 @@ def _seconds(value: Any, where: str, *, low: float = 0.0) -> float:
     return number
 
 
-def _text(value: Any, where: str) -> str | None:
+def _text(value: Any, where: str, *, secret: bool = False) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{where}: expected a non-empty string, got {value!r}")
+        shown = type(value).__name__ if secret else repr(value)
+        raise ConfigError(f"{where}: expected a non-empty string, got {shown}")
     return value.strip()
 
 

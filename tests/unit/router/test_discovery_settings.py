@@ -99,6 +99,8 @@ def test_an_empty_block_means_no_discovery() -> None:
     ({"decode": {"kubernetes": {"selector": "a=b", "port": 1, "insecure": "yes"}}}, "true or false"),
     ({"decode": {"kubernetes": {"selector": "a=b", "port": 1, "namespace": ""}}}, "non-empty string"),
     ({"decode": {"kubernetes": {"selector": "a=b", "port": 1, "labels": "x"}}}, "unknown option"),
+    ({"decode": {"kubernetes": {"selector": "a=b", "port": 1, "token": 12345}}}, r"token: .* got int$"),
+    ({"decode": {"kubernetes": {"token": "s3cret"}, "dns": {}}}, r"got keys \['dns', 'kubernetes'\]$"),
     ({"decode": {"static": "http://d:1"}}, "list of worker URLs"),
     ({"decode": {"static": ["d:1"]}}, "not a base URL"),
     ({"prefill": {"static": ["http://p:1,engine_id=p0"]}}, "side_port"),
