@@ -21,7 +21,6 @@ if ! command -v apt-get >/dev/null 2>&1; then
 fi
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-chmod 755 "$work"   # apt's sandbox user must be able to write the .deb here
 cd "$work"
 if ! apt-get download prometheus >/dev/null 2>&1; then
   if [[ "$(id -u)" != 0 ]]; then
