@@ -20,6 +20,8 @@ from router import auth, protocol
 from router.admission import Admission
 from router.answer import JsonAnswer, StreamAnswer
 from router.config import Settings, parse_decode_url, parse_prefill_spec
+from router.discovery.build import build_source
+from router.discovery.settings import parse_discovery
 from router.dispatch import Call, Dispatcher
 from router.domain import Endpoint, Role, WorkerSpec
 from router.errors import (
@@ -80,6 +82,10 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await pool.probe_all(client, settings.timeouts.health)
         loops = {asyncio.create_task(pool.run_health(client, settings.health_interval, settings.timeouts.health))}
+        for source_config in parse_discovery(settings.discovery):
+            source = build_source(source_config, on_error=lambda role, _: metrics.discovery_errors.labels(
+                str(role)).inc())
+            loops.add(asyncio.create_task(source.run(pool)))
         if settings.scrape_interval > 0:
             scraper = Scraper(client, pool.all_members, pool, interval=settings.scrape_interval,
                               timeout=settings.timeouts.health,
@@ -186,6 +192,8 @@ def create_app(
     async def admin_add(request: Request) -> Response:
         auth.check_admin(request.headers.get("authorization"), settings.admin_key)
         spec = _worker_from(await _json_object(request))
+        if str(spec.role) in settings.discovery:
+            raise BadRequest(f"{spec.role} workers come from discovery here; add them there, not by hand")
         added = pool.add(spec)
         await pool.probe_all(client, settings.timeouts.health)
         return JSONResponse({"added": added, "url": spec.url}, status_code=201 if added else 200)

@@ -194,6 +194,9 @@ def _discovery(value: Any) -> dict[str, Any]:
     unknown = set(value) - {"prefill", "decode"}
     if unknown:
         raise ConfigError(f"discovery: unknown role(s) {sorted(unknown)}; expected prefill and/or decode")
+    from router.discovery.settings import parse_discovery  # late: that module builds on this one
+
+    parse_discovery(value)  # raises ConfigError with the offending key
     return dict(value)
 
 

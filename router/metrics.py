@@ -56,6 +56,9 @@ class Metrics:
             registry=r)
         self.scrape_errors = Counter(
             "kvpush_scrape_errors", "Failed scrapes of a worker's /metrics, by role.", ["role"], registry=r)
+        self.discovery_errors = Counter(
+            "kvpush_discovery_errors", "Failed discovery lookups (DNS, Kubernetes API), by role.", ["role"],
+            registry=r)
         self.draining = Gauge("kvpush_draining", "1 while the router drains before it exits.", registry=r)
 
     def render(self) -> tuple[bytes, str]:

@@ -77,11 +77,12 @@ def make_app(engine_id: str, tokens: int, delay: float) -> Callable[[Scope, Rece
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--engine-id", default="fake-p")
     p.add_argument("--tokens", type=int, default=20)
     p.add_argument("--delay", type=float, default=0.1)
     a = p.parse_args()
-    uvicorn.run(make_app(a.engine_id, a.tokens, a.delay), host="127.0.0.1", port=a.port, log_level="warning")
+    uvicorn.run(make_app(a.engine_id, a.tokens, a.delay), host=a.host, port=a.port, log_level="warning")
 
 
 if __name__ == "__main__":
