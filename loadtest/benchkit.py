@@ -75,6 +75,18 @@ def kv_sources(before: Mapping[promtext.Sample, float], after: Mapping[promtext.
     return {k: a.get(k, 0.0) - b.get(k, 0.0) for k in sorted(set(a) | set(b))}
 
 
+def sim_fidelity(before: Mapping[promtext.Sample, float], after: Mapping[promtext.Sample, float]) -> dict[str, float]:
+    """A simulator's real-vs-modeled step time over a run: mean lag per step (ms) and lag / modeled time."""
+    d = {k: promtext.total(after, f"kvpush_sim_{k}") - promtext.total(before, f"kvpush_sim_{k}")
+         for k in ("steps_total", "modeled_seconds_total", "lag_seconds_total")}  # fmt: skip
+    if d["steps_total"] <= 0:
+        return {}
+    out = {"lag_ms_per_step": 1000 * d["lag_seconds_total"] / d["steps_total"]}
+    if d["modeled_seconds_total"] > 0:
+        out["lag_frac"] = d["lag_seconds_total"] / d["modeled_seconds_total"]
+    return out
+
+
 def kv_external_frac(sources: Mapping[str, float]) -> float | None:
     total = sum(sources.values())
     return None if total <= 0 else sources.get("external_kv_transfer", 0.0) / total
@@ -127,6 +139,7 @@ class Point:
     tokenizer_url: str | None = None
     router_timings: bool = False
     decode_url: str | None = None  # scrape its /metrics before and after (KV arrived by transfer?)
+    prefill_url: str | None = None  # a simulated P: scrape its loop fidelity too
     timeout_s: float = 300.0
     extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -146,6 +159,7 @@ def measure(
               router_timings=point.router_timings, out_dir=run_dir / name,
               progress=sys.stderr if progress else None, label=name)  # fmt: skip
     before = scrape(point.decode_url) if point.decode_url else None
+    p_before = scrape(point.prefill_url) if point.prefill_url else None
     cpu0 = group_cpu_seconds(cpu_pid) if cpu_pid else None
     result, summary = asyncio.run(execute(job))
     extra: dict[str, Any] = dict(lab.extra) | dict(point.extra)
@@ -153,8 +167,13 @@ def measure(
         done = max(summary.n + point.warmup, 1)
         extra["cpu_s_per_1k"] = (group_cpu_seconds(cpu_pid) - cpu0) / done * 1000
         extra["peak_rss_mb"] = group_peak_rss_mb(cpu_pid)
+    if p_before is not None and point.prefill_url:
+        extra["sim_prefill_fidelity"] = sim_fidelity(p_before, scrape(point.prefill_url))
     if before is not None and point.decode_url:
-        sources = kv_sources(before, scrape(point.decode_url))
+        after = scrape(point.decode_url)
+        if fid := sim_fidelity(before, after):
+            extra["sim_decode_fidelity"] = fid
+        sources = kv_sources(before, after)
         extra["decode_prompt_tokens_by_source"] = sources
         extra["kv_external_frac"] = kv_external_frac(sources)
     extra["errors"] = sorted({r.error for r in result.records if r.error})[:5]

@@ -43,13 +43,14 @@ def run(plan: SeedPlan, run_dir: Path, summary: Path, progress: bool, run_id: st
     with Fleet(run_dir / "logs") as fleet:
         routers: dict[str, str] = {}
         decodes: dict[str, str] = {}
+        prefills: dict[str, str] = {}
         for mode in ("push", "pull"):
             p_port, d_port, r_port = free_port(), free_port(), free_port()
             fleet.start(sim_proc(f"sim-{mode}-p", "prefill", p_port, PROFILE, mode, run_dir / "logs"))
             fleet.start(sim_proc(f"sim-{mode}-d", "decode", d_port, PROFILE, mode, run_dir / "logs"))
             spec = f"{url(p_port)},engine_id=sim-{mode}-p,side_port={p_port}"
             fleet.start(router_proc(f"router-{mode}", r_port, mode, spec, url(d_port), run_dir / "logs"))
-            routers[mode], decodes[mode] = url(r_port), url(d_port)
+            routers[mode], decodes[mode], prefills[mode] = url(r_port), url(d_port), url(p_port)
         fleet.wait_all_healthy(timeout=60.0)
         for i, qps in enumerate(plan.qps):
             order = ("push", "pull") if i % 2 == 0 else ("pull", "push")
@@ -57,7 +58,7 @@ def run(plan: SeedPlan, run_dir: Path, summary: Path, progress: bool, run_id: st
                 labels = RowLabels("seed-sim", "kvpush", mode, "sim", qps, None, plan.input_len, plan.output_len,
                                    {"run_id": run_id, "profile": PROFILE})  # fmt: skip
                 point = Point(labels, routers[mode], plan.n_for(qps), seed=1000 + i, warmup=plan.warmup,
-                              router_timings=True, decode_url=decodes[mode])  # fmt: skip
+                              router_timings=True, decode_url=decodes[mode], prefill_url=prefills[mode])  # fmt: skip
                 rows.append(measure(point, run_dir, summary, progress))
     return rows
 

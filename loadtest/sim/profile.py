@@ -37,6 +37,7 @@ class Profile:
     notify_s: float  # completion notification latency to the other side
     api_fixed_s: float  # API server per request (HTTP parse, validation), off the engine loop
     api_per_token_s: float  # API server tokenization per prompt token
+    rendezvous: bool = True  # False: a remote leg's KV "lands" at once, with no side-channel round trip to P
 
 
 def _f(x: Any) -> float:
@@ -81,6 +82,7 @@ def from_mapping(doc: dict[str, Any]) -> Profile:
         notify_s=_f(net["notify_s"]),
         api_fixed_s=_f(api["fixed_s"]),
         api_per_token_s=_f(api["per_prompt_token_s"]),
+        rendezvous=bool(net.get("rendezvous", True)),
     )
 
 

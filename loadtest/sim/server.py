@@ -68,6 +68,10 @@ class SimServer:
                     q.put_nowait(("tok", ev.final, ""))
             elif isinstance(ev, PrefillDone):
                 self.desk.on_prefilled(self.keys.pop(ev.req))
+            elif isinstance(ev, StartPull | StartPush) and not self.profile.rendezvous:
+                self.remote.pop(ev.req, None)
+                self.engine.kv_landed(ev.req)
+                self.loop.poke()
             elif isinstance(ev, StartPull | StartPush):
                 self._spawn(self._fetch_kv(ev.req, pull=isinstance(ev, StartPull)))
 
@@ -151,7 +155,9 @@ class SimServer:
     def _metrics(self) -> str:
         e = self.engine
         usage = e.used_tokens / e.profile.kv_capacity_tokens if e.profile.kv_capacity_tokens else 0.0
-        return wire.metrics_text(self.model, e.num_running, len(e.waiting), usage, self.by_source, self.success)
+        loop = {"steps_total": self.loop.steps, "modeled_seconds_total": self.loop.busy_s,
+                "lag_seconds_total": self.loop.lag_s}  # fmt: skip
+        return wire.metrics_text(self.model, e.num_running, len(e.waiting), usage, self.by_source, self.success, loop)
 
     # generation ------------------------------------------------------------------------------------------
     async def _generate(self, body: dict[str, Any], chat: bool, rid: str, receive: Receive, send: Send) -> None:

@@ -150,7 +150,8 @@ def full_response(
 
 
 def metrics_text(model: str, running: int, waiting: int, kv_usage: float, by_source: Mapping[str, int],
-                 success: int) -> str:  # fmt: skip
+                 success: int, loop: Mapping[str, float] | None = None) -> str:  # fmt: skip
+    """vLLM's gauges and counters the benches read, plus the simulator's own loop counters (kvpush_sim_*)."""
     lab = f'engine="0",model_name="{model}"'
     lines = [
         "# TYPE vllm:num_requests_running gauge",
@@ -164,4 +165,6 @@ def metrics_text(model: str, running: int, waiting: int, kv_usage: float, by_sou
     for src in ("local_compute", "external_kv_transfer", "local_cache_hit"):
         lines.append(f'vllm:prompt_tokens_by_source_total{{{lab},source="{src}"}} {float(by_source.get(src, 0))}')
     lines += ["# TYPE vllm:request_success_total counter", f"vllm:request_success_total{{{lab}}} {float(success)}"]
+    for key, value in (loop or {}).items():
+        lines += [f"# TYPE kvpush_sim_{key} counter", f"kvpush_sim_{key} {float(value)}"]
     return "\n".join(lines) + "\n"

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from loadtest import promtext
 from loadtest.benchkit import sim_proc, url
+from loadtest.sim.profile import PROFILE_DIR
 from stack.engines import Fleet
 from stack.procs import free_port
 
@@ -19,10 +21,14 @@ PROMPT = " ".join(str(i % 997) for i in range(300))
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     logs: Path = tmp_path_factory.mktemp("simlogs")
+    doc = yaml.safe_load((PROFILE_DIR / "zero.yaml").read_text())
+    doc["network"]["rendezvous"] = True  # free, but D still waits for P over the side channel
+    profile = logs / "zero-rendezvous.yaml"
+    profile.write_text(yaml.safe_dump(doc))
     p_port, d_port = free_port(), free_port()
     with Fleet(logs) as fleet:
-        fleet.start(sim_proc("sim-p", "prefill", p_port, "zero", "both", logs))
-        fleet.start(sim_proc("sim-d", "decode", d_port, "zero", "both", logs))
+        fleet.start(sim_proc("sim-p", "prefill", p_port, str(profile), "both", logs))
+        fleet.start(sim_proc("sim-d", "decode", d_port, str(profile), "both", logs))
         fleet.wait_all_healthy(timeout=60.0)
         yield url(p_port), url(d_port)
 
