@@ -297,12 +297,20 @@ def test_the_router_config_map_loads_with_the_router_s_own_loader(layout: tuple[
     assert settings.host == "0.0.0.0"
     assert settings.port == ports_of(router)["http"]
     assert str(settings.mode) == "push"
-    prefill_service = one(docs, "Service", "kvpush-prefill")
-    prefill_port = {p["name"]: p["port"] for p in prefill_service["spec"]["ports"]}["vllm"]
-    assert [w.url for w in settings.prefill] == [f"http://kvpush-prefill:{prefill_port}"]
-    decode_vllm = container(one(docs, "Deployment", "kvpush-decode")["spec"]["template"]["spec"], "vllm")
-    decode_host = "127.0.0.1" if name in SIDECAR else "kvpush-decode"  # sidecar: its own pod's vLLM
-    assert [w.url for w in settings.decode] == [f"http://{decode_host}:{ports_of(decode_vllm)['vllm']}"]
+    from router.discovery.settings import KubernetesConfig, parse_discovery
+
+    discovered = {str(c.role): c for c in parse_discovery(settings.discovery)}
+    roles = {"prefill": "kvpush-prefill", "decode": "kvpush-decode"}
+    for role, deployment in roles.items():
+        template = one(docs, "Deployment", deployment)["spec"]["template"]
+        vllm_port = ports_of(container(template["spec"], "vllm"))["vllm"]
+        if role == "decode" and name in SIDECAR:  # the sidecar decodes on its own pod's vLLM
+            assert [w.url for w in settings.decode] == [f"http://127.0.0.1:{vllm_port}"]
+            continue
+        source = discovered[role]  # every Ready pod of the pool, from the Kubernetes API
+        assert isinstance(source, KubernetesConfig) and source.port == vllm_port
+        wanted = dict(pair.split("=") for pair in source.selector.split(","))
+        assert wanted.items() <= template["metadata"]["labels"].items(), f"{role} selector matches its pods"
 
 
 def test_the_router_is_probed_on_ready_and_health_and_runs_unprivileged(layout: tuple[str, list[Doc]]) -> None:
