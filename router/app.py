@@ -179,7 +179,8 @@ def create_app(
 
     @app.get("/ready")
     async def ready() -> Response:
-        ok = pool.ready() and not runtime.draining
+        serving = pool.ready() or (settings.fallback == "decode-only" and bool(pool.candidates(Role.DECODE)))
+        ok = serving and not runtime.draining
         body = {"ready": ok, "draining": runtime.draining, "mode": str(settings.mode), "workers": pool.snapshot()}
         return JSONResponse(body, status_code=200 if ok else 503)
 

@@ -205,7 +205,10 @@ def test_keys_guard_the_api_and_the_admin_api() -> None:
             assert bad.status_code == 400
     log = r.handle.log_path.read_text()
     assert client_key not in log and admin_key not in log and "wrong-key-000000" not in log
-    assert all(json.loads(line) for line in log.splitlines() if line.startswith("{"))
+    lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    served = [line for line in lines if line.get("outcome") == "ok"]
+    assert served and {"request_id", "pairing_id", "prefill_worker", "decode_worker", "mode", "ttft_ms",
+                       "e2e_ms"} <= served[0].keys()
 
 
 @pytest.mark.parametrize("fallback", ["none", "decode-only"])
@@ -214,7 +217,9 @@ def test_with_the_prefill_pool_down(fallback: str) -> None:
     r = router([p], [d], "--fallback", fallback)
     with running(d, r):
         p.handle.stop(5.0)
-        wait_for(lambda: ready(r.url).status_code == 503, "prefill pool reported down")
+        wait_for(lambda: not any(w["healthy"] for w in ready(r.url).json()["workers"] if w["role"] == "prefill"),
+                 "prefill pool reported down")
+        assert ready(r.url).status_code == (503 if fallback == "none" else 200)
         answer = httpx.post(f"{r.url}/v1/completions", json={**BODY, "stream": False}, timeout=20)
         if fallback == "none":
             assert answer.status_code == 503 and "prefill" in answer.json()["error"]["message"]
