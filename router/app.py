@@ -20,10 +20,8 @@ from router import auth, protocol
 from router.admission import Admission
 from router.answer import JsonAnswer, StreamAnswer
 from router.config import Settings, parse_decode_url, parse_prefill_spec
-from router.discovery.build import build_source
-from router.discovery.settings import parse_discovery
-from router.dispatch import Call, Dispatcher
-from router.domain import Endpoint, Role, WorkerSpec
+from router.dispatch import Call
+from router.domain import Endpoint, RequestInfo, Role, WorkerSpec
 from router.errors import (
     BadRequest,
     ConfigError,
@@ -33,12 +31,8 @@ from router.errors import (
     Unauthorized,
     UpstreamError,
 )
-from router.health import HealthPolicy
-from router.metrics import Metrics
-from router.pool import Pool
-from router.scrape import Scraper
-from router.timings import TimingLog
-from router.upstream import make_client, translate
+from router.service import Service
+from router.upstream import translate
 
 logger = logging.getLogger("kvpush.app")
 T = TypeVar("T")
@@ -48,20 +42,6 @@ class ClientGone(Exception):
     """The client closed its connection before the answer was ready."""
 
 
-class Runtime:
-    """What the process around the app needs to reach: the drain switch (SIGTERM handling in cli.py)."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self._metrics = metrics
-        self.draining = False
-
-    def begin_drain(self) -> None:
-        if not self.draining:
-            logger.info("draining: /ready answers 503 from now on")
-        self.draining = True
-        self._metrics.draining.set(1)
-
-
 def create_app(
     settings: Settings,
     *,
@@ -69,103 +49,46 @@ def create_app(
     clock: Callable[[], float] = time.monotonic,
 ) -> FastAPI:
     """Everything is built here and in the lifespan; nothing lives at module level."""
-    metrics = Metrics()
-    health_policy = HealthPolicy(settings.eject_after, settings.eject_backoff, settings.eject_backoff_max)
-    pool = Pool((*settings.prefill, *settings.decode), metrics, health_policy, clock)
-    timings = TimingLog(settings.timings_capacity)
-    client = make_client(settings, transport)
-    dispatcher = Dispatcher(settings, pool, client, metrics, timings, clock)
-    admission = Admission(settings.max_in_flight, settings.admission_queue, settings.admission_wait, metrics)
-    runtime = Runtime(metrics)
+    service = Service(settings, transport=transport, clock=clock)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await pool.probe_all(client, settings.timeouts.health)
-        loops = {asyncio.create_task(pool.run_health(client, settings.health_interval, settings.timeouts.health))}
-        for source_config in parse_discovery(settings.discovery):
-            source = build_source(source_config, on_error=lambda role, _: metrics.discovery_errors.labels(
-                str(role)).inc())
-            loops.add(asyncio.create_task(source.run(pool)))
-        if settings.scrape_interval > 0:
-            scraper = Scraper(client, pool.all_members, pool, interval=settings.scrape_interval,
-                              timeout=settings.timeouts.health,
-                              on_error=lambda spec, _: metrics.scrape_errors.labels(str(spec.role)).inc())
-            loops.add(asyncio.create_task(scraper.run()))
+        await service.start()
         try:
             yield
         finally:
-            for task in loops:
-                task.cancel()
-            await asyncio.wait(loops)
-            await dispatcher.aclose()
-            await client.aclose()
+            await service.stop()
 
     app = FastAPI(title="kvpush router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.runtime = runtime
+    app.state.runtime = service  # the drain switch, for the process around the app (cli.py)
 
     @app.exception_handler(RouterError)
     async def router_error(request: Request, error: RouterError) -> Response:
-        metrics.errors.labels(error.kind).inc()
+        service.metrics.errors.labels(error.kind).inc()
         return _error_response(error, request.headers.get(protocol.REQUEST_ID_HEADER, ""))
 
-    async def serve(request: Request, endpoint: Endpoint) -> Response:
-        request_id = request.headers.get(protocol.REQUEST_ID_HEADER) or f"req-{uuid.uuid4().hex}"
-        auth.check_client(request.headers.get("authorization"), settings.api_keys)
-        try:
-            await admission.acquire()
-        except Overloaded as refused:
-            metrics.requests.labels(str(endpoint), str(settings.mode), refused.kind).inc()
-            return _error_response(refused, request_id)
-        response: Response | None = None
-        try:
-            response = await admitted(request, endpoint, request_id)
-            return response
-        finally:
-            if not isinstance(response, RelayResponse):
-                admission.release()  # a relayed stream holds its slot until it ends
+    _openai_routes(app, service)
+    _operations_routes(app, service)
+    _admin_routes(app, service)
+    return app
 
-    async def admitted(request: Request, endpoint: Endpoint, request_id: str) -> Response:
-        try:
-            body = json.loads(await request.body())
-        except ValueError:
-            body = None
-            error: BadRequest | None = BadRequest("the request body is not valid JSON")
-        else:
-            error = None
-        try:
-            if error is not None:
-                raise error
-            info = protocol.parse_request(endpoint, body)
-        except BadRequest as bad:
-            metrics.errors.labels(bad.kind).inc()
-            metrics.requests.labels(str(endpoint), str(settings.mode), bad.kind).inc()
-            return _error_response(bad, request_id)
-        call = Call(body=body, info=info, record=dispatcher.new_record(request_id, info))
-        try:
-            answer = await _until_disconnect(request.receive, dispatcher.handle(call))
-        except RouterError as failed:
-            return _error_response(failed, request_id, call.record.pairing_id)
-        except ClientGone:
-            return Response(status_code=499)
-        headers = {protocol.REQUEST_ID_HEADER: request_id, protocol.PAIRING_ID_HEADER: call.record.pairing_id or ""}
-        if isinstance(answer, JsonAnswer):
-            return Response(answer.content, status_code=answer.status, media_type="application/json", headers=headers)
-        return RelayResponse(answer, headers, admission)
 
+def _openai_routes(app: FastAPI, service: Service) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await serve(request, Endpoint.COMPLETIONS)
+        return await _serve(service, request, Endpoint.COMPLETIONS)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await serve(request, Endpoint.CHAT)
+        return await _serve(service, request, Endpoint.CHAT)
 
     @app.get("/v1/models")
     async def models() -> Response:
+        pool, client = service.pool, service.client
         for view in pool.candidates(Role.DECODE):
             url = f"{pool.get(view.id).spec.url}/v1/models"
             try:
-                answer = await client.get(url, timeout=settings.timeouts.health)
+                answer = await client.get(url, timeout=service.settings.timeouts.health)
             except httpx.HTTPError as exc:
                 logger.warning("GET %s: %s", url, translate(exc, leg="decode", worker=view.id).message)
                 continue
@@ -173,35 +96,53 @@ def create_app(
                 return Response(answer.content, media_type="application/json")
         raise NoHealthyWorker("no healthy decode worker answered /v1/models")
 
+
+def _operations_routes(app: FastAPI, service: Service) -> None:
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/ready")
     async def ready() -> Response:
-        serving = pool.ready() or (settings.fallback == "decode-only" and bool(pool.candidates(Role.DECODE)))
-        ok = serving and not runtime.draining
-        body = {"ready": ok, "draining": runtime.draining, "mode": str(settings.mode), "workers": pool.snapshot()}
+        ok = service.ready()
+        body = {"ready": ok, "draining": service.draining, "mode": str(service.settings.mode),
+                "workers": service.pool.snapshot()}
         return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        content, content_type = service.metrics.render()
+        return Response(content, media_type=content_type)
+
+    @app.get("/debug/timings")
+    async def debug_timings(request_id: str | None = None, pairing_id: str | None = None) -> dict[str, Any]:
+        return {"requests": service.timings.query(request_id=request_id, pairing_id=pairing_id)}
+
+
+def _admin_routes(app: FastAPI, service: Service) -> None:
+    settings, pool = service.settings, service.pool
+
+    def check(request: Request) -> None:
+        auth.check_admin(request.headers.get("authorization"), settings.admin_key)
 
     @app.get("/admin/workers")
     async def admin_list(request: Request) -> dict[str, Any]:
-        auth.check_admin(request.headers.get("authorization"), settings.admin_key)
+        check(request)
         return {"workers": pool.snapshot()}
 
     @app.post("/admin/workers")
     async def admin_add(request: Request) -> Response:
-        auth.check_admin(request.headers.get("authorization"), settings.admin_key)
+        check(request)
         spec = _worker_from(await _json_object(request))
         if str(spec.role) in settings.discovery:
             raise BadRequest(f"{spec.role} workers come from discovery here; add them there, not by hand")
         added = pool.add(spec)
-        await pool.probe_all(client, settings.timeouts.health)
+        await pool.probe_all(service.client, settings.timeouts.health)
         return JSONResponse({"added": added, "url": spec.url}, status_code=201 if added else 200)
 
     @app.post("/admin/workers/drain")
     async def admin_drain(request: Request) -> dict[str, Any]:
-        auth.check_admin(request.headers.get("authorization"), settings.admin_key)
+        check(request)
         url = _url_of(await _json_object(request))
         if not pool.drain(url):
             raise BadRequest(f"no worker {url!r} in the pool")
@@ -209,22 +150,58 @@ def create_app(
 
     @app.post("/admin/workers/remove")
     async def admin_remove(request: Request) -> dict[str, Any]:
-        auth.check_admin(request.headers.get("authorization"), settings.admin_key)
+        check(request)
         url = _url_of(await _json_object(request))
         if not pool.remove(url):
             raise BadRequest(f"no worker {url!r} in the pool")
         return {"removed": url}
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        content, content_type = metrics.render()
-        return Response(content, media_type=content_type)
 
-    @app.get("/debug/timings")
-    async def debug_timings(request_id: str | None = None, pairing_id: str | None = None) -> dict[str, Any]:
-        return {"requests": timings.query(request_id=request_id, pairing_id=pairing_id)}
+async def _serve(service: Service, request: Request, endpoint: Endpoint) -> Response:
+    """One OpenAI request: auth, admission, then validation and dispatch; a relayed stream keeps its slot."""
+    request_id = request.headers.get(protocol.REQUEST_ID_HEADER) or f"req-{uuid.uuid4().hex}"
+    auth.check_client(request.headers.get("authorization"), service.settings.api_keys)
+    try:
+        await service.admission.acquire()
+    except Overloaded as refused:
+        service.metrics.requests.labels(str(endpoint), str(service.settings.mode), refused.kind).inc()
+        return _error_response(refused, request_id)
+    response: Response | None = None
+    try:
+        response = await _admitted(service, request, endpoint, request_id)
+        return response
+    finally:
+        if not isinstance(response, RelayResponse):
+            service.admission.release()  # a relayed stream holds its slot until it ends
 
-    return app
+
+async def _admitted(service: Service, request: Request, endpoint: Endpoint, request_id: str) -> Response:
+    raw = await request.body()
+    try:
+        info, body = _parse(endpoint, raw)
+    except BadRequest as bad:
+        service.metrics.errors.labels(bad.kind).inc()
+        service.metrics.requests.labels(str(endpoint), str(service.settings.mode), bad.kind).inc()
+        return _error_response(bad, request_id)
+    call = Call(body=body, info=info, record=service.dispatcher.new_record(request_id, info))
+    try:
+        answer = await _until_disconnect(request.receive, service.dispatcher.handle(call))
+    except RouterError as failed:
+        return _error_response(failed, request_id, call.record.pairing_id)
+    except ClientGone:
+        return Response(status_code=499)
+    headers = {protocol.REQUEST_ID_HEADER: request_id, protocol.PAIRING_ID_HEADER: call.record.pairing_id or ""}
+    if isinstance(answer, JsonAnswer):
+        return Response(answer.content, status_code=answer.status, media_type="application/json", headers=headers)
+    return RelayResponse(answer, headers, service.admission)
+
+
+def _parse(endpoint: Endpoint, raw: bytes) -> tuple[RequestInfo, dict[str, Any]]:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise BadRequest("the request body is not valid JSON") from None
+    return protocol.parse_request(endpoint, body), body
 
 
 async def _json_object(request: Request) -> dict[str, Any]:
