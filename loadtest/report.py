@@ -6,6 +6,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from loadtest.sim import costs
+from loadtest.sim.profile import load
+
 Row = dict[str, Any]
 PUBLISHED = ("Published (Qwen3-32B, 1P+1D H200-class, 3.2 Tbps, 8 req/s, 16k prompts): TTFT pull ~1744 ms vs push "
              "~540 ms (3.2x); TPOT ~10.4 ms (pull) vs ~7 ms (push); about equal at low load.")  # fmt: skip
@@ -48,6 +51,35 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, {mem_kb / 2**20:.0f} GiB RAM, {platform.system()} {platform.release()}"
 
 
+def anatomy(profile: str, prompt: int, qps: Sequence[float]) -> list[str]:
+    """The profile's own numbers for one request: what each mode pays, and the load pull's setup puts on D."""
+    try:
+        p = load(profile)
+    except (OSError, ValueError, KeyError):
+        return [f"(profile {profile!r} not found: no anatomy)"]
+    if costs.prefill_time(p, prompt) <= 0 or not qps:
+        return []
+    prefill, setup = costs.prefill_time(p, prompt), costs.setup_time(p, prompt)
+    xfer, api = costs.transfer_time(p, prompt), costs.api_time(p, prompt)
+    step = costs.step_time(p, [], [prompt])
+    loads = ", ".join(f"{q:g} req/s: {100 * q * setup:.0f} %" for q in qps)
+    per_desc_to_fill = (
+        1 / (max(qps) * costs.descriptors(p, prompt)) * 1e6 if qps and costs.descriptors(p, prompt) else 0
+    )
+    return [
+        f"A-priori anatomy of one {prompt}-token request (profile `{profile}`, no queueing): prefill "
+        f"{1000 * prefill:.0f} ms (so P saturates near {1 / prefill:.2f} req/s), API parse+tokenize "
+        f"{1000 * api:.0f} ms, {costs.descriptors(p, prompt):,} descriptors per rank, descriptor setup "
+        f"{1000 * setup:.0f} ms, transfer {1000 * xfer:.0f} ms ({costs.kv_bytes(p, prompt) / 2**30:.1f} GiB), "
+        f"first decode step {1000 * step:.1f} ms. Both modes set up and move the KV after P's prefill; push does "
+        "the setup on P's writer thread and has D's API work done while P prefills, pull pays D's API work and "
+        "the setup on D's engine loop (stalling every running decode) in series, plus a step boundary. "
+        f"Share of D's loop taken by pull's setup: {loads}. For pull's setup alone to saturate D at "
+        f"{max(qps):g} req/s it would have to cost {per_desc_to_fill:.2f} us per descriptor "
+        f"(profile: {1e6 * p.setup_per_descriptor_s:.2f} us).",
+    ]
+
+
 def seed_section(rows: Sequence[Row]) -> list[str]:
     if not rows:
         return ["No seed-sim run yet."]
@@ -77,6 +109,8 @@ def seed_section(rows: Sequence[Row]) -> list[str]:
                    f"| {pair('tpot_ms', 'mean')} | {pair('handoff_ms', 'p50')} | **{rat('ttft_ms', 'mean')}** "
                    f"| {rat('ttft_ms', 'p50')} | {rat('ttft_ms', 'p99')} | {rat('tpot_ms', 'mean')} "
                    f"| {failed} |")  # fmt: skip
+    qps = sorted(float(r["qps"]) for r in rows if r.get("qps"))
+    out += ["", *anatomy(str(rows[0].get("profile")), int(rows[0]["input_len"]), sorted(set(qps)))]
     out += ["", PUBLISHED, "", "![seed-sim](results/seed-sim.png)", "![ttft cdf](results/seed-sim-ttft-cdf.png)",
             "![handoff cdf](results/seed-sim-handoff-cdf.png)"]  # fmt: skip
     return out

@@ -8,7 +8,7 @@ def row(suite: str, router: str, mode: str, run_id: str, ttft: float, **kw: Any)
     base: dict[str, Any] = dict(suite=suite, router=router, mode=mode, connector="sim", qps=2.0, concurrency=None,
                                 input_len=16, output_len=4, n=10, failed=0, ttft_ms=dist, tpot_ms=dist,
                                 itl_ms=dist, e2e_ms=dist, handoff_ms=None, req_per_s=1.0, git_commit="abc",
-                                created="x", run_id=run_id, profile="p")  # fmt: skip
+                                created="x", run_id=run_id, profile="qwen3-32b-h200")  # fmt: skip
     base.update(kw)
     return base
 
@@ -30,3 +30,4 @@ def test_render_puts_pull_over_push_ratios_and_overhead_deltas() -> None:
     assert "| 2.0 | 10 | 100.0 / 250.0 |" in text and "**2.50**" in text
     assert "+1.50" in text  # kvpush TTFT p50 minus direct
     assert "No cpu-vllm run yet." in text
+    assert "A-priori anatomy of one 16-token request" in text
