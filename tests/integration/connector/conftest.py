@@ -1,7 +1,8 @@
 """The one vLLM family of this package (our connector everywhere), started once for all its modules.
 
-p0 is a plain prefill, p1 a chunked one (16 tokens a step: a long prompt stays in prefill for many steps),
-d the decode. `test_router_kvpush.py` kills p1 in its last test; every other test uses p0 and d only.
+p0 is a plain prefill, p1 a chunked one (2 tokens a step: a 1850-token prompt stays in prefill for about
+900 steps, seconds even on a fast machine, so a test can act while it runs), d the decode.
+`test_router_kvpush.py` kills p1 in its last test; every other test uses p0 and d only.
 An exclusive file lock keeps other vLLM families of the same test run off the two cores meanwhile.
 """
 
@@ -15,7 +16,7 @@ import pytest
 from tests.integration.connector.kvpush_support import Engines, Member, kvpush_engines
 from tests.integration.vllm_support import CACHE, require_vllm
 
-CHUNKED = ("--max-num-batched-tokens", "16", "--max-num-seqs", "16")
+CHUNKED = ("--max-num-batched-tokens", "2", "--max-num-seqs", "2")
 
 
 @pytest.fixture(scope="package")

@@ -74,13 +74,13 @@ def kvpush_engines(members: Sequence[Member], tag: str) -> Iterator[Engines]:
         yield engines
 
 
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = SETTLE) -> None:
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = SETTLE, interval: float = 0.2) -> None:
     """Polls until `predicate()` holds: a bounded wait for a state, not a speed assertion."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
             pytest.fail(f"{what}: not reached within {timeout:g} s")
-        time.sleep(0.2)
+        time.sleep(interval)
 
 
 def load(url: str) -> dict[str, float]:
