@@ -110,6 +110,11 @@ def seed_section(rows: Sequence[Row]) -> list[str]:
                    f"| {rat('ttft_ms', 'p50')} | {rat('ttft_ms', 'p99')} | {rat('tpot_ms', 'mean')} "
                    f"| {failed} |")  # fmt: skip
     qps = sorted(float(r["qps"]) for r in rows if r.get("qps"))
+    ratios = {q: _ratio(_g(by.get((q, "pull")), "ttft_ms", "mean"), _g(by.get((q, "push")), "ttft_ms", "mean"))
+              for q in sorted(set(qps))}  # fmt: skip
+    out += ["", "**Headline** (pull / push TTFT mean, by QPS): "
+            + ", ".join(f"{q:g}: {v}" for q, v in ratios.items())
+            + ". Published: 3.2 at 8 req/s. Run-to-run noise at a point is several percent (shared CPUs)."]  # fmt: skip
     out += ["", *anatomy(str(rows[0].get("profile")), int(rows[0]["input_len"]), sorted(set(qps)))]
     out += ["", PUBLISHED, "", "![seed-sim](results/seed-sim.png)", "![ttft cdf](results/seed-sim-ttft-cdf.png)",
             "![handoff cdf](results/seed-sim-handoff-cdf.png)"]  # fmt: skip

@@ -1,0 +1,45 @@
+import os
+
+import pytest
+
+from loadtest.benchkit import group_cpu_seconds, group_peak_rss_mb, kv_external_frac, kv_sources, sim_fidelity
+from loadtest.promtext import parse
+from loadtest.suite_seed import FULL, SMOKE
+
+BEFORE = parse(
+    'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"} 100\n'
+    'vllm:prompt_tokens_by_source_total{source="local_compute"} 5\n'
+    "kvpush_sim_steps_total 10\nkvpush_sim_modeled_seconds_total 1.0\nkvpush_sim_lag_seconds_total 0.01\n"
+)
+AFTER = parse(
+    'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"} 400\n'
+    'vllm:prompt_tokens_by_source_total{source="local_compute"} 5\n'
+    "kvpush_sim_steps_total 110\nkvpush_sim_modeled_seconds_total 2.0\nkvpush_sim_lag_seconds_total 0.11\n"
+)
+
+
+def test_kv_sources_are_deltas_and_all_external_means_transferred() -> None:
+    src = kv_sources(BEFORE, AFTER)
+    assert src == {"external_kv_transfer": 300.0, "local_compute": 0.0}
+    assert kv_external_frac(src) == 1.0
+    assert kv_external_frac({"local_compute": 3.0, "external_kv_transfer": 1.0}) == 0.25
+    assert kv_external_frac({}) is None
+
+
+def test_sim_fidelity_is_lag_per_step_and_share_of_modeled_time() -> None:
+    fid = sim_fidelity(BEFORE, AFTER)
+    assert fid["lag_ms_per_step"] == pytest.approx(1.0)
+    assert fid["lag_frac"] == pytest.approx(0.1)
+    assert sim_fidelity(BEFORE, BEFORE) == {}
+
+
+def test_own_process_group_has_cpu_time_and_memory() -> None:
+    pgid = os.getpgid(0)
+    assert group_cpu_seconds(pgid) > 0
+    assert group_peak_rss_mb(pgid) > 0
+
+
+def test_seed_plan_sizes_points_by_rate() -> None:
+    assert FULL.n_for(0.5) == 40 and FULL.n_for(2.0) == 60 and FULL.n_for(8.0) == 120
+    assert FULL.input_len == 16384 and 8.0 in FULL.qps
+    assert SMOKE.n_for(1.0) == 3 and SMOKE.n_for(2.0) == 4
