@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from tests.integration.connector.kvpush_support import (
@@ -184,15 +185,35 @@ def test_a_retry_with_fresh_ids_never_pairs_with_the_failed_attempt(stack: Stack
     wait_idle(stack.engines, [p0.url, stack.decode_url], "after the retried requests")
 
 
-def test_a_killed_prefill_fails_its_decode_request_within_seconds(stack: Stack) -> None:
-    """Runs last: kills p1. Both legs go straight to the engines (no router deadline can end the wait):
-    decode must end the request with an error soon after the prefill's process dies mid-prefill."""
-    victim = stack.engines.prefills[1]
-    decode = stack.engines.decode
+def test_the_official_openai_client_works(stack: Stack) -> None:
+    client = openai.OpenAI(base_url=f"{stack.router_url}/v1", api_key="unused", timeout=120, max_retries=0)
+    prompt = prompt_text()
+    extra = {"ignore_eos": True}
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=8, temperature=0, stream=True, extra_body=extra) if c.choices]
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, extra_body=extra)
+    assert len(pieces) == 8 and "".join(pieces) == whole.choices[0].text
+    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                           max_tokens=8, temperature=0, extra_body=extra)
+    assert reply.choices[0].message.content
+
+
+def test_a_killed_prefill_fails_its_decode_request_within_seconds_and_the_router_routes_around_it(
+    stack: Stack,
+) -> None:
+    """Runs last: kills p1 while (a) a push whose legs went straight to the engines is mid-prefill on p1 (no
+    router deadline can end decode's wait: decode must end it with an error soon after p1 dies), and (b)
+    requests through a router over p0 and p1 are in flight (those on p1 are retried with fresh ids on p0;
+    the router then keeps to p0)."""
+    victim, decode = stack.engines.prefills[1], stack.engines.decode
+    specs = [stack.engines.prefill_spec(0), stack.engines.prefill_spec(1)]
     rid, tid = f"kvp-{uuid.uuid4().hex}", f"xfer-{uuid.uuid4().hex}"
     body = long_body(8, stream=True)
     killed_at: list[float] = []
-    with ThreadPoolExecutor(2) as pool, httpx.Client(timeout=httpx.Timeout(120.0, connect=10.0)) as client:
+    with router("push", specs, [decode.url], "--prefill-policy", "round-robin") as url, \
+            ThreadPoolExecutor(8) as pool, httpx.Client(timeout=httpx.Timeout(120.0, connect=10.0)) as client:
+        warm = [complete(url, "completions", request_body("completions", False)) for _ in range(2)]
+        assert [r.status for r in warm] == [200, 200], "both prefills serve before the kill"
         d_leg = pool.submit(read_stream, client, f"{decode.url}{path_of('completions')}",
                             dict(body, kv_transfer_params=decode_params(stack.engines, 1, rid, tid)), rid,
                             lambda: killed_at[0])  # fmt: skip
@@ -201,21 +222,36 @@ def test_a_killed_prefill_fails_its_decode_request_within_seconds(stack: Stack) 
         wait_for(lambda: metric(victim.url, "vllm:num_requests_running") >= 1
                  and metric(decode.url, "vllm:num_requests_waiting") >= 1,
                  "p1 prefills while decode waits for the KV", interval=0.02)  # fmt: skip
+        routed_bodies = [request_body("completions", True, 64) for _ in range(6)]
+        routed = [pool.submit(complete, url, "completions", b, 60.0) for b in routed_bodies]
+        wait_for(lambda: metric(victim.url, "vllm:num_requests_running")
+                 + metric(victim.url, "vllm:num_requests_waiting") >= 2, "routed requests reached p1", interval=0.02)
         killed_at.append(time.monotonic())
         os.killpg(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
         end = d_leg.result(timeout=KILL_BOUND + 100)
         with pytest.raises(httpx.TransportError):
             p_leg.result(timeout=30)
+        results = [f.result(timeout=120) for f in routed]
+        records = [timing(url, r.headers["x-kvpush-pairing-id"]) for r in results if r.status == 200]
+        after = [complete(url, "chat", request_body("chat", i % 2 == 0), 60.0) for i in range(4)]
+        workers = {w["url"]: w["healthy"] for w in httpx.get(f"{url}/ready", timeout=10).json()["workers"]}
     print(f"decode ended {end.seconds:.2f} s after the kill: status {end.status}, finish {end.finish_reasons}, "
-          f"events {end.events}, error {end.error}, body {end.other}")
+          f"events {end.events}, error {end.error}, body {end.other}; routed: {[r.status for r in results]}")
+    # (a) decode gave up on the direct push at once, with an error, and holds nothing for it
     assert end.seconds < KILL_BOUND, f"decode took {end.seconds:.1f} s to give up"
     failed = end.status >= 400 or end.error is not None or "error" in end.finish_reasons or any(
         "error" in e for e in end.events)
     assert failed, f"decode answered as if the KV had arrived: {end}"
     assert end.finish_reasons != ["length"], f"decode generated a whole answer without KV: {end}"
-    wait_for(lambda: metric(decode.url, "vllm:num_requests_running") == 0
-             and metric(decode.url, "vllm:num_requests_waiting") == 0, "decode has nothing left")
-    wait_idle(stack.engines, [decode.url], "decode after the prefill died")
     assert metric(decode.url, "vllm:kvpush_failed_transfers_total") >= 1
-    # The decode instance still serves: a plain request on it works.
+    # (b) the router: no request on p1 had sent anything to its client (decode waited for p1's KV), so each is
+    # retried with fresh ids on p0; the retry pairs only with its own transfer (same text as one instance).
+    assert [r.status for r in results] == [200] * 6, [r.text for r in results]
+    retried = [i for i, rec in enumerate(records) if rec["attempts"] == 2]
+    assert retried, "a request was on p1 when it died"
+    for i in retried:
+        assert results[i].text == complete(stack.p0_url, "completions", routed_bodies[i]).text
+    assert [r.status for r in after] == [200] * 4, [r.text for r in after]
+    assert workers[victim.url] is False
+    wait_idle(stack.engines, [stack.p0_url, decode.url], "p0 and decode after the prefill died")
     assert complete(decode.url, "completions", request_body("completions", stream=False)).status == 200
