@@ -119,6 +119,19 @@ def test_sixteen_concurrent_requests_succeed_and_each_prompt_is_transferred(stac
     wait_idle(stack.engines, [stack.p0_url, stack.decode_url], "after sixteen requests")
 
 
+def test_a_router_learns_the_prefill_identity_from_its_first_answer(stack: Stack) -> None:
+    """A bare --prefill URL: the first request's prefill runs alone and states the NIXL identity; then push."""
+    with router("push", [stack.p0_url], [stack.decode_url]) as url:
+        bodies = [request_body("completions", stream=False) for _ in range(2)]
+        results = [complete(url, "completions", b) for b in bodies]
+        first, second = (timing(url, r.headers["x-kvpush-pairing-id"]) for r in results)
+    assert [r.status for r in results] == [200, 200], [r.text for r in results]
+    for body, got in zip(bodies, results, strict=True):
+        assert got.text == complete(stack.p0_url, "completions", body).text
+    assert first["prefill_done"] <= first["decode_sent"], "identity learned from a first, sequential prefill"
+    assert second["decode_sent"] < second["prefill_done"], "then both legs at once"
+
+
 def test_a_client_leaving_during_prefill_leaves_nothing_running_or_held(stack: Stack) -> None:
     """The client goes while p1 is still prefilling (decode waits for KV): both legs end, no block stays held."""
     p1 = stack.engines.prefills[1]
