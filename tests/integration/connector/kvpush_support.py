@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -108,6 +109,20 @@ def decode_params(engines: Engines, prefill: int, request_id: str, transfer_id: 
 def prefill_body(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
     return dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True,
                                                                       "transfer_id": transfer_id})
+
+
+def post(url: str, body: dict[str, Any], request_id: str, timeout: float = 120.0) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": request_id}, timeout=timeout)
+
+
+def push(engines: Engines, body: dict[str, Any]) -> tuple[httpx.Response, httpx.Response]:
+    """Both legs straight to p0 and the decode at once, same X-Request-Id and transfer id, as the router does."""
+    rid, tid = f"kvp-{uuid.uuid4().hex}", f"xfer-{uuid.uuid4().hex}"
+    with ThreadPoolExecutor(2) as pool:
+        d_body = dict(body, kv_transfer_params=decode_params(engines, 0, rid, tid))
+        d_leg = pool.submit(post, engines.decode.url, d_body, rid)
+        p_leg = pool.submit(post, engines.prefills[0].url, prefill_body(body, tid), rid)
+        return p_leg.result(), d_leg.result()
 
 
 @dataclass

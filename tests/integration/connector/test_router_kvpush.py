@@ -1,12 +1,15 @@
 """Issue 3 end to end: our connector (KvpushConnector) on both instances, real vLLM CPU, through our router.
 
-The engines are the package's family (conftest.py: plain prefill p0, chunked prefill p1, decode d), started
-once. This module's main router uses p0; a second router uses p1 with deadlines far above any bound here.
-The last test kills p1 for good: nothing after it may use p1.
+One engine family starts once for this module (about a minute): p0, a plain prefill; p1, a chunked one (2
+tokens a step: a 1850-token prompt stays in prefill for about 900 steps, seconds even on a fast machine, so a
+test can act while it runs); d, the decode. The main router uses p0; a second router uses p1 with deadlines far
+above any bound here. A few tests send both legs straight to the engines, as the router would. The last test
+kills p1 for good. An exclusive file lock keeps other vLLM families of the same test run off the two cores.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import socket
@@ -24,24 +27,31 @@ import pytest
 from tests.integration.connector.kvpush_support import (
     Engines,
     FailingPrefill,
+    Member,
     decode_params,
+    kvpush_engines,
+    post,
     prefill_body,
+    push,
     read_stream,
     wait_for,
     wait_idle,
 )
 from tests.integration.vllm_support import (
+    CACHE,
     complete,
     kv_sources,
     metric,
     path_of,
     prompt_text,
     request_body,
+    require_vllm,
     router,
     timing,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+CHUNKED = ("--max-num-batched-tokens", "2", "--max-num-seqs", "2")
 LONG_WORDS = 150  # about 1850 prompt tokens: some 900 prefill steps on p1
 KILL_BOUND = 20.0  # decode must end a request whose prefill died well within this (vLLM's own watchdog: 480 s)
 
@@ -59,6 +69,16 @@ class Stack:
     @property
     def p0_url(self) -> str:
         return self.engines.prefills[0].url
+
+
+@pytest.fixture(scope="module")
+def kvpush_family() -> Iterator[Engines]:
+    require_vllm()
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / "vllm-pair.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with kvpush_engines([Member("prefill"), Member("prefill", CHUNKED), Member("decode")], tag="kvp") as engines:
+            yield engines
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +229,60 @@ def test_the_official_openai_client_works(stack: Stack) -> None:
     reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
                                            max_tokens=8, temperature=0, extra_body=extra)
     assert reply.choices[0].message.content
+
+
+# ---- both legs straight to the engines (p0, d), as the router sends them ------------------------------------
+
+
+def plain_body(words: int = 60, max_tokens: int = 12) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": prompt_text(words), "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+
+
+def test_push_output_equals_single_instance_and_kv_came_from_prefill(stack: Stack) -> None:
+    engines, b = stack.engines, plain_body()
+    before = kv_sources(stack.decode_url)
+    p_res, d_res = push(engines, b)
+    assert p_res.status_code == 200, p_res.text
+    assert d_res.status_code == 200, d_res.text
+    assert p_res.json()["kv_transfer_params"]["transfer_mode"] == "push"
+    prompt_tokens = d_res.json()["usage"]["prompt_tokens"]
+    wait_for(lambda: transferred_since(stack, before) >= prompt_tokens, "decode counted the prompt")
+    assert transferred_since(stack, before) == prompt_tokens
+    assert kv_sources(stack.decode_url)["local_compute"] == before["local_compute"]
+    reference = post(stack.p0_url, b, f"kvp-{uuid.uuid4().hex}").json()
+    assert d_res.json()["choices"][0]["text"] == reference["choices"][0]["text"]
+
+
+def test_sixteen_concurrent_pushes(stack: Stack) -> None:
+    before = kv_sources(stack.decode_url)
+    xfers = metric(stack.p0_url, "vllm:kvpush_xfer_time_seconds_count")
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda _: push(stack.engines, plain_body(40, 8)), range(16)))
+    assert all(r.status_code == 200 for legs in results for r in legs), [r.text for legs in results for r in legs]
+    sent = sum(d.json()["usage"]["prompt_tokens"] for _, d in results)
+    wait_for(lambda: transferred_since(stack, before) >= sent, "decode counted every prompt")
+    assert transferred_since(stack, before) == sent
+    wait_for(lambda: metric(stack.p0_url, "vllm:kvpush_xfer_time_seconds_count") - xfers >= 16, "p0 wrote 16 times")
+
+
+def test_decode_disconnect_before_prefill_is_cancelled_and_leaks_nothing(stack: Stack) -> None:
+    """Decode registers, its client leaves before any prefill: D cancels, P acks, D frees its blocks;
+    the late prefill leg of that transfer is refused a pairing and P frees its blocks at once."""
+    engines = stack.engines
+    rid, tid = f"kvp-{uuid.uuid4().hex}", f"xfer-{uuid.uuid4().hex}"
+    b = plain_body()
+    cancelled = metric(stack.p0_url, "vllm:kvpush_cancelled_total")
+    with pytest.raises(httpx.TimeoutException):
+        post(stack.decode_url, dict(b, kv_transfer_params=decode_params(engines, 0, rid, tid)), rid, timeout=2.0)
+    wait_idle(engines, [stack.decode_url], "decode after its client left")
+    late = post(stack.p0_url, prefill_body(b, tid), rid)
+    assert late.status_code == 200
+    wait_idle(engines, [stack.p0_url], "p0 after the late prefill")
+    wait_for(lambda: metric(stack.p0_url, "vllm:kvpush_cancelled_total") > cancelled, "p0 acked the cancel")
+
+
+# ---- the kill (last) ---------------------------------------------------------------------------------------
 
 
 def test_a_killed_prefill_fails_its_decode_request_within_seconds_and_the_router_routes_around_it(
