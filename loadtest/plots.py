@@ -69,13 +69,16 @@ def cdfs(rows: Sequence[Row], value: Callable[[RequestRecord], float | None], la
     """Empirical CDF of one per-request value, one line per row (series + load point)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    loads = sorted({(row.get("qps") or 0, row.get("concurrency") or 0) for row in rows})
+    colour = {load: f"C{i % 10}" for i, load in enumerate(loads)}  # colour = load point, line style = front door + mode
     for row in rows:
         vals = sorted(v for r in _records(row) if r.ok and (v := value(r)) is not None)
         if not vals:
             continue
         load = f"qps {row['qps']}" if row.get("qps") is not None else f"c={row.get('concurrency')}"
-        ax.step(vals, [(i + 1) / len(vals) for i in range(len(vals))], where="post",
-                label=f"{series_name(row)} {load}", linestyle="-" if row["mode"] == "push" else "--")  # fmt: skip
+        style = {"kvpush push": "-", "kvpush pull": "--", "vllm-router pull": ":"}.get(series_name(row), "-.")
+        ax.step(vals, [(i + 1) / len(vals) for i in range(len(vals))], where="post", label=f"{series_name(row)} {load}",
+                linestyle=style, color=colour[(row.get("qps") or 0, row.get("concurrency") or 0)])  # fmt: skip
     ax.set_xlabel(label)
     ax.set_ylabel("fraction of requests")
     ax.set_xscale("log")
