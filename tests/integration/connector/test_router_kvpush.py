@@ -155,7 +155,12 @@ def test_a_router_learns_the_prefill_identity_from_its_first_answer(stack: Stack
 def test_a_client_leaving_during_prefill_leaves_nothing_running_or_held(stack: Stack) -> None:
     """The client goes while p1 is still prefilling (decode waits for KV): both legs end, no block stays held."""
     p1 = stack.engines.prefills[1]
-    cancelled = metric(p1.url, "vllm:kvpush_cancelled_total") + metric(stack.decode_url, "vllm:kvpush_cancelled_total")
+
+    def ended_transfers() -> float:  # cancelled on either side, or failed on decode
+        return (metric(p1.url, "vllm:kvpush_cancelled_total") + metric(stack.decode_url, "vllm:kvpush_cancelled_total")
+                + metric(stack.decode_url, "vllm:kvpush_failed_transfers_total"))  # fmt: skip
+
+    before = ended_transfers()
     host, port = stack.slow_router_url.removeprefix("http://").split(":")
     raw = httpx.Request("POST", f"{stack.slow_router_url}{path_of('completions')}", json=long_body(8, True))
     head = f"POST {raw.url.raw_path.decode()} HTTP/1.1\r\nHost: {host}:{port}\r\n"
@@ -170,14 +175,11 @@ def test_a_client_leaving_during_prefill_leaves_nothing_running_or_held(stack: S
     assert record["outcome"] == "client_gone"
     assert record["prefill_done"] is None and record["decode_first_byte"] is None, "the client left during prefill"
     # Decode's registration was cancelled (D) or refused as failed prefill (P): the connector saw it end.
-    wait_for(lambda: metric(p1.url, "vllm:kvpush_cancelled_total")
-             + metric(stack.decode_url, "vllm:kvpush_cancelled_total")
-             + metric(stack.decode_url, "vllm:kvpush_failed_transfers_total") > cancelled,
-             "the connector recorded the abandoned transfer")  # fmt: skip
+    wait_for(lambda: ended_transfers() > before, "the connector recorded the abandoned transfer")
 
 
 def test_a_client_leaving_during_decode_leaves_nothing_running_or_held(stack: Stack) -> None:
-    body = dict(request_body("completions", stream=True, max_tokens=1500))
+    body = request_body("completions", stream=True, max_tokens=1500)
     url = f"{stack.router_url}{path_of('completions')}"
     with httpx.Client(timeout=60) as client, client.stream("POST", url, json=body) as response:
         assert response.status_code == 200
