@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -75,12 +76,14 @@ def kvpush_engines(members: Sequence[Member], tag: str) -> Iterator[Engines]:
         yield engines
 
 
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = SETTLE, interval: float = 0.2) -> None:
-    """Polls until `predicate()` holds: a bounded wait for a state, not a speed assertion."""
+def wait_for(predicate: Callable[[], bool], what: str | Callable[[], str], timeout: float = SETTLE,
+             interval: float = 0.2) -> None:
+    """Polls until `predicate()` holds: a bounded wait for a state, not a speed assertion. `what` may be a
+    callable, asked only on failure (to describe the state then)."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not reached within {timeout:g} s")
+            pytest.fail(f"{what if isinstance(what, str) else what()}: not reached within {timeout:g} s")
         time.sleep(interval)
 
 
@@ -96,7 +99,8 @@ def is_idle(engines: Engines, url: str) -> bool:
 def wait_idle(engines: Engines, urls: Sequence[str], what: str) -> None:
     """Every engine in `urls` runs nothing, queues nothing and holds no more KV blocks than when idle."""
     for url in urls:
-        wait_for(lambda u=url: is_idle(engines, u), f"{what}: {url} idle (now {load(url)})")  # type: ignore[misc]
+        wait_for(partial(is_idle, engines, url),
+                 lambda u=url: f"{what}: {u} idle (now {load(u)}, idle KV usage {engines.idle_usage[u]})")  # type: ignore[misc]
 
 
 def decode_params(engines: Engines, prefill: int, request_id: str, transfer_id: str) -> dict[str, Any]:
