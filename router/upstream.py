@@ -15,14 +15,16 @@ from router.errors import (
     UpstreamStatus,
     UpstreamTimeout,
 )
+from router.transport import AiohttpTransport
 
 
 def make_client(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
     """The one client for every worker call. Per-call deadlines are tighter; these bound every read."""
     t = settings.timeouts
     timeout = httpx.Timeout(connect=t.connect, read=t.stream_idle, write=t.connect, pool=t.connect)
-    limits = httpx.Limits(max_connections=settings.max_connections, max_keepalive_connections=64)
-    return httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport, trust_env=False)
+    if transport is None:
+        transport = AiohttpTransport(max_connections=settings.max_connections)
+    return httpx.AsyncClient(timeout=timeout, transport=transport, trust_env=False)
 
 
 def translate(exc: Exception, *, leg: str, worker: str) -> UpstreamError:
