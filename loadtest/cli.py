@@ -61,6 +61,7 @@ def _add_bench(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> No
     p.add_argument("--smoke", action="store_true", help="a tiny version of each suite (for make test)")
     p.add_argument("--results", type=Path, default=None, help="default: bench/results (smoke: bench/runs/smoke)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--profile", default=None, help="seed-sim only: a what-if simulator profile (name or YAML path)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -114,4 +115,4 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve(a.role, a.host, a.port, a.profile, a.engine_id or f"sim-{a.role}-{a.port}", a.model, a.kv_mode)
     from loadtest.bench import run_suites
 
-    return run_suites(a.suite, smoke=a.smoke, results=a.results, progress=not a.no_progress)
+    return run_suites(a.suite, smoke=a.smoke, results=a.results, progress=not a.no_progress, profile=a.profile)

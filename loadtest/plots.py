@@ -100,20 +100,21 @@ def handoff_ms(r: RequestRecord) -> float | None:
     return r.handoff_ms
 
 
-def suite_plots(suite: str, rows: Sequence[Row], out: Path) -> list[Path]:
-    """Every plot of one suite's latest rows into `out`; returns the files written."""
+def suite_plots(suite: str, rows: Sequence[Row], out: Path, prefix: str = "") -> list[Path]:
+    """Every plot of one suite's latest rows into `out` (files named after `prefix`, default the suite)."""
     if not rows:
         return []
     panels: list[tuple[str, tuple[str, ...]]]
     if suite == "overhead":
         panels = [("ttft_ms", ("p50", "p99")), ("e2e_ms", ("p50", "p99"))]
         return [vs_load(rows, "concurrency", panels, out / "overhead.png", "Front-door overhead (zero-cost workers)")]
+    name = prefix or suite
     panels = [("ttft_ms", ("mean", "p50", "p99")), ("tpot_ms", ("mean",)), ("handoff_ms", ("p50", "p99"))]
-    files = [vs_load(rows, "qps", panels, out / f"{suite}.png", f"{suite}: TTFT, TPOT and KV handoff vs QPS")]
-    files.append(cdfs(rows, ttft_ms, "TTFT (ms)", out / f"{suite}-ttft-cdf.png", f"{suite}: TTFT CDF"))
+    files = [vs_load(rows, "qps", panels, out / f"{name}.png", f"{name}: TTFT, TPOT and KV handoff vs QPS")]
+    files.append(cdfs(rows, ttft_ms, "TTFT (ms)", out / f"{name}-ttft-cdf.png", f"{name}: TTFT CDF"))
     with_handoff = [r for r in rows if r.get("handoff_ms")]
     if with_handoff:
-        title = f"{suite}: handoff CDF (prefill done -> decode first byte)"
+        title = f"{name}: handoff CDF (prefill done -> decode first byte)"
         files.append(cdfs(with_handoff, handoff_ms, "router-measured KV handoff (ms)",
-                          out / f"{suite}-handoff-cdf.png", title))  # fmt: skip
+                          out / f"{name}-handoff-cdf.png", title))  # fmt: skip
     return files

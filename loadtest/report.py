@@ -14,9 +14,25 @@ PUBLISHED = ("Published (Qwen3-32B, 1P+1D H200-class, 3.2 Tbps, 8 req/s, 16k pro
              "~540 ms (3.2x); TPOT ~10.4 ms (pull) vs ~7 ms (push); about equal at low load.")  # fmt: skip
 
 
+A_PRIORI = "qwen3-32b-h200"  # the seed-sim headline profile; runs on any other profile are what-ifs
+
+
+def _what_if(row: Row) -> bool:
+    return row.get("suite") == "seed-sim" and row.get("profile") not in (None, A_PRIORI)
+
+
 def latest(rows: Sequence[Row], suite: str) -> list[Row]:
-    """Rows of the newest run_id of a suite (run ids are UTC stamps, so they sort by time)."""
-    mine = [r for r in rows if r.get("suite") == suite and r.get("run_id")]
+    """Rows of the newest run_id of a suite (run ids are UTC stamps, so they sort by time); what-ifs excluded."""
+    mine = [r for r in rows if r.get("suite") == suite and r.get("run_id") and not _what_if(r)]
+    if not mine:
+        return []
+    newest = max(str(r["run_id"]) for r in mine)
+    return [r for r in mine if r["run_id"] == newest]
+
+
+def latest_what_if(rows: Sequence[Row]) -> list[Row]:
+    """Rows of the newest seed-sim run on a what-if profile."""
+    mine = [r for r in rows if _what_if(r) and r.get("run_id")]
     if not mine:
         return []
     newest = max(str(r["run_id"]) for r in mine)
@@ -80,7 +96,7 @@ def anatomy(profile: str, prompt: int, qps: Sequence[float]) -> list[str]:
     ]
 
 
-def seed_section(rows: Sequence[Row]) -> list[str]:
+def seed_section(rows: Sequence[Row], prefix: str = "seed-sim") -> list[str]:
     if not rows:
         return ["No seed-sim run yet."]
     by = {(r["qps"], r["mode"]): r for r in rows}
@@ -116,8 +132,8 @@ def seed_section(rows: Sequence[Row]) -> list[str]:
             + ", ".join(f"{q:g}: {v}" for q, v in ratios.items())
             + ". Published: 3.2 at 8 req/s. Run-to-run noise at a point is several percent (shared CPUs)."]  # fmt: skip
     out += ["", *anatomy(str(rows[0].get("profile")), int(rows[0]["input_len"]), sorted(set(qps)))]
-    out += ["", PUBLISHED, "", "![seed-sim](results/seed-sim.png)", "![ttft cdf](results/seed-sim-ttft-cdf.png)",
-            "![handoff cdf](results/seed-sim-handoff-cdf.png)"]  # fmt: skip
+    out += ["", PUBLISHED, "", f"![{prefix}](results/{prefix}.png)", f"![ttft cdf](results/{prefix}-ttft-cdf.png)",
+            f"![handoff cdf](results/{prefix}-handoff-cdf.png)"]  # fmt: skip
     return out
 
 
@@ -178,6 +194,20 @@ def overhead_section(rows: Sequence[Row]) -> list[str]:
     return out
 
 
+def what_if_section(rows: Sequence[Row]) -> list[str]:
+    if not rows:
+        return []
+    return [
+        f"### What-if (not a-priori): profile `{rows[0].get('profile')}`",
+        "",
+        "A sensitivity probe, not a prediction: the profile's header says which numbers were changed from the "
+        "a-priori one and why. It shows what would have to be true for push to win big, not that it does.",
+        "",
+        *seed_section(rows, prefix="seed-sim-whatif"),
+        "",
+    ]
+
+
 def render(rows: Sequence[Row]) -> str:
     seed, cpu, over = latest(rows, "seed-sim"), latest(rows, "cpu-vllm"), latest(rows, "overhead")
     commits = sorted({str(r.get("git_commit")) for r in (*seed, *cpu, *over)})
@@ -200,6 +230,7 @@ def render(rows: Sequence[Row]) -> str:
         "",
         *seed_section(seed),
         "",
+        *what_if_section(latest_what_if(rows)),
         "## cpu-vllm: real vLLM CPU engines",
         "",
         *cpu_section(cpu),

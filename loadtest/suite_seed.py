@@ -38,7 +38,9 @@ FULL = SeedPlan(16384, 256, (0.5, 1.0, 2.0, 2.5, 3.0, 4.0, 8.0), warmup=2, per_p
 SMOKE = SeedPlan(2048, 8, (1.0, 2.0), warmup=0, per_point_s=2.0, n_min=3, n_max=4)
 
 
-def run(plan: SeedPlan, run_dir: Path, summary: Path, progress: bool, run_id: str) -> list[dict[str, Any]]:
+def run(plan: SeedPlan, run_dir: Path, summary: Path, progress: bool, run_id: str,
+        profile: str = PROFILE) -> list[dict[str, Any]]:  # fmt: skip
+    """Both stacks on `profile` (the a-priori one unless a what-if is asked for), every QPS point, both modes."""
     rows: list[dict[str, Any]] = []
     with Fleet(run_dir / "logs") as fleet:
         routers: dict[str, str] = {}
@@ -46,8 +48,8 @@ def run(plan: SeedPlan, run_dir: Path, summary: Path, progress: bool, run_id: st
         prefills: dict[str, str] = {}
         for mode in ("push", "pull"):
             p_port, d_port, r_port = free_port(), free_port(), free_port()
-            fleet.start(sim_proc(f"sim-{mode}-p", "prefill", p_port, PROFILE, mode, run_dir / "logs"))
-            fleet.start(sim_proc(f"sim-{mode}-d", "decode", d_port, PROFILE, mode, run_dir / "logs"))
+            fleet.start(sim_proc(f"sim-{mode}-p", "prefill", p_port, profile, mode, run_dir / "logs"))
+            fleet.start(sim_proc(f"sim-{mode}-d", "decode", d_port, profile, mode, run_dir / "logs"))
             spec = f"{url(p_port)},engine_id=sim-{mode}-p,side_port={p_port}"
             fleet.start(router_proc(f"router-{mode}", r_port, mode, spec, url(d_port), run_dir / "logs"))
             routers[mode], decodes[mode], prefills[mode] = url(r_port), url(d_port), url(p_port)
@@ -56,7 +58,7 @@ def run(plan: SeedPlan, run_dir: Path, summary: Path, progress: bool, run_id: st
             order = ("push", "pull") if i % 2 == 0 else ("pull", "push")
             for mode in order:
                 labels = RowLabels("seed-sim", "kvpush", mode, "sim", qps, None, plan.input_len, plan.output_len,
-                                   {"run_id": run_id, "profile": PROFILE})  # fmt: skip
+                                   {"run_id": run_id, "profile": Path(profile).stem})  # fmt: skip
                 point = Point(labels, routers[mode], plan.n_for(qps), seed=1000 + i, warmup=plan.warmup,
                               router_timings=True, decode_url=decodes[mode], prefill_url=prefills[mode])  # fmt: skip
                 rows.append(measure(point, run_dir, summary, progress))

@@ -1,6 +1,6 @@
 from typing import Any
 
-from loadtest.report import latest, render
+from loadtest.report import latest, latest_what_if, render
 
 
 def row(suite: str, router: str, mode: str, run_id: str, ttft: float, **kw: Any) -> dict[str, Any]:
@@ -31,3 +31,15 @@ def test_render_puts_pull_over_push_ratios_and_overhead_deltas() -> None:
     assert "+1.50" in text  # kvpush TTFT p50 minus direct
     assert "No cpu-vllm run yet." in text
     assert "A-priori anatomy of one 16-token request" in text
+
+
+def test_what_if_runs_stay_out_of_the_headline() -> None:
+    apriori = [row("seed-sim", "kvpush", m, "r1", 100.0) for m in ("push", "pull")]
+    probe = [
+        row("seed-sim", "kvpush", m, "r9", 999.0, profile="whatif-fast-prefill-slow-setup") for m in ("push", "pull")
+    ]
+    rows = apriori + probe
+    assert latest(rows, "seed-sim") == apriori
+    assert latest_what_if(rows) == probe
+    text = render(rows)
+    assert text.index("| 100.0 / 100.0 |") < text.index("### What-if") < text.index("| 999.0 / 999.0 |")
