@@ -5,7 +5,7 @@ together, wait for both /health, start the router, wait for its /ready, then pri
 curl example and stay up. Ctrl-C or SIGTERM stops every child process group; a child that fails to start
 or dies later is reported with the tail of its log and a non-zero exit status.
 
-    python -m stack.local [--mode push|pull] [--connector upstream|kvpush] [--port 8000] ...
+    python -m stack.local [--mode push|pull] [--connector auto|upstream|kvpush] [--port 8000] ...
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from stack.engines import REPO_ROOT, Engine, EngineSpec, Fleet
 from stack.procs import LOOPBACK, ManagedProcess, ProcessSpec, StartupError, port_is_free, tail_lines
 
 Mode = Literal["push", "pull"]
-ConnectorChoice = Literal["upstream", "kvpush"]
+ConnectorChoice = Literal["auto", "upstream", "kvpush"]
 
 DEFAULT_CACHE_DIR = REPO_ROOT / ".cache" / "kvpush"
 PREFILL_ENGINE_ID = "kvpush-local-prefill"
@@ -47,7 +47,7 @@ class StackOptions:
     """Everything `kvpush stack` can be told; the defaults are the documented local stack."""
 
     mode: Mode = "push"
-    connector: ConnectorChoice = "upstream"
+    connector: ConnectorChoice = "auto"  # push: ours (kvpush); pull: upstream's (ours is push only)
     port: int = 8000
     model_size: str = "tiny"
     cache_dir: Path = DEFAULT_CACHE_DIR
@@ -69,7 +69,9 @@ class StackOptions:
 
 def connector_for(mode: Mode, choice: ConnectorChoice) -> tuple[str, str | None]:
     """(kv_connector class name, kv_connector_module_path) for a mode and connector choice."""
-    if choice == "kvpush":
+    if choice == "kvpush" and mode == "pull":
+        raise ValueError("the kvpush connector is push only: use --connector upstream (or auto) with --mode pull")
+    if choice == "kvpush" or (choice == "auto" and mode == "push"):
         return KVPUSH_CONNECTOR_CLASS, KVPUSH_CONNECTOR_MODULE
     return UPSTREAM_CONNECTORS[mode], None
 
@@ -151,7 +153,8 @@ def ready_line(options: StackOptions, prefill_url: str, decode_url: str) -> str:
     )
     return (
         f"kvpush stack ready: router http://{LOOPBACK}:{options.port} (mode {options.mode}, connector "
-        f"{options.connector}; prefill {prefill_url}, decode {decode_url}; logs {options.log_dir}); "
+        f"{connector_for(options.mode, options.connector)[0]}; prefill {prefill_url}, decode {decode_url}; "
+        f"logs {options.log_dir}); "
         f"try: {curl}"
     )
 
@@ -234,9 +237,10 @@ def parse_args(argv: Sequence[str] | None) -> StackOptions:
     p.add_argument("--mode", choices=["push", "pull"], default="push")
     p.add_argument(
         "--connector",
-        choices=["upstream", "kvpush"],
-        default="upstream",
-        help="upstream: vLLM's NixlPushConnector (push) / NixlConnector (pull); kvpush: connector.plugin",
+        choices=["auto", "upstream", "kvpush"],
+        default="auto",
+        help="kvpush: ours (connector.plugin, push only); upstream: vLLM's NixlPushConnector (push) / "
+        "NixlConnector (pull); auto (default): kvpush for push, upstream for pull",
     )
     p.add_argument("--port", type=int, default=8000, help="router port")
     p.add_argument("--model-size", choices=sorted(tiny_model.SIZES), default="tiny")
@@ -245,6 +249,8 @@ def parse_args(argv: Sequence[str] | None) -> StackOptions:
     p.add_argument("--decode-port", type=int, default=8200)
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for each start-up wait")
     args = p.parse_args(argv)  # fmt: skip
+    if args.mode == "pull" and args.connector == "kvpush":
+        p.error("the kvpush connector is push only: use --connector upstream (or auto) with --mode pull")
     return StackOptions(
         mode=args.mode,
         connector=args.connector,

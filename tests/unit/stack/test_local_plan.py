@@ -34,11 +34,17 @@ def kv_config(argv: tuple[str, ...]) -> dict[str, object]:
         ("push", "upstream", ("NixlPushConnector", None)),
         ("pull", "upstream", ("NixlConnector", None)),
         ("push", "kvpush", (KVPUSH_CONNECTOR_CLASS, "connector.plugin")),
-        ("pull", "kvpush", (KVPUSH_CONNECTOR_CLASS, "connector.plugin")),
+        ("push", "auto", (KVPUSH_CONNECTOR_CLASS, "connector.plugin")),
+        ("pull", "auto", ("NixlConnector", None)),
     ],
 )
 def test_connector_choice(mode: str, choice: str, expected: tuple[str, str | None]) -> None:
     assert connector_for(mode, choice) == expected  # type: ignore[arg-type]
+
+
+def test_our_connector_is_push_only() -> None:
+    with pytest.raises(ValueError, match="push only"):
+        connector_for("pull", "kvpush")
 
 
 def test_default_push_stack_engines() -> None:
@@ -48,16 +54,20 @@ def test_default_push_stack_engines() -> None:
     assert (decode.core, decode.http_port, decode.side_port) == (1, 8200, 5601)
     assert prefill.model == decode.model == Path("/c/models/tiny")
     assert kv_config(engine_argv(prefill)) == {
-        "kv_connector": "NixlPushConnector",
+        "kv_connector": KVPUSH_CONNECTOR_CLASS,
+        "kv_connector_module_path": "connector.plugin",
         "kv_role": "kv_producer",
         "kv_buffer_device": "cpu",
         "engine_id": PREFILL_ENGINE_ID,
     }
     assert kv_config(engine_argv(decode)) == {
-        "kv_connector": "NixlPushConnector",
+        "kv_connector": KVPUSH_CONNECTOR_CLASS,
+        "kv_connector_module_path": "connector.plugin",
         "kv_role": "kv_consumer",
         "kv_buffer_device": "cpu",
     }
+    upstream, _ = plan_engines(StackOptions(connector="upstream"))
+    assert upstream.connector == "NixlPushConnector"
 
 
 def test_pull_mode_uses_nixl_connector_on_both() -> None:
