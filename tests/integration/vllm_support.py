@@ -7,8 +7,9 @@ import json
 import os
 import re
 import sys
+import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -173,3 +174,12 @@ def timing(router_url: str, pairing_id: str) -> dict[str, Any]:
     records = httpx.get(f"{router_url}/debug/timings", params={"pairing_id": pairing_id}, timeout=10).json()
     (record,) = records["requests"]
     return dict(record)
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Polls until `predicate()` holds: a bounded wait for a process's state, not a speed assertion."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not reached within {timeout:g} s")
+        time.sleep(0.1)

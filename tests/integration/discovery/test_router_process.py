@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -14,7 +12,7 @@ import yaml
 
 from stack.procs import ManagedProcess, ProcessSpec, free_port
 from tests.integration.discovery.dnsmasq import DOMAIN, Dnsmasq
-from tests.integration.vllm_support import LOGS, REPO
+from tests.integration.vllm_support import LOGS, REPO, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -35,14 +33,6 @@ def fake(host: str, port: int) -> ManagedProcess:
 def decode_members(url: str) -> list[str]:
     workers = httpx.get(f"{url}/ready", timeout=5).json()["workers"]
     return sorted(w["url"] for w in workers if w["role"] == "decode" and w["healthy"])
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not reached within {timeout:g} s")
-        time.sleep(0.1)
 
 
 def test_decode_workers_follow_dns_records(dnsmasq: Dnsmasq, tmp_path: Path) -> None:

@@ -8,8 +8,7 @@ import os
 import signal
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ import httpx
 import pytest
 
 from stack.procs import ManagedProcess, ProcessSpec, free_port
-from tests.integration.vllm_support import LOGS, REPO
+from tests.integration.vllm_support import LOGS, REPO, wait_for
 
 pytestmark = pytest.mark.integration
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "stream": True}
@@ -65,14 +64,6 @@ def running(*procs: Proc) -> Iterator[None]:
     finally:
         for proc in procs:
             proc.handle.stop(5.0)
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not reached within {timeout:g} s")
-        time.sleep(0.1)
 
 
 def stream(url: str, body: dict[str, object] = BODY, started: threading.Event | None = None,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from tests.integration.vllm_support import (
     require_vllm,
     router,
     timing,
+    wait_for,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -57,15 +57,6 @@ def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     with pair(CONNECTORS[mode], n_prefill=2, tag=f"rt-{mode}") as engines, \
             router(mode, [engines.prefill_spec(0)], [engines.decode.url]) as url:
         yield Stack(mode, engines, url)
-
-
-def wait_for(predicate: object, what: str, timeout: float = SETTLE) -> None:
-    """Polls until `predicate()` holds; a bounded wait for an engine's state, not a speed assertion."""
-    deadline = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not reached within {timeout:g} s")
-        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
