@@ -20,7 +20,10 @@ def _pyplot() -> Any:
 
 
 def series_name(row: Row) -> str:
-    return f"{row['router']} {row['mode']}" if row["router"] != "direct" else "direct"
+    if row["router"] == "direct":
+        return "direct"
+    ours = " (kvpush connector)" if row.get("connector") == "kvpush-push" else ""
+    return f"{row['router']} {row['mode']}{ours}"
 
 
 def _stat(row: Row, metric: str, stat: str) -> float | None:

