@@ -48,10 +48,16 @@ lint: venv ## ruff
 typecheck: venv ## mypy --strict
 	$(BIN)/mypy
 
-bench: venv ## all benchmark suites (seed-sim, cpu-vllm, overhead); writes bench/results/
+VROUTER := .venv-vrouter/bin/vllm-router
+
+$(VROUTER): # the peer router we compare against, in its own venv
+	$(PYTHON) -m venv .venv-vrouter
+	.venv-vrouter/bin/pip install --quiet --disable-pip-version-check vllm-router==0.1.17
+
+bench: venv $(VROUTER) ## all benchmark suites (seed-sim, cpu-vllm, overhead; ~45 min); writes bench/results/
 	$(BIN)/kvpush bench --suite all $(ARGS)
 
-bench-smoke: venv ## a tiny run of every suite, so they cannot rot
+bench-smoke: venv $(VROUTER) ## a tiny run of every suite, so they cannot rot
 	$(BIN)/kvpush bench --suite all --smoke $(ARGS)
 
 clean: ## remove caches (keeps .venv)
