@@ -118,12 +118,19 @@ def test_ready_line_is_one_line_with_a_working_curl() -> None:
 def test_flags_and_defaults(tmp_path: Path) -> None:
     assert parse_args([]) == StackOptions(cache_dir=DEFAULT_CACHE_DIR.resolve())
     options = parse_args(
-        ["--mode", "pull", "--connector", "kvpush", "--port", "9000", "--model-size", "bench",
+        ["--mode", "pull", "--connector", "upstream", "--port", "9000", "--model-size", "bench",
          "--cache-dir", str(tmp_path), "--prefill-port", "0", "--decode-port", "0", "--startup-timeout", "5"]
     )  # fmt: skip
-    assert options == StackOptions(mode="pull", connector="kvpush", port=9000, model_size="bench",
+    assert options == StackOptions(mode="pull", connector="upstream", port=9000, model_size="bench",
                                    cache_dir=tmp_path, prefill_port=0, decode_port=0, startup_timeout=5.0)  # fmt: skip
     assert options.model_dir == tmp_path / "models" / "bench"
+    assert parse_args(["--connector", "kvpush"]).connector == "kvpush"
+
+
+def test_our_push_only_connector_with_pull_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--mode", "pull", "--connector", "kvpush"])
+    assert "push only" in capsys.readouterr().err
 
 
 def test_unknown_mode_is_a_usage_error() -> None:
