@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import httpx
 
@@ -29,7 +29,6 @@ class WorkerState:
     learned_identity: NixlIdentity | None = None
     load: EngineLoad | None = None  # from the last good scrape of its /metrics
     draining: bool = False  # an operator asked: no new requests
-    extra: dict[str, str] = field(default_factory=dict)
 
     @property
     def identity(self) -> NixlIdentity | None:
@@ -64,9 +63,6 @@ class Pool:
 
     def get(self, worker_id: str) -> WorkerState:
         return self._workers[worker_id]
-
-    def find(self, worker_id: str) -> WorkerState | None:
-        return self._workers.get(worker_id)
 
     def members(self, role: Role) -> list[WorkerSpec]:
         return [s.spec for s in self._workers.values() if s.spec.role is role]

@@ -6,7 +6,6 @@ import json
 
 from router.errors import RouterError
 
-DONE = b"data: [DONE]\n\n"
 _SEPARATORS = (b"\r\n\r\n", b"\n\n", b"\r\r")
 
 
@@ -38,14 +37,6 @@ class EventFramer:
 def _first_boundary(buffer: bytes) -> int | None:
     ends = [i + len(sep) for sep in _SEPARATORS if (i := buffer.find(sep)) >= 0]
     return min(ends) if ends else None
-
-
-def data_of(event: bytes) -> bytes | None:
-    """The joined `data:` payload of one event, or None for a comment/keep-alive."""
-    lines = [line for line in event.splitlines() if line.startswith(b"data:")]
-    if not lines:
-        return None
-    return b"\n".join(line[5:].lstrip(b" ") for line in lines)
 
 
 def error_event(error: RouterError) -> bytes:

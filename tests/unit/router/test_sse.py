@@ -8,7 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from router.errors import UpstreamTimeout
-from router.sse import DONE, EventFramer, data_of, error_event
+from router.sse import EventFramer, error_event
+
+DONE = b"data: [DONE]\n\n"
 
 EVENTS = [b'data: {"a": 1}\n\n', b": keep-alive\n\n", b'data: {"b": 2}\n\n', DONE]
 
@@ -43,13 +45,9 @@ def test_an_unterminated_tail_is_returned_by_flush() -> None:
     assert framer.flush() == b"data: par"
 
 
-def test_data_of_joins_data_lines_and_ignores_comments() -> None:
-    assert data_of(b"event: x\ndata: a\ndata: b\n\n") == b"a\nb"
-    assert data_of(b": ping\n\n") is None
-
-
 def test_error_event_is_an_openai_error_object() -> None:
     event = error_event(UpstreamTimeout("slow", leg="decode", worker="http://d"))
-    payload = json.loads(data_of(event) or b"")
+    assert event.startswith(b"data: ")
+    payload = json.loads(event[len(b"data: "):])
     assert payload["error"]["type"] == "upstream_timeout"
     assert event.endswith(b"\n\n")
