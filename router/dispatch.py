@@ -32,7 +32,7 @@ from router.errors import (
 from router.metrics import Metrics
 from router.policy import Policy, make_policy
 from router.pool import Pool, WorkerState
-from router.sse import EventFramer
+from router.sse import EventFramer, error_of
 from router.timings import RequestRecord, TimingLog
 
 logger = logging.getLogger("kvpush.dispatch")
@@ -236,6 +236,8 @@ class Dispatcher:
                         self._client, url, body, _headers(ids), leg="decode", worker=wid)
                     cleanup.push_async_callback(response.aclose)
                     first, rest = await read_first_events(response, framer, worker=wid)
+                    if (message := error_of(first[0])) is not None:  # nothing reached the client yet: retryable
+                        raise UpstreamError(f"failed before its first token: {message}", leg="decode", worker=wid)
             except TimeoutError:
                 raise UpstreamTimeout(
                     f"no first byte within {t.decode_first_byte:g} s (did the KV arrive?)", leg="decode", worker=wid,

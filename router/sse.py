@@ -39,6 +39,20 @@ def _first_boundary(buffer: bytes) -> int | None:
     return min(ends) if ends else None
 
 
+def error_of(event: bytes) -> str | None:
+    """The message of an in-band error event (`data: {"error": ...}`), or None for any other event."""
+    if not event.startswith(b"data:") or b'"error"' not in event:
+        return None
+    try:
+        payload = json.loads(event[5:])
+    except ValueError:
+        return None
+    error = payload.get("error") if isinstance(payload, dict) else None
+    if error is None:
+        return None
+    return str(error.get("message", error)) if isinstance(error, dict) else str(error)
+
+
 def error_event(error: RouterError) -> bytes:
     """An in-band error for a stream whose 200 is already sent, in the shape OpenAI clients understand."""
     return b"data: " + json.dumps(error.to_body()).encode() + b"\n\n"

@@ -115,3 +115,18 @@ def decode_ok(tokens: int = 3, on_request: Callable[[], None] | None = None,
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events())
 
     return handle
+
+
+def decode_error_event(message: str = "KV load failed") -> Handler:
+    """Answers 200 and then, as vLLM does when a request fails inside the engine, an error event."""
+
+    async def handle(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        event = json.dumps({"error": {"message": message, "type": "InternalServerError", "code": 500}})
+
+        async def events() -> AsyncIterator[bytes]:
+            yield f"data: {event}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events())
+
+    return handle

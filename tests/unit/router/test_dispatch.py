@@ -12,12 +12,12 @@ from router.answer import JsonAnswer, StreamAnswer
 from router.config import build_settings
 from router.dispatch import Call, Dispatcher
 from router.domain import Endpoint, Role
-from router.errors import NoHealthyWorker, UpstreamProtocolError, UpstreamStatus, UpstreamTimeout
+from router.errors import NoHealthyWorker, UpstreamError, UpstreamProtocolError, UpstreamStatus, UpstreamTimeout
 from router.metrics import Metrics
 from router.pool import Pool
 from router.protocol import parse_request
 from router.timings import TimingLog
-from tests.unit.router.fake_workers import FakeWorkers, decode_ok, hang, prefill_ok, status
+from tests.unit.router.fake_workers import FakeWorkers, decode_error_event, decode_ok, hang, prefill_ok, status
 
 P0 = "http://p0:8100,engine_id=p0,side_host=127.0.0.9,side_port=5600"
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 3, "stream": True}
@@ -176,3 +176,20 @@ async def test_no_healthy_decode_is_503() -> None:
     with pytest.raises(NoHealthyWorker) as info:
         await dispatcher.handle(call_of(dispatcher))
     assert info.value.http_status == 503
+
+
+async def test_an_error_event_before_any_token_is_a_failed_attempt_retried_elsewhere() -> None:
+    workers = FakeWorkers({"p0": prefill_ok(), "d0": decode_error_event(), "d1": decode_ok()})
+    dispatcher, _, timings = await make(workers, decode=["http://d0:8200", "http://d1:8200"],
+                                        decode_policy="round-robin")
+    events = await relay(await dispatcher.handle(call_of(dispatcher)))
+    assert b"t0" in events[0] and len(workers.legs("d0")) == len(workers.legs("d1")) == 1
+    assert timings.query()[0]["attempts"] == 2
+
+
+async def test_an_error_event_with_no_other_decode_is_a_clear_502() -> None:
+    workers = FakeWorkers({"p0": prefill_ok(), "d0": decode_error_event("KV load failed")})
+    dispatcher, _, _ = await make(workers)
+    with pytest.raises(UpstreamError, match="KV load failed") as info:
+        await dispatcher.handle(call_of(dispatcher))
+    assert info.value.http_status == 502 and info.value.leg == "decode"

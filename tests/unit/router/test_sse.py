@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from router.errors import UpstreamTimeout
-from router.sse import EventFramer, error_event
+from router.sse import EventFramer, error_event, error_of
 
 DONE = b"data: [DONE]\n\n"
 
@@ -51,3 +51,10 @@ def test_error_event_is_an_openai_error_object() -> None:
     payload = json.loads(event[len(b"data: "):])
     assert payload["error"]["type"] == "upstream_timeout"
     assert event.endswith(b"\n\n")
+
+
+def test_error_of_finds_in_band_errors_only() -> None:
+    assert error_of(b'data: {"error": {"message": "boom", "code": 500}}\n\n') == "boom"
+    assert error_of(b'data: {"choices": [{"text": "error"}]}\n\n') is None
+    assert error_of(b'data: {"choices": [], "error": null}\n\n') is None
+    assert error_of(DONE) is None and error_of(b": ping\n\n") is None
