@@ -82,8 +82,9 @@ class SchedulerHalf:
         if leg is None or params is None:
             return
         if leg.tp_size != 1 or leg.pp_size != 1:
-            logger.warning("request %s: prefill tp/pp %d/%d > 1 is not supported", request.request_id,
-                           leg.tp_size, leg.pp_size)  # fmt: skip
+            logger.warning(
+                "request %s: prefill tp/pp %d/%d > 1 is not supported", request.request_id, leg.tp_size, leg.pp_size
+            )
         key = pairing_key(leg.transfer_id, request.request_id)
         peer = PeerAddress(leg.remote_engine_id, leg.remote_host, leg.remote_port)
         block_ids = tuple(blocks.get_unhashed_block_ids())

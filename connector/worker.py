@@ -86,8 +86,12 @@ class WorkerHalf:
         )
         logger.info(
             "kvpush: %d KV regions of %d blocks registered (%s); side channel on %s:%d",
-            len(layout.regions), self._num_blocks, self._mem_type, self._side_host, self._thread.side_port,
-        )  # fmt: skip
+            len(layout.regions),
+            self._num_blocks,
+            self._mem_type,
+            self._side_host,
+            self._thread.side_port,
+        )
 
     def start(self, plan: StepPlan) -> None:
         if self._thread is None or plan.is_empty():

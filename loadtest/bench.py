@@ -16,19 +16,22 @@ from stack.procs import StartupError
 Runner = Callable[[bool, Path, Path, bool, str, str | None], list[dict[str, Any]]]
 
 
-def _seed(smoke: bool, run_dir: Path, summary: Path, progress: bool, run_id: str,
-          profile: str | None) -> list[dict[str, Any]]:  # fmt: skip
+def _seed(
+    smoke: bool, run_dir: Path, summary: Path, progress: bool, run_id: str, profile: str | None
+) -> list[dict[str, Any]]:
     plan = suite_seed.SMOKE if smoke else suite_seed.FULL
     return suite_seed.run(plan, run_dir, summary, progress, run_id, profile or suite_seed.PROFILE)
 
 
-def _cpu(smoke: bool, run_dir: Path, summary: Path, progress: bool, run_id: str,
-         profile: str | None) -> list[dict[str, Any]]:  # fmt: skip
+def _cpu(
+    smoke: bool, run_dir: Path, summary: Path, progress: bool, run_id: str, profile: str | None
+) -> list[dict[str, Any]]:
     return suite_cpu.run(suite_cpu.SMOKE if smoke else suite_cpu.FULL, run_dir, summary, progress, run_id)
 
 
-def _overhead(smoke: bool, run_dir: Path, summary: Path, progress: bool, run_id: str,
-              profile: str | None) -> list[dict[str, Any]]:  # fmt: skip
+def _overhead(
+    smoke: bool, run_dir: Path, summary: Path, progress: bool, run_id: str, profile: str | None
+) -> list[dict[str, Any]]:
     plan = suite_overhead.SMOKE if smoke else suite_overhead.FULL
     return suite_overhead.run(plan, run_dir, summary, progress, run_id)
 

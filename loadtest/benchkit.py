@@ -32,15 +32,45 @@ def url(port: int) -> str:
 
 
 def sim_proc(name: str, role: str, port: int, profile: str, kv_mode: str, log_dir: Path) -> ManagedProcess:
-    argv = (sys.executable, "-m", "loadtest", "sim", "--role", role, "--port", str(port), "--profile", profile,
-            "--engine-id", name, "--kv-mode", kv_mode)  # fmt: skip
+    argv = (
+        sys.executable,
+        "-m",
+        "loadtest",
+        "sim",
+        "--role",
+        role,
+        "--port",
+        str(port),
+        "--profile",
+        profile,
+        "--engine-id",
+        name,
+        "--kv-mode",
+        kv_mode,
+    )
     return ManagedProcess(ProcessSpec(name, argv, _env(), log_dir / f"{name}.log", f"{url(port)}/health", REPO))
 
 
 def router_proc(name: str, port: int, mode: str, prefill: str, decode: str, log_dir: Path) -> ManagedProcess:
     """Our router. `prefill` is a SPEC: URL or URL,engine_id=..,side_port=.. (see router's contract)."""
-    argv = (sys.executable, "-m", "router", "serve", "--host", LOOPBACK, "--port", str(port), "--mode", mode,
-            "--prefill", prefill, "--decode", decode, "--log-level", "warning")  # fmt: skip
+    argv = (
+        sys.executable,
+        "-m",
+        "router",
+        "serve",
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        "--mode",
+        mode,
+        "--prefill",
+        prefill,
+        "--decode",
+        decode,
+        "--log-level",
+        "warning",
+    )
     return ManagedProcess(ProcessSpec(name, argv, _env(), log_dir / f"{name}.log", f"{url(port)}/ready", REPO))
 
 
@@ -52,13 +82,32 @@ def vrouter_binary() -> str | None:
     return shutil.which("vllm-router")
 
 
-def vrouter_proc(name: str, port: int, prom_port: int, prefill: str, decode: str, log_dir: Path,
-                 binary: str) -> ManagedProcess:  # fmt: skip
+def vrouter_proc(
+    name: str, port: int, prom_port: int, prefill: str, decode: str, log_dir: Path, binary: str
+) -> ManagedProcess:
     """vllm-router 0.1.17 in P/D mode with the NIXL connector (the anchors' flags, section 1)."""
-    argv = (binary, "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode, "--kv-connector", "nixl",
-            "--host", LOOPBACK, "--port", str(port), "--policy", "round_robin",
-            "--worker-startup-check-interval", "1", "--prometheus-port", str(prom_port),
-            "--log-level", "warning")  # fmt: skip
+    argv = (
+        binary,
+        "--vllm-pd-disaggregation",
+        "--prefill",
+        prefill,
+        "--decode",
+        decode,
+        "--kv-connector",
+        "nixl",
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(port),
+        "--policy",
+        "round_robin",
+        "--worker-startup-check-interval",
+        "1",
+        "--prometheus-port",
+        str(prom_port),
+        "--log-level",
+        "warning",
+    )
     return ManagedProcess(ProcessSpec(name, argv, _env(), log_dir / f"{name}.log", f"{url(port)}/health", REPO))
 
 
@@ -77,8 +126,10 @@ def kv_sources(before: Mapping[promtext.Sample, float], after: Mapping[promtext.
 
 def sim_fidelity(before: Mapping[promtext.Sample, float], after: Mapping[promtext.Sample, float]) -> dict[str, float]:
     """A simulator's real-vs-modeled step time over a run: mean lag per step (ms) and lag / modeled time."""
-    d = {k: promtext.total(after, f"kvpush_sim_{k}") - promtext.total(before, f"kvpush_sim_{k}")
-         for k in ("steps_total", "modeled_seconds_total", "lag_seconds_total")}  # fmt: skip
+    d = {
+        k: promtext.total(after, f"kvpush_sim_{k}") - promtext.total(before, f"kvpush_sim_{k}")
+        for k in ("steps_total", "modeled_seconds_total", "lag_seconds_total")
+    }
     if d["steps_total"] <= 0:
         return {}
     out = {"lag_ms_per_step": 1000 * d["lag_seconds_total"] / d["steps_total"]}
@@ -151,13 +202,26 @@ def measure(
     lab = point.labels
     name = f"{lab.suite}-{lab.router}-{lab.mode}-q{lab.qps}-c{lab.concurrency}"
     load = LoadConfig(
-        base_url=point.base_url, model="", input_len=lab.input_len, output_len=lab.output_len, num_requests=point.n,
-        arrivals=ArrivalSpec(lab.qps or float("inf"), 1.0, point.seed), concurrency=lab.concurrency,
-        warmup=point.warmup, timeout_s=point.timeout_s, request_id_prefix=f"{lab.suite}-{lab.mode}-{point.seed}",
-    )  # fmt: skip
-    job = Job(load=load, tokenizer=point.tokenizer, tokenizer_url=point.tokenizer_url,
-              router_timings=point.router_timings, out_dir=run_dir / name,
-              progress=sys.stderr if progress else None, label=name)  # fmt: skip
+        base_url=point.base_url,
+        model="",
+        input_len=lab.input_len,
+        output_len=lab.output_len,
+        num_requests=point.n,
+        arrivals=ArrivalSpec(lab.qps or float("inf"), 1.0, point.seed),
+        concurrency=lab.concurrency,
+        warmup=point.warmup,
+        timeout_s=point.timeout_s,
+        request_id_prefix=f"{lab.suite}-{lab.mode}-{point.seed}",
+    )
+    job = Job(
+        load=load,
+        tokenizer=point.tokenizer,
+        tokenizer_url=point.tokenizer_url,
+        router_timings=point.router_timings,
+        out_dir=run_dir / name,
+        progress=sys.stderr if progress else None,
+        label=name,
+    )
     before = scrape(point.decode_url) if point.decode_url else None
     p_before = scrape(point.prefill_url) if point.prefill_url else None
     cpu0 = group_cpu_seconds(cpu_pid) if cpu_pid else None
@@ -182,8 +246,9 @@ def measure(
         if run_dir.is_relative_to(REPO)
         else str(run_dir / name / "requests.jsonl")
     )
-    labels = RowLabels(lab.suite, lab.router, lab.mode, lab.connector, lab.qps, lab.concurrency, lab.input_len,
-                       lab.output_len, extra)  # fmt: skip
+    labels = RowLabels(
+        lab.suite, lab.router, lab.mode, lab.connector, lab.qps, lab.concurrency, lab.input_len, lab.output_len, extra
+    )
     row = build_row(summary, labels, git_commit(REPO))
     append_rows(summary_path, [row])
     return row

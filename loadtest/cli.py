@@ -51,8 +51,12 @@ def _add_sim(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--profile", default="zero", help="a name under loadtest/profiles/ or a YAML path")
     p.add_argument("--engine-id", default="", help="default: sim-<role>-<port>")
     p.add_argument("--model", default="sim", help="served model name")
-    p.add_argument("--kv-mode", choices=("pull", "push", "both"), default="both",
-                   help="the connector a prefill sim states (transfer_mode); both = state none")  # fmt: skip
+    p.add_argument(
+        "--kv-mode",
+        choices=("pull", "push", "both"),
+        default="both",
+        help="the connector a prefill sim states (transfer_mode); both = state none",
+    )
 
 
 def _add_bench(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -75,19 +79,34 @@ def parser() -> argparse.ArgumentParser:
 
 def job_from_args(a: argparse.Namespace) -> Job:
     load = LoadConfig(
-        base_url=a.base_url, model=a.model, input_len=a.input_len, output_len=a.output_len,
-        num_requests=a.num_requests, arrivals=ArrivalSpec(a.qps, a.burstiness, a.seed), endpoint=a.endpoint,
-        concurrency=a.concurrency, duration_s=a.duration, warmup=a.warmup, timeout_s=a.timeout,
-    )  # fmt: skip
+        base_url=a.base_url,
+        model=a.model,
+        input_len=a.input_len,
+        output_len=a.output_len,
+        num_requests=a.num_requests,
+        arrivals=ArrivalSpec(a.qps, a.burstiness, a.seed),
+        endpoint=a.endpoint,
+        concurrency=a.concurrency,
+        duration_s=a.duration,
+        warmup=a.warmup,
+        timeout_s=a.timeout,
+    )
     labels = None
     if a.suite is not None:
         qps = None if math.isinf(a.qps) else a.qps
         labels = RowLabels(a.suite, a.router, a.mode, a.connector, qps, a.concurrency, a.input_len, a.output_len)
     return Job(
-        load=load, tokenizer=a.tokenizer, tokenizer_url=a.tokenizer_url, salt=a.salt,
-        slos_ms=parse_goodput(a.goodput), router_timings=a.router_timings, out_dir=a.out_dir, labels=labels,
-        summary_path=a.summary, progress=None if a.no_progress else sys.stderr,
-    )  # fmt: skip
+        load=load,
+        tokenizer=a.tokenizer,
+        tokenizer_url=a.tokenizer_url,
+        salt=a.salt,
+        slos_ms=parse_goodput(a.goodput),
+        router_timings=a.router_timings,
+        out_dir=a.out_dir,
+        labels=labels,
+        summary_path=a.summary,
+        progress=None if a.no_progress else sys.stderr,
+    )
 
 
 def _print_summary(s: object) -> None:

@@ -67,8 +67,9 @@ def _records(row: Row) -> list[RequestRecord]:
     return read_jsonl(p) if p.exists() else []
 
 
-def cdfs(rows: Sequence[Row], value: Callable[[RequestRecord], float | None], label: str, path: Path,
-         title: str) -> Path:  # fmt: skip
+def cdfs(
+    rows: Sequence[Row], value: Callable[[RequestRecord], float | None], label: str, path: Path, title: str
+) -> Path:
     """Empirical CDF of one per-request value, one line per row (series + load point)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -80,8 +81,14 @@ def cdfs(rows: Sequence[Row], value: Callable[[RequestRecord], float | None], la
             continue
         load = f"qps {row['qps']}" if row.get("qps") is not None else f"c={row.get('concurrency')}"
         style = {"kvpush push": "-", "kvpush pull": "--", "vllm-router pull": ":"}.get(series_name(row), "-.")
-        ax.step(vals, [(i + 1) / len(vals) for i in range(len(vals))], where="post", label=f"{series_name(row)} {load}",
-                linestyle=style, color=colour[(row.get("qps") or 0, row.get("concurrency") or 0)])  # fmt: skip
+        ax.step(
+            vals,
+            [(i + 1) / len(vals) for i in range(len(vals))],
+            where="post",
+            label=f"{series_name(row)} {load}",
+            linestyle=style,
+            color=colour[(row.get("qps") or 0, row.get("concurrency") or 0)],
+        )
     ax.set_xlabel(label)
     ax.set_ylabel("fraction of requests")
     ax.set_xscale("log")
@@ -118,6 +125,7 @@ def suite_plots(suite: str, rows: Sequence[Row], out: Path, prefix: str = "") ->
     with_handoff = [r for r in rows if r.get("handoff_ms")]
     if with_handoff:
         title = f"{name}: handoff CDF (prefill done -> decode first byte)"
-        files.append(cdfs(with_handoff, handoff_ms, "router-measured KV handoff (ms)",
-                          out / f"{name}-handoff-cdf.png", title))  # fmt: skip
+        files.append(
+            cdfs(with_handoff, handoff_ms, "router-measured KV handoff (ms)", out / f"{name}-handoff-cdf.png", title)
+        )
     return files

@@ -10,8 +10,10 @@ from loadtest.sim import costs
 from loadtest.sim.profile import load
 
 Row = dict[str, Any]
-PUBLISHED = ("Published (Qwen3-32B, 1P+1D H200-class, 3.2 Tbps, 8 req/s, 16k prompts): TTFT pull ~1744 ms vs push "
-             "~540 ms (3.2x); TPOT ~10.4 ms (pull) vs ~7 ms (push); about equal at low load.")  # fmt: skip
+PUBLISHED = (
+    "Published (Qwen3-32B, 1P+1D H200-class, 3.2 Tbps, 8 req/s, 16k prompts): TTFT pull ~1744 ms vs push "
+    "~540 ms (3.2x); TPOT ~10.4 ms (pull) vs ~7 ms (push); about equal at low load."
+)
 
 
 A_PRIORI = "qwen3-32b-h200"  # the seed-sim headline profile; runs on any other profile are what-ifs
@@ -121,19 +123,32 @@ def seed_section(rows: Sequence[Row], prefix: str = "seed-sim") -> list[str]:
 
         n = pu["n"] if pu else (pl["n"] if pl else "-")
         failed = f"{pu['failed'] if pu else '-'} / {pl['failed'] if pl else '-'}"
-        out.append(f"| {qps} | {n} | {pair('ttft_ms', 'mean')} | {pair('ttft_ms', 'p50')} | {pair('ttft_ms', 'p99')} "
-                   f"| {pair('tpot_ms', 'mean')} | {pair('handoff_ms', 'p50')} | **{rat('ttft_ms', 'mean')}** "
-                   f"| {rat('ttft_ms', 'p50')} | {rat('ttft_ms', 'p99')} | {rat('tpot_ms', 'mean')} "
-                   f"| {failed} |")  # fmt: skip
+        out.append(
+            f"| {qps} | {n} | {pair('ttft_ms', 'mean')} | {pair('ttft_ms', 'p50')} | {pair('ttft_ms', 'p99')} "
+            f"| {pair('tpot_ms', 'mean')} | {pair('handoff_ms', 'p50')} | **{rat('ttft_ms', 'mean')}** "
+            f"| {rat('ttft_ms', 'p50')} | {rat('ttft_ms', 'p99')} | {rat('tpot_ms', 'mean')} "
+            f"| {failed} |"
+        )
     qps = sorted(float(r["qps"]) for r in rows if r.get("qps"))
-    ratios = {q: _ratio(_g(by.get((q, "pull")), "ttft_ms", "mean"), _g(by.get((q, "push")), "ttft_ms", "mean"))
-              for q in sorted(set(qps))}  # fmt: skip
-    out += ["", "**Headline** (pull / push TTFT mean, by QPS): "
-            + ", ".join(f"{q:g}: {v}" for q, v in ratios.items())
-            + ". Published: 3.2 at 8 req/s. Run-to-run noise at a point is several percent (shared CPUs)."]  # fmt: skip
+    ratios = {
+        q: _ratio(_g(by.get((q, "pull")), "ttft_ms", "mean"), _g(by.get((q, "push")), "ttft_ms", "mean"))
+        for q in sorted(set(qps))
+    }
+    out += [
+        "",
+        "**Headline** (pull / push TTFT mean, by QPS): "
+        + ", ".join(f"{q:g}: {v}" for q, v in ratios.items())
+        + ". Published: 3.2 at 8 req/s. Run-to-run noise at a point is several percent (shared CPUs).",
+    ]
     out += ["", *anatomy(str(rows[0].get("profile")), int(rows[0]["input_len"]), sorted(set(qps)))]
-    out += ["", PUBLISHED, "", f"![{prefix}](results/{prefix}.png)", f"![ttft cdf](results/{prefix}-ttft-cdf.png)",
-            f"![handoff cdf](results/{prefix}-handoff-cdf.png)"]  # fmt: skip
+    out += [
+        "",
+        PUBLISHED,
+        "",
+        f"![{prefix}](results/{prefix}.png)",
+        f"![ttft cdf](results/{prefix}-ttft-cdf.png)",
+        f"![handoff cdf](results/{prefix}-handoff-cdf.png)",
+    ]
     return out
 
 
@@ -155,12 +170,18 @@ def cpu_section(rows: Sequence[Row]) -> list[str]:
     ]
     for r in sorted(rows, key=lambda r: (r["qps"], r["router"], r["mode"], r["connector"])):
         ext = r.get("kv_external_frac")
-        out.append(f"| {r['qps']} | {r['router']} | {r['mode']} | {r['connector']} | {r['n']} | {r['failed']} "
-                   f"| {_f(_g(r, 'ttft_ms', 'mean'))} / {_f(_g(r, 'ttft_ms', 'p50'))} / {_f(_g(r, 'ttft_ms', 'p99'))} "
-                   f"| {_f(_g(r, 'tpot_ms', 'mean'))} | {_f(_g(r, 'handoff_ms', 'p50'))} | {_f(r.get('req_per_s'), 2)} "
-                   f"| {'-' if ext is None else f'{100 * ext:.0f}%'} |")  # fmt: skip
-    out += ["", "![cpu-vllm](results/cpu-vllm.png)", "![ttft cdf](results/cpu-vllm-ttft-cdf.png)",
-            "![handoff cdf](results/cpu-vllm-handoff-cdf.png)"]  # fmt: skip
+        out.append(
+            f"| {r['qps']} | {r['router']} | {r['mode']} | {r['connector']} | {r['n']} | {r['failed']} "
+            f"| {_f(_g(r, 'ttft_ms', 'mean'))} / {_f(_g(r, 'ttft_ms', 'p50'))} / {_f(_g(r, 'ttft_ms', 'p99'))} "
+            f"| {_f(_g(r, 'tpot_ms', 'mean'))} | {_f(_g(r, 'handoff_ms', 'p50'))} | {_f(r.get('req_per_s'), 2)} "
+            f"| {'-' if ext is None else f'{100 * ext:.0f}%'} |"
+        )
+    out += [
+        "",
+        "![cpu-vllm](results/cpu-vllm.png)",
+        "![ttft cdf](results/cpu-vllm-ttft-cdf.png)",
+        "![handoff cdf](results/cpu-vllm-handoff-cdf.png)",
+    ]
     return out
 
 
@@ -184,12 +205,14 @@ def overhead_section(rows: Sequence[Row]) -> list[str]:
             a, b = _g(r, metric, stat), _g(d, metric, stat)
             return "-" if a is None or b is None else f"{a - b:+.2f}"
 
-        out.append(f"| {r['concurrency']} | {r['router']} | {r['mode']} | {r['n']} | {r['failed']} "
-                   f"| {_f(_g(r, 'ttft_ms', 'p50'), 2)} / {_f(_g(r, 'ttft_ms', 'p99'), 2)} "
-                   f"| {added('ttft_ms', 'p50')} / {added('ttft_ms', 'p99')} "
-                   f"| {_f(_g(r, 'e2e_ms', 'p50'), 2)} / {_f(_g(r, 'e2e_ms', 'p99'), 2)} "
-                   f"| {added('e2e_ms', 'p50')} / {added('e2e_ms', 'p99')} | {_f(r.get('req_per_s'), 0)} "
-                   f"| {_f(r.get('cpu_s_per_1k'), 2)} | {_f(r.get('peak_rss_mb'), 0)} |")  # fmt: skip
+        out.append(
+            f"| {r['concurrency']} | {r['router']} | {r['mode']} | {r['n']} | {r['failed']} "
+            f"| {_f(_g(r, 'ttft_ms', 'p50'), 2)} / {_f(_g(r, 'ttft_ms', 'p99'), 2)} "
+            f"| {added('ttft_ms', 'p50')} / {added('ttft_ms', 'p99')} "
+            f"| {_f(_g(r, 'e2e_ms', 'p50'), 2)} / {_f(_g(r, 'e2e_ms', 'p99'), 2)} "
+            f"| {added('e2e_ms', 'p50')} / {added('e2e_ms', 'p99')} | {_f(r.get('req_per_s'), 0)} "
+            f"| {_f(r.get('cpu_s_per_1k'), 2)} | {_f(r.get('peak_rss_mb'), 0)} |"
+        )
     best: dict[str, float] = {}
     for r in rows:
         key = f"{r['router']} {r['mode']}"
@@ -215,8 +238,12 @@ def what_if_section(rows: Sequence[Row]) -> list[str]:
 
 def render(rows: Sequence[Row]) -> str:
     seed, cpu, over = latest(rows, "seed-sim"), latest(rows, "cpu-vllm"), latest(rows, "overhead")
-    commits = sorted({str(r.get("git_commit"))[:7] + ("-dirty" if "dirty" in str(r.get("git_commit")) else "")
-                      for r in (*seed, *cpu, *over)})  # fmt: skip
+    commits = sorted(
+        {
+            str(r.get("git_commit"))[:7] + ("-dirty" if "dirty" in str(r.get("git_commit")) else "")
+            for r in (*seed, *cpu, *over)
+        }
+    )
     lines = [
         "# kvpush benchmarks",
         "",

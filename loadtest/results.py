@@ -16,9 +16,25 @@ ROUTERS = ("kvpush", "vllm-router", "direct")
 MODES = ("push", "pull", "direct")
 CONNECTORS = ("upstream-push", "upstream-pull", "kvpush-push", "sim")
 REQUIRED = (
-    "suite", "router", "mode", "connector", "qps", "concurrency", "input_len", "output_len", "n", "failed",
-    "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "handoff_ms", "req_per_s", "git_commit", "created",
-)  # fmt: skip
+    "suite",
+    "router",
+    "mode",
+    "connector",
+    "qps",
+    "concurrency",
+    "input_len",
+    "output_len",
+    "n",
+    "failed",
+    "ttft_ms",
+    "tpot_ms",
+    "itl_ms",
+    "e2e_ms",
+    "handoff_ms",
+    "req_per_s",
+    "git_commit",
+    "created",
+)
 
 
 @dataclass(frozen=True)
@@ -36,8 +52,12 @@ class RowLabels:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for value, allowed in ((self.suite, SUITES), (self.router, ROUTERS), (self.mode, MODES),
-                               (self.connector, CONNECTORS)):  # fmt: skip
+        for value, allowed in (
+            (self.suite, SUITES),
+            (self.router, ROUTERS),
+            (self.mode, MODES),
+            (self.connector, CONNECTORS),
+        ):
             if value not in allowed:
                 raise ValueError(f"{value!r} is not one of {allowed}")
 

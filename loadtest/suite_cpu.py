@@ -66,8 +66,15 @@ def vllm_lock() -> Iterator[None]:
 
 def pair_specs(family: Family, model: Path) -> tuple[EngineSpec, EngineSpec]:
     name, c, m = family.label, family.connector, family.module
-    p = EngineSpec(name=f"vllm-{name}-p", role="prefill", model=model, core=0, connector=c, connector_module=m,
-                   engine_id=f"kvpush-bench-{name}-p")  # fmt: skip
+    p = EngineSpec(
+        name=f"vllm-{name}-p",
+        role="prefill",
+        model=model,
+        core=0,
+        connector=c,
+        connector_module=m,
+        engine_id=f"kvpush-bench-{name}-p",
+    )
     d = EngineSpec(name=f"vllm-{name}-d", role="decode", model=model, core=1, connector=c, connector_module=m)
     return p, d
 
@@ -105,10 +112,29 @@ def run(plan: CpuPlan, run_dir: Path, summary: Path, progress: bool, run_id: str
                 fronts = _fronts(fleet, mode, p.url, p_spec, d.url, logs)
                 for i, (qps, n) in enumerate(plan.points):
                     for j, (router, base) in enumerate(fronts if i % 2 == 0 else fronts[::-1]):
-                        labels = RowLabels("cpu-vllm", router, mode, family.label, qps, None, plan.input_len,
-                                           plan.output_len, {"run_id": run_id, "model": MODEL_SIZE})  # fmt: skip
-                        point = Point(labels, base, n, seed=3000 + i, warmup=plan.warmup, tokenizer="server",
-                                      tokenizer_url=p.url, router_timings=router == "kvpush", decode_url=d.url,
-                                      timeout_s=120.0, extra={"order": j})  # fmt: skip
+                        labels = RowLabels(
+                            "cpu-vllm",
+                            router,
+                            mode,
+                            family.label,
+                            qps,
+                            None,
+                            plan.input_len,
+                            plan.output_len,
+                            {"run_id": run_id, "model": MODEL_SIZE},
+                        )
+                        point = Point(
+                            labels,
+                            base,
+                            n,
+                            seed=3000 + i,
+                            warmup=plan.warmup,
+                            tokenizer="server",
+                            tokenizer_url=p.url,
+                            router_timings=router == "kvpush",
+                            decode_url=d.url,
+                            timeout_s=120.0,
+                            extra={"order": j},
+                        )
                         rows.append(measure(point, run_dir, summary, progress))
     return rows

@@ -64,9 +64,25 @@ def run(plan: OverheadPlan, run_dir: Path, summary: Path, progress: bool, run_id
             fronts.append(("vllm-router", "pull", kit.url(port), proc))
         for conc, n in plan.levels:
             for i, (router, mode, base, front) in enumerate(fronts):
-                labels = RowLabels("overhead", router, mode, "sim", None, conc, plan.input_len, plan.output_len,
-                                   {"run_id": run_id, "profile": PROFILE})  # fmt: skip
-                point = kit.Point(labels, base, n, seed=2000 + i, warmup=min(2 * conc, 200), timeout_s=60.0,
-                                  router_timings=router == "kvpush")  # fmt: skip
+                labels = RowLabels(
+                    "overhead",
+                    router,
+                    mode,
+                    "sim",
+                    None,
+                    conc,
+                    plan.input_len,
+                    plan.output_len,
+                    {"run_id": run_id, "profile": PROFILE},
+                )
+                point = kit.Point(
+                    labels,
+                    base,
+                    n,
+                    seed=2000 + i,
+                    warmup=min(2 * conc, 200),
+                    timeout_s=60.0,
+                    router_timings=router == "kvpush",
+                )
                 rows.append(kit.measure(point, run_dir, summary, progress, cpu_pid=front.pid if front else None))
     return rows

@@ -38,8 +38,9 @@ FULL = SeedPlan(16384, 256, (0.5, 1.0, 2.0, 2.5, 3.0, 4.0, 8.0), warmup=2, per_p
 SMOKE = SeedPlan(2048, 8, (1.0, 2.0), warmup=0, per_point_s=2.0, n_min=3, n_max=4)
 
 
-def run(plan: SeedPlan, run_dir: Path, summary: Path, progress: bool, run_id: str,
-        profile: str = PROFILE) -> list[dict[str, Any]]:  # fmt: skip
+def run(
+    plan: SeedPlan, run_dir: Path, summary: Path, progress: bool, run_id: str, profile: str = PROFILE
+) -> list[dict[str, Any]]:
     """Both stacks on `profile` (the a-priori one unless a what-if is asked for), every QPS point, both modes."""
     rows: list[dict[str, Any]] = []
     with Fleet(run_dir / "logs") as fleet:
@@ -57,10 +58,27 @@ def run(plan: SeedPlan, run_dir: Path, summary: Path, progress: bool, run_id: st
         for i, qps in enumerate(plan.qps):
             order = ("push", "pull") if i % 2 == 0 else ("pull", "push")
             for mode in order:
-                labels = RowLabels("seed-sim", "kvpush", mode, "sim", qps, None, plan.input_len, plan.output_len,
-                                   {"run_id": run_id, "profile": Path(profile).stem})  # fmt: skip
-                point = Point(labels, routers[mode], plan.n_for(qps), seed=1000 + i, warmup=plan.warmup,
-                              router_timings=True, decode_url=decodes[mode], prefill_url=prefills[mode])  # fmt: skip
+                labels = RowLabels(
+                    "seed-sim",
+                    "kvpush",
+                    mode,
+                    "sim",
+                    qps,
+                    None,
+                    plan.input_len,
+                    plan.output_len,
+                    {"run_id": run_id, "profile": Path(profile).stem},
+                )
+                point = Point(
+                    labels,
+                    routers[mode],
+                    plan.n_for(qps),
+                    seed=1000 + i,
+                    warmup=plan.warmup,
+                    router_timings=True,
+                    decode_url=decodes[mode],
+                    prefill_url=prefills[mode],
+                )
                 rows.append(measure(point, run_dir, summary, progress))
     return rows
 

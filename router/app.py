@@ -105,8 +105,12 @@ def _operations_routes(app: FastAPI, service: Service) -> None:
     @app.get("/ready")
     async def ready() -> Response:
         ok = service.ready()
-        body = {"ready": ok, "draining": service.draining, "mode": str(service.settings.mode),
-                "workers": service.pool.snapshot()}
+        body = {
+            "ready": ok,
+            "draining": service.draining,
+            "mode": str(service.settings.mode),
+            "workers": service.pool.snapshot(),
+        }
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
@@ -278,8 +282,12 @@ class RelayResponse(StreamingResponse):
     """Relays a primed decode stream event by event; closes it (and so the upstream legs) however it ends."""
 
     def __init__(self, answer: StreamAnswer, headers: dict[str, str], admission: Admission) -> None:
-        super().__init__(answer.events(), status_code=200, media_type="text/event-stream",
-                         headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"})
+        super().__init__(
+            answer.events(),
+            status_code=200,
+            media_type="text/event-stream",
+            headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
         self._answer = answer
         self._admission = admission
 

@@ -31,26 +31,43 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="listen port (default 8000)")
     p.add_argument("--mode", choices=["push", "pull"], help="push: both legs at once (default); pull: sequential")
-    p.add_argument("--prefill", action="append", metavar="SPEC",
-                   help="prefill worker: URL (identity learned) or URL,engine_id=ID,side_port=N[,side_host=H,tp=,pp=]")
+    p.add_argument(
+        "--prefill",
+        action="append",
+        metavar="SPEC",
+        help="prefill worker: URL (identity learned) or URL,engine_id=ID,side_port=N[,side_host=H,tp=,pp=]",
+    )
     p.add_argument("--decode", action="append", metavar="URL", help="decode worker base URL (repeatable)")
     p.add_argument("--decode-policy", help="decode selection policy (default least-loaded)")
     p.add_argument("--prefill-policy", help="prefill selection policy (default least-prefill-tokens)")
     p.add_argument("--retries", type=int, help="retries with fresh ids before the client got anything (default 1)")
-    p.add_argument("--timeout", action="append", default=[], metavar="NAME=SECONDS",
-                   help="a deadline: connect, prefill, decode_first_byte, decode_total, stream_idle, health")
+    p.add_argument(
+        "--timeout",
+        action="append",
+        default=[],
+        metavar="NAME=SECONDS",
+        help="a deadline: connect, prefill, decode_first_byte, decode_total, stream_idle, health",
+    )
     p.add_argument("--health-interval", type=float, help="seconds between health probes (default 2)")
-    p.add_argument("--fallback", choices=["none", "decode-only"],
-                   help="with no healthy prefill worker: 'none' answers 503 (default), 'decode-only' lets decode "
-                        "compute the prompt")
+    p.add_argument(
+        "--fallback",
+        choices=["none", "decode-only"],
+        help="with no healthy prefill worker: 'none' answers 503 (default), 'decode-only' lets decode "
+        "compute the prompt",
+    )
     p.add_argument("--max-in-flight", type=int, help="admission: client requests in flight at once (default 512)")
     p.add_argument("--admission-queue", type=int, help="admission: requests that may wait for a slot (default 64)")
     p.add_argument("--admission-wait", type=float, help="admission: longest wait for a slot, seconds (default 5)")
     p.add_argument("--drain-delay", type=float, help="on SIGTERM, seconds /ready is 503 before the listener closes")
     p.add_argument("--drain-grace", type=float, help="on SIGTERM, seconds requests in flight may still run")
     p.add_argument("--scrape-interval", type=float, help="seconds between scrapes of workers' /metrics (0: off)")
-    p.add_argument("--api-key", action="append", dest="api_keys", metavar="KEY",
-                   help="a client Bearer key (repeatable; prefer KVPUSH_API_KEYS: flags show in `ps`)")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        dest="api_keys",
+        metavar="KEY",
+        help="a client Bearer key (repeatable; prefer KVPUSH_API_KEYS: flags show in `ps`)",
+    )
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--log-format", choices=["json", "text"], help="json lines (default) or plain text")
     return p
@@ -74,12 +91,26 @@ def load_serve_settings(argv: list[str], env: dict[str, str]) -> Settings:
             raise ConfigError(f"--timeout {item!r}: expected NAME=SECONDS")
         timeouts[name] = value
     flags = {
-        "host": args.host, "port": args.port, "mode": args.mode, "prefill": args.prefill, "decode": args.decode,
-        "decode_policy": args.decode_policy, "prefill_policy": args.prefill_policy, "retries": args.retries,
-        "health_interval": args.health_interval, "log_level": args.log_level, "timeouts": timeouts or None,
-        "fallback": args.fallback, "max_in_flight": args.max_in_flight, "admission_queue": args.admission_queue,
-        "admission_wait": args.admission_wait, "drain_delay": args.drain_delay, "drain_grace": args.drain_grace,
-        "scrape_interval": args.scrape_interval, "api_keys": args.api_keys, "log_format": args.log_format,
+        "host": args.host,
+        "port": args.port,
+        "mode": args.mode,
+        "prefill": args.prefill,
+        "decode": args.decode,
+        "decode_policy": args.decode_policy,
+        "prefill_policy": args.prefill_policy,
+        "retries": args.retries,
+        "health_interval": args.health_interval,
+        "log_level": args.log_level,
+        "timeouts": timeouts or None,
+        "fallback": args.fallback,
+        "max_in_flight": args.max_in_flight,
+        "admission_queue": args.admission_queue,
+        "admission_wait": args.admission_wait,
+        "drain_delay": args.drain_delay,
+        "drain_grace": args.drain_grace,
+        "scrape_interval": args.scrape_interval,
+        "api_keys": args.api_keys,
+        "log_format": args.log_format,
     }
     env_layer: dict[str, Any] = from_env(env)
     return build_settings(file_layer, env_layer, flags)
@@ -99,8 +130,15 @@ def serve(argv: list[str]) -> int:
 
     logs.configure(settings.log_level, settings.log_format)
     app = create_app(settings)
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            access_log=False, log_config=None, timeout_graceful_shutdown=int(settings.drain_grace))
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,
+        log_config=None,
+        timeout_graceful_shutdown=int(settings.drain_grace),
+    )
     server = DrainingServer(config, app.state.runtime, settings.drain_delay)
     server.run()
     return 0

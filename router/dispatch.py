@@ -73,8 +73,13 @@ class Dispatcher:
         self._background: dict[str, asyncio.Task[Any]] = {}  # pairing id → prefill leg still running
 
     def new_record(self, request_id: str, info: RequestInfo) -> RequestRecord:
-        return RequestRecord(request_id=request_id, endpoint=str(info.endpoint), mode=str(self._settings.mode),
-                             stream=info.stream, t_start=self._clock())
+        return RequestRecord(
+            request_id=request_id,
+            endpoint=str(info.endpoint),
+            mode=str(self._settings.mode),
+            stream=info.stream,
+            t_start=self._clock(),
+        )
 
     async def handle(self, call: Call) -> Answer:
         """The answer to relay, or a RouterError. Records and metrics are finished here or when a stream closes."""
@@ -119,7 +124,8 @@ class Dispatcher:
     def _decode_only(self, excluded_prefills: set[str]) -> bool:
         """With fallback "decode-only" and no healthy prefill left, decode computes the prompt itself."""
         return self._settings.fallback == "decode-only" and not self._pool.candidates(
-            Role.PREFILL, frozenset(excluded_prefills))
+            Role.PREFILL, frozenset(excluded_prefills)
+        )
 
     async def _attempt_decode_only(self, call: Call, decode: WorkerState) -> Answer:
         rec = call.record
@@ -147,7 +153,11 @@ class Dispatcher:
         return await self._push(call, prefill, decode, identity, ids)
 
     async def _push(
-        self, call: Call, prefill: WorkerState, decode: WorkerState, identity: NixlIdentity,
+        self,
+        call: Call,
+        prefill: WorkerState,
+        decode: WorkerState,
+        identity: NixlIdentity,
         ids: protocol.PairingIds,
     ) -> Answer:
         """Both legs at once; the answer is decode's, as soon as its first byte is in."""
@@ -184,7 +194,8 @@ class Dispatcher:
             try:
                 async with asyncio.timeout(self._settings.timeouts.prefill):
                     _, answer = await upstream.post_json(
-                        self._client, url, body, _headers(ids), leg="prefill", worker=wid)
+                        self._client, url, body, _headers(ids), leg="prefill", worker=wid
+                    )
             except TimeoutError:
                 raise UpstreamTimeout("no answer within the prefill deadline", leg="prefill", worker=wid) from None
             except UpstreamError as error:
@@ -201,11 +212,14 @@ class Dispatcher:
         if params is None:
             raise UpstreamProtocolError(
                 "answered without kv_transfer_params: is it started with a KV connector (kv_producer)?",
-                leg="prefill", worker=wid)
+                leg="prefill",
+                worker=wid,
+            )
         stated = params.get("transfer_mode")
         if stated is not None and stated != str(mode):
             raise UpstreamProtocolError(
-                f"runs a {stated}-mode connector but the router is in {mode} mode", leg="prefill", worker=wid)
+                f"runs a {stated}-mode connector but the router is in {mode} mode", leg="prefill", worker=wid
+            )
         if worker.spec.identity is None and (identity := protocol.identity_from(params)) is not None:
             self._pool.learn_identity(wid, identity)
         return params
@@ -222,7 +236,8 @@ class Dispatcher:
                 try:
                     async with asyncio.timeout(t.decode_total):
                         content, _ = await upstream.post_json(
-                            self._client, url, body, _headers(ids), leg="decode", worker=wid)
+                            self._client, url, body, _headers(ids), leg="decode", worker=wid
+                        )
                 except TimeoutError:
                     raise UpstreamTimeout("no answer within the decode deadline", leg="decode", worker=wid) from None
                 rec.decode_first_byte = self._clock()
@@ -233,14 +248,17 @@ class Dispatcher:
             try:
                 async with asyncio.timeout(t.decode_first_byte):
                     response = await upstream.open_stream(
-                        self._client, url, body, _headers(ids), leg="decode", worker=wid)
+                        self._client, url, body, _headers(ids), leg="decode", worker=wid
+                    )
                     cleanup.push_async_callback(response.aclose)
                     first, rest = await read_first_events(response, framer, worker=wid)
                     if (message := error_of(first[0])) is not None:  # nothing reached the client yet: retryable
                         raise UpstreamError(f"failed before its first token: {message}", leg="decode", worker=wid)
             except TimeoutError:
                 raise UpstreamTimeout(
-                    f"no first byte within {t.decode_first_byte:g} s (did the KV arrive?)", leg="decode", worker=wid,
+                    f"no first byte within {t.decode_first_byte:g} s (did the KV arrive?)",
+                    leg="decode",
+                    worker=wid,
                 ) from None
         except BaseException as error:
             if isinstance(error, UpstreamError):
@@ -249,8 +267,15 @@ class Dispatcher:
             raise
         rec.decode_first_byte = self._clock()
         self._observe_first_byte(rec)
-        return StreamAnswer(response, first, rest, framer, worker=wid, cleanup=cleanup,
-                            on_close=lambda outcome: self._finish(rec, outcome))
+        return StreamAnswer(
+            response,
+            first,
+            rest,
+            framer,
+            worker=wid,
+            cleanup=cleanup,
+            on_close=lambda outcome: self._finish(rec, outcome),
+        )
 
     def _observe_first_byte(self, rec: RequestRecord) -> None:
         mode = rec.mode
@@ -292,11 +317,31 @@ class Dispatcher:
             self._metrics.leg.labels("decode", mode).observe(rec.t_end - rec.decode_sent)
         self._timings.add(rec)
         data = rec.to_json()
-        fields = {k: data[k] for k in ("request_id", "pairing_id", "mode", "endpoint", "stream", "prefill_worker",
-                                       "decode_worker", "outcome", "attempts", "ttft_ms", "handoff_ms")}
+        fields = {
+            k: data[k]
+            for k in (
+                "request_id",
+                "pairing_id",
+                "mode",
+                "endpoint",
+                "stream",
+                "prefill_worker",
+                "decode_worker",
+                "outcome",
+                "attempts",
+                "ttft_ms",
+                "handoff_ms",
+            )
+        }
         fields["e2e_ms"] = round((rec.t_end - rec.t_start) * 1000.0, 3)
-        logger.info("request %s %s (%s, %s attempt(s))", rec.request_id, outcome, rec.mode, rec.attempts,
-                    extra={"fields": fields})
+        logger.info(
+            "request %s %s (%s, %s attempt(s))",
+            rec.request_id,
+            outcome,
+            rec.mode,
+            rec.attempts,
+            extra={"fields": fields},
+        )
 
     async def aclose(self) -> None:
         tasks = list(self._background.values())

@@ -40,8 +40,14 @@ class LoadAware:
 
     name: ClassVar[str] = "load-aware"
 
-    def __init__(self, *, waiting_weight: float = 2.0, kv_weight: float = 4.0, kv_high: float = 0.95,
-                 kv_full_penalty: float = 1000.0) -> None:
+    def __init__(
+        self,
+        *,
+        waiting_weight: float = 2.0,
+        kv_weight: float = 4.0,
+        kv_high: float = 0.95,
+        kv_full_penalty: float = 1000.0,
+    ) -> None:
         self.waiting_weight = waiting_weight
         self.kv_weight = kv_weight
         self.kv_high = kv_high

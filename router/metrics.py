@@ -15,50 +15,80 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "kvpush_requests", "Client requests finished, by endpoint, mode and outcome.",
-            ["endpoint", "mode", "outcome"], registry=r)
+            "kvpush_requests",
+            "Client requests finished, by endpoint, mode and outcome.",
+            ["endpoint", "mode", "outcome"],
+            registry=r,
+        )
         self.ttft = Histogram(
-            "kvpush_ttft_seconds", "Router-side time from request arrival to the first relayed byte.",
-            ["endpoint", "mode"], buckets=_LATENCY_BUCKETS, registry=r)
+            "kvpush_ttft_seconds",
+            "Router-side time from request arrival to the first relayed byte.",
+            ["endpoint", "mode"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.e2e = Histogram(
-            "kvpush_e2e_seconds", "Router-side time from request arrival to the last relayed byte.",
-            ["endpoint", "mode"], buckets=_LATENCY_BUCKETS, registry=r)
+            "kvpush_e2e_seconds",
+            "Router-side time from request arrival to the last relayed byte.",
+            ["endpoint", "mode"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.leg = Histogram(
-            "kvpush_leg_seconds", "Duration of one upstream leg (prefill: to its answer; decode: to its end).",
-            ["leg", "mode"], buckets=_LATENCY_BUCKETS, registry=r)
+            "kvpush_leg_seconds",
+            "Duration of one upstream leg (prefill: to its answer; decode: to its end).",
+            ["leg", "mode"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.handoff = Histogram(
-            "kvpush_handoff_seconds", "KV handoff: prefill leg answered to decode's first byte.",
-            ["mode"], buckets=_LATENCY_BUCKETS, registry=r)
+            "kvpush_handoff_seconds",
+            "KV handoff: prefill leg answered to decode's first byte.",
+            ["mode"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.in_flight = Gauge(
-            "kvpush_worker_in_flight", "Requests in flight through this router, per worker.",
-            ["role", "worker"], registry=r)
+            "kvpush_worker_in_flight",
+            "Requests in flight through this router, per worker.",
+            ["role", "worker"],
+            registry=r,
+        )
         self.healthy = Gauge(
-            "kvpush_worker_healthy", "1 when the worker passes health checks, else 0.",
-            ["role", "worker"], registry=r)
+            "kvpush_worker_healthy", "1 when the worker passes health checks, else 0.", ["role", "worker"], registry=r
+        )
         self.errors = Counter(
-            "kvpush_errors", "Errors by kind (bad_request, connect, timeout, status, protocol, no_worker, ...).",
-            ["kind"], registry=r)
+            "kvpush_errors",
+            "Errors by kind (bad_request, connect, timeout, status, protocol, no_worker, ...).",
+            ["kind"],
+            registry=r,
+        )
         self.retries = Counter(
-            "kvpush_retries", "Dispatch attempts retried with fresh ids, by the leg that failed.",
-            ["leg"], registry=r)
+            "kvpush_retries", "Dispatch attempts retried with fresh ids, by the leg that failed.", ["leg"], registry=r
+        )
         self.decode_ttft = Histogram(
-            "kvpush_decode_ttft_seconds", "Router-side time to first byte, by mode and decode worker.",
-            ["mode", "worker"], buckets=_LATENCY_BUCKETS, registry=r)
+            "kvpush_decode_ttft_seconds",
+            "Router-side time to first byte, by mode and decode worker.",
+            ["mode", "worker"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.pool_members = Gauge("kvpush_pool_members", "Workers in the pool, by role.", ["role"], registry=r)
-        self.pool_healthy = Gauge(
-            "kvpush_pool_healthy", "Healthy workers in the pool, by role.", ["role"], registry=r)
+        self.pool_healthy = Gauge("kvpush_pool_healthy", "Healthy workers in the pool, by role.", ["role"], registry=r)
         self.ejections = Counter(
-            "kvpush_ejections", "Workers taken out of rotation after failures, by role.", ["role"], registry=r)
+            "kvpush_ejections", "Workers taken out of rotation after failures, by role.", ["role"], registry=r
+        )
         self.in_flight_total = Gauge("kvpush_in_flight", "Client requests in flight.", registry=r)
         self.queued = Gauge("kvpush_admission_queued", "Client requests waiting for admission.", registry=r)
         self.rejected = Counter(
-            "kvpush_admission_rejected", "Client requests refused with 429 (admission bound reached).",
-            registry=r)
+            "kvpush_admission_rejected", "Client requests refused with 429 (admission bound reached).", registry=r
+        )
         self.scrape_errors = Counter(
-            "kvpush_scrape_errors", "Failed scrapes of a worker's /metrics, by role.", ["role"], registry=r)
+            "kvpush_scrape_errors", "Failed scrapes of a worker's /metrics, by role.", ["role"], registry=r
+        )
         self.discovery_errors = Counter(
-            "kvpush_discovery_errors", "Failed discovery lookups (DNS, Kubernetes API), by role.", ["role"],
-            registry=r)
+            "kvpush_discovery_errors", "Failed discovery lookups (DNS, Kubernetes API), by role.", ["role"], registry=r
+        )
         self.draining = Gauge("kvpush_draining", "1 while the router drains before it exits.", registry=r)
 
     def render(self) -> tuple[bytes, str]:

@@ -41,16 +41,24 @@ class WorkerState:
     def view(self) -> WorkerView:
         load = self.load
         return WorkerView(
-            id=self.spec.id, in_flight=self.in_flight, outstanding_tokens=self.outstanding_tokens,
-            engine_running=load.running if load else 0, engine_waiting=load.waiting if load else 0,
-            kv_usage=load.kv_usage if load else 0.0, load_known=load is not None)
+            id=self.spec.id,
+            in_flight=self.in_flight,
+            outstanding_tokens=self.outstanding_tokens,
+            engine_running=load.running if load else 0,
+            engine_waiting=load.waiting if load else 0,
+            kv_usage=load.kv_usage if load else 0.0,
+            load_known=load is not None,
+        )
 
 
 class Pool:
     """Both pools. Selection reads `candidates`; dispatch wraps each leg in `track` and reports its outcome."""
 
     def __init__(
-        self, workers: Sequence[WorkerSpec], metrics: Metrics, policy: HealthPolicy | None = None,
+        self,
+        workers: Sequence[WorkerSpec],
+        metrics: Metrics,
+        policy: HealthPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._metrics = metrics
@@ -72,7 +80,8 @@ class Pool:
 
     def candidates(self, role: Role, exclude: frozenset[str] = frozenset()) -> list[WorkerView]:
         return [
-            s.view() for s in self._workers.values()
+            s.view()
+            for s in self._workers.values()
             if s.spec.role is role and s.healthy and not s.draining and s.spec.id not in exclude
         ]
 
@@ -81,11 +90,18 @@ class Pool:
 
     def snapshot(self) -> list[dict[str, object]]:
         return [
-            {"url": s.spec.url, "role": str(s.spec.role), "healthy": s.healthy, "state": s.health.state.value,
-             "draining": s.draining, "in_flight": s.in_flight,
-             "identity": None if s.identity is None else s.identity.engine_id,
-             "load": None if s.load is None else
-             {"running": s.load.running, "waiting": s.load.waiting, "kv_usage": s.load.kv_usage}}
+            {
+                "url": s.spec.url,
+                "role": str(s.spec.role),
+                "healthy": s.healthy,
+                "state": s.health.state.value,
+                "draining": s.draining,
+                "in_flight": s.in_flight,
+                "identity": None if s.identity is None else s.identity.engine_id,
+                "load": None
+                if s.load is None
+                else {"running": s.load.running, "waiting": s.load.waiting, "kv_usage": s.load.kv_usage},
+            }
             for s in self._workers.values()
         ]
 
@@ -162,8 +178,9 @@ class Pool:
             state.health.on_request_ok(now)
             return
         if state.health.on_request_failed(now, hard=hard):
-            logger.warning("%s worker %s ejected for %.1f s: %s", state.spec.role, worker_id,
-                           state.health.held_until - now, reason)
+            logger.warning(
+                "%s worker %s ejected for %.1f s: %s", state.spec.role, worker_id, state.health.held_until - now, reason
+            )
             self._metrics.ejections.labels(str(state.spec.role)).inc()
             self._publish(state)
 

@@ -114,9 +114,7 @@ def prefill_body(body: dict[str, Any], endpoint: Endpoint, transfer_id: str) -> 
     return out
 
 
-def push_decode_body(
-    body: dict[str, Any], identity: NixlIdentity, ids: PairingIds
-) -> dict[str, Any]:
+def push_decode_body(body: dict[str, Any], identity: NixlIdentity, ids: PairingIds) -> dict[str, Any]:
     """The push decode leg: the client's request plus where to register for the KV WRITE."""
     out = copy.deepcopy(body)
     out["kv_transfer_params"] = {

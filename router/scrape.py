@@ -64,7 +64,7 @@ def samples(text: str) -> Iterator[tuple[str, float]]:
         match = _NAME.match(line)
         if match is None:
             raise ScrapeError(f"not a sample line: {line[:200]!r}")
-        end = _labels_end(line, match.end()) if line[match.end():match.end() + 1] == "{" else match.end()
+        end = _labels_end(line, match.end()) if line[match.end() : match.end() + 1] == "{" else match.end()
         fields = line[end:].split()
         if not fields:
             raise ScrapeError(f"a sample without a value: {line[:200]!r}")
@@ -93,9 +93,17 @@ def parse_engine_load(text: str) -> EngineLoad:
 class Scraper:
     """Every `interval` seconds, scrapes every current target at once and hands each result to the sink."""
 
-    def __init__(self, client: httpx.AsyncClient, targets: Callable[[], Sequence[WorkerSpec]], sink: LoadSink, *,
-                 interval: float, timeout: float, on_error: ScrapeErrorHook | None = None,
-                 sleep: Sleep = asyncio.sleep) -> None:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        targets: Callable[[], Sequence[WorkerSpec]],
+        sink: LoadSink,
+        *,
+        interval: float,
+        timeout: float,
+        on_error: ScrapeErrorHook | None = None,
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
         self.client = client
         self.targets = targets
         self.sink = sink

@@ -43,8 +43,9 @@ class Service:
         self.timings = TimingLog(settings.timings_capacity)
         self.client = make_client(settings, transport)
         self.dispatcher = Dispatcher(settings, self.pool, self.client, self.metrics, self.timings, clock)
-        self.admission = Admission(settings.max_in_flight, settings.admission_queue, settings.admission_wait,
-                                   self.metrics)
+        self.admission = Admission(
+            settings.max_in_flight, settings.admission_queue, settings.admission_wait, self.metrics
+        )
         self.draining = False
         self._loops: set[asyncio.Task[None]] = set()
 
@@ -57,9 +58,14 @@ class Service:
             source = build_source(config, on_error=lambda role, _: metrics.discovery_errors.labels(str(role)).inc())
             self._spawn(source.run(self.pool))
         if s.scrape_interval > 0:
-            scraper = Scraper(self.client, self.pool.all_members, self.pool, interval=s.scrape_interval,
-                              timeout=s.timeouts.health,
-                              on_error=lambda spec, _: metrics.scrape_errors.labels(str(spec.role)).inc())
+            scraper = Scraper(
+                self.client,
+                self.pool.all_members,
+                self.pool,
+                interval=s.scrape_interval,
+                timeout=s.timeouts.health,
+                on_error=lambda spec, _: metrics.scrape_errors.labels(str(spec.role)).inc(),
+            )
             self._spawn(scraper.run())
 
     async def stop(self) -> None:

@@ -71,6 +71,5 @@ class TimingLog:
         return [
             r.to_json()
             for r in self._records
-            if (request_id is None or r.request_id == request_id)
-            and (pairing_id is None or r.pairing_id == pairing_id)
+            if (request_id is None or r.request_id == request_id) and (pairing_id is None or r.pairing_id == pairing_id)
         ]

@@ -49,10 +49,12 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=self._keepalive,
-                                             use_dns_cache=True, ttl_dns_cache=10)
-            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=False,
-                                                  skip_auto_headers=("User-Agent",))
+            connector = aiohttp.TCPConnector(
+                limit=self._max_connections, keepalive_timeout=self._keepalive, use_dns_cache=True, ttl_dns_cache=10
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector, auto_decompress=False, trust_env=False, skip_auto_headers=("User-Agent",)
+            )
         return self._session
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -61,8 +63,14 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         body = await request.aread()
         try:
             response = await self._get_session().request(
-                request.method, str(request.url), data=body or None, headers=request.headers.multi_items(),
-                allow_redirects=False, timeout=timeout, compress=None)
+                request.method,
+                str(request.url),
+                data=body or None,
+                headers=request.headers.multi_items(),
+                allow_redirects=False,
+                timeout=timeout,
+                compress=None,
+            )
         except aiohttp.ConnectionTimeoutError as exc:
             raise httpx.ConnectTimeout(f"no connection in time: {exc}", request=request) from exc
         except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
@@ -73,8 +81,13 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             raise httpx.RemoteProtocolError(f"server disconnected: {exc}", request=request) from exc
         except aiohttp.ClientError as exc:
             raise httpx.ConnectError(f"{type(exc).__name__}: {exc}", request=request) from exc
-        return httpx.Response(response.status, headers=list(response.raw_headers), stream=_Body(response, request),
-                              extensions={"http_version": b"HTTP/1.1"}, request=request)
+        return httpx.Response(
+            response.status,
+            headers=list(response.raw_headers),
+            stream=_Body(response, request),
+            extensions={"http_version": b"HTTP/1.1"},
+            request=request,
+        )
 
     async def aclose(self) -> None:
         if self._session is not None:

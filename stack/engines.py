@@ -181,16 +181,26 @@ def engine_argv(spec: EngineSpec, python: str = sys.executable) -> tuple[str, ..
     if spec.http_port == 0:
         raise ValueError(f"{spec.name}: resolve ports before building the command")
     argv = [
-        "taskset", "-c", str(spec.core),
-        python, "-m", API_SERVER_MODULE,
-        "--model", str(spec.model),
-        "--served-model-name", spec.served_model_name,
-        "--host", LOOPBACK,
-        "--port", str(spec.http_port),
+        "taskset",
+        "-c",
+        str(spec.core),
+        python,
+        "-m",
+        API_SERVER_MODULE,
+        "--model",
+        str(spec.model),
+        "--served-model-name",
+        spec.served_model_name,
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(spec.http_port),
         "--enforce-eager",
-        "--dtype", "float32",
-        "--max-model-len", str(spec.max_model_len),
-    ]  # fmt: skip
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(spec.max_model_len),
+    ]
     config = kv_transfer_config(spec)
     if config is not None:
         argv += ["--kv-transfer-config", json.dumps(config, sort_keys=True, separators=(",", ":"))]

@@ -109,13 +109,21 @@ def router_argv(options: StackOptions, prefill: EngineSpec, decode: EngineSpec) 
     """`python -m router serve ...` for resolved engine specs (the prefill SPEC names P's NIXL identity)."""
     prefill_arg = f"{prefill.url},engine_id={prefill.engine_id},side_port={prefill.side_port}"
     return (
-        options.python, "-m", "router", "serve",
-        "--host", LOOPBACK,
-        "--port", str(options.port),
-        "--mode", options.mode,
-        "--prefill", prefill_arg,
-        "--decode", decode.url,
-    )  # fmt: skip
+        options.python,
+        "-m",
+        "router",
+        "serve",
+        "--host",
+        LOOPBACK,
+        "--port",
+        str(options.port),
+        "--mode",
+        options.mode,
+        "--prefill",
+        prefill_arg,
+        "--decode",
+        decode.url,
+    )
 
 
 def router_process(options: StackOptions, argv: Sequence[str], base_env: dict[str, str]) -> ProcessSpec:
@@ -248,7 +256,7 @@ def parse_args(argv: Sequence[str] | None) -> StackOptions:
     p.add_argument("--prefill-port", type=int, default=8100)
     p.add_argument("--decode-port", type=int, default=8200)
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for each start-up wait")
-    args = p.parse_args(argv)  # fmt: skip
+    args = p.parse_args(argv)
     if args.mode == "pull" and args.connector == "kvpush":
         p.error("the kvpush connector is push only: use --connector upstream (or auto) with --mode pull")
     return StackOptions(

@@ -39,8 +39,10 @@ def render() -> str:
     doc = {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
-        "metadata": {"name": "kvpush", "labels": {"app.kubernetes.io/name": "kvpush",
-                                                  "app.kubernetes.io/component": "alerts"}},
+        "metadata": {
+            "name": "kvpush",
+            "labels": {"app.kubernetes.io/name": "kvpush", "app.kubernetes.io/component": "alerts"},
+        },
         "spec": {"groups": groups},
     }
     return HEADER + yaml.dump(doc, Dumper=_Dumper, sort_keys=False, width=118, allow_unicode=True)

@@ -20,8 +20,13 @@ class EngineLoop:
 
     CATCH_UP_S = 0.005
 
-    def __init__(self, engine: Engine, sleep: Sleep, on_events: Callable[[Sequence[Event]], None],
-                 clock: Callable[[], float] = time.monotonic):  # fmt: skip
+    def __init__(
+        self,
+        engine: Engine,
+        sleep: Sleep,
+        on_events: Callable[[Sequence[Event]], None],
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.engine = engine
         self.steps = 0
         self.busy_s = 0.0

@@ -34,10 +34,25 @@ PREFILL_WAIT_S = 300.0
 
 
 class SimServer:
-    def __init__(self, role: str, profile: Profile, engine_id: str, host: str, port: int, model: str,
-                 kv_mode: str = "both", clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        role: str,
+        profile: Profile,
+        engine_id: str,
+        host: str,
+        port: int,
+        model: str,
+        kv_mode: str = "both",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.role, self.profile, self.engine_id, self.host, self.port, self.model = (
-            role, profile, engine_id, host, port, model)  # fmt: skip
+            role,
+            profile,
+            engine_id,
+            host,
+            port,
+            model,
+        )
         self.kv_mode = kv_mode
         self.engine = Engine(profile)
         self.loop = EngineLoop(self.engine, asyncio.sleep, self._on_events)
@@ -79,8 +94,10 @@ class SimServer:
         """D side: READ from P (pull) or register and wait for P's WRITE (push); then the KV has landed."""
         kv = self.remote.pop(req, {})
         url = f"http://{kv.get('remote_host', '127.0.0.1')}:{kv.get('remote_port')}/kv/{'read' if pull else 'push'}"
-        body = {"key": str(kv.get("remote_request_id") if pull else wire.handoff_key(kv, req.rid)),
-                "peer": self.engine_id}  # fmt: skip
+        body = {
+            "key": str(kv.get("remote_request_id") if pull else wire.handoff_key(kv, req.rid)),
+            "peer": self.engine_id,
+        }
         assert self.client is not None
         try:
             resp = await self.client.post(url, json=body, timeout=SIDE_TIMEOUT_S)
@@ -123,8 +140,12 @@ class SimServer:
         elif method == "GET" and path == "/health":
             await send_json(send, 200, {}, rid)
         elif method == "GET" and path == "/v1/models":
-            await send_json(send, 200, {"object": "list", "data": [{"id": self.model, "object": "model",
-                                                                    "owned_by": "kvpush-sim"}]}, rid)  # fmt: skip
+            await send_json(
+                send,
+                200,
+                {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "kvpush-sim"}]},
+                rid,
+            )
         elif method == "GET" and path == "/metrics":
             await send_text(send, 200, self._metrics(), rid)
         elif method == "POST" and path == "/tokenize":
@@ -155,8 +176,11 @@ class SimServer:
     def _metrics(self) -> str:
         e = self.engine
         usage = e.used_tokens / e.profile.kv_capacity_tokens if e.profile.kv_capacity_tokens else 0.0
-        loop = {"steps_total": self.loop.steps, "modeled_seconds_total": self.loop.busy_s,
-                "lag_seconds_total": self.loop.lag_s}  # fmt: skip
+        loop = {
+            "steps_total": self.loop.steps,
+            "modeled_seconds_total": self.loop.busy_s,
+            "lag_seconds_total": self.loop.lag_s,
+        }
         return wire.metrics_text(self.model, e.num_running, len(e.waiting), usage, self.by_source, self.success, loop)
 
     # generation ------------------------------------------------------------------------------------------
@@ -210,8 +234,15 @@ class SimServer:
         self._count(req)
         kv = None
         if inc.kind is Kind.PREFILL:
-            kv = wire.prefill_kv_params(self.engine_id, self.host, self.port, key, req.prompt,
-                                        costs.blocks(self.profile, req.prompt), self.kv_mode)  # fmt: skip
+            kv = wire.prefill_kv_params(
+                self.engine_id,
+                self.host,
+                self.port,
+                key,
+                req.prompt,
+                costs.blocks(self.profile, req.prompt),
+                self.kv_mode,
+            )
         await send_json(send, 200, wire.full_response(req.rid, self.model, inc.chat, req.prompt, n, kv), req.rid)
 
     async def _stream(self, req: Req, inc: wire.Incoming, queue: asyncio.Queue[Item], send: Send) -> None:
@@ -221,8 +252,13 @@ class SimServer:
             kind, final, msg = await queue.get()
             if kind == "err":
                 err = {"error": {"message": msg, "code": 500}}
-                await send({"type": "http.response.body", "body": b"data: " + json.dumps(err).encode() + b"\n\n",
-                            "more_body": True})  # fmt: skip
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": b"data: " + json.dumps(err).encode() + b"\n\n",
+                        "more_body": True,
+                    }
+                )
                 break
             n += 1
             body = wire.chunk(req.rid, self.model, inc.chat, first=n == 1, final=final)
@@ -280,15 +316,21 @@ def _headers(ctype: bytes, rid: str, length: int | None = None) -> list[tuple[by
 
 async def send_json(send: Send, status: int, obj: Any, rid: str) -> None:
     data = json.dumps(obj, separators=(",", ":")).encode()
-    await send({"type": "http.response.start", "status": status, "headers": _headers(b"application/json", rid,
-                                                                                       len(data))})  # fmt: skip
+    await send(
+        {"type": "http.response.start", "status": status, "headers": _headers(b"application/json", rid, len(data))}
+    )
     await send({"type": "http.response.body", "body": data})
 
 
 async def send_text(send: Send, status: int, text: str, rid: str) -> None:
     data = text.encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": _headers(b"text/plain; version=0.0.4", rid, len(data))})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": _headers(b"text/plain; version=0.0.4", rid, len(data)),
+        }
+    )
     await send({"type": "http.response.body", "body": data})
 
 
@@ -297,6 +339,14 @@ def serve(role: str, host: str, port: int, profile: str, engine_id: str, model: 
     import uvicorn
 
     app = SimServer(role, load(profile), engine_id, host, port, model, kv_mode)
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
-                timeout_keep_alive=75, backlog=4096)  # fmt: skip
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        timeout_keep_alive=75,
+        backlog=4096,
+    )
     return 0

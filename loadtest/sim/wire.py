@@ -149,8 +149,15 @@ def full_response(
     return out
 
 
-def metrics_text(model: str, running: int, waiting: int, kv_usage: float, by_source: Mapping[str, int],
-                 success: int, loop: Mapping[str, float] | None = None) -> str:  # fmt: skip
+def metrics_text(
+    model: str,
+    running: int,
+    waiting: int,
+    kv_usage: float,
+    by_source: Mapping[str, int],
+    success: int,
+    loop: Mapping[str, float] | None = None,
+) -> str:
     """vLLM's gauges and counters the benches read, plus the simulator's own loop counters (kvpush_sim_*)."""
     lab = f'engine="0",model_name="{model}"'
     lines = [

@@ -66,8 +66,18 @@ class DnspythonResolver:
 class DnsSource:
     """One role's workers are the addresses of `name`, each on `port`. A failed lookup keeps the last set."""
 
-    def __init__(self, role: Role, name: str, port: int, *, interval: float, timeout: float, resolver: Resolver,
-                 on_error: ErrorHook | None = None, sleep: Sleep = asyncio.sleep) -> None:
+    def __init__(
+        self,
+        role: Role,
+        name: str,
+        port: int,
+        *,
+        interval: float,
+        timeout: float,
+        resolver: Resolver,
+        on_error: ErrorHook | None = None,
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
         self.role = role
         self.name = name
         self.port = port
@@ -93,8 +103,9 @@ class DnsSource:
         except (LookupFailed, TimeoutError) as exc:
             reason = str(exc) or "timed out"
             kept = len(publisher.last or ())
-            logger.warning("%s discovery: resolving %s failed (%s); keeping %d known worker(s)",
-                           self.role, self.name, reason, kept)
+            logger.warning(
+                "%s discovery: resolving %s failed (%s); keeping %d known worker(s)", self.role, self.name, reason, kept
+            )
             self.errors += 1
             if self._on_error is not None:
                 self._on_error(self.role, reason)
@@ -104,5 +115,10 @@ class DnsSource:
         self.synced = True
         if changed:
             log = logger.info if specs else logger.warning
-            log("%s discovery: %s has %d address(es): %s", self.role, self.name, len(specs),
-                " ".join(s.url for s in specs) or "none")
+            log(
+                "%s discovery: %s has %d address(es): %s",
+                self.role,
+                self.name,
+                len(specs),
+                " ".join(s.url for s in specs) or "none",
+            )

@@ -39,12 +39,20 @@ class ApiError(Exception):
 class KubeApi:
     """The two calls discovery makes (list pods, watch pods), each under a deadline. Owns its HTTP client."""
 
-    def __init__(self, base_url: str, *, token: TokenSource, verify: ssl.SSLContext | bool, request_timeout: float,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        token: TokenSource,
+        verify: ssl.SSLContext | bool,
+        request_timeout: float,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
         self.request_timeout = request_timeout
         self._token = token
-        self._client = httpx.AsyncClient(base_url=base_url, verify=verify, transport=transport,
-                                         timeout=httpx.Timeout(request_timeout))
+        self._client = httpx.AsyncClient(
+            base_url=base_url, verify=verify, transport=transport, timeout=httpx.Timeout(request_timeout)
+        )
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -55,8 +63,9 @@ class KubeApi:
 
     async def list_pods(self, namespace: str, selector: str) -> Mapping[str, Any]:
         async with asyncio.timeout(self.request_timeout):
-            response = await self._client.get(f"/api/v1/namespaces/{namespace}/pods",
-                                              params={"labelSelector": selector}, headers=self._headers())
+            response = await self._client.get(
+                f"/api/v1/namespaces/{namespace}/pods", params={"labelSelector": selector}, headers=self._headers()
+            )
         if response.status_code != 200:
             raise ApiError(f"LIST pods answered {response.status_code}: {response.text[:300]}")
         try:
@@ -67,15 +76,29 @@ class KubeApi:
             raise WatchFailed(f"LIST pods answered {str(data)[:200]}")
         return data
 
-    async def watch_pods(self, namespace: str, selector: str, resource_version: str, timeout_seconds: int,
-                         on_event: Callable[[WatchEvent], None]) -> None:
+    async def watch_pods(
+        self,
+        namespace: str,
+        selector: str,
+        resource_version: str,
+        timeout_seconds: int,
+        on_event: Callable[[WatchEvent], None],
+    ) -> None:
         """Streams events into `on_event` until the server ends the watch (after about `timeout_seconds`)."""
-        params = {"labelSelector": selector, "watch": "1", "resourceVersion": resource_version,
-                  "timeoutSeconds": str(timeout_seconds), "allowWatchBookmarks": "true"}
+        params = {
+            "labelSelector": selector,
+            "watch": "1",
+            "resourceVersion": resource_version,
+            "timeoutSeconds": str(timeout_seconds),
+            "allowWatchBookmarks": "true",
+        }
         deadline = httpx.Timeout(self.request_timeout, read=timeout_seconds + 5.0)
-        async with asyncio.timeout(timeout_seconds + self.request_timeout + 5.0), self._client.stream(
-                "GET", f"/api/v1/namespaces/{namespace}/pods", params=params, headers=self._headers(),
-                timeout=deadline) as response:
+        async with (
+            asyncio.timeout(timeout_seconds + self.request_timeout + 5.0),
+            self._client.stream(
+                "GET", f"/api/v1/namespaces/{namespace}/pods", params=params, headers=self._headers(), timeout=deadline
+            ) as response,
+        ):
             if response.status_code == 410:
                 raise WatchGone(f"WATCH from resourceVersion {resource_version} answered 410 Gone")
             if response.status_code != 200:
@@ -89,9 +112,19 @@ class KubeApi:
 class KubernetesSource:
     """One role's workers are the ready pods matching a selector. Failures keep the last membership."""
 
-    def __init__(self, role: Role, api: KubeApi, *, namespace: str, selector: str, port: int,
-                 watch_timeout: int, backoff_max: float, on_error: ErrorHook | None = None,
-                 sleep: Sleep = asyncio.sleep) -> None:
+    def __init__(
+        self,
+        role: Role,
+        api: KubeApi,
+        *,
+        namespace: str,
+        selector: str,
+        port: int,
+        watch_timeout: int,
+        backoff_max: float,
+        on_error: ErrorHook | None = None,
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
         self.role = role
         self.api = api
         self.namespace = namespace
@@ -149,8 +182,15 @@ class KubernetesSource:
         changed = publisher.publish(specs)
         self.synced = True
         if changed:
-            logger.info("%s discovery (%s %s, %s): %d pod(s) ready: %s", self.role, self.namespace, self.selector,
-                        why, len(specs), " ".join(s.url for s in specs) or "none")
+            logger.info(
+                "%s discovery (%s %s, %s): %d pod(s) ready: %s",
+                self.role,
+                self.namespace,
+                self.selector,
+                why,
+                len(specs),
+                " ".join(s.url for s in specs) or "none",
+            )
 
     def _failed(self, publisher: Publisher, reason: str) -> None:
         logger.warning("%s discovery: %s; keeping %d known worker(s)", self.role, reason, len(publisher.last or ()))
@@ -202,12 +242,31 @@ def _namespace(cfg: KubernetesConfig) -> str:
         raise ConfigError(f"Kubernetes discovery: no namespace given and {path} is unreadable") from None
 
 
-def kubernetes_source(cfg: KubernetesConfig, *, env: Mapping[str, str], transport: httpx.AsyncBaseTransport | None,
-                      on_error: ErrorHook | None = None, sleep: Sleep = asyncio.sleep) -> KubernetesSource:
+def kubernetes_source(
+    cfg: KubernetesConfig,
+    *,
+    env: Mapping[str, str],
+    transport: httpx.AsyncBaseTransport | None,
+    on_error: ErrorHook | None = None,
+    sleep: Sleep = asyncio.sleep,
+) -> KubernetesSource:
     """The source for `cfg`, with the in-cluster defaults filled in (raises ConfigError when one is missing)."""
     api_url = cfg.api_url or in_cluster_api_url(env)
-    api = KubeApi(api_url, token=_token_source(cfg), verify=_verify(cfg, api_url),
-                  request_timeout=cfg.request_timeout, transport=transport)
-    return KubernetesSource(cfg.role, api, namespace=_namespace(cfg), selector=cfg.selector, port=cfg.port,
-                            watch_timeout=cfg.watch_timeout, backoff_max=cfg.backoff_max, on_error=on_error,
-                            sleep=sleep)
+    api = KubeApi(
+        api_url,
+        token=_token_source(cfg),
+        verify=_verify(cfg, api_url),
+        request_timeout=cfg.request_timeout,
+        transport=transport,
+    )
+    return KubernetesSource(
+        cfg.role,
+        api,
+        namespace=_namespace(cfg),
+        selector=cfg.selector,
+        port=cfg.port,
+        watch_timeout=cfg.watch_timeout,
+        backoff_max=cfg.backoff_max,
+        on_error=on_error,
+        sleep=sleep,
+    )

@@ -85,11 +85,17 @@ def pod_member(pod: Mapping[str, Any], role: Role, default_port: int) -> WorkerS
     side_port = _number(annotations, ANNOTATION_SIDE_PORT, None, high=65535)
     if role is Role.PREFILL and (engine_id or side_port is not None):
         if not engine_id or side_port is None:
-            raise BadPod(f"annotations {ANNOTATION_ENGINE_ID} and {ANNOTATION_SIDE_PORT} go together; "
-                         f"give both or neither (identity learned)")
-        identity = NixlIdentity(engine_id=str(engine_id), host=ip, port=side_port,
-                                tp_size=_number(annotations, ANNOTATION_TP, 1) or 1,
-                                pp_size=_number(annotations, ANNOTATION_PP, 1) or 1)
+            raise BadPod(
+                f"annotations {ANNOTATION_ENGINE_ID} and {ANNOTATION_SIDE_PORT} go together; "
+                f"give both or neither (identity learned)"
+            )
+        identity = NixlIdentity(
+            engine_id=str(engine_id),
+            host=ip,
+            port=side_port,
+            tp_size=_number(annotations, ANNOTATION_TP, 1) or 1,
+            pp_size=_number(annotations, ANNOTATION_PP, 1) or 1,
+        )
     return WorkerSpec(url=worker_url(ip, port), role=role, identity=identity)
 
 
@@ -106,8 +112,9 @@ class Members:
         return list(unique.values())
 
 
-def _with_pod(by_pod: Mapping[str, WorkerSpec], pod: Mapping[str, Any], role: Role,
-              default_port: int) -> tuple[dict[str, WorkerSpec], str | None]:
+def _with_pod(
+    by_pod: Mapping[str, WorkerSpec], pod: Mapping[str, Any], role: Role, default_port: int
+) -> tuple[dict[str, WorkerSpec], str | None]:
     out = dict(by_pod)
     name = pod_name(pod)
     try:
@@ -148,8 +155,11 @@ def parse_event(line: bytes | str) -> WatchEvent:
         data = json.loads(line)
     except ValueError:
         raise WatchFailed(f"a watch line that is not JSON: {line[:200]!r}") from None
-    if not isinstance(data, Mapping) or data.get("type") not in EVENT_TYPES or not isinstance(
-            data.get("object"), Mapping):
+    if (
+        not isinstance(data, Mapping)
+        or data.get("type") not in EVENT_TYPES
+        or not isinstance(data.get("object"), Mapping)
+    ):
         raise WatchFailed(f"not a watch event: {str(data)[:200]}")
     return WatchEvent(type=str(data["type"]), object=data["object"])
 

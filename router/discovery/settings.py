@@ -57,8 +57,19 @@ SourceConfig = StaticConfig | DnsConfig | KubernetesConfig
 
 _KINDS = ("static", "dns", "kubernetes")
 _DNS_KEYS = {"name", "port", "interval", "timeout", "nameserver"}
-_KUBE_KEYS = {"namespace", "selector", "port", "api_url", "token", "token_path", "ca_path", "insecure",
-              "watch_timeout", "request_timeout", "backoff_max"}
+_KUBE_KEYS = {
+    "namespace",
+    "selector",
+    "port",
+    "api_url",
+    "token",
+    "token_path",
+    "ca_path",
+    "insecure",
+    "watch_timeout",
+    "request_timeout",
+    "backoff_max",
+}
 
 
 def parse_discovery(raw: Mapping[str, Any]) -> list[SourceConfig]:
@@ -103,10 +114,13 @@ def _dns(role: Role, o: Mapping[str, Any], where: str) -> DnsConfig:
         raise ConfigError(f"{where}: name (the service's DNS name) is missing")
     host, port = _nameserver(o["nameserver"], where) if o.get("nameserver") else (None, 53)
     return DnsConfig(
-        role=role, name=name.strip(), port=_port(o.get("port"), f"{where}.port"),
+        role=role,
+        name=name.strip(),
+        port=_port(o.get("port"), f"{where}.port"),
         interval=_seconds(o.get("interval", DnsConfig.interval), f"{where}.interval"),
         timeout=_seconds(o.get("timeout", DnsConfig.timeout), f"{where}.timeout"),
-        nameserver=host, nameserver_port=port,
+        nameserver=host,
+        nameserver_port=port,
     )
 
 
@@ -119,16 +133,21 @@ def _kubernetes(role: Role, o: Mapping[str, Any], where: str) -> KubernetesConfi
         api_url = _url(api_url, f"{where}.api_url", https_too=True)
     ca_path = o.get("ca_path", KubernetesConfig.ca_path)
     return KubernetesConfig(
-        role=role, selector=selector.strip(), port=_port(o.get("port"), f"{where}.port"),
-        namespace=_text(o.get("namespace"), f"{where}.namespace"), api_url=api_url,
+        role=role,
+        selector=selector.strip(),
+        port=_port(o.get("port"), f"{where}.port"),
+        namespace=_text(o.get("namespace"), f"{where}.namespace"),
+        api_url=api_url,
         token=_text(o.get("token"), f"{where}.token", secret=True),
         token_path=_text(o.get("token_path"), f"{where}.token_path") or KubernetesConfig.token_path,
         ca_path=None if ca_path is None else _text(ca_path, f"{where}.ca_path"),
         insecure=_bool(o.get("insecure", False), f"{where}.insecure"),
-        watch_timeout=math.ceil(_seconds(o.get("watch_timeout", KubernetesConfig.watch_timeout),
-                                         f"{where}.watch_timeout")),
-        request_timeout=_seconds(o.get("request_timeout", KubernetesConfig.request_timeout),
-                                 f"{where}.request_timeout"),
+        watch_timeout=math.ceil(
+            _seconds(o.get("watch_timeout", KubernetesConfig.watch_timeout), f"{where}.watch_timeout")
+        ),
+        request_timeout=_seconds(
+            o.get("request_timeout", KubernetesConfig.request_timeout), f"{where}.request_timeout"
+        ),
         backoff_max=_seconds(o.get("backoff_max", KubernetesConfig.backoff_max), f"{where}.backoff_max"),
     )
 

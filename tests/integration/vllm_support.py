@@ -60,12 +60,29 @@ def pair(connector: str, n_prefill: int = 1, module: str | None = None, tag: str
     model = tiny_model()
     family = tag or connector.lower()
     specs = [
-        EngineSpec(name=f"{family}-p{i}", role="prefill", model=model, core=0, side_port=free_port(),
-                   connector=connector, connector_module=module, engine_id=f"{family}-p{i}-{uuid.uuid4().hex[:6]}")
+        EngineSpec(
+            name=f"{family}-p{i}",
+            role="prefill",
+            model=model,
+            core=0,
+            side_port=free_port(),
+            connector=connector,
+            connector_module=module,
+            engine_id=f"{family}-p{i}-{uuid.uuid4().hex[:6]}",
+        )
         for i in range(n_prefill)
     ]
-    specs.append(EngineSpec(name=f"{family}-d", role="decode", model=model, core=1, side_port=free_port(),
-                            connector=connector, connector_module=module))
+    specs.append(
+        EngineSpec(
+            name=f"{family}-d",
+            role="decode",
+            model=model,
+            core=1,
+            side_port=free_port(),
+            connector=connector,
+            connector_module=module,
+        )
+    )
     with Fleet(LOGS) as fleet:
         engines = fleet.start_all(specs)
         fleet.wait_all_healthy(STARTUP_TIMEOUT)
@@ -82,9 +99,16 @@ def router(mode: str, prefills: Sequence[str], decodes: Sequence[str], *extra: s
     for url in decodes:
         argv += ["--decode", url]
     name = f"router-{mode}-{port}"
-    proc = ManagedProcess(ProcessSpec(name=name, argv=(*argv, *extra), env=dict(os.environ),
-                                      log_path=LOGS / f"{name}.log", ready_url=f"http://127.0.0.1:{port}/ready",
-                                      cwd=REPO))
+    proc = ManagedProcess(
+        ProcessSpec(
+            name=name,
+            argv=(*argv, *extra),
+            env=dict(os.environ),
+            log_path=LOGS / f"{name}.log",
+            ready_url=f"http://127.0.0.1:{port}/ready",
+            cwd=REPO,
+        )
+    )
     proc.start()
     try:
         proc.wait_healthy(60.0)
@@ -93,7 +117,7 @@ def router(mode: str, prefills: Sequence[str], decodes: Sequence[str], *extra: s
         proc.stop(10.0)
 
 
-_SAMPLE = re.compile(r'^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$', re.M)
+_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$", re.M)
 
 
 def metric(base_url: str, name: str, **labels: str) -> float:
@@ -110,8 +134,10 @@ def metric(base_url: str, name: str, **labels: str) -> float:
 
 
 def kv_sources(decode_url: str) -> dict[str, float]:
-    return {source: metric(decode_url, "vllm:prompt_tokens_by_source_total", source=source)
-            for source in ("external_kv_transfer", "local_compute", "local_cache_hit")}
+    return {
+        source: metric(decode_url, "vllm:prompt_tokens_by_source_total", source=source)
+        for source in ("external_kv_transfer", "local_compute", "local_cache_hit")
+    }
 
 
 def prompt_text(words: int = 60) -> str:
@@ -121,8 +147,13 @@ def prompt_text(words: int = 60) -> str:
 
 
 def request_body(endpoint: str, stream: bool, max_tokens: int = 12) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                            "stream": stream}
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     if stream:
         body["stream_options"] = {"include_usage": True}
     if endpoint == "completions":
@@ -166,8 +197,9 @@ def complete(base_url: str, endpoint: str, body: dict[str, Any], timeout: float 
             for choice in event.get("choices") or []:
                 piece = choice.get("text") if endpoint == "completions" else (choice.get("delta") or {}).get("content")
                 pieces.append(piece or "")
-        return Result(response.status_code, "".join(pieces), (usage or {}).get("prompt_tokens", 0),
-                      response.headers, events)
+        return Result(
+            response.status_code, "".join(pieces), (usage or {}).get("prompt_tokens", 0), response.headers, events
+        )
 
 
 def timing(router_url: str, pairing_id: str) -> dict[str, Any]:

@@ -63,9 +63,19 @@ def kvpush_engines(members: Sequence[Member], tag: str) -> Iterator[Engines]:
         name = f"{tag}-d" if m.role == "decode" else f"{tag}-p{n}"
         n += m.role == "prefill"
         engine_id = f"{name}-{uuid.uuid4().hex[:6]}"
-        specs.append(EngineSpec(name=name, role=m.role, model=model, core=1 if m.role == "decode" else 0,  # type: ignore[arg-type]
-                                side_port=free_port(), connector=CONNECTOR, connector_module=MODULE,
-                                engine_id=engine_id, extra_args=m.extra_args))
+        specs.append(
+            EngineSpec(
+                name=name,
+                role=m.role,
+                model=model,
+                core=1 if m.role == "decode" else 0,  # type: ignore[arg-type]
+                side_port=free_port(),
+                connector=CONNECTOR,
+                connector_module=MODULE,
+                engine_id=engine_id,
+                extra_args=m.extra_args,
+            )
+        )
     with Fleet(LOGS) as fleet:
         started = fleet.start_all(specs)
         fleet.wait_all_healthy(STARTUP_TIMEOUT)
@@ -76,8 +86,9 @@ def kvpush_engines(members: Sequence[Member], tag: str) -> Iterator[Engines]:
         yield engines
 
 
-def wait_for(predicate: Callable[[], bool], what: str | Callable[[], str], timeout: float = SETTLE,
-             interval: float = 0.2) -> None:
+def wait_for(
+    predicate: Callable[[], bool], what: str | Callable[[], str], timeout: float = SETTLE, interval: float = 0.2
+) -> None:
     """Polls until `predicate()` holds: a bounded wait for a state, not a speed assertion. `what` may be a
     callable, asked only on failure (to describe the state then)."""
     deadline = time.monotonic() + timeout
@@ -99,20 +110,30 @@ def is_idle(engines: Engines, url: str) -> bool:
 def wait_idle(engines: Engines, urls: Sequence[str], what: str) -> None:
     """Every engine in `urls` runs nothing, queues nothing and holds no more KV blocks than when idle."""
     for url in urls:
-        wait_for(partial(is_idle, engines, url),
-                 lambda u=url: f"{what}: {u} idle (now {load(u)}, idle KV usage {engines.idle_usage[u]})")  # type: ignore[misc]
+        wait_for(
+            partial(is_idle, engines, url),
+            lambda u=url: f"{what}: {u} idle (now {load(u)}, idle KV usage {engines.idle_usage[u]})",
+        )  # type: ignore[misc]
 
 
 def decode_params(engines: Engines, prefill: int, request_id: str, transfer_id: str) -> dict[str, Any]:
     spec = engines.prefills[prefill].engine_spec
-    return {"do_remote_prefill": True, "remote_engine_id": spec.engine_id, "remote_host": "127.0.0.1",
-            "remote_port": spec.side_port, "tp_size": 1, "pp_size": 1, "remote_request_id": request_id,
-            "transfer_id": transfer_id}  # fmt: skip
+    return {
+        "do_remote_prefill": True,
+        "remote_engine_id": spec.engine_id,
+        "remote_host": "127.0.0.1",
+        "remote_port": spec.side_port,
+        "tp_size": 1,
+        "pp_size": 1,
+        "remote_request_id": request_id,
+        "transfer_id": transfer_id,
+    }
 
 
 def prefill_body(body: dict[str, Any], transfer_id: str) -> dict[str, Any]:
-    return dict(body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True,
-                                                                      "transfer_id": transfer_id})
+    return dict(
+        body, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id}
+    )
 
 
 def post(url: str, body: dict[str, Any], request_id: str, timeout: float = 120.0) -> httpx.Response:
@@ -195,8 +216,9 @@ class FailingPrefill:
         self._thread.join(timeout=5.0)
 
 
-def read_stream(client: httpx.Client, url: str, body: dict[str, Any], request_id: str,
-                started: Callable[[], float]) -> StreamEnd:
+def read_stream(
+    client: httpx.Client, url: str, body: dict[str, Any], request_id: str, started: Callable[[], float]
+) -> StreamEnd:
     """POST a streamed request and read it to its end; `started()` is when the clock for `seconds` began."""
     events: list[dict[str, Any]] = []
     other: list[str] = []

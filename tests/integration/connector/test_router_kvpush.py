@@ -84,15 +84,30 @@ def kvpush_family() -> Iterator[Engines]:
 @pytest.fixture(scope="module")
 def stack(kvpush_family: Engines) -> Iterator[Stack]:
     engines = kvpush_family
-    with router("push", [engines.prefill_spec(0)], [engines.decode.url]) as url, \
-            router("push", [engines.prefill_spec(1)], [engines.decode.url],
-                   "--timeout", "decode_first_byte=400", "--timeout", "prefill=400") as slow_url:
+    with (
+        router("push", [engines.prefill_spec(0)], [engines.decode.url]) as url,
+        router(
+            "push",
+            [engines.prefill_spec(1)],
+            [engines.decode.url],
+            "--timeout",
+            "decode_first_byte=400",
+            "--timeout",
+            "prefill=400",
+        ) as slow_url,
+    ):
         yield Stack(engines, url, slow_url)
 
 
 def long_body(max_tokens: int, stream: bool) -> dict[str, Any]:
-    return {"model": "tiny", "prompt": prompt_text(LONG_WORDS), "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": stream}  # fmt: skip
+    return {
+        "model": "tiny",
+        "prompt": prompt_text(LONG_WORDS),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
 
 
 def transferred_since(stack: Stack, before: dict[str, float]) -> float:
@@ -157,19 +172,27 @@ def test_a_client_leaving_during_prefill_leaves_nothing_running_or_held(stack: S
     p1 = stack.engines.prefills[1]
 
     def ended_transfers() -> float:  # cancelled on either side, or failed on decode
-        return (metric(p1.url, "vllm:kvpush_cancelled_total") + metric(stack.decode_url, "vllm:kvpush_cancelled_total")
-                + metric(stack.decode_url, "vllm:kvpush_failed_transfers_total"))  # fmt: skip
+        return (
+            metric(p1.url, "vllm:kvpush_cancelled_total")
+            + metric(stack.decode_url, "vllm:kvpush_cancelled_total")
+            + metric(stack.decode_url, "vllm:kvpush_failed_transfers_total")
+        )
 
     before = ended_transfers()
     host, port = stack.slow_router_url.removeprefix("http://").split(":")
     raw = httpx.Request("POST", f"{stack.slow_router_url}{path_of('completions')}", json=long_body(8, True))
     head = f"POST {raw.url.raw_path.decode()} HTTP/1.1\r\nHost: {host}:{port}\r\n"
-    head += "content-type: application/json\r\n" f"content-length: {len(raw.content)}\r\n\r\n"
+    head += f"content-type: application/json\r\ncontent-length: {len(raw.content)}\r\n\r\n"
     with socket.create_connection((host, int(port)), timeout=30) as client:
         client.sendall(head.encode() + raw.content)
-        wait_for(lambda: metric(p1.url, "vllm:num_requests_running") >= 1
-                 and metric(stack.decode_url, "vllm:num_requests_waiting") >= 1,
-                 "p1 prefills while decode waits for the KV", interval=0.02)  # fmt: skip
+        wait_for(
+            lambda: (
+                metric(p1.url, "vllm:num_requests_running") >= 1
+                and metric(stack.decode_url, "vllm:num_requests_waiting") >= 1
+            ),
+            "p1 prefills while decode waits for the KV",
+            interval=0.02,
+        )
     wait_idle(stack.engines, [p1.url, stack.decode_url], "after the client left during prefill")
     record = httpx.get(f"{stack.slow_router_url}/debug/timings", timeout=10).json()["requests"][-1]
     assert record["outcome"] == "client_gone"
@@ -199,10 +222,18 @@ def test_a_retry_with_fresh_ids_never_pairs_with_the_failed_attempt(stack: Stack
     p0 = stack.engines.prefills[0]
     spec = p0.engine_spec
     cancelled = metric(p0.url, "vllm:kvpush_cancelled_total")
-    with FailingPrefill(delay=1.5) as fake, \
-            router("push", [f"{fake.url},engine_id={spec.engine_id},side_port={spec.side_port}",
-                            stack.engines.prefill_spec(0)], [stack.decode_url],
-                   "--prefill-policy", "round-robin", "--retries", "1") as url:
+    with (
+        FailingPrefill(delay=1.5) as fake,
+        router(
+            "push",
+            [f"{fake.url},engine_id={spec.engine_id},side_port={spec.side_port}", stack.engines.prefill_spec(0)],
+            [stack.decode_url],
+            "--prefill-policy",
+            "round-robin",
+            "--retries",
+            "1",
+        ) as url,
+    ):
         before = kv_sources(stack.decode_url)
         bodies = [request_body("completions", stream=False) for _ in range(2)]
         results = [complete(url, "completions", b) for b in bodies]
@@ -224,12 +255,18 @@ def test_the_official_openai_client_works(stack: Stack) -> None:
     client = openai.OpenAI(base_url=f"{stack.router_url}/v1", api_key="unused", timeout=120, max_retries=0)
     prompt = prompt_text()
     extra = {"ignore_eos": True}
-    pieces = [c.choices[0].text for c in client.completions.create(
-        model="tiny", prompt=prompt, max_tokens=8, temperature=0, stream=True, extra_body=extra) if c.choices]
+    pieces = [
+        c.choices[0].text
+        for c in client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=8, temperature=0, stream=True, extra_body=extra
+        )
+        if c.choices
+    ]
     whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, extra_body=extra)
     assert len(pieces) == 8 and "".join(pieces) == whole.choices[0].text
-    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
-                                           max_tokens=8, temperature=0, extra_body=extra)
+    reply = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=8, temperature=0, extra_body=extra
+    )
     assert reply.choices[0].message.content
 
 
@@ -237,8 +274,13 @@ def test_the_official_openai_client_works(stack: Stack) -> None:
 
 
 def plain_body(words: int = 60, max_tokens: int = 12) -> dict[str, Any]:
-    return {"model": "tiny", "prompt": prompt_text(words), "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True}  # fmt: skip
+    return {
+        "model": "tiny",
+        "prompt": prompt_text(words),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
 
 
 def test_push_output_equals_single_instance_and_kv_came_from_prefill(stack: Stack) -> None:
@@ -299,22 +341,44 @@ def test_a_killed_prefill_fails_its_decode_request_within_seconds_and_the_router
     rid, tid = f"kvp-{uuid.uuid4().hex}", f"xfer-{uuid.uuid4().hex}"
     body = long_body(8, stream=True)
     killed_at: list[float] = []
-    with router("push", specs, [decode.url], "--prefill-policy", "round-robin") as url, \
-            ThreadPoolExecutor(8) as pool, httpx.Client(timeout=httpx.Timeout(120.0, connect=10.0)) as client:
+    with (
+        router("push", specs, [decode.url], "--prefill-policy", "round-robin") as url,
+        ThreadPoolExecutor(8) as pool,
+        httpx.Client(timeout=httpx.Timeout(120.0, connect=10.0)) as client,
+    ):
         warm = [complete(url, "completions", request_body("completions", False)) for _ in range(2)]
         assert [r.status for r in warm] == [200, 200], "both prefills serve before the kill"
-        d_leg = pool.submit(read_stream, client, f"{decode.url}{path_of('completions')}",
-                            dict(body, kv_transfer_params=decode_params(stack.engines, 1, rid, tid)), rid,
-                            lambda: killed_at[0])  # fmt: skip
-        p_leg = pool.submit(client.post, f"{victim.url}{path_of('completions')}",
-                            json=prefill_body(dict(body, stream=False), tid), headers={"X-Request-Id": rid})
-        wait_for(lambda: metric(victim.url, "vllm:num_requests_running") >= 1
-                 and metric(decode.url, "vllm:num_requests_waiting") >= 1,
-                 "p1 prefills while decode waits for the KV", interval=0.02)  # fmt: skip
+        d_leg = pool.submit(
+            read_stream,
+            client,
+            f"{decode.url}{path_of('completions')}",
+            dict(body, kv_transfer_params=decode_params(stack.engines, 1, rid, tid)),
+            rid,
+            lambda: killed_at[0],
+        )
+        p_leg = pool.submit(
+            client.post,
+            f"{victim.url}{path_of('completions')}",
+            json=prefill_body(dict(body, stream=False), tid),
+            headers={"X-Request-Id": rid},
+        )
+        wait_for(
+            lambda: (
+                metric(victim.url, "vllm:num_requests_running") >= 1
+                and metric(decode.url, "vllm:num_requests_waiting") >= 1
+            ),
+            "p1 prefills while decode waits for the KV",
+            interval=0.02,
+        )
         routed_bodies = [request_body("completions", True, 64) for _ in range(6)]
         routed = [pool.submit(complete, url, "completions", b, 60.0) for b in routed_bodies]
-        wait_for(lambda: metric(victim.url, "vllm:num_requests_running")
-                 + metric(victim.url, "vllm:num_requests_waiting") >= 2, "routed requests reached p1", interval=0.02)
+        wait_for(
+            lambda: (
+                metric(victim.url, "vllm:num_requests_running") + metric(victim.url, "vllm:num_requests_waiting") >= 2
+            ),
+            "routed requests reached p1",
+            interval=0.02,
+        )
         killed_at.append(time.monotonic())
         os.killpg(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
         end = d_leg.result(timeout=KILL_BOUND + 100)
@@ -324,12 +388,18 @@ def test_a_killed_prefill_fails_its_decode_request_within_seconds_and_the_router
         records = [timing(url, r.headers["x-kvpush-pairing-id"]) for r in results if r.status == 200]
         after = [complete(url, "chat", request_body("chat", i % 2 == 0), 60.0) for i in range(4)]
         workers = {w["url"]: w["healthy"] for w in httpx.get(f"{url}/ready", timeout=10).json()["workers"]}
-    print(f"decode ended {end.seconds:.2f} s after the kill: status {end.status}, finish {end.finish_reasons}, "
-          f"events {end.events}, error {end.error}, body {end.other}; routed: {[r.status for r in results]}")
+    print(
+        f"decode ended {end.seconds:.2f} s after the kill: status {end.status}, finish {end.finish_reasons}, "
+        f"events {end.events}, error {end.error}, body {end.other}; routed: {[r.status for r in results]}"
+    )
     # (a) decode gave up on the direct push at once, with an error, and holds nothing for it
     assert end.seconds < KILL_BOUND, f"decode took {end.seconds:.1f} s to give up"
-    failed = end.status >= 400 or end.error is not None or "error" in end.finish_reasons or any(
-        "error" in e for e in end.events)
+    failed = (
+        end.status >= 400
+        or end.error is not None
+        or "error" in end.finish_reasons
+        or any("error" in e for e in end.events)
+    )
     assert failed, f"decode answered as if the KV had arrived: {end}"
     assert end.finish_reasons != ["length"], f"decode generated a whole answer without KV: {end}"
     assert metric(decode.url, "vllm:kvpush_failed_transfers_total") >= 1

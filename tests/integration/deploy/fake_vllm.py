@@ -47,7 +47,8 @@ class Worker(BaseHTTPRequestHandler):
         elif self.path == "/metrics":
             text = "".join(
                 f'# TYPE {name} gauge\n{name}{{engine="0",model_name="{MODEL}"}} 0.0\n'
-                for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"))
+                for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
+            )
             body = text.encode()
             self.send_response(200)
             self.send_header("content-type", "text/plain; version=0.0.4")
@@ -67,9 +68,16 @@ class Worker(BaseHTTPRequestHandler):
             return
         chat = self.path == "/v1/chat/completions"
         if self.role == "prefill":
-            params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
-                      "remote_host": "127.0.0.1", "remote_port": 5600, "tp_size": 1, "pp_size": 1,
-                      "remote_request_id": self.headers.get("x-request-id", "")}
+            params = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_engine_id": self.engine_id,
+                "remote_host": "127.0.0.1",
+                "remote_port": 5600,
+                "tp_size": 1,
+                "pp_size": 1,
+                "remote_request_id": self.headers.get("x-request-id", ""),
+            }
             answer = self._answer(chat, "x", 1)
             answer["kv_transfer_params"] = params
             self._json(200, answer)
@@ -84,8 +92,12 @@ class Worker(BaseHTTPRequestHandler):
         self.end_headers()
         for i in range(tokens):
             piece = {"delta": {"content": "x"}} if chat else {"text": "x"}
-            event = {"id": "fake", "object": "chat.completion.chunk" if chat else "text_completion", "model": MODEL,
-                     "choices": [{"index": 0, **piece, "finish_reason": "length" if i == tokens - 1 else None}]}
+            event = {
+                "id": "fake",
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "model": MODEL,
+                "choices": [{"index": 0, **piece, "finish_reason": "length" if i == tokens - 1 else None}],
+            }
             self._chunk(f"data: {json.dumps(event)}\n\n".encode())
             time.sleep(0.005)
         self._chunk(b"data: [DONE]\n\n")
@@ -99,9 +111,13 @@ class Worker(BaseHTTPRequestHandler):
     def _answer(chat: bool, text: str, tokens: int) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-        return {"id": "fake", "object": "chat.completion" if chat else "text_completion", "model": MODEL,
-                "choices": [choice], "usage": {"prompt_tokens": 8, "completion_tokens": tokens,
-                                               "total_tokens": 8 + tokens}}
+        return {
+            "id": "fake",
+            "object": "chat.completion" if chat else "text_completion",
+            "model": MODEL,
+            "choices": [choice],
+            "usage": {"prompt_tokens": 8, "completion_tokens": tokens, "total_tokens": 8 + tokens},
+        }
 
 
 def main() -> None:

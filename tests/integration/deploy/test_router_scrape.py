@@ -25,17 +25,38 @@ HERE = Path(__file__).resolve().parent
 LOGS = promql.REPO / ".cache" / "kvpush" / "test-logs"
 # The router's series, as issue 4 names them (the dashboard and alerts are built on these).
 ROUTER_SERIES = [
-    "kvpush_requests_total", "kvpush_ttft_seconds_bucket", "kvpush_decode_ttft_seconds_bucket",
-    "kvpush_e2e_seconds_bucket", "kvpush_leg_seconds_bucket", "kvpush_handoff_seconds_bucket",
-    "kvpush_worker_in_flight", "kvpush_worker_healthy", "kvpush_pool_members", "kvpush_pool_healthy",
-    "kvpush_ejections_total", "kvpush_in_flight", "kvpush_admission_queued", "kvpush_admission_rejected_total",
-    "kvpush_scrape_errors_total", "kvpush_errors_total", "kvpush_retries_total", "kvpush_draining",
+    "kvpush_requests_total",
+    "kvpush_ttft_seconds_bucket",
+    "kvpush_decode_ttft_seconds_bucket",
+    "kvpush_e2e_seconds_bucket",
+    "kvpush_leg_seconds_bucket",
+    "kvpush_handoff_seconds_bucket",
+    "kvpush_worker_in_flight",
+    "kvpush_worker_healthy",
+    "kvpush_pool_members",
+    "kvpush_pool_healthy",
+    "kvpush_ejections_total",
+    "kvpush_in_flight",
+    "kvpush_admission_queued",
+    "kvpush_admission_rejected_total",
+    "kvpush_scrape_errors_total",
+    "kvpush_errors_total",
+    "kvpush_retries_total",
+    "kvpush_draining",
 ]
 
 
 def process(name: str, argv: list[str], ready_url: str) -> ManagedProcess:
-    return ManagedProcess(ProcessSpec(name=name, argv=tuple(argv), env=dict(os.environ),
-                                      log_path=LOGS / f"{name}.log", ready_url=ready_url, cwd=promql.REPO))
+    return ManagedProcess(
+        ProcessSpec(
+            name=name,
+            argv=tuple(argv),
+            env=dict(os.environ),
+            log_path=LOGS / f"{name}.log",
+            ready_url=ready_url,
+            cwd=promql.REPO,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,21 +66,45 @@ def router_metrics() -> Iterator[str]:
     ports = {name: free_port() for name in ("p0", "p1", "d0", "router")}
     fake = [sys.executable, str(HERE / "fake_vllm.py")]
     workers = [
-        process(f"deploy-fake-p0-{ports['p0']}", [*fake, "--role", "prefill", "--port", str(ports["p0"]),
-                                                 "--engine-id", "fake-p0"], f"http://127.0.0.1:{ports['p0']}/health"),
-        process(f"deploy-fake-p1-{ports['p1']}", [*fake, "--role", "prefill", "--port", str(ports["p1"]),
-                                                 "--engine-id", "fake-p1", "--fail-first", "1"],
-                f"http://127.0.0.1:{ports['p1']}/health"),
-        process(f"deploy-fake-d0-{ports['d0']}", [*fake, "--role", "decode", "--port", str(ports["d0"])],
-                f"http://127.0.0.1:{ports['d0']}/health"),
+        process(
+            f"deploy-fake-p0-{ports['p0']}",
+            [*fake, "--role", "prefill", "--port", str(ports["p0"]), "--engine-id", "fake-p0"],
+            f"http://127.0.0.1:{ports['p0']}/health",
+        ),
+        process(
+            f"deploy-fake-p1-{ports['p1']}",
+            [*fake, "--role", "prefill", "--port", str(ports["p1"]), "--engine-id", "fake-p1", "--fail-first", "1"],
+            f"http://127.0.0.1:{ports['p1']}/health",
+        ),
+        process(
+            f"deploy-fake-d0-{ports['d0']}",
+            [*fake, "--role", "decode", "--port", str(ports["d0"])],
+            f"http://127.0.0.1:{ports['d0']}/health",
+        ),
     ]
     base = f"http://127.0.0.1:{ports['router']}"
-    router = process(f"deploy-router-{ports['router']}", [
-        sys.executable, "-m", "router", "serve", "--port", str(ports["router"]), "--mode", "push",
-        "--health-interval", "0.5",
-        "--prefill", f"http://127.0.0.1:{ports['p0']},engine_id=fake-p0,side_port=5600",
-        "--prefill", f"http://127.0.0.1:{ports['p1']},engine_id=fake-p1,side_port=5601",
-        "--decode", f"http://127.0.0.1:{ports['d0']}"], f"{base}/ready")
+    router = process(
+        f"deploy-router-{ports['router']}",
+        [
+            sys.executable,
+            "-m",
+            "router",
+            "serve",
+            "--port",
+            str(ports["router"]),
+            "--mode",
+            "push",
+            "--health-interval",
+            "0.5",
+            "--prefill",
+            f"http://127.0.0.1:{ports['p0']},engine_id=fake-p0,side_port=5600",
+            "--prefill",
+            f"http://127.0.0.1:{ports['p1']},engine_id=fake-p1,side_port=5601",
+            "--decode",
+            f"http://127.0.0.1:{ports['d0']}",
+        ],
+        f"{base}/ready",
+    )
     started: list[ManagedProcess] = []
     try:
         for proc in [*workers, router]:
@@ -69,9 +114,14 @@ def router_metrics() -> Iterator[str]:
             proc.wait_healthy(60.0)
         with httpx.Client(base_url=base, timeout=30.0) as client:
             for i in range(6):
-                path, body = (("/v1/completions", {"model": "tiny", "prompt": f"hello {i}"}) if i % 2 else
-                              ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user",
-                                                                                      "content": f"hi {i}"}]}))
+                path, body = (
+                    ("/v1/completions", {"model": "tiny", "prompt": f"hello {i}"})
+                    if i % 2
+                    else (
+                        "/v1/chat/completions",
+                        {"model": "tiny", "messages": [{"role": "user", "content": f"hi {i}"}]},
+                    )
+                )
                 response = client.post(path, json={**body, "max_tokens": 3, "stream": i % 3 == 0})
                 assert response.status_code == 200, response.text
             bad = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
@@ -84,8 +134,9 @@ def router_metrics() -> Iterator[str]:
 
 def test_promtool_check_metrics_passes_on_a_live_router_scrape(router_metrics: str) -> None:
     promtool = promql.require_promtool()
-    done = subprocess.run([promtool, "check", "metrics"], input=router_metrics, capture_output=True, text=True,
-                          timeout=60, check=False)
+    done = subprocess.run(
+        [promtool, "check", "metrics"], input=router_metrics, capture_output=True, text=True, timeout=60, check=False
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 

@@ -39,8 +39,15 @@ LOCK = Path("/tmp/kvpush-vllm.lock")
 def vllm_metrics() -> Iterator[str]:
     require_vllm()
     model = tiny_model()
-    spec = EngineSpec(name=f"deploy-prefill-{uuid.uuid4().hex[:6]}", role="prefill", model=model, core=0,
-                      connector="NixlPushConnector", kv_role="kv_producer", engine_id="deploy-p0")
+    spec = EngineSpec(
+        name=f"deploy-prefill-{uuid.uuid4().hex[:6]}",
+        role="prefill",
+        model=model,
+        core=0,
+        connector="NixlPushConnector",
+        kv_role="kv_producer",
+        engine_id="deploy-p0",
+    )
     with open(LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         with Fleet(LOGS) as fleet:
@@ -50,9 +57,17 @@ def vllm_metrics() -> Iterator[str]:
                 body = {"model": "tiny", "prompt": prompt_text(20), "max_tokens": 3, "temperature": 0}
                 plain = client.post("/v1/completions", json=body)
                 assert plain.status_code == 200, plain.text
-                leg = client.post("/v1/completions", headers={"X-Request-Id": f"deploy-{uuid.uuid4().hex}"}, json={
-                    **body, "prompt": prompt_text(20), "max_tokens": 1, "stream": False,
-                    "kv_transfer_params": {"do_remote_decode": True, "transfer_id": f"xfer-{uuid.uuid4().hex}"}})
+                leg = client.post(
+                    "/v1/completions",
+                    headers={"X-Request-Id": f"deploy-{uuid.uuid4().hex}"},
+                    json={
+                        **body,
+                        "prompt": prompt_text(20),
+                        "max_tokens": 1,
+                        "stream": False,
+                        "kv_transfer_params": {"do_remote_decode": True, "transfer_id": f"xfer-{uuid.uuid4().hex}"},
+                    },
+                )
                 assert leg.status_code == 200, leg.text
                 params = leg.json().get("kv_transfer_params") or {}
                 assert params.get("remote_engine_id") == "deploy-p0", f"push connector not active: {leg.text}"
@@ -78,6 +93,9 @@ def test_every_vllm_series_the_dashboard_and_alerts_query_is_exported(vllm_metri
 
 
 def test_the_prompt_token_sources_the_dashboard_explains_are_the_engine_s(vllm_metrics: str) -> None:
-    sources = {line.split('source="')[1].split('"')[0] for line in vllm_metrics.splitlines()
-               if line.startswith("vllm:prompt_tokens_by_source_total{")}
+    sources = {
+        line.split('source="')[1].split('"')[0]
+        for line in vllm_metrics.splitlines()
+        if line.startswith("vllm:prompt_tokens_by_source_total{")
+    }
     assert {"external_kv_transfer", "local_compute", "local_cache_hit"} <= sources

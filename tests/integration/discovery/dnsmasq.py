@@ -15,8 +15,9 @@ DOMAIN = "kvpush.test"
 
 
 def dnsmasq_binary() -> str | None:
-    return shutil.which("dnsmasq") or next((p for p in ("/usr/sbin/dnsmasq", "/sbin/dnsmasq") if os.path.exists(p)),
-                                           None)
+    return shutil.which("dnsmasq") or next(
+        (p for p in ("/usr/sbin/dnsmasq", "/sbin/dnsmasq") if os.path.exists(p)), None
+    )
 
 
 def _free_udp_tcp_port() -> int:
@@ -44,10 +45,22 @@ class Dnsmasq:
         self.port = _free_udp_tcp_port()
         self.set_records({})
         folder.chmod(0o755)  # dnsmasq may read as another user after it drops privileges
-        command = [binary, "--keep-in-foreground", "--conf-file=/dev/null", "--no-resolv", "--no-hosts",
-                   f"--addn-hosts={self.hosts}", f"--local=/{DOMAIN}/", "--listen-address=127.0.0.1",
-                   "--bind-interfaces", f"--port={self.port}", "--pid-file=", "--log-facility=-",
-                   f"--user={pwd.getpwuid(os.getuid()).pw_name}", "--cache-size=0"]
+        command = [
+            binary,
+            "--keep-in-foreground",
+            "--conf-file=/dev/null",
+            "--no-resolv",
+            "--no-hosts",
+            f"--addn-hosts={self.hosts}",
+            f"--local=/{DOMAIN}/",
+            "--listen-address=127.0.0.1",
+            "--bind-interfaces",
+            f"--port={self.port}",
+            "--pid-file=",
+            "--log-facility=-",
+            f"--user={pwd.getpwuid(os.getuid()).pw_name}",
+            "--cache-size=0",
+        ]
         with self.log.open("wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         self._wait_started()

@@ -26,17 +26,38 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 _PODS_PATH = re.compile(r"/api/v1/namespaces/([^/]+)/pods")
 
 
-def make_pod(name: str, ip: str | None, *, ready: bool, labels: dict[str, str],
-             annotations: dict[str, str] | None = None, namespace: str = "llm") -> dict[str, Any]:
-    status: dict[str, Any] = {"phase": "Running" if ip else "Pending", "conditions": [
-        {"type": "Initialized", "status": "True"}, {"type": "Ready", "status": "True" if ready else "False"}]}
+def make_pod(
+    name: str,
+    ip: str | None,
+    *,
+    ready: bool,
+    labels: dict[str, str],
+    annotations: dict[str, str] | None = None,
+    namespace: str = "llm",
+) -> dict[str, Any]:
+    status: dict[str, Any] = {
+        "phase": "Running" if ip else "Pending",
+        "conditions": [
+            {"type": "Initialized", "status": "True"},
+            {"type": "Ready", "status": "True" if ready else "False"},
+        ],
+    }
     if ip:
         status["podIP"] = ip
         status["podIPs"] = [{"ip": ip}]
-    return {"kind": "Pod", "apiVersion": "v1",
-            "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}", "labels": labels,
-                         "annotations": annotations or {}},
-            "spec": {"containers": [{"name": "vllm", "image": "vllm"}]}, "status": status}
+    return {
+        "kind": "Pod",
+        "apiVersion": "v1",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": f"uid-{name}",
+            "labels": labels,
+            "annotations": annotations or {},
+        },
+        "spec": {"containers": [{"name": "vllm", "image": "vllm"}]},
+        "status": status,
+    }
 
 
 @dataclass(frozen=True)
@@ -106,8 +127,14 @@ class KubeStandin:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.url = f"{'https' if certfile else 'http'}://127.0.0.1:{sock.getsockname()[1]}"
-        config = uvicorn.Config(self, lifespan="off", log_level="warning", timeout_graceful_shutdown=2,
-                                ssl_certfile=certfile, ssl_keyfile=keyfile)
+        config = uvicorn.Config(
+            self,
+            lifespan="off",
+            log_level="warning",
+            timeout_graceful_shutdown=2,
+            ssl_certfile=certfile,
+            ssl_keyfile=keyfile,
+        )
         self._server = uvicorn.Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         for _ in range(1000):
@@ -136,25 +163,42 @@ class KubeStandin:
             await self._watch(send, match.group(1), query)
         else:
             self.requests.append(("list", query))
-            items = [copy.deepcopy(p) for p in self.pods.values()
-                     if _selected(p, match.group(1), query.get("labelSelector", ""))]
-            await self._json(send, 200, {"kind": "PodList", "apiVersion": "v1",
-                                         "metadata": {"resourceVersion": str(self.rv)}, "items": items})
+            items = [
+                copy.deepcopy(p)
+                for p in self.pods.values()
+                if _selected(p, match.group(1), query.get("labelSelector", ""))
+            ]
+            await self._json(
+                send,
+                200,
+                {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": str(self.rv)}, "items": items},
+            )
 
     async def _json(self, send: Send, status: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()
-        await send({"type": "http.response.start", "status": status,
-                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": data})
 
     async def _watch(self, send: Send, namespace: str, query: dict[str, str]) -> None:
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"application/json")]})  # no length: uvicorn chunks it
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+        )  # no length: uvicorn chunks it
         line = self._line
         sent, selector = int(query.get("resourceVersion") or self.rv), query.get("labelSelector", "")
         if sent < self.compacted:
-            status = {"kind": "Status", "status": "Failure", "reason": "Expired", "code": 410,
-                      "message": f"too old resource version: {sent} ({self.compacted})"}
+            status = {
+                "kind": "Status",
+                "status": "Failure",
+                "reason": "Expired",
+                "code": 410,
+                "message": f"too old resource version: {sent} ({self.compacted})",
+            }
             await send(line("ERROR", status, more=False))
             return
         generation, loop = self.generation, asyncio.get_running_loop()
@@ -175,5 +219,8 @@ class KubeStandin:
 
     @staticmethod
     def _line(kind: str, obj: dict[str, Any], more: bool = True) -> MutableMapping[str, Any]:
-        return {"type": "http.response.body", "body": json.dumps({"type": kind, "object": obj}).encode() + b"\n",
-                "more_body": more}
+        return {
+            "type": "http.response.body",
+            "body": json.dumps({"type": kind, "object": obj}).encode() + b"\n",
+            "more_body": more,
+        }

@@ -36,9 +36,11 @@ class FakeEngine:
     async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         if scope["path"] == "/metrics" and self.hang:
             await asyncio.Event().wait()
-        body = (f'vllm:num_requests_running{{engine="0"}} {self.running}\n'
-                f'vllm:num_requests_waiting{{engine="0"}} {self.waiting}\n'
-                f'vllm:kv_cache_usage_perc{{engine="0"}} {self.kv}\n').encode()
+        body = (
+            f'vllm:num_requests_running{{engine="0"}} {self.running}\n'
+            f'vllm:num_requests_waiting{{engine="0"}} {self.waiting}\n'
+            f'vllm:kv_cache_usage_perc{{engine="0"}} {self.kv}\n'
+        ).encode()
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
         await send({"type": "http.response.body", "body": body if scope["path"] == "/metrics" else b""})
 
@@ -61,8 +63,10 @@ def _sockets() -> list[socket.socket]:
 async def engines() -> AsyncIterator[tuple[int, dict[str, FakeEngine]]]:
     socks = _sockets()
     fakes = {host: FakeEngine() for host in HOSTS}
-    servers = [uvicorn.Server(uvicorn.Config(fakes[host], lifespan="off", log_level="warning",
-                                             timeout_graceful_shutdown=1)) for host in HOSTS]
+    servers = [
+        uvicorn.Server(uvicorn.Config(fakes[host], lifespan="off", log_level="warning", timeout_graceful_shutdown=1))
+        for host in HOSTS
+    ]
     tasks = [asyncio.create_task(server.serve(sockets=[sock])) for server, sock in zip(servers, socks, strict=True)]
     await until(lambda: all(s.started for s in servers), "the fake engines to listen")
     try:
@@ -74,12 +78,19 @@ async def engines() -> AsyncIterator[tuple[int, dict[str, FakeEngine]]]:
 
 
 async def test_discovered_workers_are_scraped_and_the_least_loaded_is_picked(
-        dnsmasq: Dnsmasq, engines: tuple[int, dict[str, FakeEngine]]) -> None:
+    dnsmasq: Dnsmasq, engines: tuple[int, dict[str, FakeEngine]]
+) -> None:
     port, fakes = engines
     dnsmasq.set_records({"decode": list(HOSTS)})
     pool = Pool([], Metrics())
-    source = DnsSource(Role.DECODE, f"decode.{DOMAIN}", port, interval=0.1, timeout=1.0,
-                       resolver=DnspythonResolver("127.0.0.1", dnsmasq.port, timeout=1.0))
+    source = DnsSource(
+        Role.DECODE,
+        f"decode.{DOMAIN}",
+        port,
+        interval=0.1,
+        timeout=1.0,
+        resolver=DnspythonResolver("127.0.0.1", dnsmasq.port, timeout=1.0),
+    )
     url = {host: f"http://{host}:{port}" for host in HOSTS}
     fakes[HOSTS[0]].waiting, fakes[HOSTS[1]].running = 3, 2  # host 0 queues, host 1 is merely busy
     fakes[HOSTS[2]].hang = True  # its /metrics never answers: its load stays unknown

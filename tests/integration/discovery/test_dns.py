@@ -35,9 +35,19 @@ async def _eventually(resolver: DnspythonResolver, name: str, wanted: set[str]) 
 
 async def test_membership_follows_the_records_and_survives_an_unreachable_resolver(dnsmasq: Dnsmasq) -> None:
     dnsmasq.set_records({"decode": ["127.0.0.21", "127.0.0.22"], "prefill": ["127.0.0.11"]})
-    (cfg,) = parse_discovery({"decode": {"dns": {
-        "name": f"decode.{DOMAIN}", "port": 8200, "interval": 0.1, "timeout": 0.3,
-        "nameserver": f"127.0.0.1:{dnsmasq.port}"}}})
+    (cfg,) = parse_discovery(
+        {
+            "decode": {
+                "dns": {
+                    "name": f"decode.{DOMAIN}",
+                    "port": 8200,
+                    "interval": 0.1,
+                    "timeout": 0.3,
+                    "nameserver": f"127.0.0.1:{dnsmasq.port}",
+                }
+            }
+        }
+    )
     errors: list[str] = []
     source = build_source(cfg, on_error=lambda role, reason: errors.append(reason))
     assert isinstance(source, DnsSource)
@@ -47,8 +57,10 @@ async def test_membership_follows_the_records_and_survives_an_unreachable_resolv
         await until(lambda: sink.urls == ["http://127.0.0.21:8200", "http://127.0.0.22:8200"], "the first two")
 
         dnsmasq.set_records({"decode": ["127.0.0.22", "127.0.0.23", "::1"]})  # one replaced, an IPv6 one added
-        await until(lambda: sink.urls == ["http://127.0.0.22:8200", "http://127.0.0.23:8200", "http://[::1]:8200"],
-                    "the changed set")
+        await until(
+            lambda: sink.urls == ["http://127.0.0.22:8200", "http://127.0.0.23:8200", "http://[::1]:8200"],
+            "the changed set",
+        )
 
         dnsmasq.pause()  # the resolver stops answering: lookups time out
         await until(lambda: len(errors) >= 2, "failed lookups to be counted")

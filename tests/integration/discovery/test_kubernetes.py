@@ -20,9 +20,22 @@ DECODE = {"app": "vllm", "kvpush.io/role": "decode"}
 
 
 def source_for(kube: KubeStandin, errors: list[str], watch_timeout: int = 30) -> KubernetesSource:
-    (cfg,) = parse_discovery({"prefill": {"kubernetes": {
-        "namespace": "llm", "selector": "app=vllm,kvpush.io/role=prefill", "port": 8100, "api_url": kube.url,
-        "token": TOKEN, "watch_timeout": watch_timeout, "request_timeout": 5, "backoff_max": 0.5}}})
+    (cfg,) = parse_discovery(
+        {
+            "prefill": {
+                "kubernetes": {
+                    "namespace": "llm",
+                    "selector": "app=vllm,kvpush.io/role=prefill",
+                    "port": 8100,
+                    "api_url": kube.url,
+                    "token": TOKEN,
+                    "watch_timeout": watch_timeout,
+                    "request_timeout": 5,
+                    "backoff_max": 0.5,
+                }
+            }
+        }
+    )
     source = build_source(cfg, on_error=lambda role, reason: errors.append(reason))
     assert isinstance(source, KubernetesSource)
     return source
@@ -64,8 +77,7 @@ async def test_membership_follows_readiness_deletion_recreation_and_a_relist_aft
     assert errors == []  # a 410 is routine, not a failure
     assert all(role is Role.PREFILL for role, _ in sink.history)
     watches = [q for kind, q in kube.requests if kind == "watch"]
-    assert all(q["labelSelector"] == "app=vllm,kvpush.io/role=prefill" and q["timeoutSeconds"] == "30"
-               for q in watches)
+    assert all(q["labelSelector"] == "app=vllm,kvpush.io/role=prefill" and q["timeoutSeconds"] == "30" for q in watches)
     assert all(a != b for a, b in zip(sink.seen(), sink.seen()[1:], strict=False))  # published on change only
 
 

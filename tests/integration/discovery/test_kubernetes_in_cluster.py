@@ -27,9 +27,31 @@ def self_signed(folder: Path, name: str) -> tuple[Path, Path]:
     if openssl is None:
         pytest.skip("no openssl command to make a test certificate")
     cert, key = folder / f"{name}.crt", folder / f"{name}.key"
-    subprocess.run([openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                    "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", f"/CN={name}",
-                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [
+            openssl,
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-days",
+            "1",
+            "-subj",
+            f"/CN={name}",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     return cert, key
 
 
@@ -42,9 +64,20 @@ def service_account(folder: Path, token: str, ca: Path) -> Path:
 
 
 def in_cluster_source(account: Path, api_url: str, errors: list[str]) -> KubernetesSource:
-    (cfg,) = parse_discovery({"decode": {"kubernetes": {
-        "selector": "app=vllm,kvpush.io/role=decode", "port": 8000, "token_path": str(account / "token"),
-        "ca_path": str(account / "ca.crt"), "request_timeout": 5, "backoff_max": 0.5}}})
+    (cfg,) = parse_discovery(
+        {
+            "decode": {
+                "kubernetes": {
+                    "selector": "app=vllm,kvpush.io/role=decode",
+                    "port": 8000,
+                    "token_path": str(account / "token"),
+                    "ca_path": str(account / "ca.crt"),
+                    "request_timeout": 5,
+                    "backoff_max": 0.5,
+                }
+            }
+        }
+    )
     host_port = api_url.removeprefix("https://")
     env = {"KUBERNETES_SERVICE_HOST": host_port.split(":")[0], "KUBERNETES_SERVICE_PORT": host_port.split(":")[1]}
     source = build_source(cfg, env=env, on_error=lambda role, reason: errors.append(reason))

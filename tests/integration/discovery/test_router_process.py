@@ -18,8 +18,16 @@ pytestmark = pytest.mark.integration
 
 
 def process(name: str, argv: list[str], ready_url: str) -> ManagedProcess:
-    proc = ManagedProcess(ProcessSpec(name=name, argv=tuple(argv), env=dict(os.environ),
-                                      log_path=LOGS / f"{name}.log", ready_url=ready_url, cwd=REPO))
+    proc = ManagedProcess(
+        ProcessSpec(
+            name=name,
+            argv=tuple(argv),
+            env=dict(os.environ),
+            log_path=LOGS / f"{name}.log",
+            ready_url=ready_url,
+            cwd=REPO,
+        )
+    )
     proc.start()
     proc.wait_healthy(30.0)
     return proc
@@ -41,16 +49,36 @@ def test_decode_workers_follow_dns_records(dnsmasq: Dnsmasq, tmp_path: Path) -> 
     dnsmasq.set_records({"decode": ["127.0.0.2"]})
     workers = [fake("127.0.0.1", port), fake("127.0.0.2", port), fake("127.0.0.3", port)]
     config = tmp_path / "router.yaml"
-    config.write_text(yaml.safe_dump({
-        "prefill": [f"http://127.0.0.1:{port},engine_id=fake,side_port=5600"],
-        "decode": [],
-        "discovery": {"decode": {"dns": {"name": name, "port": port, "interval": 0.3,
-                                         "nameserver": f"127.0.0.1:{dnsmasq.port}"}}},
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "prefill": [f"http://127.0.0.1:{port},engine_id=fake,side_port=5600"],
+                "decode": [],
+                "discovery": {
+                    "decode": {
+                        "dns": {"name": name, "port": port, "interval": 0.3, "nameserver": f"127.0.0.1:{dnsmasq.port}"}
+                    }
+                },
+            }
+        )
+    )
     router_port = free_port()
-    router = process("router-dns", [sys.executable, "-m", "router", "serve", "--config", str(config), "--port",
-                                    str(router_port), "--health-interval", "0.3"],
-                     f"http://127.0.0.1:{router_port}/health")
+    router = process(
+        "router-dns",
+        [
+            sys.executable,
+            "-m",
+            "router",
+            "serve",
+            "--config",
+            str(config),
+            "--port",
+            str(router_port),
+            "--health-interval",
+            "0.3",
+        ],
+        f"http://127.0.0.1:{router_port}/health",
+    )
     url = f"http://127.0.0.1:{router_port}"
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
     try:

@@ -34,14 +34,27 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
 
 
 def prefill_body(transfer_id: str) -> dict[str, object]:
-    kv = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
-          "remote_host": None, "remote_port": None, "transfer_id": transfer_id}  # fmt: skip
+    kv = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+        "transfer_id": transfer_id,
+    }
     return {"model": "sim", "prompt": PROMPT, "max_tokens": 1, "stream": False, "kv_transfer_params": kv}
 
 
 def decode_body(kv: dict[str, object]) -> dict[str, object]:
-    return {"model": "sim", "prompt": PROMPT, "max_tokens": 5, "stream": True,
-            "stream_options": {"include_usage": True}, "kv_transfer_params": kv}  # fmt: skip
+    return {
+        "model": "sim",
+        "prompt": PROMPT,
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "kv_transfer_params": kv,
+    }
 
 
 async def stream_lines(c: httpx.AsyncClient, base: str, body: dict[str, object], rid: str) -> list[str]:
@@ -65,9 +78,16 @@ def test_pull_then_push_handoffs_move_the_kv(pair: tuple[str, str]) -> None:
             kv = answer.json()["kv_transfer_params"]
             assert kv["remote_block_ids"] and kv["remote_port"] == port and kv["remote_num_tokens"] == 300
             pulled = await stream_lines(c, d, decode_body(kv), "r1")
-            push_kv = {"do_remote_prefill": True, "remote_engine_id": "sim-p", "remote_host": "127.0.0.1",
-                       "remote_port": port, "tp_size": 1, "pp_size": 1, "remote_request_id": "r2",
-                       "transfer_id": "t-push"}  # fmt: skip
+            push_kv = {
+                "do_remote_prefill": True,
+                "remote_engine_id": "sim-p",
+                "remote_host": "127.0.0.1",
+                "remote_port": port,
+                "tp_size": 1,
+                "pp_size": 1,
+                "remote_request_id": "r2",
+                "transfer_id": "t-push",
+            }
             legs = await asyncio.gather(
                 c.post(f"{p}/v1/completions", json=prefill_body("t-push"), headers={"x-request-id": "r2"}),
                 stream_lines(c, d, decode_body(push_kv), "r2"),
@@ -87,8 +107,14 @@ def test_pull_then_push_handoffs_move_the_kv(pair: tuple[str, str]) -> None:
 
 def test_decode_fails_cleanly_when_prefill_never_comes(pair: tuple[str, str]) -> None:
     p, d = pair
-    kv = {"do_remote_prefill": True, "remote_engine_id": "sim-p", "remote_host": "127.0.0.1",
-          "remote_port": int(p.rsplit(":", 1)[1]), "remote_block_ids": [0], "remote_request_id": "nobody"}  # fmt: skip
+    kv = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "sim-p",
+        "remote_host": "127.0.0.1",
+        "remote_port": int(p.rsplit(":", 1)[1]),
+        "remote_block_ids": [0],
+        "remote_request_id": "nobody",
+    }
 
     async def go() -> list[str]:
         async with httpx.AsyncClient(timeout=30.0) as c:

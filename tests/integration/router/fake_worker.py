@@ -42,7 +42,7 @@ def make_app(engine_id: str, tokens: int, delay: float) -> Callable[[Scope, Rece
         if path == "/v1/models":
             return await reply(send, 200, json.dumps({"object": "list", "data": [{"id": "tiny"}]}).encode())
         if path == "/metrics":
-            text = f"vllm:num_requests_running{{engine=\"0\"}} {running}\nvllm:num_requests_waiting{{engine=\"0\"}} 0\n"
+            text = f'vllm:num_requests_running{{engine="0"}} {running}\nvllm:num_requests_waiting{{engine="0"}} 0\n'
             return await reply(send, 200, text.encode(), b"text/plain")
         raw = b""
         while True:
@@ -53,16 +53,24 @@ def make_app(engine_id: str, tokens: int, delay: float) -> Callable[[Scope, Rece
         body = json.loads(raw or b"{}")
         params = body.get("kv_transfer_params") or {}
         if params.get("do_remote_decode"):
-            kv = {"do_remote_prefill": True, "remote_engine_id": engine_id, "remote_host": "127.0.0.1",
-                  "remote_port": 5600, "tp_size": 1, "pp_size": 1, "transfer_mode": "push"}
+            kv = {
+                "do_remote_prefill": True,
+                "remote_engine_id": engine_id,
+                "remote_host": "127.0.0.1",
+                "remote_port": 5600,
+                "tp_size": 1,
+                "pp_size": 1,
+                "transfer_mode": "push",
+            }
             return await reply(send, 200, json.dumps({"choices": [{"text": "a"}], "kv_transfer_params": kv}).encode())
         running += 1
         try:
             if not body.get("stream"):
                 await asyncio.sleep(tokens * delay)
                 return await reply(send, 200, json.dumps({"choices": [{"text": "x" * tokens}]}).encode())
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"text/event-stream")]})
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]}
+            )
             for i in range(tokens):
                 event = json.dumps({"choices": [{"index": 0, "text": f"t{i} "}]})
                 await send({"type": "http.response.body", "body": f"data: {event}\n\n".encode(), "more_body": True})

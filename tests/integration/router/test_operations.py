@@ -31,9 +31,16 @@ class Proc:
 
 
 def start(name: str, argv: list[str], port: int, ready: str, env: dict[str, str] | None = None) -> Proc:
-    handle = ManagedProcess(ProcessSpec(name=name, argv=tuple(argv), env={**os.environ, **(env or {})},
-                                        log_path=LOGS / f"{name}.log", ready_url=f"http://127.0.0.1:{port}{ready}",
-                                        cwd=REPO))
+    handle = ManagedProcess(
+        ProcessSpec(
+            name=name,
+            argv=tuple(argv),
+            env={**os.environ, **(env or {})},
+            log_path=LOGS / f"{name}.log",
+            ready_url=f"http://127.0.0.1:{port}{ready}",
+            cwd=REPO,
+        )
+    )
     handle.start()
     handle.wait_healthy(30.0)
     return Proc(handle, f"http://127.0.0.1:{port}", port)
@@ -41,13 +48,25 @@ def start(name: str, argv: list[str], port: int, ready: str, env: dict[str, str]
 
 def fake(name: str, port: int = 0, tokens: int = 20, delay: float = 0.05) -> Proc:
     port = port or free_port()
-    argv = [sys.executable, "-m", "tests.integration.router.fake_worker", "--port", str(port),
-            "--engine-id", name, "--tokens", str(tokens), "--delay", str(delay)]
+    argv = [
+        sys.executable,
+        "-m",
+        "tests.integration.router.fake_worker",
+        "--port",
+        str(port),
+        "--engine-id",
+        name,
+        "--tokens",
+        str(tokens),
+        "--delay",
+        str(delay),
+    ]
     return start(f"fake-{name}-{port}", argv, port, "/health")
 
 
-def router(prefills: list[Proc], decodes: list[Proc], *flags: str, env: dict[str, str] | None = None,
-           ready: str = "/health") -> Proc:
+def router(
+    prefills: list[Proc], decodes: list[Proc], *flags: str, env: dict[str, str] | None = None, ready: str = "/health"
+) -> Proc:
     port = free_port()
     argv = [sys.executable, "-m", "router", "serve", "--port", str(port), "--health-interval", "0.3"]
     for p in prefills:
@@ -66,10 +85,16 @@ def running(*procs: Proc) -> Iterator[None]:
             proc.handle.stop(5.0)
 
 
-def stream(url: str, body: dict[str, object] = BODY, started: threading.Event | None = None,
-           headers: dict[str, str] | None = None) -> tuple[int, list[str]]:
-    with httpx.Client(timeout=30) as client, client.stream("POST", f"{url}/v1/completions", json=body,
-                                                           headers=headers) as response:
+def stream(
+    url: str,
+    body: dict[str, object] = BODY,
+    started: threading.Event | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, list[str]]:
+    with (
+        httpx.Client(timeout=30) as client,
+        client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as response,
+    ):
         events = []
         for line in response.iter_lines():
             if line.startswith("data: "):
@@ -115,8 +140,9 @@ def test_a_burst_above_the_bound_gets_429s_not_timeouts_and_memory_stays_bounded
         assert set(statuses) <= {200, 429} and statuses.count(200) >= 4 and statuses.count(429) >= 1
         refused = httpx.post(f"{r.url}/v1/completions", json={**BODY, "stream": False}, timeout=30)
         with ThreadPoolExecutor(32) as burst:
-            burst_statuses = list(burst.map(
-                lambda _: httpx.post(f"{r.url}/v1/completions", json=BODY, timeout=30).status_code, range(32)))
+            burst_statuses = list(
+                burst.map(lambda _: httpx.post(f"{r.url}/v1/completions", json=BODY, timeout=30).status_code, range(32))
+            )
         assert 429 in burst_statuses, "the bound holds under a second burst"
         before = rss_kib(r.handle.pid)
         for _ in range(3):
@@ -149,8 +175,7 @@ def test_a_stopped_worker_is_ejected_and_readmitted_without_disturbing_the_other
         long = [pool.submit(stream, r.url, {**BODY, "max_tokens": 60}, ev) for ev in started]
         assert all(ev.wait(20) for ev in started)
         d1.handle.stop(5.0)  # streams on d1 break; streams on d2 must not notice
-        wait_for(lambda: not {w["url"]: w["healthy"] for w in ready(r.url).json()["workers"]}[d1.url],
-                 "d1 ejected")
+        wait_for(lambda: not {w["url"]: w["healthy"] for w in ready(r.url).json()["workers"]}[d1.url], "d1 ejected")
         assert ready(r.url).status_code == 200, "d2 and p keep the router ready"
         during = [stream(r.url)[0] for _ in range(6)]
         assert during == [200] * 6
@@ -158,8 +183,7 @@ def test_a_stopped_worker_is_ejected_and_readmitted_without_disturbing_the_other
         assert sum(1 for status, events in results if events and events[-1] == "[DONE]") >= 1
         d1_again = fake("d1", port=d1.port)
         with running(d1_again):
-            wait_for(lambda: {w["url"]: w["healthy"] for w in ready(r.url).json()["workers"]}[d1.url],
-                     "d1 readmitted")
+            wait_for(lambda: {w["url"]: w["healthy"] for w in ready(r.url).json()["workers"]}[d1.url], "d1 readmitted")
             p.handle.stop(5.0)
             wait_for(lambda: ready(r.url).status_code == 503, "/ready follows the prefill pool")
             p_again = fake("p", port=p.port)
@@ -171,8 +195,10 @@ def test_keys_guard_the_api_and_the_admin_api() -> None:
     p, d = fake("p"), fake("d")
     client_key, admin_key = "client-key-0123456789", "admin-key-9876543210"
     r = router([p], [d], "--api-key", client_key, env={"KVPUSH_ADMIN_KEY": admin_key})
+
     def as_(key: str | None) -> dict[str, str]:
         return {"authorization": f"Bearer {key}"} if key else {}
+
     with running(p, d, r), httpx.Client(base_url=r.url, timeout=10) as c:
         for headers in ({}, as_("wrong-key-000000"), as_(admin_key)):
             denied = c.post("/v1/completions", json={**BODY, "stream": False}, headers=headers)
@@ -198,8 +224,11 @@ def test_keys_guard_the_api_and_the_admin_api() -> None:
     assert client_key not in log and admin_key not in log and "wrong-key-000000" not in log
     lines = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
     served = [line for line in lines if line.get("outcome") == "ok"]
-    assert served and {"request_id", "pairing_id", "prefill_worker", "decode_worker", "mode", "ttft_ms",
-                       "e2e_ms"} <= served[0].keys()
+    assert (
+        served
+        and {"request_id", "pairing_id", "prefill_worker", "decode_worker", "mode", "ttft_ms", "e2e_ms"}
+        <= served[0].keys()
+    )
 
 
 @pytest.mark.parametrize("fallback", ["none", "decode-only"])
@@ -208,8 +237,10 @@ def test_with_the_prefill_pool_down(fallback: str) -> None:
     r = router([p], [d], "--fallback", fallback)
     with running(d, r):
         p.handle.stop(5.0)
-        wait_for(lambda: not any(w["healthy"] for w in ready(r.url).json()["workers"] if w["role"] == "prefill"),
-                 "prefill pool reported down")
+        wait_for(
+            lambda: not any(w["healthy"] for w in ready(r.url).json()["workers"] if w["role"] == "prefill"),
+            "prefill pool reported down",
+        )
         assert ready(r.url).status_code == (503 if fallback == "none" else 200)
         answer = httpx.post(f"{r.url}/v1/completions", json={**BODY, "stream": False}, timeout=20)
         if fallback == "none":

@@ -54,23 +54,27 @@ class Stack:
 def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     require_vllm()
     mode = request.param
-    with pair(CONNECTORS[mode], n_prefill=2, tag=f"rt-{mode}") as engines, \
-            router(mode, [engines.prefill_spec(0)], [engines.decode.url]) as url:
+    with (
+        pair(CONNECTORS[mode], n_prefill=2, tag=f"rt-{mode}") as engines,
+        router(mode, [engines.prefill_spec(0)], [engines.decode.url]) as url,
+    ):
         yield Stack(mode, engines, url)
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_output_equals_a_single_instance_and_the_kv_was_transferred(
-    stack: Stack, endpoint: str, stream: bool
-) -> None:
+def test_output_equals_a_single_instance_and_the_kv_was_transferred(stack: Stack, endpoint: str, stream: bool) -> None:
     body = request_body(endpoint, stream)
     before = kv_sources(stack.decode_url)
     got = complete(stack.router_url, endpoint, body)
     assert got.status == 200, got.text
     assert got.prompt_tokens > 100
-    wait_for(lambda: kv_sources(stack.decode_url)["external_kv_transfer"] - before["external_kv_transfer"]
-             >= got.prompt_tokens, "decode counted the prompt as transferred")
+    wait_for(
+        lambda: (
+            kv_sources(stack.decode_url)["external_kv_transfer"] - before["external_kv_transfer"] >= got.prompt_tokens
+        ),
+        "decode counted the prompt as transferred",
+    )
     after = kv_sources(stack.decode_url)
     assert after["external_kv_transfer"] - before["external_kv_transfer"] == got.prompt_tokens
     assert after["local_compute"] == before["local_compute"]
@@ -88,15 +92,20 @@ def test_sixteen_concurrent_requests_succeed(stack: Stack) -> None:
     bodies = [request_body("completions" if i % 2 else "chat", stream=i % 3 != 0) for i in range(16)]
     before = kv_sources(stack.decode_url)["external_kv_transfer"]
     with ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(lambda ib: complete(stack.router_url, "completions" if ib[0] % 2 else "chat", ib[1]),
-                                enumerate(bodies)))
+        results = list(
+            pool.map(
+                lambda ib: complete(stack.router_url, "completions" if ib[0] % 2 else "chat", ib[1]), enumerate(bodies)
+            )
+        )
     assert [r.status for r in results] == [200] * 16
     assert all(r.text for r in results)
     expected = sum(r.prompt_tokens for r in results if r.prompt_tokens)
     streamed = [r for r in results if r.prompt_tokens]
     assert len(streamed) == 16
-    wait_for(lambda: kv_sources(stack.decode_url)["external_kv_transfer"] - before >= expected,
-             "decode counted every prompt as transferred")
+    wait_for(
+        lambda: kv_sources(stack.decode_url)["external_kv_transfer"] - before >= expected,
+        "decode counted every prompt as transferred",
+    )
     if stack.mode == "push":
         for r in results:
             record = timing(stack.router_url, r.headers["x-kvpush-pairing-id"])
@@ -126,17 +135,39 @@ def test_the_official_openai_client_works(stack: Stack, stream: bool) -> None:
     messages = [{"role": "user", "content": prompt}]
     extra = {"ignore_eos": True}
     if stream:
-        pieces = [c.choices[0].text for c in client.completions.create(
-            model="tiny", prompt=prompt, max_tokens=8, temperature=0, stream=True, extra_body=extra) if c.choices]
-        chat = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True,  # type: ignore[arg-type]
-            extra_body=extra) if c.choices]
+        pieces = [
+            c.choices[0].text
+            for c in client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=8, temperature=0, stream=True, extra_body=extra
+            )
+            if c.choices
+        ]
+        chat = [
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(
+                model="tiny",
+                messages=messages,
+                max_tokens=8,
+                temperature=0,
+                stream=True,  # type: ignore[arg-type]
+                extra_body=extra,
+            )
+            if c.choices
+        ]
         assert len(pieces) == 8 and "".join(chat)
     else:
-        text = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
-                                         extra_body=extra).choices[0].text
-        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,  # type: ignore[arg-type]
-                                               temperature=0, extra_body=extra)
+        text = (
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, extra_body=extra)
+            .choices[0]
+            .text
+        )
+        reply = client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=8,  # type: ignore[arg-type]
+            temperature=0,
+            extra_body=extra,
+        )
         assert text and reply.choices[0].message.content
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt="", max_tokens=4)
@@ -150,8 +181,9 @@ def test_a_killed_prefill_fails_fast_or_retries_and_the_router_stays_ready(stack
         warm = [complete(url, "completions", request_body("completions", True)) for _ in range(2)]
         assert [r.status for r in warm] == [200, 200]
         with ThreadPoolExecutor(6) as pool:
-            running = [pool.submit(complete, url, "completions", request_body("completions", True, 64), 60.0)
-                       for _ in range(6)]
+            running = [
+                pool.submit(complete, url, "completions", request_body("completions", True, 64), 60.0) for _ in range(6)
+            ]
             os.killpg(victim.pid, signal.SIGKILL)
             results = [f.result() for f in running]
         after = [complete(url, "chat", request_body("chat", i % 2 == 0), 60.0) for i in range(4)]

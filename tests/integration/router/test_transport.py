@@ -20,10 +20,27 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def worker() -> Iterator[str]:
     port = free_port()
-    argv = (sys.executable, "-m", "tests.integration.router.fake_worker", "--port", str(port), "--tokens", "50",
-            "--delay", "0.1")
-    proc = ManagedProcess(ProcessSpec(name=f"transport-{port}", argv=argv, env={}, log_path=LOGS / "transport.log",
-                                      ready_url=f"http://127.0.0.1:{port}/health", cwd=REPO))
+    argv = (
+        sys.executable,
+        "-m",
+        "tests.integration.router.fake_worker",
+        "--port",
+        str(port),
+        "--tokens",
+        "50",
+        "--delay",
+        "0.1",
+    )
+    proc = ManagedProcess(
+        ProcessSpec(
+            name=f"transport-{port}",
+            argv=argv,
+            env={},
+            log_path=LOGS / "transport.log",
+            ready_url=f"http://127.0.0.1:{port}/health",
+            cwd=REPO,
+        )
+    )
     proc.start()
     proc.wait_healthy(30)
     yield f"http://127.0.0.1:{port}"
@@ -56,8 +73,15 @@ async def test_a_stream_cut_short_is_seen_by_the_server(worker: str) -> None:
 async def test_whole_answers_and_json(worker: str) -> None:
     async with client() as c:
         for _ in range(3):
-            answer = await c.post(f"{worker}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1,
-                                                                     "kv_transfer_params": {"do_remote_decode": True}})
+            answer = await c.post(
+                f"{worker}/v1/completions",
+                json={
+                    "model": "tiny",
+                    "prompt": "x",
+                    "max_tokens": 1,
+                    "kv_transfer_params": {"do_remote_decode": True},
+                },
+            )
             assert answer.status_code == 200 and answer.json()["kv_transfer_params"]["transfer_mode"] == "push"
         assert (await c.get(f"{worker}/v1/models")).json()["data"][0]["id"] == "tiny"
 

@@ -111,10 +111,24 @@ def test_the_real_entry_point_refuses_ports_already_in_use(tmp_path: Path) -> No
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
         cache = Path(os.environ.get("KVPUSH_TEST_CACHE", REPO_ROOT / ".cache" / "kvpush"))
         done = subprocess.run(
-            [sys.executable, "-m", "stack.local", "--port", str(port), "--cache-dir", str(cache),
-             "--prefill-port", "0", "--decode-port", "0"],
-            env=env, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "stack.local",
+                "--port",
+                str(port),
+                "--cache-dir",
+                str(cache),
+                "--prefill-port",
+                "0",
+                "--decode-port",
+                "0",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     assert done.returncode == 1
     assert f"ports already in use on 127.0.0.1: [{port}" in done.stderr  # the router port comes first
     assert done.stdout == ""

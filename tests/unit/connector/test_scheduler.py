@@ -35,8 +35,16 @@ class Blocks:
 
 
 def d_params(tid: str = "xfer-1") -> dict[str, Any]:
-    return {"do_remote_prefill": True, "remote_engine_id": "p0", "remote_host": "127.0.0.1", "remote_port": 5600,
-            "tp_size": 1, "pp_size": 1, "remote_request_id": "kvp-1", "transfer_id": tid}  # fmt: skip
+    return {
+        "do_remote_prefill": True,
+        "remote_engine_id": "p0",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+        "tp_size": 1,
+        "pp_size": 1,
+        "remote_request_id": "kvp-1",
+        "transfer_id": tid,
+    }
 
 
 def half() -> SchedulerHalf:
@@ -102,8 +110,12 @@ def test_a_failed_receive_is_not_cancelled_back_to_the_prefill() -> None:
 
 def test_a_finished_prefill_holds_its_blocks_and_answers_push_params() -> None:
     h = half()
-    req = Req("p-1", {"do_remote_decode": True, "transfer_id": "xfer-9"}, status=RequestStatus.FINISHED_LENGTH_CAPPED,
-              num_computed_tokens=40)  # fmt: skip
+    req = Req(
+        "p-1",
+        {"do_remote_decode": True, "transfer_id": "xfer-9"},
+        status=RequestStatus.FINISHED_LENGTH_CAPPED,
+        num_computed_tokens=40,
+    )
     delay, params = h.request_finished(req, [7, 8, 9])
     assert delay is True and params is not None
     assert params["transfer_mode"] == "push" and params["transfer_id"] == "xfer-9"

@@ -20,8 +20,22 @@ REPO = Path(__file__).resolve().parents[3]
 DASHBOARD = REPO / "deploy" / "grafana" / "kvpush-dashboard.json"
 RULES = REPO / "deploy" / "prometheus" / "rules.yml"
 
-AGGREGATIONS = {"sum", "min", "max", "avg", "group", "stddev", "stdvar", "count", "count_values", "bottomk",
-                "topk", "quantile", "limitk", "limit_ratio"}
+AGGREGATIONS = {
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "group",
+    "stddev",
+    "stdvar",
+    "count",
+    "count_values",
+    "bottomk",
+    "topk",
+    "quantile",
+    "limitk",
+    "limit_ratio",
+}
 GROUPING = {"by", "without", "on", "ignoring", "group_left", "group_right"}
 KEYWORDS = {"bool", "and", "or", "unless", "offset", "inf", "nan", "atan2"}
 # Labels Prometheus adds at scrape time (the PodMonitors add `pool` and set `job`); `le` is every histogram's.
@@ -30,7 +44,8 @@ TARGET_LABELS = {"job", "instance", "namespace", "pod", "container", "service", 
 SYNTHETIC = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
 GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h", "$namespace": ".*"}
 
-_TOKEN = re.compile(r"""
+_TOKEN = re.compile(
+    r"""
     (?P<string>"(?:\\.|[^"\\])*"|'(?:\\.|[^'\\])*'|`[^`]*`)
   | (?P<matchers>\{[^}]*\})
   | (?P<range>\[[^\]]*\])
@@ -39,7 +54,9 @@ _TOKEN = re.compile(r"""
   | (?P<punct>[()\[\],])
   | (?P<op>[-+*/%^=!<>~]+)
   | (?P<space>\s+)
-""", re.VERBOSE)
+""",
+    re.VERBOSE,
+)
 _MATCHER = re.compile(r"""\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*("(?:\\.|[^"\\])*"|'(?:\\.|[^'\\])*')\s*(,|$)""")
 
 
@@ -75,7 +92,7 @@ def _tokens(expr: str) -> list[tuple[str, str]]:
     while pos < len(expr):
         m = _TOKEN.match(expr, pos)
         if m is None:
-            raise ValueError(f"cannot read PromQL at {expr[pos:pos + 20]!r} in {expr!r}")
+            raise ValueError(f"cannot read PromQL at {expr[pos : pos + 20]!r} in {expr!r}")
         pos = m.end()
         kind = m.lastgroup or ""
         if kind != "space":
@@ -105,7 +122,7 @@ def usage(expr: str) -> Usage:
         following = tokens[i + 1] if i + 1 < len(tokens) else ("", "")
         if kind == "ident" and text in GROUPING and following == ("punct", "("):
             close = next(j for j in range(i + 2, len(tokens)) if tokens[j] == ("punct", ")"))
-            found.grouping.update(t for k, t in tokens[i + 2:close] if k == "ident")
+            found.grouping.update(t for k, t in tokens[i + 2 : close] if k == "ident")
             i = close + 1
             continue
         if kind == "ident" and text not in AGGREGATIONS | GROUPING | KEYWORDS and following != ("punct", "("):
@@ -147,8 +164,12 @@ def all_exprs() -> list[tuple[str, str]]:
 
 _SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>.*)\})?\s+\S+(?:\s+\S+)?$")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="(?:\\.|[^"\\])*"')
-_DERIVED = {"histogram": ("_bucket", "_sum", "_count", "_created"), "summary": ("", "_sum", "_count", "_created"),
-            "counter": ("", "_total", "_created"), "gaugehistogram": ("_bucket", "_gsum", "_gcount")}
+_DERIVED = {
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "summary": ("", "_sum", "_count", "_created"),
+    "counter": ("", "_total", "_created"),
+    "gaugehistogram": ("_bucket", "_gsum", "_gcount"),
+}
 
 
 class Exposition:

@@ -30,8 +30,9 @@ def instructions(path: Path) -> list[tuple[str, str]]:
 
 
 def copied_sources(path: Path) -> list[str]:
-    return [src for word, rest in instructions(path) if word == "COPY" and "--from" not in rest
-            for src in rest.split()[:-1]]
+    return [
+        src for word, rest in instructions(path) if word == "COPY" and "--from" not in rest for src in rest.split()[:-1]
+    ]
 
 
 def kept_by_dockerignore(path: Path, source: str) -> bool:
@@ -93,6 +94,7 @@ def hadolint() -> str:
 
 @pytest.mark.parametrize("dockerfile", [ROUTER, VLLM], ids=["router", "vllm"])
 def test_hadolint_finds_nothing(dockerfile: Path) -> None:
-    done = subprocess.run([hadolint(), "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=60,
-                          check=False)
+    done = subprocess.run(
+        [hadolint(), "--no-color", str(dockerfile)], capture_output=True, text=True, timeout=60, check=False
+    )
     assert done.returncode == 0, done.stdout + done.stderr

@@ -19,8 +19,11 @@ from router.cli import load_serve_settings
 
 REPO = Path(__file__).resolve().parents[3]
 K8S = REPO / "deploy" / "k8s"
-LAYOUTS = {"base": K8S / "base", "standalone": K8S / "overlays" / "standalone",
-           "kvpush-connector": K8S / "overlays" / "kvpush-connector"}
+LAYOUTS = {
+    "base": K8S / "base",
+    "standalone": K8S / "overlays" / "standalone",
+    "kvpush-connector": K8S / "overlays" / "kvpush-connector",
+}
 SIDECAR = {"base", "kvpush-connector"}  # layouts with the router in the decode pods
 KUBE_VERSION = "1.32"
 CRD_KINDS = {"PodMonitor", "PrometheusRule"}
@@ -102,40 +105,108 @@ def test_the_schema_check_rejects_a_broken_deployment(layout: tuple[str, list[Do
 
 # The fields of monitoring.coreos.com/v1 objects these manifests use (Prometheus Operator CRDs), closed so a
 # misspelt key fails. kubernetes-validate has no CRD schemas; this is the structural check in their place.
-_RELABEL = {"type": "object", "additionalProperties": False, "properties": {
-    "sourceLabels": {"type": "array", "items": {"type": "string"}}, "separator": {"type": "string"},
-    "targetLabel": {"type": "string"}, "regex": {"type": "string"}, "replacement": {"type": "string"},
-    "action": {"enum": ["replace", "keep", "drop", "labelmap", "labeldrop", "labelkeep", "hashmod"]}}}
+_RELABEL = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "sourceLabels": {"type": "array", "items": {"type": "string"}},
+        "separator": {"type": "string"},
+        "targetLabel": {"type": "string"},
+        "regex": {"type": "string"},
+        "replacement": {"type": "string"},
+        "action": {"enum": ["replace", "keep", "drop", "labelmap", "labeldrop", "labelkeep", "hashmod"]},
+    },
+}
 _DURATION = {"type": "string", "pattern": r"^(0|([0-9]+(ms|s|m|h|d|w|y))+)$"}
 _META = {"type": "object", "required": ["name", "labels"]}
 PODMONITOR_SCHEMA = {
-    "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
-    "properties": {"apiVersion": {"const": "monitoring.coreos.com/v1"}, "metadata": _META, "spec": {
-        "type": "object", "additionalProperties": False, "required": ["selector", "podMetricsEndpoints"],
-        "properties": {
-            "selector": {"type": "object", "additionalProperties": False, "properties": {
-                "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}}},
-            "podMetricsEndpoints": {"type": "array", "minItems": 1, "items": {
-                "type": "object", "additionalProperties": False, "required": ["port", "path"], "properties": {
-                    "port": {"type": "string"}, "path": {"type": "string", "pattern": "^/"},
-                    "interval": _DURATION, "scrapeTimeout": _DURATION,
-                    "relabelings": {"type": "array", "items": _RELABEL},
-                    "metricRelabelings": {"type": "array", "items": _RELABEL}}}}}}}}
-PROMETHEUSRULE_SCHEMA = {
-    "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
-    "properties": {"apiVersion": {"const": "monitoring.coreos.com/v1"}, "metadata": _META, "spec": {
-        "type": "object", "additionalProperties": False, "required": ["groups"], "properties": {"groups": {
-            "type": "array", "minItems": 1, "items": {
-                "type": "object", "additionalProperties": False, "required": ["name", "rules"], "properties": {
-                    "name": {"type": "string"}, "interval": _DURATION, "rules": {"type": "array", "items": {
-                        "type": "object", "additionalProperties": False, "required": ["alert", "expr"],
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "metadata": _META,
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["selector", "podMetricsEndpoints"],
+            "properties": {
+                "selector": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {"matchLabels": {"type": "object", "additionalProperties": {"type": "string"}}},
+                },
+                "podMetricsEndpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["port", "path"],
                         "properties": {
-                            "alert": {"type": "string", "pattern": "^[A-Za-z][A-Za-z0-9]*$"},
-                            "expr": {"type": "string", "minLength": 1}, "for": _DURATION,
-                            "labels": {"type": "object", "required": ["severity"],
-                                       "additionalProperties": {"type": "string"}},
-                            "annotations": {"type": "object", "required": ["summary", "description"],
-                                            "additionalProperties": {"type": "string"}}}}}}}}}}}}
+                            "port": {"type": "string"},
+                            "path": {"type": "string", "pattern": "^/"},
+                            "interval": _DURATION,
+                            "scrapeTimeout": _DURATION,
+                            "relabelings": {"type": "array", "items": _RELABEL},
+                            "metricRelabelings": {"type": "array", "items": _RELABEL},
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+PROMETHEUSRULE_SCHEMA = {
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "metadata": _META,
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["groups"],
+            "properties": {
+                "groups": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["name", "rules"],
+                        "properties": {
+                            "name": {"type": "string"},
+                            "interval": _DURATION,
+                            "rules": {
+                                "type": "array",
+                                "items": {
+                                    "type": "object",
+                                    "additionalProperties": False,
+                                    "required": ["alert", "expr"],
+                                    "properties": {
+                                        "alert": {"type": "string", "pattern": "^[A-Za-z][A-Za-z0-9]*$"},
+                                        "expr": {"type": "string", "minLength": 1},
+                                        "for": _DURATION,
+                                        "labels": {
+                                            "type": "object",
+                                            "required": ["severity"],
+                                            "additionalProperties": {"type": "string"},
+                                        },
+                                        "annotations": {
+                                            "type": "object",
+                                            "required": ["summary", "description"],
+                                            "additionalProperties": {"type": "string"},
+                                        },
+                                    },
+                                },
+                            },
+                        },
+                    },
+                }
+            },
+        },
+    },
+}
 
 
 def test_prometheus_operator_objects_are_well_formed(layout: tuple[str, list[Doc]]) -> None:
@@ -159,8 +230,13 @@ def test_the_prometheus_rule_holds_exactly_the_plain_rules_file(layout: tuple[st
 
 
 def test_the_committed_prometheus_rule_is_what_the_builder_makes() -> None:
-    done = subprocess.run([sys.executable, str(REPO / "deploy" / "tools" / "build_alerts.py"), "--check"],
-                          capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "deploy" / "tools" / "build_alerts.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 
@@ -182,9 +258,16 @@ def test_an_overlay_can_move_every_layout_to_another_namespace(tmp_path: Path) -
     for name, path in LAYOUTS.items():
         overlay = tmp_path / name
         overlay.mkdir()
-        (overlay / "kustomization.yaml").write_text(yaml.safe_dump({
-            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization", "namespace": "llm-serving",
-            "resources": [os.path.relpath(path, overlay)]}))
+        (overlay / "kustomization.yaml").write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                    "kind": "Kustomization",
+                    "namespace": "llm-serving",
+                    "resources": [os.path.relpath(path, overlay)],
+                }
+            )
+        )
         docs = render(overlay)
         assert one(docs, "Namespace", "llm-serving")
         for doc in docs:
@@ -257,9 +340,13 @@ def test_pod_monitors_find_their_ports(layout: tuple[str, list[Doc]]) -> None:
     for name, containers in expected.items():
         monitor = one(docs, "PodMonitor", name)
         (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
-        scraped = {c["name"] for t in pod_templates(docs)
-                   if selects(monitor["spec"]["selector"]["matchLabels"], t["metadata"]["labels"])
-                   for c in t["spec"]["containers"] if endpoint["port"] in ports_of(c)}
+        scraped = {
+            c["name"]
+            for t in pod_templates(docs)
+            if selects(monitor["spec"]["selector"]["matchLabels"], t["metadata"]["labels"])
+            for c in t["spec"]["containers"]
+            if endpoint["port"] in ports_of(c)
+        }
         assert scraped == containers, f"{name} scrapes the containers {scraped}"
         relabel = {r["targetLabel"]: r for r in endpoint["relabelings"]}
         assert relabel["job"]["replacement"] == name  # the job names the alert rules use
@@ -288,8 +375,9 @@ def router_settings(pod: Doc, docs: list[Doc], tmp_path: Path) -> Any:
     return load_serve_settings(argv[1:], {})
 
 
-def test_the_router_config_map_loads_with_the_router_s_own_loader(layout: tuple[str, list[Doc]],
-                                                                   tmp_path: Path) -> None:
+def test_the_router_config_map_loads_with_the_router_s_own_loader(
+    layout: tuple[str, list[Doc]], tmp_path: Path
+) -> None:
     name, docs = layout
     pod = router_pod(name, docs)
     settings = router_settings(pod, docs, tmp_path)

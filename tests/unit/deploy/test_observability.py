@@ -53,15 +53,21 @@ def router_labels() -> dict[str, set[str]]:
 def test_the_reader_finds_names_matchers_and_grouping() -> None:
     found = promql.usage(
         'histogram_quantile(0.99, sum by (mode, le) (rate(kvpush_ttft_seconds_bucket{namespace=~"$namespace"}'
-        '[$__rate_interval]))) / on (mode) group_left sum(kvpush_in_flight) > 2 or absent(up{job="x", a!="b"})')
+        '[$__rate_interval]))) / on (mode) group_left sum(kvpush_in_flight) > 2 or absent(up{job="x", a!="b"})'
+    )
     assert [(s.name, sorted(s.matchers)) for s in found.selectors] == [
-        ("kvpush_ttft_seconds_bucket", ["namespace"]), ("kvpush_in_flight", []), ("up", ["a", "job"])]
+        ("kvpush_ttft_seconds_bucket", ["namespace"]),
+        ("kvpush_in_flight", []),
+        ("up", ["a", "job"]),
+    ]
     assert found.grouping == {"mode", "le"}
 
 
 def test_the_reader_does_not_take_functions_keywords_or_strings_for_metrics() -> None:
-    found = promql.usage('sum without (pod) (increase(vllm:nixl_num_failed_transfers_total{x="rate(a[5m])"}[10m]))'
-                         " > bool 0 unless topk(3, foo offset 5m)")
+    found = promql.usage(
+        'sum without (pod) (increase(vllm:nixl_num_failed_transfers_total{x="rate(a[5m])"}[10m]))'
+        " > bool 0 unless topk(3, foo offset 5m)"
+    )
     assert found.names == {"vllm:nixl_num_failed_transfers_total", "foo"}
     assert found.grouping == {"pod"}
 
@@ -72,9 +78,18 @@ def test_the_reader_refuses_what_it_cannot_read() -> None:
 
 
 def test_exposition_declares_derived_series_names() -> None:
-    text = "\n".join([
-        "# HELP a_seconds x", "# TYPE a_seconds histogram", "# HELP b_total x", "# TYPE b_total counter",
-        "# HELP c x", "# TYPE c gauge", 'c{role="prefill"} 1.0', ""])
+    text = "\n".join(
+        [
+            "# HELP a_seconds x",
+            "# TYPE a_seconds histogram",
+            "# HELP b_total x",
+            "# TYPE b_total counter",
+            "# HELP c x",
+            "# TYPE c gauge",
+            'c{role="prefill"} 1.0',
+            "",
+        ]
+    )
     page = promql.Exposition(text)
     assert {"a_seconds_bucket", "a_seconds_sum", "a_seconds_count", "b_total", "c"} <= page.declared()
     assert page.exports("a_seconds_bucket") and not page.exports("a_seconds")
@@ -93,13 +108,27 @@ def test_the_committed_dashboard_is_what_the_builder_makes() -> None:
 def test_the_dashboard_has_the_panels_an_operator_needs() -> None:
     board = json.loads(promql.DASHBOARD.read_text())
     exprs = " ".join(e for _, e in promql.dashboard_exprs())
-    for needed in ("kvpush_requests_total", "kvpush_errors_total", "kvpush_ttft_seconds_bucket",
-                   "kvpush_e2e_seconds_bucket", "kvpush_decode_ttft_seconds_bucket", "kvpush_handoff_seconds_bucket",
-                   "kvpush_worker_in_flight", "kvpush_worker_healthy", "kvpush_pool_members", "kvpush_pool_healthy",
-                   "kvpush_admission_queued", "kvpush_admission_rejected_total", "kvpush_retries_total",
-                   "vllm:nixl_xfer_time_seconds_bucket", "vllm:nixl_bytes_transferred",
-                   "vllm:prompt_tokens_by_source_total", "vllm:num_requests_running", "vllm:num_requests_waiting",
-                   "vllm:kv_cache_usage_perc"):
+    for needed in (
+        "kvpush_requests_total",
+        "kvpush_errors_total",
+        "kvpush_ttft_seconds_bucket",
+        "kvpush_e2e_seconds_bucket",
+        "kvpush_decode_ttft_seconds_bucket",
+        "kvpush_handoff_seconds_bucket",
+        "kvpush_worker_in_flight",
+        "kvpush_worker_healthy",
+        "kvpush_pool_members",
+        "kvpush_pool_healthy",
+        "kvpush_admission_queued",
+        "kvpush_admission_rejected_total",
+        "kvpush_retries_total",
+        "vllm:nixl_xfer_time_seconds_bucket",
+        "vllm:nixl_bytes_transferred",
+        "vllm:prompt_tokens_by_source_total",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+    ):
         assert needed in exprs, f"no panel reads {needed}"
     ids = [p["id"] for p in board["panels"]]
     assert len(ids) == len(set(ids))
@@ -135,16 +164,19 @@ def test_router_metric_names_and_labels_exist_in_the_router_registry() -> None:
 
 
 def dashboard_as_rules(tmp_path: Path) -> Path:
-    rules = [{"record": f"kvpush_dashboard:check_{i}", "expr": promql.substitute(expr)}
-             for i, (_, expr) in enumerate(promql.dashboard_exprs())]
+    rules = [
+        {"record": f"kvpush_dashboard:check_{i}", "expr": promql.substitute(expr)}
+        for i, (_, expr) in enumerate(promql.dashboard_exprs())
+    ]
     path = tmp_path / "dashboard-rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
     return path
 
 
 def promtool(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([promql.require_promtool(), *args], input=stdin, capture_output=True, text=True,
-                          timeout=60, check=False)
+    return subprocess.run(
+        [promql.require_promtool(), *args], input=stdin, capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 def test_promtool_accepts_the_alert_rules() -> None:
@@ -158,8 +190,12 @@ def test_every_alert_fires_when_it_should_and_not_before(tmp_path: Path) -> None
     tests = promql.REPO / "deploy" / "prometheus" / "rules.test.yml"
     done = promtool("test", "rules", str(tests))
     assert done.returncode == 0, done.stdout + done.stderr
-    covered = {case["alertname"] for test in yaml.safe_load(tests.read_text())["tests"]
-               for case in test["alert_rule_test"] if case["exp_alerts"]}
+    covered = {
+        case["alertname"]
+        for test in yaml.safe_load(tests.read_text())["tests"]
+        for case in test["alert_rule_test"]
+        if case["exp_alerts"]
+    }
     assert covered == set(alerts()), f"alerts without a firing test: {set(alerts()) - covered}"
 
 
@@ -170,8 +206,18 @@ def test_promtool_parses_every_dashboard_query(tmp_path: Path) -> None:
 
 def test_promtool_catches_a_broken_query(tmp_path: Path) -> None:
     path = tmp_path / "broken.yml"
-    path.write_text(yaml.safe_dump({"groups": [{"name": "x", "rules": [
-        {"record": "x:y", "expr": "sum by (mode (rate(kvpush_requests_total[5m]))"}]}]}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "groups": [
+                    {
+                        "name": "x",
+                        "rules": [{"record": "x:y", "expr": "sum by (mode (rate(kvpush_requests_total[5m]))"}],
+                    }
+                ]
+            }
+        )
+    )
     assert promtool("check", "rules", str(path)).returncode != 0
 
 

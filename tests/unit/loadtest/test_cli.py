@@ -6,8 +6,25 @@ from loadtest.cli import job_from_args, main, parser
 
 
 def test_run_arguments_become_a_job() -> None:
-    argv = ["run", "--base-url", "http://h:1", "--qps", "2.5", "--burstiness", "0.5", "-n", "7",
-            "--concurrency", "3", "--goodput", "ttft:100", "--suite", "seed-sim", "--mode", "pull"]  # fmt: skip
+    argv = [
+        "run",
+        "--base-url",
+        "http://h:1",
+        "--qps",
+        "2.5",
+        "--burstiness",
+        "0.5",
+        "-n",
+        "7",
+        "--concurrency",
+        "3",
+        "--goodput",
+        "ttft:100",
+        "--suite",
+        "seed-sim",
+        "--mode",
+        "pull",
+    ]
     a = parser().parse_args(argv)
     job = job_from_args(a)
     assert job.load.num_requests == 7 and job.load.concurrency == 3

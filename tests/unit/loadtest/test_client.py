@@ -45,8 +45,9 @@ def test_tracker_times_first_chunk_gaps_and_usage() -> None:
 
 def test_tracker_chat_deltas_and_failures() -> None:
     t = StreamTracker(RequestRecord(0, "r"), t_send=0.0)
-    for i, line in enumerate(sse({"choices": [{"delta": {"role": "assistant", "content": ""}}]},
-                                 {"choices": [{"delta": {"content": "x"}}]})):  # fmt: skip
+    for i, line in enumerate(
+        sse({"choices": [{"delta": {"role": "assistant", "content": ""}}]}, {"choices": [{"delta": {"content": "x"}}]})
+    ):
         t.feed(line, float(i))
     assert t.rec.ttft_s == 0.0 and t.rec.ttft_text_s == 2.0
     assert t.finish(expect_output=2).error == "no usage chunk"
@@ -61,8 +62,15 @@ def run_send(handler: httpx.MockTransport) -> RequestRecord:
 
     async def go() -> RequestRecord:
         async with httpx.AsyncClient(transport=handler) as client:
-            return await send(client, "http://t/v1/completions", {"prompt": "p"}, RequestRecord(0, "mine"),
-                              lambda: next(clock), timeout_s=5.0, expect_output=3)  # fmt: skip
+            return await send(
+                client,
+                "http://t/v1/completions",
+                {"prompt": "p"},
+                RequestRecord(0, "mine"),
+                lambda: next(clock),
+                timeout_s=5.0,
+                expect_output=3,
+            )
 
     return asyncio.run(go())
 

@@ -8,8 +8,18 @@ from loadtest.records import RequestRecord, write_jsonl
 
 def row(mode: str, qps: float, records: Path) -> dict[str, Any]:
     dist = {"mean": 10.0 * qps, "p50": 9.0 * qps, "p90": 12.0, "p99": 20.0 * qps}
-    return {"suite": "seed-sim", "router": "kvpush", "mode": mode, "qps": qps, "concurrency": None,
-            "ttft_ms": dist, "tpot_ms": dist, "handoff_ms": dist, "e2e_ms": dist, "records": str(records)}  # fmt: skip
+    return {
+        "suite": "seed-sim",
+        "router": "kvpush",
+        "mode": mode,
+        "qps": qps,
+        "concurrency": None,
+        "ttft_ms": dist,
+        "tpot_ms": dist,
+        "handoff_ms": dist,
+        "e2e_ms": dist,
+        "records": str(records),
+    }
 
 
 def test_seed_plots_are_written(tmp_path: Path) -> None:

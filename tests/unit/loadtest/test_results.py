@@ -10,16 +10,25 @@ from loadtest.stats import summarize
 
 
 def labels(**kw: object) -> RowLabels:
-    base: dict[str, object] = dict(suite="seed-sim", router="kvpush", mode="push", connector="sim", qps=2.0,
-                                   concurrency=None, input_len=16, output_len=4)  # fmt: skip
+    base: dict[str, object] = dict(
+        suite="seed-sim",
+        router="kvpush",
+        mode="push",
+        connector="sim",
+        qps=2.0,
+        concurrency=None,
+        input_len=16,
+        output_len=4,
+    )
     base.update(kw)
     return RowLabels(**base)  # type: ignore[arg-type]
 
 
 def test_row_has_every_required_field_and_is_valid_json(tmp_path: Path) -> None:
     recs = [RequestRecord(0, "a", ok=True, ttft_s=0.1, e2e_s=0.4, output_tokens=4, handoff_ms=12.0)]
-    row = build_row(summarize(recs, 1.0), labels(extra={"profile": "zero"}), "abc",
-                    now=dt.datetime(2026, 1, 1, tzinfo=dt.UTC))  # fmt: skip
+    row = build_row(
+        summarize(recs, 1.0), labels(extra={"profile": "zero"}), "abc", now=dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    )
     assert set(REQUIRED) <= set(row)
     assert row["handoff_ms"]["p50"] == 12.0 and row["profile"] == "zero"
     assert row["created"] == "2026-01-01T00:00:00+00:00" and row["git_commit"] == "abc"

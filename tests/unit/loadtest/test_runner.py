@@ -24,8 +24,16 @@ def test_run_sends_warmup_apart_and_keeps_failures() -> None:
             return httpx.Response(500, text="boom")
         return httpx.Response(200, content=stream_of(4))
 
-    cfg = LoadConfig(base_url="http://x", model="m", input_len=3, output_len=4, num_requests=5,
-                     arrivals=ArrivalSpec(), concurrency=2, warmup=2)  # fmt: skip
+    cfg = LoadConfig(
+        base_url="http://x",
+        model="m",
+        input_len=3,
+        output_len=4,
+        num_requests=5,
+        arrivals=ArrivalSpec(),
+        concurrency=2,
+        warmup=2,
+    )
     prompts = [Prompt(f"p{i}", 3) for i in range(7)]
 
     async def go() -> object:

@@ -17,8 +17,15 @@ def test_kind_follows_kv_transfer_params() -> None:
 def test_parse_counts_words_and_forces_one_token_on_prefill_legs() -> None:
     inc = wire.parse({"prompt": "1 2 3", "max_tokens": 9, "kv_transfer_params": {"do_remote_decode": True}}, False)
     assert (inc.prompt_tokens, inc.max_tokens, inc.kind, inc.stream) == (3, 1, Kind.PREFILL, False)
-    chat = wire.parse({"messages": [{"role": "user", "content": "a b"}], "max_completion_tokens": 4,
-                       "stream": True, "stream_options": {"include_usage": True}}, True)  # fmt: skip
+    chat = wire.parse(
+        {
+            "messages": [{"role": "user", "content": "a b"}],
+            "max_completion_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        True,
+    )
     assert (chat.prompt_tokens, chat.max_tokens, chat.include_usage) == (2, 4, True)
     assert wire.parse({"prompt": [5, 6, 7, 8]}, False).prompt_tokens == 4
     with pytest.raises(ValueError):

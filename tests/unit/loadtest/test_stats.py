@@ -9,8 +9,9 @@ from loadtest.stats import dist_ms, meets_slos, parse_goodput, percentile, summa
 def rec(
     i: int, ttft: float, e2e: float, out: int = 5, ok: bool = True, itl: list[float] | None = None
 ) -> RequestRecord:
-    return RequestRecord(index=i, request_id=str(i), ok=ok, ttft_s=ttft, e2e_s=e2e, output_tokens=out,
-                         prompt_tokens=10, itl_s=itl or [])  # fmt: skip
+    return RequestRecord(
+        index=i, request_id=str(i), ok=ok, ttft_s=ttft, e2e_s=e2e, output_tokens=out, prompt_tokens=10, itl_s=itl or []
+    )
 
 
 def test_percentile_interpolates_like_numpy() -> None:

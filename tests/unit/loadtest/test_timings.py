@@ -7,8 +7,7 @@ from loadtest.timings import fetch, join
 
 
 def row(rid: str, handoff: float | None) -> dict[str, object]:
-    return {"request_id": rid, "pairing_id": "p-" + rid, "handoff_ms": handoff, "ttft_ms": 50.0,
-            "decode_wait_ms": 1.5}  # fmt: skip
+    return {"request_id": rid, "pairing_id": "p-" + rid, "handoff_ms": handoff, "ttft_ms": 50.0, "decode_wait_ms": 1.5}
 
 
 def test_fetch_reads_bulk_then_asks_for_what_the_ring_dropped() -> None:

@@ -50,8 +50,9 @@ class FakeWorkers:
         return [s for s in self.seen if s.worker == host]
 
 
-def prefill_ok(engine_id: str = "p0", mode: str = "push", gate: asyncio.Event | None = None,
-               done: asyncio.Event | None = None) -> Handler:
+def prefill_ok(
+    engine_id: str = "p0", mode: str = "push", gate: asyncio.Event | None = None, done: asyncio.Event | None = None
+) -> Handler:
     """Answers like a vLLM prefill; waits for `gate` first and sets `done` (the KV is "written") after."""
 
     async def handle(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
@@ -59,9 +60,18 @@ def prefill_ok(engine_id: str = "p0", mode: str = "push", gate: asyncio.Event | 
             await gate.wait()
         if done is not None:
             done.set()
-        params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": engine_id,
-                  "remote_host": "127.0.0.9", "remote_port": 5600, "tp_size": 1, "pp_size": 1,
-                  "remote_block_ids": [[1, 2]], "remote_request_id": "cmpl-x", "transfer_mode": mode}
+        params = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": engine_id,
+            "remote_host": "127.0.0.9",
+            "remote_port": 5600,
+            "tp_size": 1,
+            "pp_size": 1,
+            "remote_block_ids": [[1, 2]],
+            "remote_request_id": "cmpl-x",
+            "transfer_mode": mode,
+        }
         return httpx.Response(200, json={"id": "cmpl-p", "choices": [{"text": "a"}], "kv_transfer_params": params})
 
     return handle
@@ -88,9 +98,13 @@ def hang(closed: asyncio.Event | None = None) -> Handler:
     return handle
 
 
-def decode_ok(tokens: int = 3, on_request: Callable[[], None] | None = None,
-              closed: asyncio.Event | None = None, hold: asyncio.Event | None = None,
-              kv: asyncio.Event | None = None) -> Handler:
+def decode_ok(
+    tokens: int = 3,
+    on_request: Callable[[], None] | None = None,
+    closed: asyncio.Event | None = None,
+    hold: asyncio.Event | None = None,
+    kv: asyncio.Event | None = None,
+) -> Handler:
     """Streams `tokens` SSE events (or one JSON answer) once `kv` is set; `hold` pauses after the first event."""
 
     async def handle(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:

@@ -25,12 +25,15 @@ async def client() -> AsyncIterator[tuple[httpx.AsyncClient, FakeWorkers]]:
             yield c, workers
 
 
-@pytest.mark.parametrize(("path", "content", "message"), [
-    ("/v1/completions", b"{not json", "not valid JSON"),
-    ("/v1/completions", b'{"prompt": "x"}', "'model'"),
-    ("/v1/chat/completions", b'{"model": "tiny"}', "'messages'"),
-    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": -1}', "max_tokens"),
-])
+@pytest.mark.parametrize(
+    ("path", "content", "message"),
+    [
+        ("/v1/completions", b"{not json", "not valid JSON"),
+        ("/v1/completions", b'{"prompt": "x"}', "'model'"),
+        ("/v1/chat/completions", b'{"model": "tiny"}', "'messages'"),
+        ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": -1}', "max_tokens"),
+    ],
+)
 async def test_invalid_requests_get_400_without_touching_a_worker(
     client: tuple[httpx.AsyncClient, FakeWorkers], path: str, content: bytes, message: str
 ) -> None:
@@ -47,8 +50,9 @@ async def test_a_completion_echoes_the_client_id_and_names_the_pairing(
     client: tuple[httpx.AsyncClient, FakeWorkers],
 ) -> None:
     c, workers = client
-    response = await c.post("/v1/completions", json={"model": "tiny", "prompt": "hi"},
-                            headers={"x-request-id": "client-7"})
+    response = await c.post(
+        "/v1/completions", json={"model": "tiny", "prompt": "hi"}, headers={"x-request-id": "client-7"}
+    )
     assert response.status_code == 200 and response.json()["choices"]
     assert response.headers["x-request-id"] == "client-7"
     assert {s.headers["x-request-id"] for s in workers.seen} == {response.headers["x-kvpush-pairing-id"]}

@@ -22,13 +22,25 @@ from router.discovery.pods import (
 from router.domain import NixlIdentity, Role, WorkerSpec
 
 
-def pod(name: str, ip: str | None = "10.1.0.1", *, ready: bool = True, deleting: bool = False,
-        annotations: dict[str, str] | None = None, rv: str = "7") -> dict[str, Any]:
+def pod(
+    name: str,
+    ip: str | None = "10.1.0.1",
+    *,
+    ready: bool = True,
+    deleting: bool = False,
+    annotations: dict[str, str] | None = None,
+    rv: str = "7",
+) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": name, "namespace": "llm", "resourceVersion": rv, "annotations": annotations or {}}
     if deleting:
         meta["deletionTimestamp"] = "2026-11-29T16:00:00Z"
-    status: dict[str, Any] = {"phase": "Running", "conditions": [
-        {"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "True" if ready else "False"}]}
+    status: dict[str, Any] = {
+        "phase": "Running",
+        "conditions": [
+            {"type": "PodScheduled", "status": "True"},
+            {"type": "Ready", "status": "True" if ready else "False"},
+        ],
+    }
     if ip is not None:
         status["podIP"] = ip
     return {"kind": "Pod", "metadata": meta, "status": status}
@@ -42,20 +54,24 @@ def test_a_ready_pod_with_an_ip_is_a_member_on_the_default_port() -> None:
     assert pod_member(pod("a"), Role.DECODE, 8000) == d("10.1.0.1")
 
 
-@pytest.mark.parametrize("p", [
-    pod("a", ready=False),
-    pod("a", ip=None),
-    pod("a", deleting=True),
-    {"metadata": {"name": "a"}, "status": {"podIP": "10.1.0.1"}},  # no conditions yet
-    {"metadata": {"name": "a"}},
-])
+@pytest.mark.parametrize(
+    "p",
+    [
+        pod("a", ready=False),
+        pod("a", ip=None),
+        pod("a", deleting=True),
+        {"metadata": {"name": "a"}, "status": {"podIP": "10.1.0.1"}},  # no conditions yet
+        {"metadata": {"name": "a"}},
+    ],
+)
 def test_pods_that_are_not_ready_have_no_ip_or_are_leaving_are_not_members(p: dict[str, Any]) -> None:
     assert pod_member(p, Role.DECODE, 8000) is None
 
 
 def test_the_port_annotation_wins_and_ipv6_is_bracketed() -> None:
-    assert pod_member(pod("a", "fd00::5", annotations={"kvpush.io/port": "9000"}), Role.DECODE, 8000) == \
-        WorkerSpec("http://[fd00::5]:9000", Role.DECODE)
+    assert pod_member(pod("a", "fd00::5", annotations={"kvpush.io/port": "9000"}), Role.DECODE, 8000) == WorkerSpec(
+        "http://[fd00::5]:9000", Role.DECODE
+    )
 
 
 def test_prefill_identity_comes_from_annotations_with_the_pod_ip_as_side_host() -> None:
@@ -70,30 +86,42 @@ def test_prefill_without_identity_annotations_is_learned_and_decode_ignores_them
     assert pod_member(pod("d", annotations=ann), Role.DECODE, 8000) == d("10.1.0.1")
 
 
-@pytest.mark.parametrize(("ann", "message"), [
-    ({"kvpush.io/port": "http"}, "not an integer"),
-    ({"kvpush.io/port": "70000"}, "out of range"),
-    ({"kvpush.io/engine-id": "p0"}, "go together"),
-    ({"kvpush.io/side-port": "5600"}, "go together"),
-    ({"kvpush.io/engine-id": "p0", "kvpush.io/side-port": "5600", "kvpush.io/tp": "0"}, "out of range"),
-])
+@pytest.mark.parametrize(
+    ("ann", "message"),
+    [
+        ({"kvpush.io/port": "http"}, "not an integer"),
+        ({"kvpush.io/port": "70000"}, "out of range"),
+        ({"kvpush.io/engine-id": "p0"}, "go together"),
+        ({"kvpush.io/side-port": "5600"}, "go together"),
+        ({"kvpush.io/engine-id": "p0", "kvpush.io/side-port": "5600", "kvpush.io/tp": "0"}, "out of range"),
+    ],
+)
 def test_bad_annotations_are_reported(ann: dict[str, str], message: str) -> None:
     with pytest.raises(BadPod, match=message):
         pod_member(pod("p", annotations=ann), Role.PREFILL, 8100)
 
 
 def test_a_list_gives_the_ready_members_their_problems_and_the_resource_version() -> None:
-    pods = {"kind": "PodList", "metadata": {"resourceVersion": "100"}, "items": [
-        pod("b", "10.1.0.2"), pod("a", "10.1.0.1"), pod("c", "10.1.0.3", ready=False),
-        pod("e", "10.1.0.5", annotations={"kvpush.io/port": "x"})]}
+    pods = {
+        "kind": "PodList",
+        "metadata": {"resourceVersion": "100"},
+        "items": [
+            pod("b", "10.1.0.2"),
+            pod("a", "10.1.0.1"),
+            pod("c", "10.1.0.3", ready=False),
+            pod("e", "10.1.0.5", annotations={"kvpush.io/port": "x"}),
+        ],
+    }
     members, rv = members_from_list(pods, Role.DECODE, 8000)
     assert rv == "100"
     assert members.specs() == [d("10.1.0.1"), d("10.1.0.2")]
     assert len(members.problems) == 1 and "pod e" in members.problems[0]
 
 
-@pytest.mark.parametrize("bad", [{"items": []}, {"metadata": {"resourceVersion": "1"}},
-                                 {"metadata": {"resourceVersion": "1"}, "items": ["a-pod"]}])
+@pytest.mark.parametrize(
+    "bad",
+    [{"items": []}, {"metadata": {"resourceVersion": "1"}}, {"metadata": {"resourceVersion": "1"}, "items": ["a-pod"]}],
+)
 def test_something_that_is_not_a_pod_list_is_refused(bad: dict[str, Any]) -> None:
     with pytest.raises(WatchFailed):
         members_from_list(bad, Role.DECODE, 8000)
@@ -124,8 +152,9 @@ def test_events_move_membership_through_readiness_flips_ip_changes_and_deletions
 
 def test_a_bookmark_only_moves_the_resource_version() -> None:
     m, _ = apply_event(Members(), ev("ADDED", pod("a")), Role.DECODE, 8000)
-    after, rv = apply_event(m, ev("BOOKMARK", {"kind": "Pod", "metadata": {"resourceVersion": "99"}}),
-                            Role.DECODE, 8000)
+    after, rv = apply_event(
+        m, ev("BOOKMARK", {"kind": "Pod", "metadata": {"resourceVersion": "99"}}), Role.DECODE, 8000
+    )
     assert (after, rv) == (m, "99")
 
 

@@ -23,10 +23,17 @@ discovery:
 
 def test_the_documented_example_parses_into_one_config_per_role() -> None:
     prefill, decode = parse_discovery(yaml.safe_load(EXAMPLE)["discovery"])
-    assert prefill == DnsConfig(role=Role.PREFILL, name="prefill.ns.svc.cluster.local", port=8000, interval=5.0,
-                                nameserver="10.0.0.10", nameserver_port=53)
-    assert decode == KubernetesConfig(role=Role.DECODE, selector="app=vllm,kvpush.io/role=decode", port=8000,
-                                      namespace="llm")
+    assert prefill == DnsConfig(
+        role=Role.PREFILL,
+        name="prefill.ns.svc.cluster.local",
+        port=8000,
+        interval=5.0,
+        nameserver="10.0.0.10",
+        nameserver_port=53,
+    )
+    assert decode == KubernetesConfig(
+        role=Role.DECODE, selector="app=vllm,kvpush.io/role=decode", port=8000, namespace="llm"
+    )
 
 
 def test_kubernetes_defaults_are_in_cluster() -> None:
@@ -38,20 +45,38 @@ def test_kubernetes_defaults_are_in_cluster() -> None:
 
 
 def test_kubernetes_overrides_for_tests() -> None:
-    (cfg,) = parse_discovery({"prefill": {"kubernetes": {
-        "selector": "app=p", "port": 80, "namespace": "x", "api_url": "http://127.0.0.1:9/", "token": "t",
-        "ca_path": None, "insecure": True, "watch_timeout": 2.5, "request_timeout": 1, "backoff_max": 3}}})
+    (cfg,) = parse_discovery(
+        {
+            "prefill": {
+                "kubernetes": {
+                    "selector": "app=p",
+                    "port": 80,
+                    "namespace": "x",
+                    "api_url": "http://127.0.0.1:9/",
+                    "token": "t",
+                    "ca_path": None,
+                    "insecure": True,
+                    "watch_timeout": 2.5,
+                    "request_timeout": 1,
+                    "backoff_max": 3,
+                }
+            }
+        }
+    )
     assert isinstance(cfg, KubernetesConfig)
     assert (cfg.api_url, cfg.token, cfg.ca_path, cfg.insecure) == ("http://127.0.0.1:9", "t", None, True)
     assert (cfg.watch_timeout, cfg.request_timeout, cfg.backoff_max) == (3, 1.0, 3.0)
 
 
-@pytest.mark.parametrize(("text", "host", "port"), [
-    ("10.0.0.10", "10.0.0.10", 53),
-    ("127.0.0.1:5353", "127.0.0.1", 5353),
-    ("[fd00::a]:5300", "fd00::a", 5300),
-    ("fd00::a", "fd00::a", 53),
-])
+@pytest.mark.parametrize(
+    ("text", "host", "port"),
+    [
+        ("10.0.0.10", "10.0.0.10", 53),
+        ("127.0.0.1:5353", "127.0.0.1", 5353),
+        ("[fd00::a]:5300", "fd00::a", 5300),
+        ("fd00::a", "fd00::a", 53),
+    ],
+)
 def test_nameserver_forms(text: str, host: str, port: int) -> None:
     (cfg,) = parse_discovery({"decode": {"dns": {"name": "d.example", "port": 1, "nameserver": text}}})
     assert isinstance(cfg, DnsConfig)
@@ -64,13 +89,19 @@ def test_without_a_nameserver_the_system_resolver_is_used() -> None:
 
 
 def test_static_lists_reuse_the_worker_syntax_including_prefill_identities() -> None:
-    prefill, decode = parse_discovery({
-        "prefill": {"static": ["http://10.0.0.1:8100,engine_id=p0,side_port=5600", "http://10.0.0.2:8100"]},
-        "decode": {"static": ["http://10.0.1.1:8200/"]},
-    })
-    assert prefill == StaticConfig(Role.PREFILL, (
-        WorkerSpec("http://10.0.0.1:8100", Role.PREFILL, NixlIdentity("p0", "10.0.0.1", 5600)),
-        WorkerSpec("http://10.0.0.2:8100", Role.PREFILL)))
+    prefill, decode = parse_discovery(
+        {
+            "prefill": {"static": ["http://10.0.0.1:8100,engine_id=p0,side_port=5600", "http://10.0.0.2:8100"]},
+            "decode": {"static": ["http://10.0.1.1:8200/"]},
+        }
+    )
+    assert prefill == StaticConfig(
+        Role.PREFILL,
+        (
+            WorkerSpec("http://10.0.0.1:8100", Role.PREFILL, NixlIdentity("p0", "10.0.0.1", 5600)),
+            WorkerSpec("http://10.0.0.2:8100", Role.PREFILL),
+        ),
+    )
     assert decode == StaticConfig(Role.DECODE, (WorkerSpec("http://10.0.1.1:8200", Role.DECODE),))
 
 
@@ -78,40 +109,44 @@ def test_an_empty_block_means_no_discovery() -> None:
     assert parse_discovery({}) == []
 
 
-@pytest.mark.parametrize(("raw", "message"), [
-    ([], "expected a mapping of role"),
-    ({"encode": {"dns": {}}}, "unknown role"),
-    ({"decode": {"dns": {}, "kubernetes": {}}}, "exactly one of"),
-    ({"decode": {"consul": {}}}, "exactly one of"),
-    ({"decode": {"dns": "d.example"}}, "expected a mapping of options"),
-    ({"decode": {"dns": {"port": 1}}}, r"discovery\.decode\.dns: name"),
-    ({"decode": {"dns": {"name": "d"}}}, r"discovery\.decode\.dns\.port: the workers' port is missing"),
-    ({"decode": {"dns": {"name": "d", "port": 0}}}, "out of range"),
-    ({"decode": {"dns": {"name": "d", "port": "http"}}}, "expected a port number"),
-    ({"decode": {"dns": {"name": "d", "port": 1, "interval": 0}}}, r"interval: must be a finite number"),
-    ({"decode": {"dns": {"name": "d", "port": 1, "interval": "soon"}}}, "number of seconds"),
-    ({"decode": {"dns": {"name": "d", "port": 1, "nameserver": "dns.google"}}}, "not an IP address"),
-    ({"decode": {"dns": {"name": "d", "port": 1, "nameserver": "1.1.1.1:99999"}}}, "out of range"),
-    ({"decode": {"dns": {"name": "d", "port": 1, "ttl": 3}}}, r"unknown option\(s\) \['ttl'\]"),
-    ({"decode": {"kubernetes": {"port": 1}}}, "selector"),
-    ({"decode": {"kubernetes": {"selector": " ", "port": 1}}}, "selector"),
-    ({"decode": {"kubernetes": {"selector": "a=b", "port": 1, "api_url": "kube:6443"}}}, "api_url"),
-    ({"decode": {"kubernetes": {"selector": "a=b", "port": 1, "insecure": "yes"}}}, "true or false"),
-    ({"decode": {"kubernetes": {"selector": "a=b", "port": 1, "namespace": ""}}}, "non-empty string"),
-    ({"decode": {"kubernetes": {"selector": "a=b", "port": 1, "labels": "x"}}}, "unknown option"),
-    ({"decode": {"kubernetes": {"selector": "a=b", "port": 1, "token": 12345}}}, r"token: .* got int$"),
-    ({"decode": {"kubernetes": {"token": "s3cret"}, "dns": {}}}, r"got keys \['dns', 'kubernetes'\]$"),
-    ({"decode": {"static": "http://d:1"}}, "list of worker URLs"),
-    ({"decode": {"static": ["d:1"]}}, "not a base URL"),
-    ({"prefill": {"static": ["http://p:1,engine_id=p0"]}}, "side_port"),
-])
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ([], "expected a mapping of role"),
+        ({"encode": {"dns": {}}}, "unknown role"),
+        ({"decode": {"dns": {}, "kubernetes": {}}}, "exactly one of"),
+        ({"decode": {"consul": {}}}, "exactly one of"),
+        ({"decode": {"dns": "d.example"}}, "expected a mapping of options"),
+        ({"decode": {"dns": {"port": 1}}}, r"discovery\.decode\.dns: name"),
+        ({"decode": {"dns": {"name": "d"}}}, r"discovery\.decode\.dns\.port: the workers' port is missing"),
+        ({"decode": {"dns": {"name": "d", "port": 0}}}, "out of range"),
+        ({"decode": {"dns": {"name": "d", "port": "http"}}}, "expected a port number"),
+        ({"decode": {"dns": {"name": "d", "port": 1, "interval": 0}}}, r"interval: must be a finite number"),
+        ({"decode": {"dns": {"name": "d", "port": 1, "interval": "soon"}}}, "number of seconds"),
+        ({"decode": {"dns": {"name": "d", "port": 1, "nameserver": "dns.google"}}}, "not an IP address"),
+        ({"decode": {"dns": {"name": "d", "port": 1, "nameserver": "1.1.1.1:99999"}}}, "out of range"),
+        ({"decode": {"dns": {"name": "d", "port": 1, "ttl": 3}}}, r"unknown option\(s\) \['ttl'\]"),
+        ({"decode": {"kubernetes": {"port": 1}}}, "selector"),
+        ({"decode": {"kubernetes": {"selector": " ", "port": 1}}}, "selector"),
+        ({"decode": {"kubernetes": {"selector": "a=b", "port": 1, "api_url": "kube:6443"}}}, "api_url"),
+        ({"decode": {"kubernetes": {"selector": "a=b", "port": 1, "insecure": "yes"}}}, "true or false"),
+        ({"decode": {"kubernetes": {"selector": "a=b", "port": 1, "namespace": ""}}}, "non-empty string"),
+        ({"decode": {"kubernetes": {"selector": "a=b", "port": 1, "labels": "x"}}}, "unknown option"),
+        ({"decode": {"kubernetes": {"selector": "a=b", "port": 1, "token": 12345}}}, r"token: .* got int$"),
+        ({"decode": {"kubernetes": {"token": "s3cret"}, "dns": {}}}, r"got keys \['dns', 'kubernetes'\]$"),
+        ({"decode": {"static": "http://d:1"}}, "list of worker URLs"),
+        ({"decode": {"static": ["d:1"]}}, "not a base URL"),
+        ({"prefill": {"static": ["http://p:1,engine_id=p0"]}}, "side_port"),
+    ],
+)
 def test_mistakes_are_refused_with_a_clear_message(raw: Any, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_discovery(raw)
 
 
-@pytest.mark.parametrize("module", ["router.discovery.settings", "router.discovery.pods", "router.discovery.base",
-                                    "router.loadaware"])
+@pytest.mark.parametrize(
+    "module", ["router.discovery.settings", "router.discovery.pods", "router.discovery.base", "router.loadaware"]
+)
 def test_the_pure_discovery_modules_load_no_io_library(module: str) -> None:
     code = f"import sys, json; import {module}; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)

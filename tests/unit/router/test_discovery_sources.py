@@ -64,12 +64,25 @@ class ScriptedResolver:
 
 async def test_dns_source_publishes_changes_only_and_keeps_the_last_set_when_lookups_fail() -> None:
     resolver = ScriptedResolver(
-        frozenset({"10.0.0.2", "10.0.0.1"}), frozenset({"10.0.0.1", "10.0.0.2"}), LookupFailed("SERVFAIL"),
-        frozenset({"10.0.0.1"}), frozenset(), frozenset({"fd00::1"}))
+        frozenset({"10.0.0.2", "10.0.0.1"}),
+        frozenset({"10.0.0.1", "10.0.0.2"}),
+        LookupFailed("SERVFAIL"),
+        frozenset({"10.0.0.1"}),
+        frozenset(),
+        frozenset({"fd00::1"}),
+    )
     errors: list[tuple[Role, str]] = []
     sleeps = Sleeps(rounds=6)
-    source = DnsSource(Role.DECODE, "d.test", 8000, interval=3.0, timeout=1.0, resolver=resolver,
-                       on_error=lambda role, reason: errors.append((role, reason)), sleep=sleeps)
+    source = DnsSource(
+        Role.DECODE,
+        "d.test",
+        8000,
+        interval=3.0,
+        timeout=1.0,
+        resolver=resolver,
+        on_error=lambda role, reason: errors.append((role, reason)),
+        sleep=sleeps,
+    )
     sink = Sink()
     with pytest.raises(Stop):
         await source.run(sink)
@@ -112,8 +125,10 @@ async def test_static_source_publishes_once_and_runs_until_cancelled() -> None:
 
 
 def pod(name: str, ip: str, ready: bool = True, rv: str = "1") -> dict[str, Any]:
-    return {"metadata": {"name": name, "resourceVersion": rv},
-            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+    return {
+        "metadata": {"name": name, "resourceVersion": rv},
+        "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
 
 
 def lines(*events: tuple[str, dict[str, Any]]) -> bytes:
@@ -137,10 +152,20 @@ class FakeApi:
 
 
 def kube_source(api: FakeApi, sleeps: Sleeps, errors: list[str] | None = None) -> KubernetesSource:
-    cfg = KubernetesConfig(Role.DECODE, selector="app=d", port=8000, namespace="llm",
-                           api_url="http://kube.test", token="sekrit", watch_timeout=30)
-    source = build_source(cfg, transport=httpx.MockTransport(api),
-                          on_error=lambda role, reason: (errors if errors is not None else []).append(reason))
+    cfg = KubernetesConfig(
+        Role.DECODE,
+        selector="app=d",
+        port=8000,
+        namespace="llm",
+        api_url="http://kube.test",
+        token="sekrit",
+        watch_timeout=30,
+    )
+    source = build_source(
+        cfg,
+        transport=httpx.MockTransport(api),
+        on_error=lambda role, reason: (errors if errors is not None else []).append(reason),
+    )
     assert isinstance(source, KubernetesSource)
     source._sleep = sleeps
     return source
@@ -149,18 +174,28 @@ def kube_source(api: FakeApi, sleeps: Sleeps, errors: list[str] | None = None) -
 async def test_kubernetes_lists_then_watches_and_lists_again_on_410() -> None:
     pod_list = {"metadata": {"resourceVersion": "10"}, "items": [pod("a", "10.1.0.1"), pod("b", "10.1.0.2", False)]}
     api = FakeApi(
-        lists=[httpx.Response(200, json=pod_list),
-               httpx.Response(200, json={"metadata": {"resourceVersion": "30"}, "items": [pod("b", "10.1.0.2")]})],
-        watches=[httpx.Response(200, content=lines(("MODIFIED", pod("b", "10.1.0.2", rv="11")),
-                                                   ("DELETED", pod("a", "10.1.0.1", rv="12")))),
-                 httpx.Response(200, content=lines(("BOOKMARK", {"metadata": {"resourceVersion": "20"}}))),
-                 httpx.Response(410, json={"kind": "Status", "code": 410})])
+        lists=[
+            httpx.Response(200, json=pod_list),
+            httpx.Response(200, json={"metadata": {"resourceVersion": "30"}, "items": [pod("b", "10.1.0.2")]}),
+        ],
+        watches=[
+            httpx.Response(
+                200,
+                content=lines(("MODIFIED", pod("b", "10.1.0.2", rv="11")), ("DELETED", pod("a", "10.1.0.1", rv="12"))),
+            ),
+            httpx.Response(200, content=lines(("BOOKMARK", {"metadata": {"resourceVersion": "20"}}))),
+            httpx.Response(410, json={"kind": "Status", "code": 410}),
+        ],
+    )
     sink, sleeps = Sink(), Sleeps(rounds=99)
     with pytest.raises(Stop):
         await kube_source(api, sleeps).run(sink)
     assert sleeps.delays == [0.2]  # one short pause before the re-list: the watches had been working
-    assert sink.urls == [["http://10.1.0.1:8000"], ["http://10.1.0.1:8000", "http://10.1.0.2:8000"],
-                         ["http://10.1.0.2:8000"]]  # the re-list after 410 changed nothing: not published again
+    assert sink.urls == [
+        ["http://10.1.0.1:8000"],
+        ["http://10.1.0.1:8000", "http://10.1.0.2:8000"],
+        ["http://10.1.0.2:8000"],
+    ]  # the re-list after 410 changed nothing: not published again
     watch_rvs = [r.url.params.get("resourceVersion") for r in api.requests if r.url.params.get("watch")]
     assert watch_rvs == ["10", "12", "20", "30"]
     first_watch = next(r for r in api.requests if r.url.params.get("watch"))
@@ -171,9 +206,13 @@ async def test_kubernetes_lists_then_watches_and_lists_again_on_410() -> None:
 async def test_kubernetes_failures_keep_the_membership_and_back_off() -> None:
     pod_list = {"metadata": {"resourceVersion": "10"}, "items": [pod("a", "10.1.0.1")]}
     api = FakeApi(
-        lists=[httpx.Response(200, json=pod_list), httpx.Response(403, text="forbidden"),
-               httpx.Response(200, json=pod_list)],
-        watches=[httpx.Response(500, text="etcd down"), httpx.Response(200, content=b"{broken\n")])
+        lists=[
+            httpx.Response(200, json=pod_list),
+            httpx.Response(403, text="forbidden"),
+            httpx.Response(200, json=pod_list),
+        ],
+        watches=[httpx.Response(500, text="etcd down"), httpx.Response(200, content=b"{broken\n")],
+    )
     sink, sleeps = Sink(), Sleeps(rounds=99)
     errors: list[str] = []
     source = kube_source(api, sleeps, errors)
@@ -189,8 +228,10 @@ async def test_kubernetes_failures_keep_the_membership_and_back_off() -> None:
 
 async def test_a_list_that_works_while_watch_is_forbidden_does_not_spin() -> None:
     pod_list = {"metadata": {"resourceVersion": "10"}, "items": [pod("a", "10.1.0.1")]}
-    api = FakeApi(lists=[httpx.Response(200, json=pod_list) for _ in range(4)],
-                  watches=[httpx.Response(403, text="cannot watch pods") for _ in range(4)])
+    api = FakeApi(
+        lists=[httpx.Response(200, json=pod_list) for _ in range(4)],
+        watches=[httpx.Response(403, text="cannot watch pods") for _ in range(4)],
+    )
     sleeps = Sleeps(rounds=99)
     with pytest.raises(Stop):
         await kube_source(api, sleeps).run(Sink())
@@ -198,19 +239,24 @@ async def test_a_list_that_works_while_watch_is_forbidden_does_not_spin() -> Non
 
 
 def test_in_cluster_settings_come_from_the_environment_and_the_service_account(tmp_path: Path) -> None:
-    assert in_cluster_api_url({"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"}) == \
-        "https://10.96.0.1:443"
+    assert (
+        in_cluster_api_url({"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"})
+        == "https://10.96.0.1:443"
+    )
     assert in_cluster_api_url({"KUBERNETES_SERVICE_HOST": "fd00::1"}) == "https://[fd00::1]:443"
     with pytest.raises(ConfigError, match="KUBERNETES_SERVICE_HOST"):
         in_cluster_api_url({})
     (tmp_path / "token").write_text("tok\n")
     (tmp_path / "namespace").write_text("llm\n")
-    cfg = KubernetesConfig(Role.DECODE, selector="a=b", port=1, token_path=str(tmp_path / "token"),
-                           ca_path=str(tmp_path / "ca.crt"))
+    cfg = KubernetesConfig(
+        Role.DECODE, selector="a=b", port=1, token_path=str(tmp_path / "token"), ca_path=str(tmp_path / "ca.crt")
+    )
     with pytest.raises(ConfigError, match=r"ca\.crt"):
         build_source(cfg, env={"KUBERNETES_SERVICE_HOST": "10.96.0.1"})
-    source = build_source(KubernetesConfig(Role.DECODE, selector="a=b", port=1, token_path=str(tmp_path / "token"),
-                                           insecure=True), env={"KUBERNETES_SERVICE_HOST": "10.96.0.1"})
+    source = build_source(
+        KubernetesConfig(Role.DECODE, selector="a=b", port=1, token_path=str(tmp_path / "token"), insecure=True),
+        env={"KUBERNETES_SERVICE_HOST": "10.96.0.1"},
+    )
     assert isinstance(source, KubernetesSource) and source.namespace == "llm"
 
 
@@ -220,8 +266,9 @@ def test_a_dns_config_builds_a_dns_source_with_the_given_nameserver() -> None:
 
 
 async def test_the_routers_pool_is_a_membership_sink() -> None:
-    pool = Pool([WorkerSpec("http://10.9.9.9:8000", Role.DECODE), WorkerSpec("http://10.0.0.5:8100", Role.PREFILL)],
-                Metrics())
+    pool = Pool(
+        [WorkerSpec("http://10.9.9.9:8000", Role.DECODE), WorkerSpec("http://10.0.0.5:8100", Role.PREFILL)], Metrics()
+    )
     resolver = ScriptedResolver(frozenset({"10.0.0.1", "10.0.0.2"}))
     source = DnsSource(Role.DECODE, "d.test", 8000, interval=1.0, timeout=1.0, resolver=resolver, sleep=Sleeps(1))
     with pytest.raises(Stop):

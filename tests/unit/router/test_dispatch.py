@@ -94,8 +94,9 @@ async def test_prefill_failure_closes_decode_and_reports_when_no_other_prefill()
 async def test_prefill_failure_is_retried_with_fresh_ids_on_another_prefill() -> None:
     kv = asyncio.Event()
     workers = FakeWorkers({"p0": status(503), "p1": prefill_ok("p1", done=kv), "d0": decode_ok(kv=kv)})
-    dispatcher, _, timings = await make(workers, prefill=[P0, "http://p1:8100,engine_id=p1,side_port=5601"],
-                                        prefill_policy="round-robin")
+    dispatcher, _, timings = await make(
+        workers, prefill=[P0, "http://p1:8100,engine_id=p1,side_port=5601"], prefill_policy="round-robin"
+    )
     await relay(await dispatcher.handle(call_of(dispatcher)))
     (failed,), (retried,) = workers.legs("p0"), workers.legs("p1")
     assert failed.headers["x-request-id"] != retried.headers["x-request-id"]
@@ -108,8 +109,9 @@ async def test_prefill_failure_is_retried_with_fresh_ids_on_another_prefill() ->
 
 async def test_a_refused_prefill_is_marked_down_and_skipped() -> None:
     workers = FakeWorkers({"p1": prefill_ok("p1"), "d0": decode_ok()})
-    dispatcher, pool, _ = await make(workers, prefill=[P0, "http://p1:8100,engine_id=p1,side_port=5601"],
-                                     prefill_policy="round-robin")
+    dispatcher, pool, _ = await make(
+        workers, prefill=[P0, "http://p1:8100,engine_id=p1,side_port=5601"], prefill_policy="round-robin"
+    )
     workers.down.add("p0")
     await relay(await dispatcher.handle(call_of(dispatcher)))
     assert [v.id for v in pool.candidates(Role.PREFILL)] == ["http://p1:8100"]
@@ -180,8 +182,9 @@ async def test_no_healthy_decode_is_503() -> None:
 
 async def test_an_error_event_before_any_token_is_a_failed_attempt_retried_elsewhere() -> None:
     workers = FakeWorkers({"p0": prefill_ok(), "d0": decode_error_event(), "d1": decode_ok()})
-    dispatcher, _, timings = await make(workers, decode=["http://d0:8200", "http://d1:8200"],
-                                        decode_policy="round-robin")
+    dispatcher, _, timings = await make(
+        workers, decode=["http://d0:8200", "http://d1:8200"], decode_policy="round-robin"
+    )
     events = await relay(await dispatcher.handle(call_of(dispatcher)))
     assert b"t0" in events[0] and len(workers.legs("d0")) == len(workers.legs("d1")) == 1
     assert timings.query()[0]["attempts"] == 2

@@ -19,23 +19,26 @@ def at(state: Health) -> WorkerHealth:
     return h
 
 
-@pytest.mark.parametrize(("start", "event", "end", "changed"), [
-    (Health.UNKNOWN, "probe_ok", Health.UP, True),
-    (Health.UNKNOWN, "probe_failed", Health.DOWN, False),
-    (Health.UNKNOWN, "hard_failure", Health.DOWN, True),
-    (Health.UNKNOWN, "soft_failure", Health.UNKNOWN, False),
-    (Health.UNKNOWN, "request_ok", Health.UNKNOWN, None),
-    (Health.UP, "probe_ok", Health.UP, False),
-    (Health.UP, "probe_failed", Health.DOWN, True),
-    (Health.UP, "hard_failure", Health.DOWN, True),
-    (Health.UP, "soft_failure", Health.UP, False),
-    (Health.UP, "request_ok", Health.UP, None),
-    (Health.DOWN, "probe_ok", Health.UP, True),
-    (Health.DOWN, "probe_failed", Health.DOWN, False),
-    (Health.DOWN, "hard_failure", Health.DOWN, False),
-    (Health.DOWN, "soft_failure", Health.DOWN, False),
-    (Health.DOWN, "request_ok", Health.DOWN, None),
-])
+@pytest.mark.parametrize(
+    ("start", "event", "end", "changed"),
+    [
+        (Health.UNKNOWN, "probe_ok", Health.UP, True),
+        (Health.UNKNOWN, "probe_failed", Health.DOWN, False),
+        (Health.UNKNOWN, "hard_failure", Health.DOWN, True),
+        (Health.UNKNOWN, "soft_failure", Health.UNKNOWN, False),
+        (Health.UNKNOWN, "request_ok", Health.UNKNOWN, None),
+        (Health.UP, "probe_ok", Health.UP, False),
+        (Health.UP, "probe_failed", Health.DOWN, True),
+        (Health.UP, "hard_failure", Health.DOWN, True),
+        (Health.UP, "soft_failure", Health.UP, False),
+        (Health.UP, "request_ok", Health.UP, None),
+        (Health.DOWN, "probe_ok", Health.UP, True),
+        (Health.DOWN, "probe_failed", Health.DOWN, False),
+        (Health.DOWN, "hard_failure", Health.DOWN, False),
+        (Health.DOWN, "soft_failure", Health.DOWN, False),
+        (Health.DOWN, "request_ok", Health.DOWN, None),
+    ],
+)
 def test_every_state_and_event(start: Health, event: str, end: Health, changed: bool | None) -> None:
     h = at(start)
     result = {

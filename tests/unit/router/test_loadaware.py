@@ -29,8 +29,10 @@ def pick(*views: View) -> str:
 
 
 def test_engine_waiting_outweighs_a_request_in_flight() -> None:
-    assert pick(View("a", in_flight=1, engine_running=1, engine_waiting=3), View("b", in_flight=3, engine_running=3)) \
+    assert (
+        pick(View("a", in_flight=1, engine_running=1, engine_waiting=3), View("b", in_flight=3, engine_running=3))
         == "b"
+    )
 
 
 def test_engine_running_counts_other_routers_requests() -> None:
@@ -62,8 +64,11 @@ def test_scores_are_weighted_as_documented() -> None:
 
 def test_equal_scores_take_turns() -> None:
     policy = LoadAware()
-    views = [View("a", kv_usage=0.1 + 0.2), View("b", kv_usage=0.3), View("c", in_flight=0, load_known=False,
-                                                                         kv_usage=0.3)]
+    views = [
+        View("a", kv_usage=0.1 + 0.2),
+        View("b", kv_usage=0.3),
+        View("c", in_flight=0, load_known=False, kv_usage=0.3),
+    ]
     picks = Counter(policy.select(views[:2], REQ).id for _ in range(100))
     assert picks == {"a": 50, "b": 50}  # 0.1 + 0.2 and 0.3 differ only by float noise
 

@@ -11,10 +11,16 @@ from router.domain import Endpoint, NixlIdentity
 from router.errors import BadRequest
 
 IDENTITY = NixlIdentity(engine_id="p0", host="10.1.2.3", port=5600, tp_size=2, pp_size=1)
-COMPLETION = {"model": "tiny", "prompt": "hello world", "max_tokens": 16, "stream": True,
-              "stream_options": {"include_usage": True}, "min_tokens": 4, "temperature": 0}
-CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 8,
-        "stream": False}
+COMPLETION = {
+    "model": "tiny",
+    "prompt": "hello world",
+    "max_tokens": 16,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "min_tokens": 4,
+    "temperature": 0,
+}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 8, "stream": False}
 
 
 def test_minted_ids_are_fresh_and_safe_for_vllm_base_id_pairing() -> None:
@@ -24,8 +30,10 @@ def test_minted_ids_are_fresh_and_safe_for_vllm_base_id_pairing() -> None:
     assert all(protocol.is_safe_request_id(i.request_id) for i in seen)
 
 
-@pytest.mark.parametrize(("request_id", "safe"), [("abc-0123abcd", False), ("abc-0123abcg", True),
-                                                  ("kvp-0123456789abcdef", True), ("x-deadbeef", False)])
+@pytest.mark.parametrize(
+    ("request_id", "safe"),
+    [("abc-0123abcd", False), ("abc-0123abcg", True), ("kvp-0123456789abcdef", True), ("x-deadbeef", False)],
+)
 def test_unsafe_request_ids_are_the_ones_vllm_would_strip(request_id: str, safe: bool) -> None:
     assert protocol.is_safe_request_id(request_id) is safe
 
@@ -37,8 +45,14 @@ def test_prefill_leg_is_one_unstreamed_token_asking_for_remote_decode(endpoint: 
     assert out["stream"] is False
     assert "stream_options" not in out and "min_tokens" not in out
     assert out["kv_transfer_params"] == {
-        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-        "remote_block_ids": None, "remote_host": None, "remote_port": None, "transfer_id": "xfer-1"}
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+        "transfer_id": "xfer-1",
+    }
     assert out.get("max_completion_tokens", 1) == 1
     assert {k: v for k, v in out.items() if k not in _SHAPED} == {k: v for k, v in body.items() if k not in _SHAPED}
 
@@ -63,9 +77,16 @@ def test_push_decode_leg_is_the_client_request_plus_the_prefill_identity() -> No
     out = protocol.push_decode_body(COMPLETION, IDENTITY, ids)
     assert {k: v for k, v in out.items() if k != "kv_transfer_params"} == COMPLETION
     assert out["kv_transfer_params"] == {
-        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p0",
-        "remote_host": "10.1.2.3", "remote_port": 5600, "tp_size": 2, "pp_size": 1,
-        "remote_request_id": "kvp-1", "transfer_id": "xfer-1"}
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": "p0",
+        "remote_host": "10.1.2.3",
+        "remote_port": 5600,
+        "tp_size": 2,
+        "pp_size": 1,
+        "remote_request_id": "kvp-1",
+        "transfer_id": "xfer-1",
+    }
 
 
 def test_pull_decode_leg_carries_prefill_params_verbatim() -> None:
@@ -83,26 +104,33 @@ def test_identity_is_read_from_a_prefill_answer() -> None:
     assert protocol.kv_params_of({"kv_transfer_params": None}) is None
 
 
-@pytest.mark.parametrize(("endpoint", "body", "message"), [
-    (Endpoint.COMPLETIONS, [], "JSON object"),
-    (Endpoint.COMPLETIONS, {"prompt": "x"}, "'model'"),
-    (Endpoint.COMPLETIONS, {"model": "", "prompt": "x"}, "'model'"),
-    (Endpoint.COMPLETIONS, {"model": "m"}, "'prompt'"),
-    (Endpoint.COMPLETIONS, {"model": "m", "prompt": ""}, "'prompt'"),
-    (Endpoint.COMPLETIONS, {"model": "m", "prompt": 5}, "'prompt'"),
-    (Endpoint.COMPLETIONS, {"model": "m", "prompt": ["a", "b"]}, "batched"),
-    (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "stream": "yes"}, "'stream'"),
-    (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": 0}, "'max_tokens'"),
-    (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": "5"}, "'max_tokens'"),
-    (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "n": 2}, "'n'"),
-    (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "kv_transfer_params": {}}, "kv_transfer_params"),
-    (Endpoint.CHAT, {"model": "m"}, "'messages'"),
-    (Endpoint.CHAT, {"model": "m", "messages": []}, "'messages'"),
-    (Endpoint.CHAT, {"model": "m", "messages": ["hi"]}, "messages[0]"),
-    (Endpoint.CHAT, {"model": "m", "messages": [{"role": "user", "content": 3}]}, "content"),
-    (Endpoint.CHAT, {"model": "m", "messages": [{"content": "x"}]}, "role"),
-    (Endpoint.CHAT, {"model": "m", "messages": [{"role": "u", "content": "x"}], "stream_options": 1}, "stream_options"),
-])
+@pytest.mark.parametrize(
+    ("endpoint", "body", "message"),
+    [
+        (Endpoint.COMPLETIONS, [], "JSON object"),
+        (Endpoint.COMPLETIONS, {"prompt": "x"}, "'model'"),
+        (Endpoint.COMPLETIONS, {"model": "", "prompt": "x"}, "'model'"),
+        (Endpoint.COMPLETIONS, {"model": "m"}, "'prompt'"),
+        (Endpoint.COMPLETIONS, {"model": "m", "prompt": ""}, "'prompt'"),
+        (Endpoint.COMPLETIONS, {"model": "m", "prompt": 5}, "'prompt'"),
+        (Endpoint.COMPLETIONS, {"model": "m", "prompt": ["a", "b"]}, "batched"),
+        (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "stream": "yes"}, "'stream'"),
+        (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": 0}, "'max_tokens'"),
+        (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": "5"}, "'max_tokens'"),
+        (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "n": 2}, "'n'"),
+        (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "kv_transfer_params": {}}, "kv_transfer_params"),
+        (Endpoint.CHAT, {"model": "m"}, "'messages'"),
+        (Endpoint.CHAT, {"model": "m", "messages": []}, "'messages'"),
+        (Endpoint.CHAT, {"model": "m", "messages": ["hi"]}, "messages[0]"),
+        (Endpoint.CHAT, {"model": "m", "messages": [{"role": "user", "content": 3}]}, "content"),
+        (Endpoint.CHAT, {"model": "m", "messages": [{"content": "x"}]}, "role"),
+        (
+            Endpoint.CHAT,
+            {"model": "m", "messages": [{"role": "u", "content": "x"}], "stream_options": 1},
+            "stream_options",
+        ),
+    ],
+)
 def test_invalid_requests_are_rejected_with_a_clear_message(endpoint: Endpoint, body: Any, message: str) -> None:
     with pytest.raises(BadRequest, match=message.replace("[", r"\[").replace("]", r"\]")):
         protocol.parse_request(endpoint, body)

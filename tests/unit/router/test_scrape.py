@@ -42,26 +42,31 @@ def test_label_values_may_hold_braces_spaces_and_escaped_quotes() -> None:
 
 
 def test_malformed_lines_of_other_metrics_are_not_read_but_the_generic_parser_refuses_them() -> None:
-    text = "vllm:num_requests_running 1\nvllm:num_requests_waiting 2\n<html>\nother{a=\"1\" 3\n"
+    text = 'vllm:num_requests_running 1\nvllm:num_requests_waiting 2\n<html>\nother{a="1" 3\n'
     assert parse_engine_load(text) == EngineLoad(1, 2, 0.0)
     with pytest.raises(ScrapeError, match="not a sample line"):
         list(samples(text))
 
 
 def test_the_older_kv_gauge_name_is_understood_and_nan_is_ignored() -> None:
-    text = ("vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
-            'vllm:gpu_cache_usage_perc{engine="0"} 0.4\nvllm:gpu_cache_usage_perc{engine="1"} NaN\n')
+    text = (
+        "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+        'vllm:gpu_cache_usage_perc{engine="0"} 0.4\nvllm:gpu_cache_usage_perc{engine="1"} NaN\n'
+    )
     assert parse_engine_load(text) == EngineLoad(0, 0, 0.4)
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("", "no vllm:num_requests_running or vllm:num_requests_waiting"),
-    ("vllm:num_requests_running 1\n", "no vllm:num_requests_waiting"),
-    ("<html>503</html>", "no vllm:num_requests_running"),
-    ('vllm:num_requests_running{engine="0" 1\n', "unclosed label set"),
-    ("vllm:num_requests_running\n", "without a value"),
-    ("vllm:num_requests_running many\n", "not a number"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "no vllm:num_requests_running or vllm:num_requests_waiting"),
+        ("vllm:num_requests_running 1\n", "no vllm:num_requests_waiting"),
+        ("<html>503</html>", "no vllm:num_requests_running"),
+        ('vllm:num_requests_running{engine="0" 1\n', "unclosed label set"),
+        ("vllm:num_requests_running\n", "without a value"),
+        ("vllm:num_requests_running many\n", "not a number"),
+    ],
+)
 def test_pages_without_the_gauges_or_with_broken_lines_are_refused(text: str, message: str) -> None:
     with pytest.raises(ScrapeError, match=message):
         parse_engine_load(text)
@@ -75,8 +80,9 @@ class Sink:
         self.loads[worker_id] = load
 
 
-GOOD, BROKEN, SLOW, GARBAGE, GONE = (WorkerSpec(f"http://{h}:8000", Role.DECODE)
-                                     for h in ("good", "broken", "slow", "garbage", "gone"))
+GOOD, BROKEN, SLOW, GARBAGE, GONE = (
+    WorkerSpec(f"http://{h}:8000", Role.DECODE) for h in ("good", "broken", "slow", "garbage", "gone")
+)
 
 
 async def handler(request: httpx.Request) -> httpx.Response:
@@ -94,11 +100,22 @@ async def handler(request: httpx.Request) -> httpx.Response:
 async def test_each_worker_gets_its_load_or_none_and_failures_are_reported() -> None:
     sink, errors = Sink(), []
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        scraper = Scraper(client, lambda: [GOOD, BROKEN, SLOW, GARBAGE, GONE], sink, interval=1.0, timeout=0.05,
-                          on_error=lambda spec, reason: errors.append((spec.id, reason)))
+        scraper = Scraper(
+            client,
+            lambda: [GOOD, BROKEN, SLOW, GARBAGE, GONE],
+            sink,
+            interval=1.0,
+            timeout=0.05,
+            on_error=lambda spec, reason: errors.append((spec.id, reason)),
+        )
         await scraper.scrape_once()
-    assert sink.loads == {GOOD.id: EngineLoad(7, 2, 0.5), BROKEN.id: None, SLOW.id: None, GARBAGE.id: None,
-                          GONE.id: None}
+    assert sink.loads == {
+        GOOD.id: EngineLoad(7, 2, 0.5),
+        BROKEN.id: None,
+        SLOW.id: None,
+        GARBAGE.id: None,
+        GONE.id: None,
+    }
     reasons = dict(errors)
     assert set(reasons) == {BROKEN.id, SLOW.id, GARBAGE.id, GONE.id}
     assert reasons[BROKEN.id] == "HTTP 500" and "0.05 s" in reasons[SLOW.id]

@@ -29,7 +29,7 @@ def test_several_events_in_one_chunk_come_out_separately() -> None:
 def test_any_chunking_gives_the_same_events(cuts: list[int]) -> None:
     stream, framer, out, pos = b"".join(EVENTS), EventFramer(), [], 0
     for size in cuts:
-        out += framer.feed(stream[pos:pos + size])
+        out += framer.feed(stream[pos : pos + size])
         pos += size
     out += framer.feed(stream[pos:])
     assert out == EVENTS
@@ -48,7 +48,7 @@ def test_an_unterminated_tail_is_returned_by_flush() -> None:
 def test_error_event_is_an_openai_error_object() -> None:
     event = error_event(UpstreamTimeout("slow", leg="decode", worker="http://d"))
     assert event.startswith(b"data: ")
-    payload = json.loads(event[len(b"data: "):])
+    payload = json.loads(event[len(b"data: ") :])
     assert payload["error"]["type"] == "upstream_timeout"
     assert event.endswith(b"\n\n")
 

@@ -72,8 +72,9 @@ class TestValidation:
         assert "core" in str(info.value)
         assert "max_model_len" in str(info.value)
 
-    @pytest.mark.parametrize(("role", "expected"), [("prefill", "kv_producer"), ("decode", "kv_consumer"),
-                                                   ("single", "kv_both")])  # fmt: skip
+    @pytest.mark.parametrize(
+        ("role", "expected"), [("prefill", "kv_producer"), ("decode", "kv_consumer"), ("single", "kv_both")]
+    )
     def test_kv_role_defaults_from_the_role(self, role: str, expected: str) -> None:
         assert spec(role=role, connector="NixlConnector").effective_kv_role == expected
 
@@ -101,16 +102,26 @@ class TestCommand:
     def test_plain_engine_command_is_exact(self) -> None:
         argv = engine_argv(spec(role="single", core=1, http_port=8300), python="/venv/bin/python")
         assert argv == (
-            "taskset", "-c", "1",
-            "/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server",
-            "--model", "/models/tiny",
-            "--served-model-name", "tiny",
-            "--host", "127.0.0.1",
-            "--port", "8300",
+            "taskset",
+            "-c",
+            "1",
+            "/venv/bin/python",
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            "/models/tiny",
+            "--served-model-name",
+            "tiny",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "8300",
             "--enforce-eager",
-            "--dtype", "float32",
-            "--max-model-len", "2048",
-        )  # fmt: skip
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "2048",
+        )
 
     def test_connector_engine_carries_the_kv_transfer_config_then_extra_args(self) -> None:
         argv = engine_argv(push_prefill(extra_args=("--block-size", "32")), python="py")

@@ -85,13 +85,21 @@ def test_router_command_names_the_prefill_identity() -> None:
     options = StackOptions(python="py", port=8000)
     prefill, decode = plan_engines(options)
     assert router_argv(options, prefill, decode) == (
-        "py", "-m", "router", "serve",
-        "--host", "127.0.0.1",
-        "--port", "8000",
-        "--mode", "push",
-        "--prefill", f"http://127.0.0.1:8100,engine_id={PREFILL_ENGINE_ID},side_port=5600",
-        "--decode", "http://127.0.0.1:8200",
-    )  # fmt: skip
+        "py",
+        "-m",
+        "router",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8000",
+        "--mode",
+        "push",
+        "--prefill",
+        f"http://127.0.0.1:8100,engine_id={PREFILL_ENGINE_ID},side_port=5600",
+        "--decode",
+        "http://127.0.0.1:8200",
+    )
 
 
 def test_router_process_waits_for_ready_and_finds_the_repo() -> None:
@@ -118,11 +126,35 @@ def test_ready_line_is_one_line_with_a_working_curl() -> None:
 def test_flags_and_defaults(tmp_path: Path) -> None:
     assert parse_args([]) == StackOptions(cache_dir=DEFAULT_CACHE_DIR.resolve())
     options = parse_args(
-        ["--mode", "pull", "--connector", "upstream", "--port", "9000", "--model-size", "bench",
-         "--cache-dir", str(tmp_path), "--prefill-port", "0", "--decode-port", "0", "--startup-timeout", "5"]
-    )  # fmt: skip
-    assert options == StackOptions(mode="pull", connector="upstream", port=9000, model_size="bench",
-                                   cache_dir=tmp_path, prefill_port=0, decode_port=0, startup_timeout=5.0)  # fmt: skip
+        [
+            "--mode",
+            "pull",
+            "--connector",
+            "upstream",
+            "--port",
+            "9000",
+            "--model-size",
+            "bench",
+            "--cache-dir",
+            str(tmp_path),
+            "--prefill-port",
+            "0",
+            "--decode-port",
+            "0",
+            "--startup-timeout",
+            "5",
+        ]
+    )
+    assert options == StackOptions(
+        mode="pull",
+        connector="upstream",
+        port=9000,
+        model_size="bench",
+        cache_dir=tmp_path,
+        prefill_port=0,
+        decode_port=0,
+        startup_timeout=5.0,
+    )
     assert options.model_dir == tmp_path / "models" / "bench"
     assert parse_args(["--connector", "kvpush"]).connector == "kvpush"
 

@@ -13,10 +13,12 @@ from stack.tiny_model import SIZES, STAMP_NAME, ModelSize, build, is_built, reso
 
 
 def test_the_named_sizes() -> None:
-    assert SIZES["tiny"] == ModelSize(layers=2, hidden=128, intermediate=256, heads=4, kv_heads=2,
-                                      max_positions=4096, vocab=2048)  # fmt: skip
-    assert SIZES["bench"] == ModelSize(layers=4, hidden=256, intermediate=768, heads=4, kv_heads=2,
-                                       max_positions=8192, vocab=2048)  # fmt: skip
+    assert SIZES["tiny"] == ModelSize(
+        layers=2, hidden=128, intermediate=256, heads=4, kv_heads=2, max_positions=4096, vocab=2048
+    )
+    assert SIZES["bench"] == ModelSize(
+        layers=4, hidden=256, intermediate=768, heads=4, kv_heads=2, max_positions=8192, vocab=2048
+    )
 
 
 @pytest.mark.parametrize(("size", "kib"), [("tiny", 1), ("bench", 4)])
