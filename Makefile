@@ -42,8 +42,9 @@ test-unit: venv ## fast tests only: no sockets, no engines
 test-integration: venv tools ## tests on real processes (vLLM CPU engines, NIXL agents, simulators)
 	$(BIN)/python -m pytest tests/integration
 
-lint: venv ## ruff
+lint: venv ## ruff: lint rules and the formatter check
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 typecheck: venv ## mypy --strict
 	$(BIN)/mypy
