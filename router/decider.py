@@ -1,0 +1,112 @@
+"""The P/D decider: for each request, whether to push, pull or bypass prefill, and which workers it prefers. Pure.
+
+The dispatcher asks the configured decider once per attempt (`decide`), executes the `Decision`, and tells the
+decider how the attempt ended (`record`), so a decider that keeps an index (what each worker's prefix cache holds)
+learns from every answer. Deciders are small registered classes chosen by the `decider` setting, like the selection
+policies; "none" is the behaviour without a decider: the configured mode, workers chosen by the policies.
+
+Routes:
+- PUSH / PULL: both legs, as the router's mode says (a decider never changes the mode; it may only bypass).
+- BYPASS: no prefill leg; decode computes the (short) uncached suffix from its own prefix cache.
+- FALLBACK: no prefill leg because no prefill worker is usable (the decode-only fallback); set by the dispatcher.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+from router.domain import Mode, RequestInfo, WorkerView
+from router.errors import ConfigError
+
+
+class Route(enum.StrEnum):
+    PUSH = "push"
+    PULL = "pull"
+    BYPASS = "bypass"
+    FALLBACK = "fallback"
+
+
+@dataclass(frozen=True)
+class Turn:
+    """What a decider sees of one client request. Built by the dispatcher from the validated request."""
+
+    info: RequestInfo
+    body: Mapping[str, Any]  # the client's JSON body, read-only
+    headers: Mapping[str, str]  # the client's headers, lower-case names
+    mode: Mode  # the router's configured mode
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do with one attempt. `decode`/`prefill` are preferred worker ids; None lets the policy pick."""
+
+    route: Route
+    decode: str | None = None
+    prefill: str | None = None
+    predicted_cached_tokens: int = 0  # prompt tokens the decider expects the serving worker(s) to hold already
+    reason: str = ""  # one short phrase for the request log
+    state: Any = field(default=None, compare=False, repr=False)  # the decider's own, handed back in `record`
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How an attempt ended, as the dispatcher saw it."""
+
+    ok: bool  # the client got a whole answer
+    decode: str  # decode worker id that served it
+    prefill: str | None  # prefill worker id, None for BYPASS/FALLBACK
+    prompt_tokens: int | None = None  # usage.prompt_tokens, when the engine reported it
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when reported
+    completion_tokens: int | None = None
+    answer: str | None = None  # the generated text, only when the decider's `wants_answer` is True
+
+
+class Decider(Protocol):
+    """Decides per attempt; learns from outcomes; forgets a worker that was ejected, removed or restarted."""
+
+    name: ClassVar[str]
+    wants_answer: bool  # the dispatcher collects the generated text for `record` only when True
+
+    def decide(
+        self, turn: Turn, decode: Sequence[WorkerView], prefill: Sequence[WorkerView], now: float
+    ) -> Decision: ...
+
+    def record(self, turn: Turn, decision: Decision, outcome: Outcome, now: float) -> None: ...
+
+    def forget(self, worker_id: str) -> None: ...
+
+
+class NoDecider:
+    """Today's behaviour exactly: the configured mode, both legs, workers picked by the selection policies."""
+
+    name: ClassVar[str] = "none"
+    wants_answer = False
+
+    def decide(self, turn: Turn, decode: Sequence[WorkerView], prefill: Sequence[WorkerView], now: float) -> Decision:
+        return Decision(Route.PUSH if turn.mode is Mode.PUSH else Route.PULL)
+
+    def record(self, turn: Turn, decision: Decision, outcome: Outcome, now: float) -> None:
+        return None
+
+    def forget(self, worker_id: str) -> None:
+        return None
+
+
+DeciderFactory = Callable[[Mapping[str, Any]], Decider]  # takes the decider's own settings block
+REGISTRY: dict[str, DeciderFactory] = {NoDecider.name: lambda _options: NoDecider()}
+
+
+def register(name: str, factory: DeciderFactory) -> None:
+    REGISTRY[name] = factory
+
+
+def make_decider(name: str, options: Mapping[str, Any] | None = None) -> Decider:
+    try:
+        factory = REGISTRY[name]
+    except KeyError:
+        known = ", ".join(sorted(REGISTRY))
+        raise ConfigError(f"unknown decider {name!r}; known deciders: {known}") from None
+    return factory(options or {})
