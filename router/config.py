@@ -7,7 +7,8 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 from urllib.parse import urlsplit
 
-from router.domain import Mode, NixlIdentity, Role, WorkerSpec
+from router import decider, values
+from router.domain import Fallback, Mode, NixlIdentity, Role, WorkerSpec
 from router.errors import ConfigError
 from router.policy import REGISTRY
 
@@ -22,6 +23,20 @@ class Timeouts:
     decode_total: float = 900.0  # a non-streamed decode leg, request to whole answer
     stream_idle: float = 120.0  # longest silence between two events of a decode stream
     health: float = 2.0  # one health probe
+    client_body: float = 10.0  # the whole client request body must arrive within this (else 408)
+    client_write_stall: float = 30.0  # a streaming client that accepts no bytes this long: stream and legs closed
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one client request may hold. Beyond them the request is refused (status in each comment)."""
+
+    max_body_bytes: int = 16 * 2**20  # 413
+    max_header_bytes: int = 32 * 2**10  # the sum of header names and values; 431
+    max_headers: int = 100  # 431
+    max_request_id_chars: int = 128  # a longer x-request-id, or one outside [A-Za-z0-9._:-], is replaced
+    max_event_bytes: int = 8 * 2**20  # one upstream SSE event; larger: the leg fails (502-class)
+    max_json_depth: int = 64  # nesting of the client's JSON body; 400
 
 
 @dataclass(frozen=True)
@@ -34,9 +49,10 @@ class Settings:
     decode_policy: str = "least-loaded"
     prefill_policy: str = "least-prefill-tokens"
     timeouts: Timeouts = field(default_factory=Timeouts)
+    limits: Limits = field(default_factory=Limits)
     health_interval: float = 2.0
     retries: int = 1  # extra attempts with fresh ids when nothing was sent to the client yet
-    fallback: str = "none"  # "decode-only": with no healthy prefill, decode computes the prompt itself
+    fallback: Fallback = Fallback.NONE  # DECODE_ONLY: with no healthy prefill, decode computes the prompt itself
     max_connections: int = 1024
     max_in_flight: int = 512  # admission: client requests in flight at once
     admission_queue: int = 64  # admission: requests that may wait for a slot; beyond it, 429
@@ -53,6 +69,8 @@ class Settings:
     timings_capacity: int = 4096  # requests kept for GET /debug/timings
     log_level: str = "info"
     log_format: str = "json"  # "json" (one object per line) or "text"
+    decider: str = "none"  # the P/D decider (router.decider.REGISTRY); "none": the mode, policies pick
+    decider_options: Mapping[str, Any] = field(default_factory=dict)  # the decider's own settings
 
 
 _ENV = {  # environment variable → setting
@@ -68,9 +86,11 @@ _ENV = {  # environment variable → setting
     "KVPUSH_FALLBACK": "fallback",
     "KVPUSH_API_KEYS": "api_keys",
     "KVPUSH_ADMIN_KEY": "admin_key",
+    "KVPUSH_DECIDER": "decider",
 }
 _TIMEOUT_NAMES = {f.name for f in fields(Timeouts)}
-_TOP_NAMES = {f.name for f in fields(Settings)} - {"timeouts"}
+_LIMIT_NAMES = {f.name for f in fields(Limits)}
+_TOP_NAMES = {f.name for f in fields(Settings)} - {"timeouts", "limits", "decider_options"}
 
 
 def parse_prefill_spec(spec: str) -> WorkerSpec:
@@ -82,19 +102,23 @@ def parse_prefill_spec(spec: str) -> WorkerSpec:
         if not sep or not value:
             raise ConfigError(f"prefill worker {spec!r}: expected key=value after the URL, got {pair!r}")
         options[key] = value
-    return _prefill_from_mapping({"url": url, **options}, where=f"prefill worker {spec!r}")
+    return prefill_from_mapping({"url": url, **options}, where=f"prefill worker {values.shown_url(spec)}")
 
 
 def parse_decode_url(url: str) -> WorkerSpec:
-    return WorkerSpec(url=_url(url, f"decode worker {url!r}"), role=Role.DECODE)
+    return decode_from_mapping({"url": url}, where=f"decode worker {values.shown_url(url)}")
 
 
-def _prefill_from_mapping(item: Mapping[str, Any], *, where: str) -> WorkerSpec:
-    known = {"url", "engine_id", "side_host", "side_port", "tp", "pp"}
-    unknown = set(item) - known
+_PREFILL_KEYS = {"url", "engine_id", "side_host", "side_port", "tp", "pp"}
+
+
+def prefill_from_mapping(item: Mapping[str, Any], *, where: str) -> WorkerSpec:
+    """A prefill worker from typed fields: `url`, and either no identity (learned) or `engine_id` + `side_port`
+    (+ optional `side_host`, `tp`, `pp`). Unknown fields are refused."""
+    unknown = set(item) - _PREFILL_KEYS
     if unknown:
-        raise ConfigError(f"{where}: unknown option(s) {sorted(unknown)}; known: {sorted(known)}")
-    url = _url(item.get("url"), where)
+        raise ConfigError(f"{where}: unknown option(s) {sorted(map(str, unknown))}; known: {sorted(_PREFILL_KEYS)}")
+    url = values.url(item.get("url"), where)
     engine_id = item.get("engine_id")
     if engine_id in (None, "", "auto"):
         if "side_port" in item:
@@ -102,14 +126,24 @@ def _prefill_from_mapping(item: Mapping[str, Any], *, where: str) -> WorkerSpec:
         return WorkerSpec(url=url, role=Role.PREFILL)
     if "side_port" not in item:
         raise ConfigError(f"{where}: engine_id is given but side_port (the NIXL side-channel port) is not")
+    engine = values.text(engine_id, f"{where}: engine_id")
+    side_host = values.text(item.get("side_host"), f"{where}: side_host") or urlsplit(url).hostname
     identity = NixlIdentity(
-        engine_id=str(engine_id),
-        host=str(item.get("side_host") or urlsplit(url).hostname),
-        port=_int(item["side_port"], f"{where}: side_port", low=1, high=65535),
-        tp_size=_int(item.get("tp", 1), f"{where}: tp", low=1),
-        pp_size=_int(item.get("pp", 1), f"{where}: pp", low=1),
+        engine_id=str(engine),
+        host=str(side_host),
+        port=values.port(item["side_port"], f"{where}: side_port"),
+        tp_size=values.integer(item.get("tp", 1), f"{where}: tp", low=1),
+        pp_size=values.integer(item.get("pp", 1), f"{where}: pp", low=1),
     )
     return WorkerSpec(url=url, role=Role.PREFILL, identity=identity)
+
+
+def decode_from_mapping(item: Mapping[str, Any], *, where: str) -> WorkerSpec:
+    """A decode worker from typed fields: only `url` (decode workers need no identity)."""
+    unknown = set(item) - {"url"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown option(s) {sorted(map(str, unknown))}; decode workers take only url")
+    return WorkerSpec(url=values.url(item.get("url"), where), role=Role.DECODE)
 
 
 def _workers(value: Any, role: Role) -> tuple[WorkerSpec, ...]:
@@ -124,53 +158,17 @@ def _workers(value: Any, role: Role) -> tuple[WorkerSpec, ...]:
         elif role is Role.PREFILL and isinstance(item, str):
             out.append(parse_prefill_spec(item))
         elif role is Role.PREFILL and isinstance(item, Mapping):
-            out.append(_prefill_from_mapping(item, where=where))
+            out.append(prefill_from_mapping(item, where=where))
         elif isinstance(item, str):
-            out.append(WorkerSpec(url=_url(item, where), role=role))
-        elif isinstance(item, Mapping) and set(item) == {"url"}:
-            out.append(WorkerSpec(url=_url(item["url"], where), role=role))
+            out.append(decode_from_mapping({"url": item}, where=where))
+        elif isinstance(item, Mapping):
+            out.append(decode_from_mapping(item, where=where))
         else:
             raise ConfigError(f"{where}: expected a URL string or a mapping with url, got {item!r}")
     urls = [w.url for w in out]
     if len(set(urls)) != len(urls):
         raise ConfigError(f"{role} workers: a URL is listed twice: {urls}")
     return tuple(out)
-
-
-def _url(value: Any, where: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise ConfigError(f"{where}: url is missing")
-    parts = urlsplit(value)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"{where}: {value!r} is not an http(s) URL with a host")
-    if parts.path not in ("", "/") or parts.query:
-        raise ConfigError(f"{where}: {value!r} must be a base URL without a path (the router adds /v1/...)")
-    return value.rstrip("/")
-
-
-def _int(value: Any, where: str, *, low: int, high: int | None = None) -> int:
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
-    if number < low or (high is not None and number > high):
-        raise ConfigError(f"{where}: {number} is out of range [{low}, {high or 'inf'}]")
-    return number
-
-
-def _float(value: Any, where: str) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: expected a number of seconds, got {value!r}") from None
-    if not number > 0:
-        raise ConfigError(f"{where}: must be a positive number of seconds, got {value!r}")
-    return number
-
-
-def _seconds(value: Any, where: str) -> float:
-    """Like _float, but 0 is allowed (it switches the feature off)."""
-    return 0.0 if value in (0, "0", 0.0) else _float(value, where)
 
 
 def _keys(value: Any) -> tuple[str, ...]:
@@ -208,68 +206,120 @@ def from_env(env: Mapping[str, str]) -> dict[str, Any]:
 def build_settings(*layers: Mapping[str, Any]) -> Settings:
     """Merge raw layers (later wins; None values are skipped) over the defaults, then validate."""
     raw: dict[str, Any] = {}
-    timeouts: dict[str, Any] = {}
+    blocks: dict[str, dict[str, Any]] = {"timeouts": {}, "limits": {}}
     for layer in layers:
         for key, value in layer.items():
             if value is None:
                 continue
-            if key == "timeouts":
+            if key in blocks:
                 if not isinstance(value, Mapping):
-                    raise ConfigError("timeouts: expected a mapping of name → seconds")
-                timeouts.update(value)
+                    raise ConfigError(f"{key}: expected a mapping of name → value")
+                blocks[key].update(value)
             elif key == "policy" and isinstance(value, Mapping):
                 raw.update({f"{role}_policy": name for role, name in value.items()})
+            elif key == "decider":
+                raw["decider"] = _merge_decider(raw.get("decider"), value)
             elif key in _TOP_NAMES:
                 raw[key] = value
             else:
-                raise ConfigError(f"unknown setting {key!r}; known: {sorted(_TOP_NAMES | {'timeouts', 'policy'})}")
-    return _validate(raw, timeouts)
+                known = sorted(_TOP_NAMES | {*blocks, "policy"})
+                raise ConfigError(f"unknown setting {key!r}; known: {known}")
+    return _validate(raw, blocks["timeouts"], blocks["limits"])
 
 
-def _validate(raw: dict[str, Any], timeouts_raw: dict[str, Any]) -> Settings:
+def _merge_decider(earlier: Any, value: Any) -> Any:
+    """A later `decider:` replaces an earlier one; a bare name naming the same decider keeps its options."""
+    if isinstance(earlier, Mapping) and isinstance(value, str) and earlier.get("name") == value:
+        return earlier
+    return value
+
+
+def _decider(value: Any) -> tuple[str, dict[str, Any]]:
+    """`decider: NAME` or `decider: {name: NAME, <options>}`, checked by the decider's own factory."""
+    if isinstance(value, Mapping):
+        options = {str(k): v for k, v in value.items() if k != "name"}
+        name = value.get("name")
+    else:
+        name, options = value, {}
+    if not isinstance(name, str) or not name:
+        raise ConfigError("decider: expected a name or a mapping with name and the decider's options")
+    if name not in decider.REGISTRY:
+        known = ", ".join(sorted(decider.REGISTRY))
+        raise ConfigError(f"decider: unknown decider {name!r}; known deciders: {known}")
+    decider.make_decider(name, options)  # its factory refuses bad options with a ConfigError
+    return name, options
+
+
+def _limits(raw: Mapping[str, Any]) -> Limits:
+    unknown = set(raw) - _LIMIT_NAMES
+    if unknown:
+        raise ConfigError(f"limits: unknown name(s) {sorted(map(str, unknown))}; known: {sorted(_LIMIT_NAMES)}")
+    return replace(Limits(), **{k: values.integer(v, f"limits.{k}", low=1) for k, v in raw.items()})
+
+
+def _fallback(value: Any) -> Fallback:
+    try:
+        return Fallback(str(value).lower())
+    except ValueError:
+        raise ConfigError(f"fallback: expected 'none' or 'decode-only', got {value!r}") from None
+
+
+def _validate(raw: dict[str, Any], timeouts_raw: dict[str, Any], limits_raw: dict[str, Any]) -> Settings:
     unknown = set(timeouts_raw) - _TIMEOUT_NAMES
     if unknown:
         raise ConfigError(f"timeouts: unknown name(s) {sorted(unknown)}; known: {sorted(_TIMEOUT_NAMES)}")
-    timeouts = replace(Timeouts(), **{k: _float(v, f"timeouts.{k}") for k, v in timeouts_raw.items()})
+    timeouts = replace(Timeouts(), **{k: values.seconds(v, f"timeouts.{k}") for k, v in timeouts_raw.items()})
     try:
         mode = Mode(str(raw.get("mode", Mode.PUSH)).lower())
     except ValueError:
         raise ConfigError(f"mode: expected 'push' or 'pull', got {raw.get('mode')!r}") from None
+    decider_name, decider_options = _decider(raw.get("decider", Settings.decider))
+
+    def get(name: str) -> Any:
+        return raw.get(name, getattr(Settings, name))
+
+    def secs(name: str, *, zero_off: bool = False) -> float:
+        return values.seconds(get(name), name, zero_off=zero_off)
+
+    def count(name: str, low: int, high: int | None = None) -> int:
+        return values.integer(get(name), name, low=low, high=high)
+
     settings = Settings(
-        host=str(raw.get("host", Settings.host)),
-        port=_int(raw.get("port", Settings.port), "port", low=0, high=65535),
+        host=str(get("host")),
+        port=values.port(get("port"), "port", zero_ok=True),
         mode=mode,
         prefill=_workers(raw.get("prefill", ()), Role.PREFILL),
         decode=_workers(raw.get("decode", ()), Role.DECODE),
-        decode_policy=str(raw.get("decode_policy", Settings.decode_policy)),
-        prefill_policy=str(raw.get("prefill_policy", Settings.prefill_policy)),
+        decode_policy=str(get("decode_policy")),
+        prefill_policy=str(get("prefill_policy")),
         timeouts=timeouts,
-        health_interval=_float(raw.get("health_interval", Settings.health_interval), "health_interval"),
-        retries=_int(raw.get("retries", Settings.retries), "retries", low=0, high=5),
-        fallback=str(raw.get("fallback", Settings.fallback)),
-        max_connections=_int(raw.get("max_connections", Settings.max_connections), "max_connections", low=1),
-        max_in_flight=_int(raw.get("max_in_flight", Settings.max_in_flight), "max_in_flight", low=1),
-        admission_queue=_int(raw.get("admission_queue", Settings.admission_queue), "admission_queue", low=0),
-        admission_wait=_float(raw.get("admission_wait", Settings.admission_wait), "admission_wait"),
-        eject_after=_int(raw.get("eject_after", Settings.eject_after), "eject_after", low=1),
-        eject_backoff=_float(raw.get("eject_backoff", Settings.eject_backoff), "eject_backoff"),
-        eject_backoff_max=_float(raw.get("eject_backoff_max", Settings.eject_backoff_max), "eject_backoff_max"),
-        drain_delay=_seconds(raw.get("drain_delay", Settings.drain_delay), "drain_delay"),
-        drain_grace=_float(raw.get("drain_grace", Settings.drain_grace), "drain_grace"),
+        limits=_limits(limits_raw),
+        health_interval=secs("health_interval"),
+        retries=count("retries", 0, 5),
+        fallback=_fallback(get("fallback")),
+        max_connections=count("max_connections", 1),
+        max_in_flight=count("max_in_flight", 1),
+        admission_queue=count("admission_queue", 0),
+        admission_wait=secs("admission_wait"),
+        eject_after=count("eject_after", 1),
+        eject_backoff=secs("eject_backoff"),
+        eject_backoff_max=secs("eject_backoff_max"),
+        drain_delay=secs("drain_delay", zero_off=True),
+        drain_grace=secs("drain_grace"),
         api_keys=_keys(raw.get("api_keys", ())),
         admin_key=_key(raw.get("admin_key"), "admin_key"),
         discovery=_discovery(raw.get("discovery", {})),
-        scrape_interval=_seconds(raw.get("scrape_interval", Settings.scrape_interval), "scrape_interval"),
-        timings_capacity=_int(raw.get("timings_capacity", Settings.timings_capacity), "timings_capacity", low=0),
-        log_level=str(raw.get("log_level", Settings.log_level)).lower(),
-        log_format=str(raw.get("log_format", Settings.log_format)).lower(),
+        scrape_interval=secs("scrape_interval", zero_off=True),
+        timings_capacity=count("timings_capacity", 0),
+        log_level=str(get("log_level")).lower(),
+        log_format=str(get("log_format")).lower(),
+        decider=decider_name,
+        decider_options=decider_options,
     )
     for role, workers in (("prefill", settings.prefill), ("decode", settings.decode)):
         if not workers and role not in settings.discovery:
             hint = "--prefill URL[,engine_id=..,side_port=..]" if role == "prefill" else "--decode URL"
             raise ConfigError(f"no {role} workers: give at least one ({hint}) or a discovery source for {role}")
-    if settings.fallback not in ("none", "decode-only"):
-        raise ConfigError(f"fallback: expected 'none' or 'decode-only', got {settings.fallback!r}")
     if settings.log_format not in ("json", "text"):
         raise ConfigError(f"log_format: expected 'json' or 'text', got {settings.log_format!r}")
     if settings.admin_key is not None and settings.admin_key in settings.api_keys:

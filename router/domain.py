@@ -16,6 +16,13 @@ class Mode(enum.StrEnum):
     PULL = "pull"  # prefill first, then decode READs with the params prefill returned
 
 
+class Fallback(enum.StrEnum):
+    """What the router does when no prefill worker is usable."""
+
+    NONE = "none"  # answer 503
+    DECODE_ONLY = "decode-only"  # decode computes the prompt itself
+
+
 class Endpoint(enum.StrEnum):
     COMPLETIONS = "completions"
     CHAT = "chat"

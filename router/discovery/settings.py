@@ -7,8 +7,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
+from router import values
 from router.config import parse_prefill_spec
 from router.domain import Role, WorkerSpec
 from router.errors import ConfigError
@@ -168,12 +168,8 @@ def _nameserver(value: Any, where: str) -> tuple[str, int]:
     return address, _port(port, f"{where}.nameserver port")
 
 
-def _url(value: Any, where: str, *, https_too: bool = False) -> str:
-    parts = urlsplit(value) if isinstance(value, str) else None
-    schemes = ("http", "https") if https_too else ("http",)
-    if parts is None or parts.scheme not in schemes or not parts.hostname or parts.path not in ("", "/"):
-        raise ConfigError(f"{where}: {value!r} is not a base URL ({' or '.join(schemes)}://host:port)")
-    return str(value).rstrip("/")
+def _url(value: Any, where: str, *, https_too: bool = True) -> str:
+    return values.url(value, where)
 
 
 def _port(value: Any, where: str) -> int:

@@ -7,9 +7,20 @@ from typing import Any
 
 import pytest
 
+from router import decider
 from router.cli import load_serve_settings
-from router.config import Timeouts, build_settings, from_env, parse_prefill_spec
-from router.domain import Mode, NixlIdentity, Role
+from router.config import (
+    Limits,
+    Timeouts,
+    build_settings,
+    decode_from_mapping,
+    from_env,
+    parse_decode_url,
+    parse_prefill_spec,
+    prefill_from_mapping,
+)
+from router.decider import NoDecider
+from router.domain import Fallback, Mode, NixlIdentity, Role, WorkerSpec
 from router.errors import ConfigError
 
 MIN = {"prefill": ["http://p:8100"], "decode": ["http://d:8200"]}
@@ -35,7 +46,7 @@ def test_prefill_spec_with_identity_defaults_host_to_the_url_host() -> None:
         ("http://p:1,engine_id=p0", "side_port"),
         ("http://p:1,side_port=5600", "engine_id"),
         ("http://p:1,engine_id=p0,side_port=99999", "out of range"),
-        ("http://p:1,engine_id=p0,side_port=x", "integer"),
+        ("http://p:1,engine_id=p0,side_port=x", "port number"),
         ("http://p:1,colour=red", "unknown option"),
         ("http://p:1,engine_id", "key=value"),
         ("p:8100", "http"),
@@ -94,3 +105,113 @@ def test_cli_reports_a_broken_config_file(tmp_path: Path) -> None:
     bad.write_text("- just\n- a list\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_serve_settings(["--config", str(bad)], {})
+
+
+def test_client_deadlines_and_limits_have_their_documented_defaults() -> None:
+    s = build_settings(MIN)
+    assert (s.timeouts.client_body, s.timeouts.client_write_stall) == (10.0, 30.0)
+    assert s.limits == Limits(
+        max_body_bytes=16 * 2**20,
+        max_header_bytes=32 * 2**10,
+        max_headers=100,
+        max_request_id_chars=128,
+        max_event_bytes=8 * 2**20,
+        max_json_depth=64,
+    )
+
+
+def test_limits_come_from_a_block_like_timeouts_and_later_layers_win() -> None:
+    s = build_settings(MIN, {"limits": {"max_body_bytes": 1024, "max_headers": "50"}}, {"limits": {"max_headers": 7}})
+    assert (s.limits.max_body_bytes, s.limits.max_headers, s.limits.max_json_depth) == (1024, 7, 64)
+    s = build_settings(MIN, {"timeouts": {"client_body": 2, "client_write_stall": "3.5"}})
+    assert (s.timeouts.client_body, s.timeouts.client_write_stall) == (2.0, 3.5)
+
+
+@pytest.mark.parametrize(
+    ("layer", "message"),
+    [
+        ({"limits": {"max_body": 1}}, r"limits: unknown name\(s\) \['max_body'\]"),
+        ({"limits": {"max_body_bytes": 0}}, r"limits\.max_body_bytes: 0 is out of range"),
+        ({"limits": {"max_headers": True}}, r"limits\.max_headers: expected an integer"),
+        ({"limits": {"max_json_depth": 2.5}}, "expected an integer"),
+        ({"limits": [1]}, "limits: expected a mapping"),
+        ({"timeouts": {"client_body": True}}, "number of seconds"),
+        ({"retries": True}, "retries: expected an integer"),
+        ({"health_interval": True}, "health_interval: expected a number of seconds"),
+        ({"health_interval": "inf"}, "finite"),
+        ({"fallback": "prefill-only"}, "'none' or 'decode-only'"),
+        ({"decider": "psychic"}, "unknown decider 'psychic'; known deciders: none"),
+        ({"decider": {"colour": "red"}}, "decider: expected a name or a mapping with name"),
+        ({"decider": 3}, "decider: expected a name"),
+    ],
+)
+def test_new_settings_are_validated(layer: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build_settings(MIN, layer)
+
+
+def test_fallback_is_an_enum_equal_to_its_string() -> None:
+    s = build_settings(MIN, {"fallback": "decode-only"})
+    assert s.fallback is Fallback.DECODE_ONLY
+    as_text: str = "decode-only"  # typed as str: the enum member compares equal to its plain string
+    assert s.fallback == as_text
+    assert build_settings(MIN).fallback is Fallback.NONE
+
+
+def test_the_decider_is_a_name_or_a_mapping_with_its_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[dict[str, Any]] = []
+
+    def factory(options: Any) -> NoDecider:
+        if "bad" in options:
+            raise ConfigError("decider prefix: unknown option 'bad'")
+        seen.append(dict(options))
+        return NoDecider()
+
+    monkeypatch.setitem(decider.REGISTRY, "prefix", factory)
+    assert (build_settings(MIN).decider, build_settings(MIN).decider_options) == ("none", {})
+    s = build_settings(MIN, {"decider": {"name": "prefix", "min_tokens": 64}})
+    assert (s.decider, dict(s.decider_options)) == ("prefix", {"min_tokens": 64})
+    assert seen[-1] == {"min_tokens": 64}, "the factory saw the options at startup"
+    # a later bare name (the --decider flag) naming the same decider keeps the file's options; another drops them
+    same = build_settings(MIN, {"decider": {"name": "prefix", "min_tokens": 64}}, {"decider": "prefix"})
+    assert dict(same.decider_options) == {"min_tokens": 64}
+    other = build_settings(MIN, {"decider": {"name": "prefix", "min_tokens": 64}}, {"decider": "none"})
+    assert (other.decider, dict(other.decider_options)) == ("none", {})
+    assert build_settings(MIN, from_env({"KVPUSH_DECIDER": "prefix"})).decider == "prefix"
+    with pytest.raises(ConfigError, match="unknown option 'bad'"):
+        build_settings(MIN, {"decider": {"name": "prefix", "bad": 1}})
+
+
+def test_workers_are_built_from_typed_fields() -> None:
+    spec = prefill_from_mapping(
+        {"url": "https://p:8100/", "engine_id": "p0", "side_port": 5600, "side_host": "10.0.0.9"}, where="admin"
+    )
+    assert spec == WorkerSpec("https://p:8100", Role.PREFILL, NixlIdentity("p0", "10.0.0.9", 5600))
+    assert prefill_from_mapping({"url": "http://p:1"}, where="admin").identity is None
+    assert decode_from_mapping({"url": "https://d:1"}, where="admin") == WorkerSpec("https://d:1", Role.DECODE)
+    with pytest.raises(ConfigError, match=r"admin: unknown option\(s\) \['engine_id'\]; decode workers take only"):
+        decode_from_mapping({"url": "http://d:1", "engine_id": "x"}, where="admin")
+    with pytest.raises(ConfigError, match="side_host: expected a non-empty string"):
+        prefill_from_mapping({"url": "http://p:1", "engine_id": "e", "side_port": 1, "side_host": 7}, where="admin")
+    # a field value is never read as more fields (the admin API once joined fields into a SPEC string)
+    spec = prefill_from_mapping({"url": "http://p:1", "engine_id": "e,side_host=evil", "side_port": 1}, where="a")
+    assert spec.identity is not None and (spec.identity.engine_id, spec.identity.host) == ("e,side_host=evil", "p")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: parse_prefill_spec("http://u:secret@p:1"),
+        lambda: parse_decode_url("http://u:secret@d:1"),
+        lambda: build_settings({"prefill": ["http://p:1"], "decode": ["http://u:secret@d:1"]}),
+        lambda: build_settings({"prefill": [{"url": "http://u:secret@p:1"}], "decode": ["http://d:1"]}),
+        lambda: build_settings({"prefill": ["http://p:1"], "decode": [{"url": "https://secret@d:1"}]}),
+        lambda: prefill_from_mapping({"url": "http://u:secret@p:1", "engine_id": "e", "side_port": 1}, where="admin"),
+        lambda: decode_from_mapping({"url": "http://u:secret@d:1"}, where="admin"),
+        lambda: build_settings(MIN, {"decode": [], "discovery": {"decode": {"static": ["http://u:secret@d:1"]}}}),
+    ],
+)
+def test_credentials_in_a_worker_url_are_refused_everywhere_and_never_shown(make: Any) -> None:
+    with pytest.raises(ConfigError, match="must not carry credentials") as refused:
+        make()
+    assert "secret" not in str(refused.value)
