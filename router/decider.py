@@ -79,6 +79,31 @@ class Decider(Protocol):
     def forget(self, worker_id: str) -> None: ...
 
 
+@dataclass(frozen=True)
+class DeciderStats:
+    """A decider's counters for the metrics module (deciders that keep an index expose `stats()`)."""
+
+    decisions: Mapping[str, int]  # by route (as the decider decided; the dispatcher counts FALLBACK itself)
+    index_links: Mapping[str, int]  # by role: links of the prefix index (one per message / prompt chunk)
+    sessions: int  # entries of the session -> decode worker table
+    evictions: Mapping[str, int]  # "<decode|prefill|sessions>/<capacity|expired|forgotten>" -> count
+    predicted_cached_tokens: int  # summed over bypass decisions whose usage reported cached tokens
+    actual_cached_tokens: int  # the same decisions' usage.prompt_tokens_details.cached_tokens
+    checked_bypasses: int  # bypass decisions with usage to check the prediction against
+    accurate_bypasses: int  # ... whose predicted uncached tokens were within 20 % of the actual
+    tokens_per_char: float  # the learned ratio
+
+
+class ReportsStats(Protocol):
+    def stats(self) -> DeciderStats: ...
+
+
+def stats_of(decider: Decider) -> DeciderStats | None:
+    """The decider's counters, None for one that keeps none ("none")."""
+    report = getattr(decider, "stats", None)
+    return report() if callable(report) else None
+
+
 class NoDecider:
     """Today's behaviour exactly: the configured mode, both legs, workers picked by the selection policies."""
 
@@ -97,6 +122,15 @@ class NoDecider:
 
 DeciderFactory = Callable[[Mapping[str, Any]], Decider]  # takes the decider's own settings block
 REGISTRY: dict[str, DeciderFactory] = {NoDecider.name: lambda _options: NoDecider()}
+
+
+def _session_affinity(options: Mapping[str, Any]) -> Decider:
+    from router.deciders import SessionAffinity  # imported when chosen: router.deciders imports this module
+
+    return SessionAffinity.from_options(options)
+
+
+REGISTRY["session-affinity"] = _session_affinity
 
 
 def register(name: str, factory: DeciderFactory) -> None:

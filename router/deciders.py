@@ -1,0 +1,232 @@
+"""P/D deciders beyond "none" (router/decider.py holds the seam and the registry). Pure.
+
+"session-affinity": multi-turn traffic stays where its KV is.
+- Decode: the healthy, not overloaded candidate that holds the longest prefix of the request (the index of what
+  each worker was sent and generated), the session's last decode worker when it holds as much; with nothing held
+  anywhere, the session's last worker; else the policy picks.
+- BYPASS (no prefill leg) when that worker holds at least `bypass_min_cached_tokens` and the uncached suffix is
+  estimated at most `bypass_max_uncached_tokens`: decode computes the suffix from its own prefix cache.
+- Otherwise the router's mode (push or pull), with prefill on the candidate that holds the longest prefix (its
+  cache holds earlier turns' prompts); none held: the policy picks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from router.conversation import Chain, ConversationKey, conversation_key
+from router.decider import DeciderStats, Decision, Outcome, Route, Turn
+from router.domain import Mode, WorkerView
+from router.errors import ConfigError
+from router.prefix_index import Match, PrefixIndex, SessionTable, TokenRatio, prorated
+
+ACCURATE = 0.2  # a bypass prediction is "accurate" when uncached tokens are within 20 % of the actual
+
+
+@dataclass(frozen=True)
+class AffinityOptions:
+    """The `decider:` block's options for "session-affinity" (all optional)."""
+
+    bypass_max_uncached_tokens: int = 256  # bypass when decode lacks at most this many prompt tokens
+    bypass_min_cached_tokens: int = 64  # ... and holds at least this many (a first turn is never bypassed)
+    overload_in_flight_gap: int = 8  # a worker with this many more legs in flight than the least busy is skipped
+    overload_engine_waiting: int = 8  # ... as is one whose engine queues this many (when its load is scraped)
+    ttl_s: float = 300.0  # keep below the engines' prefix-cache eviction horizon
+    max_links_per_worker: int = 200_000  # index bound per worker (a chat turn adds one link per message)
+    max_sessions: int = 100_000
+    chunk_chars: int = 256  # completions: one link per this many prompt characters
+    chars_per_token: float = 4.0  # the first guess, replaced by what the engines report
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any]) -> AffinityOptions:
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - set(known) - {"name"})
+        if unknown:
+            raise ConfigError(f"decider session-affinity: unknown option(s) {unknown}; known: {sorted(known)}")
+        values: dict[str, Any] = {}
+        for name, value in options.items():
+            if name == "name":
+                continue
+            kind = known[name].type
+            if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(f"decider session-affinity: {name} must be an integer, got {value!r}")
+            if kind == "float" and (isinstance(value, bool) or not isinstance(value, int | float)):
+                raise ConfigError(f"decider session-affinity: {name} must be a number, got {value!r}")
+            values[name] = value
+        built = cls(**values)
+        built._check()
+        return built
+
+    def _check(self) -> None:
+        for name in ("bypass_max_uncached_tokens", "bypass_min_cached_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"decider session-affinity: {name} must be >= 0")
+        for name in ("overload_in_flight_gap", "overload_engine_waiting", "max_links_per_worker"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"decider session-affinity: {name} must be >= 1")
+        if self.max_sessions < 1 or self.chunk_chars < 1:
+            raise ConfigError("decider session-affinity: max_sessions and chunk_chars must be >= 1")
+        for name in ("ttl_s", "chars_per_token"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"decider session-affinity: {name} must be a positive number")
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What `decide` worked out, handed back in `record`."""
+
+    key: ConversationKey
+    predicted_uncached: int
+
+
+@dataclass
+class _Counters:
+    decisions: dict[str, int] = field(default_factory=lambda: {str(r): 0 for r in Route})
+    predicted_cached_tokens: int = 0
+    actual_cached_tokens: int = 0
+    checked_bypasses: int = 0
+    accurate_bypasses: int = 0
+
+
+class SessionAffinity:
+    name: ClassVar[str] = "session-affinity"
+    wants_answer = True
+
+    def __init__(self, options: AffinityOptions | None = None) -> None:
+        self.options = o = options or AffinityOptions()
+        self.decode_index = PrefixIndex(o.max_links_per_worker, o.ttl_s)
+        self.prefill_index = PrefixIndex(o.max_links_per_worker, o.ttl_s)
+        self.sessions = SessionTable(o.max_sessions, o.ttl_s)
+        self.ratio = TokenRatio(1.0 / o.chars_per_token)
+        self._counts = _Counters()
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> SessionAffinity:
+        return cls(AffinityOptions.from_mapping(options))
+
+    def decide(self, turn: Turn, decode: Sequence[WorkerView], prefill: Sequence[WorkerView], now: float) -> Decision:
+        key = conversation_key(turn.info.endpoint, turn.body, turn.headers, self.options.chunk_chars)
+        held = self._pick_decode(key, self._usable(decode), now)
+        uncached = self._uncached(key.chain, held)
+        o = self.options
+        if held is not None and held.tokens >= o.bypass_min_cached_tokens and uncached <= o.bypass_max_uncached_tokens:
+            return self._count(
+                Decision(Route.BYPASS, held.worker, None, held.tokens, "decode holds all but a short suffix"),
+                key,
+                uncached,
+            )
+        route = Route.PUSH if turn.mode is Mode.PUSH else Route.PULL
+        warm = self._longest(self.prefill_index, key.chain, self._usable(prefill), now)
+        cached = held.tokens if held is not None else 0
+        reason = "session or prefix on decode" if held is not None else "no affinity"
+        return self._count(
+            Decision(route, held.worker if held else None, warm.worker if warm else None, cached, reason),
+            key,
+            uncached,
+        )
+
+    def record(self, turn: Turn, decision: Decision, outcome: Outcome, now: float) -> None:
+        plan = decision.state
+        if not isinstance(plan, _Plan) or not outcome.ok:
+            return  # a failed attempt tells nothing certain about what a cache holds
+        chain = plan.key.chain
+        if outcome.prompt_tokens is not None:
+            self.ratio.learn(outcome.prompt_tokens, chain.chars)
+        tokens = outcome.prompt_tokens if outcome.prompt_tokens is not None else self.ratio.tokens(chain.chars)
+        prompt_counts = prorated(chain.links, chain.chars, tokens)
+        if outcome.prefill is not None:
+            self.prefill_index.record(outcome.prefill, chain.links, prompt_counts, now)
+        held_links, held_counts = list(chain.links), prompt_counts
+        if outcome.answer is not None and chain.links:
+            grown = chain.extend(outcome.answer)
+            generated = outcome.completion_tokens
+            total = tokens + (generated if generated is not None else self.ratio.tokens(len(outcome.answer)))
+            extra = grown.links[len(chain.links) :]
+            base = chain.chars
+            held_links = [*chain.links, *extra]
+            spread = [tokens + round((total - tokens) * (x.chars - base) / max(1, grown.chars - base)) for x in extra]
+            held_counts = [*prompt_counts, *spread]
+        self.decode_index.record(outcome.decode, held_links, held_counts, now)
+        if plan.key.session is not None:
+            self.sessions.set(plan.key.session, outcome.decode, now)
+        self._check_prediction(decision, plan, outcome)
+
+    def forget(self, worker_id: str) -> None:
+        self.decode_index.forget(worker_id)
+        self.prefill_index.forget(worker_id)
+        self.sessions.forget(worker_id)
+
+    def stats(self) -> DeciderStats:
+        c = self._counts
+        d, p, s = self.decode_index.evictions, self.prefill_index.evictions, self.sessions.evictions
+        evictions = {}
+        for role, ev in (("decode", d), ("prefill", p), ("sessions", s)):
+            for cause, n in dataclasses.asdict(ev).items():
+                evictions[f"{role}/{cause}"] = n
+        return DeciderStats(
+            decisions=dict(c.decisions),
+            index_links={"decode": len(self.decode_index), "prefill": len(self.prefill_index)},
+            sessions=len(self.sessions),
+            evictions=evictions,
+            predicted_cached_tokens=c.predicted_cached_tokens,
+            actual_cached_tokens=c.actual_cached_tokens,
+            checked_bypasses=c.checked_bypasses,
+            accurate_bypasses=c.accurate_bypasses,
+            tokens_per_char=self.ratio.value,
+        )
+
+    def _usable(self, workers: Sequence[WorkerView]) -> list[WorkerView]:
+        """The candidates that are not clearly overloaded (all of them if every one is)."""
+        if not workers:
+            return []
+        least = min(w.in_flight for w in workers)
+        o = self.options
+        calm = [
+            w
+            for w in workers
+            if w.in_flight - least < o.overload_in_flight_gap
+            and not (w.load_known and w.engine_waiting >= o.overload_engine_waiting)
+        ]
+        return calm or list(workers)
+
+    def _pick_decode(self, key: ConversationKey, usable: Sequence[WorkerView], now: float) -> Match | None:
+        best = self._longest(self.decode_index, key.chain, usable, now)
+        last = self.sessions.get(key.session, now) if key.session is not None else None
+        if last is not None and any(w.id == last for w in usable):
+            mine = self.decode_index.longest(last, key.chain, now)
+            if best is None or mine.tokens >= best.tokens:
+                return mine
+        return best
+
+    def _longest(self, index: PrefixIndex, chain: Chain, usable: Sequence[WorkerView], now: float) -> Match | None:
+        """The worker holding the longest prefix (ties: configuration order); None when none holds any."""
+        found = [index.longest(w.id, chain, now) for w in usable]
+        best = max(found, key=lambda m: m.tokens, default=None)
+        return best if best is not None and best.tokens > 0 else None
+
+    def _uncached(self, chain: Chain, held: Match | None) -> int:
+        if held is None:
+            return self.ratio.tokens(chain.chars)
+        return self.ratio.tokens(max(0, chain.chars - held.chars))
+
+    def _count(self, decision: Decision, key: ConversationKey, uncached: int) -> Decision:
+        self._counts.decisions[str(decision.route)] += 1
+        return dataclasses.replace(decision, state=_Plan(key, uncached))
+
+    def _check_prediction(self, decision: Decision, plan: _Plan, outcome: Outcome) -> None:
+        """Predicted vs actual, on bypasses only: there decode's usage counts its own prefix-cache hits (in push
+        mode decode reports transferred tokens as cached, so its figure says nothing about the prediction)."""
+        if decision.route is not Route.BYPASS or outcome.cached_tokens is None or outcome.prompt_tokens is None:
+            return
+        c = self._counts
+        c.predicted_cached_tokens += decision.predicted_cached_tokens
+        c.actual_cached_tokens += outcome.cached_tokens
+        c.checked_bypasses += 1
+        actual = outcome.prompt_tokens - outcome.cached_tokens
+        if abs(plan.predicted_uncached - actual) <= ACCURATE * max(actual, 1):
+            c.accurate_bypasses += 1

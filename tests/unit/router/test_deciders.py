@@ -1,0 +1,332 @@
+"""The session-affinity decider: bypass on a short uncached suffix, decode by affinity, prefill by cached prefix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from router.decider import (
+    REGISTRY,
+    DeciderStats,
+    Decision,
+    NoDecider,
+    Outcome,
+    Route,
+    Turn,
+    make_decider,
+    stats_of,
+)
+from router.deciders import AffinityOptions, SessionAffinity
+from router.domain import Endpoint, Mode, RequestInfo, WorkerView
+from router.errors import ConfigError
+
+SYSTEM = {"role": "system", "content": "You are a helpful assistant. " * 20}  # ~600 chars
+QUESTION = {"role": "user", "content": "Explain prefix caching in vLLM. " * 10}
+ANSWER = "It reuses the KV of a shared prompt prefix. " * 8
+SHORT = {"role": "user", "content": "Thanks, and in P/D?"}
+LONG = {"role": "user", "content": "Here is a long tool result. " * 80}  # ~2240 chars: ~560 tokens
+
+
+def views(*ids: str, busy: dict[str, int] | None = None, waiting: dict[str, int] | None = None) -> list[WorkerView]:
+    busy, waiting = busy or {}, waiting or {}
+    return [
+        WorkerView(
+            id=i,
+            in_flight=busy.get(i, 0),
+            outstanding_tokens=0,
+            engine_waiting=waiting.get(i, 0),
+            load_known=i in waiting,
+        )
+        for i in ids
+    ]
+
+
+DECODES = views("d1", "d2")
+PREFILLS = views("p1", "p2")
+
+
+def turn(
+    *messages: dict[str, Any], session: str | None = None, mode: Mode = Mode.PUSH, endpoint: Endpoint = Endpoint.CHAT
+) -> Turn:
+    body: dict[str, Any] = {"model": "m", "max_tokens": 64}
+    if endpoint is Endpoint.CHAT:
+        body["messages"] = list(messages)
+    else:
+        body["prompt"] = "".join(str(m["content"]) for m in messages)
+    headers = {"x-session-id": session} if session else {}
+    return Turn(RequestInfo(endpoint, True, 100), body, headers, mode)
+
+
+def served(
+    decider: SessionAffinity,
+    t: Turn,
+    decision: Decision,
+    *,
+    decode: str = "d1",
+    prefill: str | None = "p1",
+    prompt_tokens: int = 400,
+    cached: int | None = None,
+    answer: str | None = ANSWER,
+    completion_tokens: int = 90,
+    ok: bool = True,
+    now: float = 1.0,
+) -> None:
+    outcome = Outcome(ok, decode, prefill, prompt_tokens, cached, completion_tokens, answer)
+    decider.record(t, decision, outcome, now)
+
+
+def first_turn(decider: SessionAffinity, session: str | None = None, **kw: Any) -> Turn:
+    """Turn 1 (system + question) served by push on d1/p1, answered with ANSWER."""
+    t = turn(SYSTEM, QUESTION, session=session)
+    decision = decider.decide(t, DECODES, PREFILLS, 0.0)
+    served(decider, t, decision, **kw)
+    return t
+
+
+def second(*new: dict[str, Any], answer: str = ANSWER, session: str | None = None) -> Turn:
+    return turn(SYSTEM, QUESTION, {"role": "assistant", "content": answer}, *new, session=session)
+
+
+def test_registered_and_built_from_options() -> None:
+    assert "session-affinity" in REGISTRY
+    decider = make_decider("session-affinity", {"name": "session-affinity", "bypass_max_uncached_tokens": 128})
+    assert isinstance(decider, SessionAffinity) and decider.wants_answer
+    assert decider.options.bypass_max_uncached_tokens == 128
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"bypass_tokens": 3}, "unknown option"),
+        ({"bypass_max_uncached_tokens": "256"}, "must be an integer"),
+        ({"bypass_max_uncached_tokens": True}, "must be an integer"),
+        ({"bypass_max_uncached_tokens": -1}, ">= 0"),
+        ({"ttl_s": 0}, "positive"),
+        ({"ttl_s": float("inf")}, "positive"),
+        ({"chars_per_token": "4"}, "must be a number"),
+        ({"overload_in_flight_gap": 0}, ">= 1"),
+        ({"max_sessions": 0}, ">= 1"),
+    ],
+)
+def test_bad_options_are_config_errors(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        make_decider("session-affinity", options)
+
+
+def test_options_accept_ints_for_floats() -> None:
+    assert AffinityOptions.from_mapping({"ttl_s": 120, "chars_per_token": 3}).ttl_s == 120
+
+
+def test_a_first_turn_is_pushed_and_the_policies_pick() -> None:
+    decider = SessionAffinity()
+    decision = decider.decide(turn(SYSTEM, QUESTION), DECODES, PREFILLS, 0.0)
+    assert (decision.route, decision.decode, decision.prefill, decision.predicted_cached_tokens) == (
+        Route.PUSH,
+        None,
+        None,
+        0,
+    )
+
+
+def test_a_first_turn_in_pull_mode_is_pulled() -> None:
+    decision = SessionAffinity().decide(turn(SYSTEM, QUESTION, mode=Mode.PULL), DECODES, PREFILLS, 0.0)
+    assert decision.route is Route.PULL
+
+
+def test_a_short_next_turn_bypasses_prefill_on_the_decode_that_holds_the_history() -> None:
+    decider = SessionAffinity()
+    first_turn(decider, decode="d2")
+    decision = decider.decide(second(SHORT), DECODES, PREFILLS, 2.0)
+    assert decision.route is Route.BYPASS
+    assert (decision.decode, decision.prefill) == ("d2", None)
+    assert decision.predicted_cached_tokens == 400 + 90  # turn 1's prompt and answer, as usage reported them
+
+
+def test_a_long_next_turn_is_pushed_to_the_same_decode_and_the_warm_prefill() -> None:
+    decider = SessionAffinity()
+    first_turn(decider, decode="d2", prefill="p2")
+    decision = decider.decide(second(LONG), DECODES, PREFILLS, 2.0)
+    assert decision.route is Route.PUSH
+    assert (decision.decode, decision.prefill) == ("d2", "p2")
+    assert decision.predicted_cached_tokens == 490
+
+
+def test_the_threshold_is_an_option() -> None:
+    decider = SessionAffinity(AffinityOptions(bypass_max_uncached_tokens=2000))
+    first_turn(decider)
+    assert decider.decide(second(LONG), DECODES, PREFILLS, 2.0).route is Route.BYPASS
+
+
+def test_an_answer_sent_back_altered_credits_only_the_earlier_prompt() -> None:
+    decider = SessionAffinity()
+    first_turn(decider)
+    decision = decider.decide(second(SHORT, answer=ANSWER.strip()), DECODES, PREFILLS, 2.0)
+    assert decision.decode == "d1"
+    assert decision.predicted_cached_tokens == 400  # the prompt, not the answer: the text differs
+    assert decision.route is Route.BYPASS  # ~100 uncached tokens (the answer and SHORT) are still a short suffix
+
+
+def test_without_the_answer_text_only_the_prompt_is_credited() -> None:
+    decider = SessionAffinity()
+    first_turn(decider, answer=None)
+    assert decider.decide(second(SHORT), DECODES, PREFILLS, 2.0).predicted_cached_tokens == 400
+
+
+def test_an_edited_history_is_credited_only_up_to_the_edit() -> None:
+    decider = SessionAffinity(AffinityOptions(bypass_max_uncached_tokens=100))
+    first_turn(decider)
+    edited = turn(SYSTEM, {"role": "user", "content": "Explain it."}, {"role": "assistant", "content": ANSWER}, SHORT)
+    decision = decider.decide(edited, DECODES, PREFILLS, 2.0)
+    assert (decision.route, decision.decode) == (Route.PUSH, "d1")  # the rest (~170 tokens) is over 100
+    system_only = decider.decide(turn(SYSTEM, SHORT), DECODES, PREFILLS, 2.0).predicted_cached_tokens
+    assert decision.predicted_cached_tokens == system_only and 0 < system_only < 400
+
+
+def test_an_unhealthy_preferred_decode_is_not_chosen() -> None:
+    decider = SessionAffinity()
+    first_turn(decider, session="s")
+    decision = decider.decide(second(SHORT, session="s"), views("d2"), PREFILLS, 2.0)
+    assert (decision.route, decision.decode) == (Route.PUSH, None)
+
+
+def test_an_overloaded_preferred_decode_is_not_chosen() -> None:
+    decider = SessionAffinity(AffinityOptions(overload_in_flight_gap=4))
+    first_turn(decider)
+    assert decider.decide(second(SHORT), views("d1", "d2", busy={"d1": 3}), PREFILLS, 2.0).decode == "d1"
+    busy = decider.decide(second(SHORT), views("d1", "d2", busy={"d1": 4}), PREFILLS, 2.0)
+    assert (busy.route, busy.decode) == (Route.PUSH, None)
+    queued = decider.decide(second(SHORT), views("d1", "d2", waiting={"d1": 8, "d2": 0}), PREFILLS, 2.0)
+    assert queued.decode is None
+
+
+def test_when_every_decode_is_overloaded_none_is_skipped() -> None:
+    decider = SessionAffinity()
+    first_turn(decider)
+    decision = decider.decide(second(SHORT), views("d1", waiting={"d1": 50}), PREFILLS, 2.0)
+    assert (decision.route, decision.decode) == (Route.BYPASS, "d1")
+
+
+def test_a_session_sticks_to_its_decode_even_when_nothing_matches() -> None:
+    decider = SessionAffinity()
+    first_turn(decider, session="s", decode="d2")
+    other = turn({"role": "user", "content": "unrelated"}, session="s")
+    decision = decider.decide(other, DECODES, PREFILLS, 2.0)
+    assert (decision.route, decision.decode, decision.predicted_cached_tokens) == (Route.PUSH, "d2", 0)
+
+
+def test_the_body_prompt_cache_key_is_a_session_too() -> None:
+    decider = SessionAffinity()
+    t = turn(SYSTEM, QUESTION)
+    body = dict(t.body, prompt_cache_key="k")
+    keyed = Turn(t.info, body, {}, t.mode)
+    served(decider, keyed, decider.decide(keyed, DECODES, PREFILLS, 0.0), decode="d2")
+    other = Turn(t.info, {"model": "m", "messages": [SHORT], "prompt_cache_key": "k"}, {}, t.mode)
+    assert decider.decide(other, DECODES, PREFILLS, 2.0).decode == "d2"
+
+
+def test_a_worker_holding_more_beats_the_session_affinity() -> None:
+    decider = SessionAffinity()
+    first_turn(decider, session="s", decode="d1")
+    t = turn({"role": "user", "content": "unrelated"}, session="s")
+    served(decider, t, decider.decide(t, DECODES, PREFILLS, 1.0), decode="d2", now=1.5)  # the session moved to d2
+    decision = decider.decide(second(SHORT, session="s"), DECODES, PREFILLS, 2.0)
+    assert decision.decode == "d1"  # d1 holds the history; d2 only the unrelated turn
+
+
+def test_forgetting_a_worker_drops_its_prefixes_and_sessions() -> None:
+    decider = SessionAffinity()
+    first_turn(decider, session="s")
+    decider.forget("d1")
+    decider.forget("p1")
+    decision = decider.decide(second(SHORT, session="s"), DECODES, PREFILLS, 2.0)
+    assert (decision.route, decision.decode, decision.prefill) == (Route.PUSH, None, None)
+
+
+def test_held_prefixes_age_out_after_the_ttl() -> None:
+    decider = SessionAffinity(AffinityOptions(ttl_s=30))
+    first_turn(decider, now=1.0)
+    assert decider.decide(second(SHORT), DECODES, PREFILLS, 30.9).route is Route.BYPASS
+    assert decider.decide(second(SHORT), DECODES, PREFILLS, 31.0).route is Route.PUSH
+
+
+def test_a_failed_attempt_teaches_nothing() -> None:
+    decider = SessionAffinity()
+    first_turn(decider, ok=False, session="s")
+    decision = decider.decide(second(SHORT, session="s"), DECODES, PREFILLS, 2.0)
+    assert (decision.route, decision.decode) == (Route.PUSH, None)
+    assert stats(decider).index_links == {"decode": 0, "prefill": 0}
+
+
+def test_a_bypassed_turn_is_recorded_on_decode_only() -> None:
+    decider = SessionAffinity()
+    first_turn(decider)
+    t2 = second(SHORT)
+    decision = decider.decide(t2, DECODES, PREFILLS, 2.0)
+    served(decider, t2, decision, prefill=None, prompt_tokens=520, cached=480, now=3.0)
+    t3 = turn(*t2.body["messages"], {"role": "assistant", "content": ANSWER}, SHORT)
+    third = decider.decide(t3, DECODES, PREFILLS, 4.0)
+    assert (third.route, third.decode, third.predicted_cached_tokens) == (Route.BYPASS, "d1", 520 + 90)
+    assert stats(decider).index_links["prefill"] == 3  # turn 1's links only
+
+
+def test_the_ratio_is_learned_from_reported_prompt_tokens() -> None:
+    decider = SessionAffinity(AffinityOptions(chars_per_token=4.0))
+    t = first_turn(decider, prompt_tokens=100)
+    assert decider.ratio.samples == 1
+    assert decider.ratio.value == pytest.approx(100 / _chars(t))
+
+
+def test_completions_turns_bypass_too() -> None:
+    decider = SessionAffinity()
+    t1 = turn(SYSTEM, QUESTION, endpoint=Endpoint.COMPLETIONS)
+    served(decider, t1, decider.decide(t1, DECODES, PREFILLS, 0.0), decode="d2")
+    t2 = turn(SYSTEM, QUESTION, {"content": ANSWER}, SHORT, endpoint=Endpoint.COMPLETIONS)
+    decision = decider.decide(t2, DECODES, PREFILLS, 2.0)
+    assert (decision.route, decision.decode) == (Route.BYPASS, "d2")
+    assert 400 < decision.predicted_cached_tokens <= 490  # whole chunks only
+
+
+def test_stats_count_decisions_index_and_prediction_accuracy() -> None:
+    decider = SessionAffinity()
+    first_turn(decider, session="s")
+    t2 = second(SHORT, session="s")
+    decision = decider.decide(t2, DECODES, PREFILLS, 2.0)
+    plan_uncached = decision.state.predicted_uncached
+    served(decider, t2, decision, prefill=None, prompt_tokens=490 + plan_uncached, cached=490, now=3.0)
+    t3 = second(SHORT, session="s")
+    far = decider.decide(t3, DECODES, PREFILLS, 4.0)
+    served(decider, t3, far, prefill=None, prompt_tokens=490 + 10 * plan_uncached, cached=490, now=5.0)
+    s = stats(decider)
+    assert s.decisions["push"] == 1 and s.decisions["bypass"] == 2 and s.decisions["fallback"] == 0
+    assert s.sessions == 1 and s.index_links["decode"] > 0
+    assert s.checked_bypasses == 2 and s.accurate_bypasses == 1
+    assert s.predicted_cached_tokens == 490 + (490 + plan_uncached)  # t3 repeats t2: all of t2's prompt is held
+    assert s.actual_cached_tokens == 2 * 490
+    assert s.evictions["decode/capacity"] == 0 and "sessions/forgotten" in s.evictions
+
+
+def test_push_outcomes_are_not_checked_against_decode_usage() -> None:
+    decider = SessionAffinity()
+    first_turn(decider, cached=400)  # push: decode counts transferred tokens as cached
+    assert stats(decider).checked_bypasses == 0
+
+
+def test_none_is_exactly_the_configured_mode_and_keeps_no_stats() -> None:
+    none = make_decider("none")
+    assert isinstance(none, NoDecider) and not none.wants_answer
+    for mode, route in ((Mode.PUSH, Route.PUSH), (Mode.PULL, Route.PULL)):
+        assert none.decide(turn(SYSTEM, mode=mode), DECODES, PREFILLS, 0.0) == Decision(route)
+    assert stats_of(none) is None
+
+
+def stats(decider: SessionAffinity) -> DeciderStats:
+    found = stats_of(decider)
+    assert found is not None
+    return found
+
+
+def _chars(t: Turn) -> int:
+    from router.conversation import chain_of
+
+    return chain_of(t.info.endpoint, t.body).chars
