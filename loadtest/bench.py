@@ -1,59 +1,123 @@
-"""`loadtest bench`: run the suites, append their rows to summary.json, redraw plots and bench/README.md."""
+"""`loadtest bench`: run the suites, append their rows to summary.json, redraw plots and bench/README.md.
 
+Every suite is a module with FULL and SMOKE plans and `run(plan, run_dir, summary, progress, run_id)` (the
+shape is in loadtest/README.md); modules are imported when run, so a suite that has not landed yet (multiturn)
+is reported as missing instead of breaking the others.
+"""
+
+import dataclasses
 import datetime as dt
+import importlib
 import traceback
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import httpx
 
-from loadtest import plots, report, suite_cpu, suite_overhead, suite_seed
+from loadtest import plots, report
 from loadtest.job import REPO
 from loadtest.results import SUITES, load_rows
 from stack.procs import StartupError
 
-Runner = Callable[[bool, Path, Path, bool, str, str | None], list[dict[str, Any]]]
+MODULES = {
+    "seed-sim": "loadtest.suite_seed",
+    "cpu-vllm": "loadtest.suite_cpu",
+    "overhead": "loadtest.suite_overhead",
+    "multiturn": "loadtest.suite_multiturn",
+}
 
 
-def _seed(
-    smoke: bool, run_dir: Path, summary: Path, progress: bool, run_id: str, profile: str | None
-) -> list[dict[str, Any]]:
-    plan = suite_seed.SMOKE if smoke else suite_seed.FULL
-    return suite_seed.run(plan, run_dir, summary, progress, run_id, profile or suite_seed.PROFILE)
+def suite_module(name: str) -> ModuleType | None:
+    """The suite's module, or None while it does not exist (an import error inside it still raises)."""
+    target = MODULES[name]
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as exc:
+        if exc.name == target:
+            return None
+        raise
 
 
-def _cpu(
-    smoke: bool, run_dir: Path, summary: Path, progress: bool, run_id: str, profile: str | None
-) -> list[dict[str, Any]]:
-    return suite_cpu.run(suite_cpu.SMOKE if smoke else suite_cpu.FULL, run_dir, summary, progress, run_id)
+def _parse(text: str, like: Any) -> Any:
+    if isinstance(like, bool):
+        if text.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError(f"{text!r} is not a boolean")
+        return text.lower() in ("true", "1", "yes")
+    if isinstance(like, int):
+        return int(text)
+    if isinstance(like, float):
+        return float(text)
+    if isinstance(like, tuple):
+        items = [t for t in text.split(",") if t.strip()]
+        sample = like[0] if like else 0.0
+        if isinstance(sample, tuple):  # pairs such as (qps, requests) as 0.5:24,1.5:40
+            return tuple(tuple(_parse(x, s) for x, s in zip(t.split(":"), sample, strict=True)) for t in items)
+        return tuple(_parse(t.strip(), sample) for t in items)
+    return text
 
 
-def _overhead(
-    smoke: bool, run_dir: Path, summary: Path, progress: bool, run_id: str, profile: str | None
-) -> list[dict[str, Any]]:
-    plan = suite_overhead.SMOKE if smoke else suite_overhead.FULL
-    return suite_overhead.run(plan, run_dir, summary, progress, run_id)
+def with_overrides(plan: Any, overrides: Sequence[str], strict: bool = True) -> Any:
+    """`plan` with FIELD=VALUE overrides applied (dataclasses.replace); unknown fields raise when `strict`."""
+    names = {f.name for f in dataclasses.fields(plan)}
+    changes: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected FIELD=VALUE")
+        if key not in names:
+            if strict:
+                raise ValueError(f"--set {key}: not a field of {type(plan).__name__} ({', '.join(sorted(names))})")
+            continue
+        changes[key] = _parse(value, getattr(plan, key))
+    return dataclasses.replace(plan, **changes)
 
 
-RUNNERS: dict[str, Runner] = {"seed-sim": _seed, "cpu-vllm": _cpu, "overhead": _overhead}
+def _check_overrides(names: Sequence[str], smoke: bool, overrides: Sequence[str]) -> None:
+    """With several suites, each override must name a field of at least one of their plans."""
+    plans = [getattr(m, "SMOKE" if smoke else "FULL") for n in names if (m := suite_module(n)) is not None]
+    fields = {f.name for p in plans for f in dataclasses.fields(p)}
+    for item in overrides:
+        key = item.partition("=")[0].strip().replace("-", "_")
+        if key not in fields:
+            raise ValueError(f"--set {key}: not a field of any plan of {', '.join(names)}")
 
 
-def run_suites(suite: str, *, smoke: bool, results: Path | None, progress: bool, profile: str | None = None) -> int:
+def run_suites(
+    suite: str,
+    *,
+    smoke: bool,
+    results: Path | None,
+    progress: bool,
+    profile: str | None = None,
+    overrides: Sequence[str] = (),
+) -> int:
     """Run one suite or all; 0 when every suite ran (its rows may still count failed requests).
 
     `profile` swaps the seed-sim profile for a what-if one; the report keeps such runs apart from the headline.
+    `overrides` are FIELD=VALUE changes to the suites' plans (sweep size: QPS points, requests, repeats).
     """
     run_id = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ") + ("-smoke" if smoke else "")
     results_dir = results or (REPO / "bench" / "runs" / "smoke" if smoke else REPO / "bench" / "results")
     summary = results_dir / "summary.json"
     run_dir = REPO / "bench" / "runs" / run_id
     names = SUITES if suite == "all" else (suite,)
+    _check_overrides(names, smoke, overrides)
     failed: list[str] = []
     for name in names:
-        print(f"== {name} ({'smoke' if smoke else 'full'}) run {run_id}; per-request data and logs in {run_dir}")
+        module = suite_module(name)
+        if module is None:
+            print(f"== {name}: skipped ({MODULES[name]} is not in this tree yet)")
+            if suite != "all":
+                failed.append(name)
+            continue
+        plan = with_overrides(getattr(module, "SMOKE" if smoke else "FULL"), overrides, strict=len(names) == 1)
+        print(f"== {name} ({'smoke' if smoke else 'full'}) run {run_id}: {plan}; data and logs in {run_dir}")
         try:
-            rows = RUNNERS[name](smoke, run_dir, summary, progress, run_id, profile)
+            extra = (profile,) if name == "seed-sim" and profile else ()
+            rows = module.run(plan, run_dir, summary, progress, run_id, *extra)
             print(f"== {name}: {len(rows)} rows -> {summary}")
         except (StartupError, OSError, RuntimeError, ValueError, httpx.HTTPError):
             traceback.print_exc()
@@ -67,6 +131,6 @@ def run_suites(suite: str, *, smoke: bool, results: Path | None, progress: bool,
         for path in plots.suite_plots(name, what_if, results_dir, prefix="seed-sim-whatif"):
             print(f"   plot {path}")
     readme = results_dir / "README.md" if smoke or results is not None else REPO / "bench" / "README.md"
-    readme.write_text(report.render(rows_all), encoding="utf-8")
+    readme.write_text(report.render(rows_all, results_dir), encoding="utf-8")
     print(f"== report {readme}")
     return 1 if failed else 0

@@ -31,8 +31,11 @@ def url(port: int) -> str:
     return f"http://{LOOPBACK}:{port}"
 
 
-def sim_proc(name: str, role: str, port: int, profile: str, kv_mode: str, log_dir: Path) -> ManagedProcess:
-    argv = (
+def sim_proc(
+    name: str, role: str, port: int, profile: str, kv_mode: str, log_dir: Path, write_at: str | None = None
+) -> ManagedProcess:
+    """A simulated engine; `write_at` (writes.WriteAt) is when a push P posts its WRITE (default: completing-step)."""
+    argv: tuple[str, ...] = (
         sys.executable,
         "-m",
         "loadtest",
@@ -47,6 +50,7 @@ def sim_proc(name: str, role: str, port: int, profile: str, kv_mode: str, log_di
         name,
         "--kv-mode",
         kv_mode,
+        *(("--write-at", write_at) if write_at else ()),
     )
     return ManagedProcess(ProcessSpec(name, argv, _env(), log_dir / f"{name}.log", f"{url(port)}/health", REPO))
 

@@ -11,6 +11,7 @@ from loadtest.arrivals import ArrivalSpec
 from loadtest.job import Job, execute
 from loadtest.results import CONNECTORS, MODES, ROUTERS, SUITES, RowLabels
 from loadtest.runner import LoadConfig
+from loadtest.sim.writes import WriteAt
 from loadtest.stats import parse_goodput
 
 
@@ -57,15 +58,36 @@ def _add_sim(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
         default="both",
         help="the connector a prefill sim states (transfer_mode); both = state none",
     )
+    p.add_argument(
+        "--write-at",
+        choices=[w.value for w in WriteAt],
+        default=WriteAt.COMPLETING_STEP.value,
+        help="when a push P posts its WRITE: next-step (vLLM's NixlPushConnector), completing-step (kvpush push), "
+        "per-step (kvpush progressive, chunked prefill)",
+    )
 
 
 def _add_bench(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     p = sub.add_parser("bench", help="run benchmark suites and write bench/results")
-    p.add_argument("--suite", choices=(*SUITES, "all"), default="all")
+    p.add_argument("--suite", choices=(*SUITES, "all"), default="all")  # multiturn: once suite_multiturn lands
     p.add_argument("--smoke", action="store_true", help="a tiny version of each suite (for make test)")
     p.add_argument("--results", type=Path, default=None, help="default: bench/results (smoke: bench/runs/smoke)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--profile", default=None, help="seed-sim only: a what-if simulator profile (name or YAML path)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="change a field of the suite's plan, e.g. repeats=3, qps=1,4,8, points=0.5:24,3:40 (repeatable)",
+    )
+
+
+def _add_calibrate(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    p = sub.add_parser("calibrate", help="fit the seed-sim profile's unmeasured numbers to the seed's pull row")
+    p.add_argument("--results", type=Path, default=None, help="where calibration.json goes (default bench/results)")
+    p.add_argument("--smoke", action="store_true", help="a tiny fit (seconds), written under --results")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -74,6 +96,7 @@ def parser() -> argparse.ArgumentParser:
     _add_run(sub)
     _add_sim(sub)
     _add_bench(sub)
+    _add_calibrate(sub)
     return ap
 
 
@@ -131,7 +154,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.cmd == "sim":
         from loadtest.sim.server import serve
 
-        return serve(a.role, a.host, a.port, a.profile, a.engine_id or f"sim-{a.role}-{a.port}", a.model, a.kv_mode)
+        engine_id = a.engine_id or f"sim-{a.role}-{a.port}"
+        return serve(a.role, a.host, a.port, a.profile, engine_id, a.model, a.kv_mode, a.write_at)
+    if a.cmd == "calibrate":
+        return _calibrate(a)
     from loadtest.bench import run_suites
 
-    return run_suites(a.suite, smoke=a.smoke, results=a.results, progress=not a.no_progress, profile=a.profile)
+    return run_suites(
+        a.suite,
+        smoke=a.smoke,
+        results=a.results,
+        progress=not a.no_progress,
+        profile=a.profile,
+        overrides=a.overrides,
+    )
+
+
+def _calibrate(a: argparse.Namespace) -> int:
+    from loadtest import calibrate
+    from loadtest.job import REPO
+    from loadtest.sim.profile import PROFILE_DIR
+
+    results = a.results or REPO / "bench" / "results"
+    plan = calibrate.SMOKE_PLAN if a.smoke else calibrate.Plan()
+    data = calibrate.write_files(plan, results, profile_dir=results if a.smoke else PROFILE_DIR)
+    push = data["predicted"]["upstream-push"]
+    print(f"fitted {data['fitted']} (pull error {data['error']:.4f}, bounded: {data['bounded'] or 'none'})")
+    print(f"pull: TTFT {data['pull']['ttft_mean_ms']:.0f} ms, TPOT {data['pull']['tpot_mean_ms']:.2f} ms")
+    print(f"upstream-push predicted: TTFT {push['ttft_mean_ms']:.0f} ms, TPOT {push['tpot_mean_ms']:.2f} ms")
+    return 0

@@ -236,7 +236,7 @@ def what_if_section(rows: Sequence[Row]) -> list[str]:
     ]
 
 
-def render(rows: Sequence[Row]) -> str:
+def render(rows: Sequence[Row], results_dir: Path | None = None) -> str:
     seed, cpu, over = latest(rows, "seed-sim"), latest(rows, "cpu-vllm"), latest(rows, "overhead")
     commits = sorted(
         {

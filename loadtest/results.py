@@ -11,10 +11,10 @@ from typing import Any
 
 from loadtest.stats import Summary
 
-SUITES = ("seed-sim", "cpu-vllm", "overhead")
+SUITES = ("seed-sim", "cpu-vllm", "overhead", "multiturn")
 ROUTERS = ("kvpush", "vllm-router", "direct")
 MODES = ("push", "pull", "direct")
-CONNECTORS = ("upstream-push", "upstream-pull", "kvpush-push", "sim")
+CONNECTORS = ("upstream-push", "upstream-pull", "kvpush-push", "kvpush-progressive", "sim")
 REQUIRED = (
     "suite",
     "router",

@@ -79,7 +79,22 @@ class StartPush:
     req: Req
 
 
-Event = Token | PrefillDone | StartPull | StartPush
+@dataclass(frozen=True)
+class ChunkDone:
+    """A P leg's prompt chunk was computed in this step (only with `chunk_events`): `computed` tokens now exist."""
+
+    req: Req
+    computed: int
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """The end of step `index` (only with `chunk_events`): where a connector's end-of-step hook runs."""
+
+    index: int
+
+
+Event = Token | PrefillDone | StartPull | StartPush | ChunkDone | StepEnd
 
 
 @dataclass(frozen=True)
@@ -97,7 +112,10 @@ class Engine:
     running: list[Req] = field(default_factory=list)  # PREFILL, WAIT_KV, KV_READY, DECODE in admission order
     used_tokens: int = 0
     busy: bool = False
+    chunk_events: bool = False  # emit ChunkDone per P-leg chunk and StepEnd per step (push WRITE timing)
+    steps_done: int = 0
     _landed_in_step: list[Req] = field(default_factory=list)
+    _wanted: bool = False
 
     # events from outside ---------------------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -130,6 +148,10 @@ class Engine:
             req.state = State.DONE
 
     # stepping --------------------------------------------------------------------------------------------
+    def request_step(self) -> None:
+        """Run one more step even with nothing to compute (vLLM keeps stepping while a connector has work)."""
+        self._wanted = True
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -162,11 +184,15 @@ class Engine:
                 chunks.append((r, n))
                 budget -= n
         remote = tuple(r for r in admitted if r.kind in (Kind.PULL, Kind.PUSH))
-        if not decodes and not chunks and not remote:
+        idle = not decodes and not chunks and not remote
+        if idle and not self._wanted:
             return None
+        self._wanted = False
         p = self.profile
         duration = costs.step_time(p, [(n, r.computed) for r, n in chunks], [r.prompt + r.generated for r in decodes])
         duration += sum(costs.setup_time(p, r.prompt) for r in remote if r.kind is Kind.PULL)
+        if idle:
+            duration = p.step_overhead_s  # a no-forward step: scheduling and the connector's hooks only
         self.busy = True
         return Step(tuple(chunks), decodes, remote, duration)
 
@@ -177,6 +203,8 @@ class Engine:
             if r.state is not State.PREFILL:
                 continue  # aborted while the step ran
             r.computed += n
+            if self.chunk_events and r.kind is Kind.PREFILL:
+                events.append(ChunkDone(r, r.computed))
             if r.computed >= r.prompt:
                 events.extend(self._first_token(r))
         for r in step.decodes:
@@ -193,6 +221,9 @@ class Engine:
                 r.computed = r.prompt
         self._landed_in_step.clear()
         self.busy = False
+        self.steps_done += 1
+        if self.chunk_events:
+            events.append(StepEnd(self.steps_done))
         return events
 
     def _first_token(self, r: Req) -> list[Event]:

@@ -2,7 +2,9 @@
 
 A handoff is created by whichever arrives first, P's own leg or D's registration (push sends both legs at
 once, so D may register before P has even parsed its request). Writes and reads share one FIFO network link;
-push's descriptor setup runs on one writer "thread" (a second FIFO), never on the engine loop.
+push's descriptor setup runs on one writer "thread" (a second FIFO), never on the engine loop. When a push
+WRITE leaves is the connector's (`writes.WriteAt`): the server reports P's chunks (`on_chunk`) and step ends
+(`on_step_end`); without them (`on_prefilled` only) the whole prompt is written when the prefill is done.
 """
 
 import asyncio
@@ -13,6 +15,7 @@ from loadtest.sim import costs
 from loadtest.sim.engine import Req
 from loadtest.sim.link import Fifo
 from loadtest.sim.profile import Profile
+from loadtest.sim.writes import Write, WriteAt, WritePlan, post
 
 
 class HandoffError(Exception):
@@ -24,8 +27,11 @@ class Handoff:
     key: str
     req: Req | None = None
     prefilled: asyncio.Event = field(default_factory=asyncio.Event)
+    written: asyncio.Event = field(default_factory=asyncio.Event)  # the final WRITE landed (or the leg failed)
     claimed: bool = False
     failed: bool = False
+    peer: str = ""
+    plan: WritePlan | None = None
 
 
 class HandoffDesk:
@@ -36,8 +42,11 @@ class HandoffDesk:
         clock: Callable[[], float],
         sleep: Callable[[float], Awaitable[None]],
         lease_s: float = 120.0,
+        write_at: WriteAt = WriteAt.COMPLETING_STEP,
     ):
         self.profile = profile
+        self.write_at = write_at
+        self.step_index = 0  # the last P step that ended
         self.link = Fifo()
         self.writer = Fifo()
         self.moved = 0
@@ -55,18 +64,61 @@ class HandoffDesk:
         return h
 
     def on_leg(self, key: str, req: Req) -> None:
-        self._get(key).req = req
+        h = self._get(key)
+        h.req = req
+        h.plan = WritePlan(self.write_at, req.prompt)
+        if h.claimed:
+            self._post(h, h.plan.on_register())
+
+    def on_chunk(self, key: str, computed: int) -> None:
+        """P computed a chunk of this leg's prompt in the step now ending (`computed` tokens so far)."""
+        h = self._table.get(key)
+        if h is not None and h.plan is not None:
+            self._post(h, h.plan.on_step_end(self.step_index + 1, computed))
+
+    def on_step_end(self, index: int) -> bool:
+        """P's step `index` ended; True when a WRITE waits for one more P step (the caller must run one)."""
+        self.step_index = index
+        wants = False
+        for h in list(self._table.values()):
+            if h.plan is not None and not h.plan.finished:
+                self._post(h, h.plan.on_step_end(index, h.plan.computed))
+                wants = wants or h.plan.wants_step
+        return wants
 
     def on_prefilled(self, key: str) -> None:
         h = self._get(key)
         h.prefilled.set()
+        if h.plan is not None:
+            self._post(h, h.plan.on_step_end(self.step_index + 1, h.plan.prompt))
         asyncio.get_running_loop().create_task(self._expire(h))
+
+    def _post(self, h: Handoff, writes: list[Write]) -> None:
+        if not writes:
+            return
+        p = self.profile
+        done = post(
+            writes,
+            self._clock(),
+            self.writer,
+            self.link,
+            lambda n: costs.setup_time(p, n),
+            lambda n: costs.transfer_time(p, n),
+            self._handshake(h.peer),
+        )
+        if done is not None:
+            asyncio.get_running_loop().create_task(self._land(h, done))
+
+    async def _land(self, h: Handoff, done: float) -> None:
+        await self._sleep(max(done - self._clock(), 0.0))
+        h.written.set()
 
     def on_leg_failed(self, key: str) -> None:
         h = self._table.pop(key, None)
         if h is not None:
             h.failed = True
             h.prefilled.set()  # wakes a waiting registration, which then fails
+            h.written.set()
 
     async def _expire(self, h: Handoff) -> None:
         await self._sleep(self._lease_s)
@@ -100,16 +152,24 @@ class HandoffDesk:
         return h
 
     async def push(self, key: str, peer: str, wait_s: float) -> float:
-        """D registered its blocks: once P's prefill is done, set up on the writer thread, WRITE, release."""
-        h = await self._claim(key, wait_s)
-        assert h.req is not None
-        now = self._clock()
-        ready = self.writer.reserve(now, costs.setup_time(self.profile, h.req.prompt))
-        done = self.link.reserve(ready, self._handshake(peer) + costs.transfer_time(self.profile, h.req.prompt))
-        await self._sleep(max(done - self._clock(), 0.0))
+        """D registered its blocks: P WRITEs them when its connector would (write_at), then releases."""
+        h = self._get(key)
+        if h.claimed:
+            raise HandoffError(f"handoff {key} already claimed")
+        h.claimed, h.peer = True, peer
+        start = self._clock()
+        if h.plan is not None:
+            self._post(h, h.plan.on_register())
+        try:
+            await asyncio.wait_for(h.written.wait(), wait_s)
+        except TimeoutError:
+            self._table.pop(key, None)
+            raise HandoffError(f"no prefill for {key} within {wait_s:.0f}s") from None
+        if h.failed or h.req is None:
+            raise HandoffError(f"prefill leg for {key} failed")
         self._finish(h)
         self.moved += 1
-        return done - now
+        return self._clock() - start
 
     async def read(self, key: str, peer: str) -> float:
         """D READs (its setup was paid on D's loop): the bytes cross the link, then P frees the blocks.

@@ -19,10 +19,11 @@ import httpx
 
 from loadtest.prompts import word_ids
 from loadtest.sim import costs, wire
-from loadtest.sim.engine import Engine, Event, Kind, PrefillDone, Req, StartPull, StartPush, Token
+from loadtest.sim.engine import ChunkDone, Engine, Event, Kind, PrefillDone, Req, StartPull, StartPush, StepEnd, Token
 from loadtest.sim.handoff import HandoffDesk, HandoffError
 from loadtest.sim.loop import EngineLoop
 from loadtest.sim.profile import Profile, load
+from loadtest.sim.writes import WriteAt
 
 log = logging.getLogger("loadtest.sim")
 Scope = dict[str, Any]
@@ -44,6 +45,7 @@ class SimServer:
         model: str,
         kv_mode: str = "both",
         clock: Callable[[], float] = time.monotonic,
+        write_at: WriteAt = WriteAt.COMPLETING_STEP,
     ) -> None:
         self.role, self.profile, self.engine_id, self.host, self.port, self.model = (
             role,
@@ -54,9 +56,9 @@ class SimServer:
             model,
         )
         self.kv_mode = kv_mode
-        self.engine = Engine(profile)
+        self.engine = Engine(profile, chunk_events=role != "decode")
         self.loop = EngineLoop(self.engine, asyncio.sleep, self._on_events)
-        self.desk = HandoffDesk(profile, self._release, clock, asyncio.sleep)
+        self.desk = HandoffDesk(profile, self._release, clock, asyncio.sleep, write_at=write_at)
         self.streams: dict[Req, asyncio.Queue[Item]] = {}
         self.remote: dict[Req, dict[str, Any]] = {}
         self.keys: dict[Req, str] = {}
@@ -81,6 +83,12 @@ class SimServer:
                 q = self.streams.get(ev.req)
                 if q is not None:
                     q.put_nowait(("tok", ev.final, ""))
+            elif isinstance(ev, ChunkDone):
+                if (key := self.keys.get(ev.req)) is not None:
+                    self.desk.on_chunk(key, ev.computed)
+            elif isinstance(ev, StepEnd):
+                if self.desk.on_step_end(ev.index):
+                    self.engine.request_step()  # a next-step WRITE needs one more P step
             elif isinstance(ev, PrefillDone):
                 self.desk.on_prefilled(self.keys.pop(ev.req))
             elif isinstance(ev, StartPull | StartPush) and not self.profile.rendezvous:
@@ -334,11 +342,20 @@ async def send_text(send: Send, status: int, text: str, rid: str) -> None:
     await send({"type": "http.response.body", "body": data})
 
 
-def serve(role: str, host: str, port: int, profile: str, engine_id: str, model: str, kv_mode: str) -> int:
+def serve(
+    role: str,
+    host: str,
+    port: int,
+    profile: str,
+    engine_id: str,
+    model: str,
+    kv_mode: str,
+    write_at: str = WriteAt.COMPLETING_STEP.value,
+) -> int:
     """Run one simulated engine until interrupted (uvicorn, httptools, uvloop when available)."""
     import uvicorn
 
-    app = SimServer(role, load(profile), engine_id, host, port, model, kv_mode)
+    app = SimServer(role, load(profile), engine_id, host, port, model, kv_mode, write_at=WriteAt(write_at))
     uvicorn.run(
         app,
         host=host,
