@@ -22,7 +22,7 @@ class Timeouts:
     decode_first_byte: float = 120.0  # decode leg to its first body byte (well under vLLM's 480 s watchdog)
     decode_total: float = 900.0  # a non-streamed decode leg, request to whole answer
     stream_idle: float = 120.0  # longest silence between two events of a decode stream
-    health: float = 2.0  # one health probe
+    health: float = 1.0  # one health probe (a timed-out probe is confirmed by a second at once; see health_interval)
     client_body: float = 10.0  # the whole client request body must arrive within this (else 408)
     client_write_stall: float = 30.0  # a streaming client that accepts no bytes this long: stream and legs closed
 
@@ -50,7 +50,11 @@ class Settings:
     prefill_policy: str = "least-prefill-tokens"
     timeouts: Timeouts = field(default_factory=Timeouts)
     limits: Limits = field(default_factory=Limits)
-    health_interval: float = 2.0
+    # A round of probes every second, each with a 1 s deadline, two timeouts in a row to go down: a hung worker
+    # (SIGSTOP: the kernel still accepts connections, nothing answers) is down within 1 + 2 x 1 = 3 s, and its legs
+    # in flight are told (Pool.track). vLLM answers /health from its API process without the engine, so a busy
+    # engine answers at once; one slow answer (a starved API process) is not enough to take a worker down.
+    health_interval: float = 1.0
     retries: int = 1  # extra attempts with fresh ids when nothing was sent to the client yet
     fallback: Fallback = Fallback.NONE  # DECODE_ONLY: with no healthy prefill, decode computes the prompt itself
     max_connections: int = 1024

@@ -1,13 +1,14 @@
-"""Worker membership and health per role: load counters, learned prefill identities, probes, readiness."""
+"""Worker membership and health per role: load counters, legs in flight, learned prefill identities, probes."""
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -16,6 +17,33 @@ from router.health import HealthPolicy, WorkerHealth
 from router.metrics import Metrics
 
 logger = logging.getLogger("kvpush.pool")
+
+Sleep = Callable[[float], Awaitable[None]]
+ProbeErrorHook = Callable[[WorkerSpec, BaseException], None]  # a probe raised something that is not HTTP's
+
+
+class Loss(enum.StrEnum):
+    """Why a leg's worker was lost while the leg ran."""
+
+    DOWN = "down"  # ejected: a failed probe, or passive health
+    DRAINED = "drained"  # an operator drained it
+    REMOVED = "removed"  # it left the pool (discovery, admin)
+
+
+@dataclass(eq=False)
+class Tracked:
+    """One leg in flight on a worker. `lost` is set at once when that worker goes down (probe or passive
+    ejection), is drained or leaves the pool while the leg runs (or already had when the leg began)."""
+
+    worker_id: str
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    loss: Loss | None = None
+    reason: str = ""  # for logs: what the probe or the failure said
+
+    def mark_lost(self, loss: Loss, reason: str) -> None:
+        if not self.lost.is_set():
+            self.loss, self.reason = loss, reason
+            self.lost.set()
 
 
 @dataclass
@@ -29,6 +57,7 @@ class WorkerState:
     learned_identity: NixlIdentity | None = None
     load: EngineLoad | None = None  # from the last good scrape of its /metrics
     draining: bool = False  # an operator asked: no new requests
+    legs: set[Tracked] = field(default_factory=set)  # legs in flight on it, told when it is lost
 
     @property
     def identity(self) -> NixlIdentity | None:
@@ -85,8 +114,10 @@ class Pool:
             if s.spec.role is role and s.healthy and not s.draining and s.spec.id not in exclude
         ]
 
-    def ready(self) -> bool:
-        return all(self.candidates(role) for role in Role)
+    def ready(self, *, prefill_needed: bool = True) -> bool:
+        """A usable decode worker, and a usable prefill worker unless `prefill_needed` is False (the decode-only
+        fallback serves without one). The router's /ready adds its own drain state to this."""
+        return bool(self.candidates(Role.DECODE)) and (not prefill_needed or bool(self.candidates(Role.PREFILL)))
 
     def snapshot(self) -> list[dict[str, object]]:
         return [
@@ -130,6 +161,7 @@ class Pool:
         if state is None:
             return False
         logger.info("%s worker %s left the pool", state.spec.role, worker_id)
+        self._lose(state, Loss.REMOVED, "left the pool")
         for gauge in (self._metrics.healthy, self._metrics.in_flight):
             gauge.remove(str(state.spec.role), worker_id)
         self._publish_pools()
@@ -140,19 +172,26 @@ class Pool:
         if state is None:
             return False
         state.draining = True
+        self._lose(state, Loss.DRAINED, "drained by an operator")
         self._publish(state)
         return True
 
     @contextmanager
-    def track(self, worker_id: str, tokens: int) -> Iterator[None]:
-        """Counts one leg as in flight on the worker for the duration of the block."""
+    def track(self, worker_id: str, tokens: int) -> Iterator[Tracked]:
+        """Counts one leg as in flight on the worker for the duration of the block. The leg's `lost` event is
+        set when the worker goes down, is drained or leaves while the leg runs."""
         state = self._workers[worker_id]  # held: the worker may leave the pool while the leg runs
+        leg = Tracked(worker_id)
         state.in_flight += 1
         state.outstanding_tokens += tokens
+        state.legs.add(leg)
         self._publish_load(state)
+        if self._workers.get(worker_id) is not state or state.draining or not state.healthy:
+            self._lose(state, Loss.DOWN if not state.healthy else Loss.DRAINED, "not usable when the leg began")
         try:
-            yield
+            yield leg
         finally:
+            state.legs.discard(leg)
             state.in_flight -= 1
             state.outstanding_tokens -= tokens
             self._publish_load(state)
@@ -182,29 +221,54 @@ class Pool:
                 "%s worker %s ejected for %.1f s: %s", state.spec.role, worker_id, state.health.held_until - now, reason
             )
             self._metrics.ejections.labels(str(state.spec.role)).inc()
+            self._lose(state, Loss.DOWN, f"ejected: {reason}")
             self._publish(state)
 
-    async def probe_all(self, client: httpx.AsyncClient, timeout: float) -> None:
-        await asyncio.gather(*(self._probe(client, s, timeout) for s in list(self._workers.values())))
+    async def probe_all(
+        self, client: httpx.AsyncClient, timeout: float, *, on_error: ProbeErrorHook | None = None
+    ) -> None:
+        """Probes every worker once, at the same time (a timed-out probe of an UP worker is confirmed at once).
+        A probe that raises anything counts as failed; `on_error` hears of those that are not HTTP errors."""
+        workers = list(self._workers.values())
+        await asyncio.gather(*(self._probe(client, s, timeout, on_error) for s in workers))
 
-    async def run_health(self, client: httpx.AsyncClient, interval: float, timeout: float) -> None:
-        """Probes every worker's /health forever, `interval` seconds apart. Cancel to stop."""
+    async def run_health(
+        self,
+        client: httpx.AsyncClient,
+        interval: float,
+        timeout: float,
+        *,
+        on_error: ProbeErrorHook | None = None,
+        sleep: Sleep = asyncio.sleep,
+    ) -> None:
+        """Probes every worker's /health forever, a round starting every `interval` seconds (or at once when the
+        last round took longer). Cancel to stop."""
+        loop = asyncio.get_running_loop()
         while True:
-            await self.probe_all(client, timeout)
-            await asyncio.sleep(interval)
+            started = loop.time()
+            await self.probe_all(client, timeout, on_error=on_error)
+            await sleep(max(0.0, interval - (loop.time() - started)))
 
-    async def _probe(self, client: httpx.AsyncClient, state: WorkerState, timeout: float) -> None:
-        try:
-            response = await client.get(f"{state.spec.url}/health", timeout=timeout)
-            ok, reason = response.is_success, f"HTTP {response.status_code}"
-        except httpx.HTTPError as exc:
-            ok, reason = False, f"{type(exc).__name__}: {exc}"
-        now = self._clock()
-        changed = state.health.on_probe_ok(now) if ok else state.health.on_probe_failed(now)
+    async def _probe(
+        self, client: httpx.AsyncClient, state: WorkerState, timeout: float, on_error: ProbeErrorHook | None
+    ) -> None:
+        while True:
+            ok, timed_out, reason = await _check_health(client, state.spec, timeout, on_error)
+            now = self._clock()
+            changed = state.health.on_probe_ok(now) if ok else state.health.on_probe_failed(now, timed_out=timed_out)
+            if not state.health.confirming:
+                break
+            logger.info("%s worker %s: probe timed out; probing again at once", state.spec.role, state.spec.id)
         if changed:
             log = logger.info if ok else logger.warning
             log("%s worker %s is %s (%s)", state.spec.role, state.spec.id, "up" if ok else "down", reason)
+        if not state.healthy:
+            self._lose(state, Loss.DOWN, f"health probe: {reason}")
         self._publish(state)
+
+    def _lose(self, state: WorkerState, loss: Loss, reason: str) -> None:
+        for leg in list(state.legs):
+            leg.mark_lost(loss, reason)
 
     def _add(self, spec: WorkerSpec) -> None:
         logger.info("%s worker %s joined the pool", spec.role, spec.id)
@@ -226,3 +290,22 @@ class Pool:
             members = [s for s in self._workers.values() if s.spec.role is role]
             self._metrics.pool_members.labels(str(role)).set(len(members))
             self._metrics.pool_healthy.labels(str(role)).set(sum(1 for s in members if s.healthy and not s.draining))
+
+
+async def _check_health(
+    client: httpx.AsyncClient, spec: WorkerSpec, timeout: float, on_error: ProbeErrorHook | None
+) -> tuple[bool, bool, str]:
+    """One GET /health under a whole-request deadline: (answered 2xx, timed out, what happened)."""
+    try:
+        async with asyncio.timeout(timeout):  # whole request; httpx's own timeouts are per phase
+            response = await client.get(f"{spec.url}/health", timeout=timeout)
+    except (TimeoutError, httpx.TimeoutException) as exc:
+        return False, True, f"no answer within {timeout:g} s ({type(exc).__name__})"
+    except httpx.HTTPError as exc:
+        return False, False, f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # noqa: BLE001 - a bug below us (a URL the transport refuses) fails this probe, not the loop
+        logger.warning("%s worker %s: probe raised %s: %s", spec.role, spec.id, type(exc).__name__, exc)
+        if on_error is not None:
+            on_error(spec, exc)
+        return False, False, f"{type(exc).__name__}: {exc}"
+    return response.is_success, False, f"HTTP {response.status_code}"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from router.health import Health, HealthPolicy, WorkerHealth
@@ -24,16 +26,19 @@ def at(state: Health) -> WorkerHealth:
     [
         (Health.UNKNOWN, "probe_ok", Health.UP, True),
         (Health.UNKNOWN, "probe_failed", Health.DOWN, False),
+        (Health.UNKNOWN, "probe_timed_out", Health.DOWN, False),
         (Health.UNKNOWN, "hard_failure", Health.DOWN, True),
         (Health.UNKNOWN, "soft_failure", Health.UNKNOWN, False),
         (Health.UNKNOWN, "request_ok", Health.UNKNOWN, None),
         (Health.UP, "probe_ok", Health.UP, False),
         (Health.UP, "probe_failed", Health.DOWN, True),
+        (Health.UP, "probe_timed_out", Health.UP, False),
         (Health.UP, "hard_failure", Health.DOWN, True),
         (Health.UP, "soft_failure", Health.UP, False),
         (Health.UP, "request_ok", Health.UP, None),
         (Health.DOWN, "probe_ok", Health.UP, True),
         (Health.DOWN, "probe_failed", Health.DOWN, False),
+        (Health.DOWN, "probe_timed_out", Health.DOWN, False),
         (Health.DOWN, "hard_failure", Health.DOWN, False),
         (Health.DOWN, "soft_failure", Health.DOWN, False),
         (Health.DOWN, "request_ok", Health.DOWN, None),
@@ -41,13 +46,15 @@ def at(state: Health) -> WorkerHealth:
 )
 def test_every_state_and_event(start: Health, event: str, end: Health, changed: bool | None) -> None:
     h = at(start)
-    result = {
+    events: dict[str, Callable[[], bool | None]] = {
         "probe_ok": lambda: h.on_probe_ok(1.0),
         "probe_failed": lambda: h.on_probe_failed(1.0),
+        "probe_timed_out": lambda: h.on_probe_failed(1.0, timed_out=True),
         "hard_failure": lambda: h.on_request_failed(1.0, hard=True),
         "soft_failure": lambda: h.on_request_failed(1.0, hard=False),
         "request_ok": lambda: h.on_request_ok(1.0),
-    }[event]()
+    }
+    result = events[event]()
     assert h.state is end
     assert result is changed
     assert h.usable is (end is Health.UP)
@@ -77,3 +84,30 @@ def test_an_ejected_worker_is_held_out_for_a_doubling_backoff() -> None:
     assert holds == [1.0, 2.0, 4.0, 4.0]
     h.on_request_ok(now)
     assert h.on_request_failed(now, hard=True) and h.held_until - now == 1.0
+
+
+def test_an_up_worker_goes_down_at_the_second_probe_timeout_in_a_row() -> None:
+    h = at(Health.UP)
+    assert not h.on_probe_failed(1.0, timed_out=True) and h.confirming and h.usable
+    assert h.on_probe_failed(1.1, timed_out=True) and h.state is Health.DOWN and not h.confirming
+
+
+def test_an_answer_between_two_probe_timeouts_resets_the_count() -> None:
+    h = at(Health.UP)
+    for now in (1.0, 2.0, 3.0):
+        assert not h.on_probe_failed(now, timed_out=True)
+        assert not h.on_probe_ok(now + 0.1) and not h.confirming
+    assert h.state is Health.UP
+
+
+def test_a_refusal_after_a_probe_timeout_takes_the_worker_down_at_once() -> None:
+    h = at(Health.UP)
+    assert not h.on_probe_failed(1.0, timed_out=True)
+    assert h.on_probe_failed(1.1)
+    assert h.state is Health.DOWN
+
+
+def test_one_probe_timeout_takes_a_worker_down_when_the_policy_says_so() -> None:
+    h = WorkerHealth(HealthPolicy(probe_timeouts=1))
+    h.on_probe_ok(0.0)
+    assert h.on_probe_failed(1.0, timed_out=True) and h.state is Health.DOWN

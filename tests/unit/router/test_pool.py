@@ -1,10 +1,18 @@
-"""Pool membership: joins and leaves, in-flight accounting across a leave, passive ejection, readiness."""
+"""Pool membership: joins and leaves, in-flight accounting across a leave, passive ejection, readiness, legs told
+when their worker is lost, and the active probes (a hung worker, a slow one, a probe that raises)."""
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx
+import pytest
+
+from router.config import Settings
 from router.domain import Role, WorkerSpec
+from router.health import HealthPolicy
 from router.metrics import Metrics
-from router.pool import Pool
+from router.pool import Loss, Pool
 
 P0, P1 = WorkerSpec("http://p0:1", Role.PREFILL), WorkerSpec("http://p1:1", Role.PREFILL)
 D0 = WorkerSpec("http://d0:1", Role.DECODE)
@@ -49,3 +57,132 @@ def test_tracking_counts_requests_and_tokens() -> None:
         assert (view.in_flight, view.outstanding_tokens) == (2, 75)
     (view,) = pool.candidates(Role.PREFILL)
     assert (view.in_flight, view.outstanding_tokens) == (0, 0)
+
+
+def test_ready_without_prefill_when_the_fallback_serves_decode_alone() -> None:
+    pool = healthy_pool(P0, D0)
+    pool.report(P0.id, ok=False, hard=True, reason="refused")
+    assert not pool.ready() and pool.ready(prefill_needed=False)
+
+
+# ------------------------------------------------------------------------------------------ legs told they are lost
+
+
+def test_a_leg_is_told_at_once_when_its_worker_is_ejected() -> None:
+    pool = healthy_pool(P0, P1, D0)
+    with pool.track(P0.id, 10) as leg, pool.track(P1.id, 10) as other:
+        assert not leg.lost.is_set()
+        pool.report(P0.id, ok=False, hard=False, reason="HTTP 500")
+        assert not leg.lost.is_set(), "one soft failure does not eject"
+        pool.report(P0.id, ok=False, hard=True, reason="connection refused")
+        assert leg.lost.is_set() and leg.loss is Loss.DOWN and "connection refused" in leg.reason
+        assert not other.lost.is_set(), "only legs on the ejected worker"
+
+
+def test_a_leg_is_told_when_its_worker_is_drained_or_leaves() -> None:
+    pool = healthy_pool(P0, P1, D0)
+    with pool.track(P0.id, 1) as drained, pool.track(P1.id, 1) as removed, pool.track(D0.id, 1) as decode:
+        pool.drain(P0.id)
+        pool.set_members(Role.PREFILL, [P0])
+        assert (drained.loss, removed.loss) == (Loss.DRAINED, Loss.REMOVED)
+        pool.remove(D0.id)
+        assert decode.loss is Loss.REMOVED and decode.lost.is_set()
+    assert pool.get(P0.id).legs == set()
+
+
+def test_a_leg_begun_on_a_worker_that_is_no_longer_usable_is_lost_from_the_start() -> None:
+    pool = healthy_pool(P0, D0)
+    pool.report(P0.id, ok=False, hard=True, reason="refused")
+    with pool.track(P0.id, 1) as leg:
+        assert leg.lost.is_set() and leg.loss is Loss.DOWN
+    pool.drain(D0.id)
+    with pool.track(D0.id, 1) as leg:
+        assert leg.loss is Loss.DRAINED
+
+
+def test_a_finished_leg_is_not_told_later() -> None:
+    pool = healthy_pool(P0, D0)
+    with pool.track(P0.id, 1) as leg:
+        pass
+    pool.report(P0.id, ok=False, hard=True, reason="refused")
+    assert not leg.lost.is_set()
+
+
+# ------------------------------------------------------------------------------------------------ active probes
+
+
+class Workers:
+    """Stand-in /health answers by host: "ok", "refuse", "hang" (never answers), "raise" (not an httpx error)."""
+
+    def __init__(self, **behaviour: list[str]) -> None:
+        self.script = behaviour  # per host, one entry per probe; the last one repeats
+        self.probes: dict[str, int] = {}
+
+    def client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(transport=httpx.MockTransport(self._handle))
+
+    async def _handle(self, request: httpx.Request) -> httpx.Response:
+        host = request.url.host
+        n = self.probes[host] = self.probes.get(host, 0) + 1
+        script = self.script.get(host, ["ok"])
+        what = script[min(n, len(script)) - 1]
+        if what == "refuse":
+            raise httpx.ConnectError("connection refused", request=request)
+        if what == "hang":  # a SIGSTOPped worker: the connection opens, nothing ever answers
+            await asyncio.get_running_loop().create_future()
+        if what == "raise":
+            raise ValueError("Cannot combine AUTHORIZATION header with AUTH argument or credentials encoded in URL")
+        return httpx.Response(200)
+
+
+async def test_a_hung_worker_is_marked_down_by_two_probe_timeouts_and_its_legs_are_told() -> None:
+    pool = healthy_pool(P0, P1, D0)
+    workers = Workers(p0=["hang"])
+    async with workers.client() as client:
+        with pool.track(P0.id, 100) as leg:
+            await pool.probe_all(client, timeout=0.05)
+            assert leg.lost.is_set() and leg.loss is Loss.DOWN and "no answer within" in leg.reason
+    assert workers.probes["p0"] == 2, "the first timeout was confirmed by a second probe at once"
+    assert [v.id for v in pool.candidates(Role.PREFILL)] == [P1.id]
+
+
+async def test_one_slow_probe_does_not_take_a_busy_worker_down() -> None:
+    pool = healthy_pool(P0, D0)
+    workers = Workers(p0=["hang", "ok"])
+    async with workers.client() as client:
+        with pool.track(P0.id, 100_000) as leg:  # a long prefill in flight
+            await pool.probe_all(client, timeout=0.05)
+            assert not leg.lost.is_set()
+    assert workers.probes["p0"] == 2 and pool.get(P0.id).healthy
+
+
+async def test_a_probe_that_raises_a_non_httpx_error_marks_the_worker_down_and_is_reported() -> None:
+    pool = healthy_pool(P0, D0)
+    errors: list[tuple[str, str]] = []
+    async with Workers(d0=["raise"]).client() as client:
+        await pool.probe_all(client, 1.0, on_error=lambda spec, exc: errors.append((spec.id, type(exc).__name__)))
+    assert errors == [(D0.id, "ValueError")] and not pool.get(D0.id).healthy
+
+
+async def test_the_health_loop_survives_a_probe_that_raises_and_brings_workers_back() -> None:
+    pool = healthy_pool(P0, D0)
+    workers = Workers(d0=["ok", "raise", "raise", "ok"], p0=["ok", "refuse", "ok"])
+    rounds: list[tuple[bool, bool]] = []
+
+    async def sleep(_: float) -> None:
+        rounds.append((pool.get(P0.id).healthy, pool.get(D0.id).healthy))
+        if len(rounds) == 5:
+            raise asyncio.CancelledError
+
+    async with workers.client() as client:
+        with pytest.raises(asyncio.CancelledError):
+            await pool.run_health(client, 0.01, 1.0, sleep=sleep)
+    assert rounds == [(True, True), (False, False), (True, False), (True, True), (True, True)]
+
+
+def test_the_default_health_settings_mark_a_hung_worker_down_within_3_s() -> None:
+    """Worst case: the hang begins just after an answered probe; the next round starts `health_interval` later and
+    needs `probe_timeouts` timeouts of `timeouts.health` each."""
+    s, policy = Settings(), HealthPolicy()
+    assert s.health_interval + policy.probe_timeouts * s.timeouts.health <= 3.0
+    assert policy.probe_timeouts >= 2, "one slow answer alone must not cost a busy worker its legs"
