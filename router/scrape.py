@@ -143,6 +143,9 @@ class Scraper:
             return f"no answer within {self.timeout:g} s"
         except (httpx.HTTPError, httpx.InvalidURL, ScrapeError) as exc:
             return f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # a bug below us fails this worker's scrape, not the loop
+            logger.warning("%s worker %s: /metrics scrape raised", spec.role, spec.id, exc_info=exc)
+            return f"{type(exc).__name__}: {exc}"
 
     def _ok(self, spec: WorkerSpec) -> None:
         if spec.id in self._failing:

@@ -96,22 +96,19 @@ class DnsSource:
             await self._sleep(self.interval)
 
     async def refresh(self, publisher: Publisher) -> None:
-        """One round: resolve, then publish the new set if it changed."""
+        """One round: resolve, then publish the new set if it changed. A failed round keeps the last set."""
         try:
             async with asyncio.timeout(self.timeout + 1.0):  # the resolver has its own deadline; this backs it
                 addresses = await self.resolver.addresses(self.name)
+            specs = specs_from_addresses(addresses, self.role, self.port)
+            changed = publisher.publish(specs)
         except (LookupFailed, TimeoutError) as exc:
-            reason = str(exc) or "timed out"
-            kept = len(publisher.last or ())
-            logger.warning(
-                "%s discovery: resolving %s failed (%s); keeping %d known worker(s)", self.role, self.name, reason, kept
-            )
-            self.errors += 1
-            if self._on_error is not None:
-                self._on_error(self.role, reason)
+            self._failed(publisher, str(exc) or "timed out")
             return
-        specs = specs_from_addresses(addresses, self.role, self.port)
-        changed = publisher.publish(specs)
+        except Exception as exc:  # unexpected (a resolver or sink bug): this round fails, not the loop
+            logger.exception("%s discovery: resolving %s raised", self.role, self.name)
+            self._failed(publisher, f"{type(exc).__name__}: {exc}")
+            return
         self.synced = True
         if changed:
             log = logger.info if specs else logger.warning
@@ -122,3 +119,12 @@ class DnsSource:
                 len(specs),
                 " ".join(s.url for s in specs) or "none",
             )
+
+    def _failed(self, publisher: Publisher, reason: str) -> None:
+        kept = len(publisher.last or ())
+        logger.warning(
+            "%s discovery: resolving %s failed (%s); keeping %d known worker(s)", self.role, self.name, reason, kept
+        )
+        self.errors += 1
+        if self._on_error is not None:
+            self._on_error(self.role, reason)

@@ -149,6 +149,9 @@ class KubernetesSource:
                     logger.info("%s discovery: %s; listing again", self.role, exc)
                 except (httpx.HTTPError, ApiError, WatchFailed, TimeoutError) as exc:
                     self._failed(publisher, f"{type(exc).__name__}: {exc}")
+                except Exception as exc:  # unexpected: this round fails (logged, counted), not the loop
+                    logger.exception("%s discovery: an unexpected error", self.role)
+                    self._failed(publisher, f"{type(exc).__name__}: {exc}")
                 await self._sleep(self._backoff.next())
         finally:
             await self.api.aclose()

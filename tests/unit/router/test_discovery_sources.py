@@ -14,7 +14,7 @@ import pytest
 from router.discovery.base import StaticSource
 from router.discovery.build import build_source
 from router.discovery.dns import DnsSource, LookupFailed
-from router.discovery.kubernetes import KubernetesSource, in_cluster_api_url
+from router.discovery.kubernetes import KubeApi, KubernetesSource, in_cluster_api_url
 from router.discovery.settings import DnsConfig, KubernetesConfig, StaticConfig
 from router.domain import Role, WorkerSpec
 from router.errors import ConfigError
@@ -34,8 +34,8 @@ class Sink:
         return [urls for _, urls in self.calls]
 
 
-class Stop(Exception):
-    pass
+class Stop(BaseException):
+    """Ends a source's loop in a test. Not an Exception: the sources survive every Exception."""
 
 
 class Sleeps:
@@ -108,6 +108,31 @@ async def test_dns_source_counts_a_resolver_that_hangs_past_its_deadline() -> No
     with pytest.raises(Stop):
         await source.run(sink)
     assert source.errors == 1 and not source.synced and sink.calls == []
+
+
+async def test_dns_source_survives_an_unexpected_error_and_keeps_the_last_set() -> None:
+    resolver = ScriptedResolver(
+        frozenset({"10.0.0.1"}),
+        ValueError("a resolver bug"),
+        frozenset({"not-an-address"}),  # a resolver that answers nonsense
+        frozenset({"10.0.0.2"}),
+    )
+    errors: list[tuple[Role, str]] = []
+    source = DnsSource(
+        Role.DECODE,
+        "d.test",
+        8000,
+        interval=1.0,
+        timeout=1.0,
+        resolver=resolver,
+        on_error=lambda role, reason: errors.append((role, reason)),
+        sleep=Sleeps(rounds=4),
+    )
+    sink = Sink()
+    with pytest.raises(Stop):
+        await source.run(sink)
+    assert sink.urls == [["http://10.0.0.1:8000"], ["http://10.0.0.2:8000"]]
+    assert [reason.split(":")[0] for _, reason in errors] == ["ValueError", "ValueError"] and source.errors == 2
 
 
 async def test_static_source_publishes_once_and_runs_until_cancelled() -> None:
@@ -224,6 +249,33 @@ async def test_kubernetes_failures_keep_the_membership_and_back_off() -> None:
     assert len(errors) == 3 and source.errors == 3
     assert "500" in errors[0] and "403" in errors[1] and "not JSON" in errors[2]
     assert sleeps.delays == [0.2, 0.4, 0.8]  # doubling while failing: a good LIST alone does not reset it
+
+
+async def test_kubernetes_survives_an_unexpected_error_from_below() -> None:
+    pod_list = {"metadata": {"resourceVersion": "10"}, "items": [pod("a", "10.1.0.1")]}
+    calls = 0
+
+    def api(request: httpx.Request) -> httpx.Response:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # the first WATCH hits a bug below httpx (as aiohttp's ValueError for URL credentials)
+            raise ValueError("Cannot combine AUTHORIZATION header with AUTH argument")
+        if calls == 3:
+            return httpx.Response(200, json=pod_list)
+        if calls == 1:
+            return httpx.Response(200, json={**pod_list, "items": [pod("a", "10.1.0.1"), pod("b", "10.1.0.2")]})
+        raise Stop
+
+    sink, sleeps, errors = Sink(), Sleeps(rounds=99), list[str]()
+    source = kube_source(FakeApi([], []), sleeps, errors)
+    source.api = KubeApi(
+        "http://kube.test", token=lambda: None, verify=False, request_timeout=1.0, transport=httpx.MockTransport(api)
+    )
+    with pytest.raises(Stop):
+        await source.run(sink)
+    assert sink.urls == [["http://10.1.0.1:8000", "http://10.1.0.2:8000"], ["http://10.1.0.1:8000"]]
+    assert errors == ["ValueError: Cannot combine AUTHORIZATION header with AUTH argument"] and source.errors == 1
+    assert sleeps.delays == [0.2]
 
 
 async def test_a_list_that_works_while_watch_is_forbidden_does_not_spin() -> None:

@@ -150,3 +150,26 @@ async def test_the_routers_pool_is_a_load_sink_and_its_views_carry_the_load() ->
     good, broken = pool.get(GOOD.id).view(), pool.get(BROKEN.id).view()
     assert (good.load_known, good.engine_running, good.engine_waiting, good.kv_usage) == (True, 7, 2, 0.5)
     assert not broken.load_known
+
+
+async def test_a_scrape_that_raises_a_non_httpx_error_fails_that_worker_only() -> None:
+    odd = WorkerSpec("http://odd:8000", Role.DECODE)
+
+    async def raising(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "odd":
+            raise ValueError("Cannot combine AUTHORIZATION header with AUTH argument")
+        return await handler(request)
+
+    sink, errors = Sink(), list[tuple[str, str]]()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(raising)) as client:
+        scraper = Scraper(
+            client,
+            lambda: [GOOD, odd],
+            sink,
+            interval=1.0,
+            timeout=1.0,
+            on_error=lambda spec, reason: errors.append((spec.id, reason)),
+        )
+        await scraper.scrape_once()
+    assert sink.loads == {GOOD.id: EngineLoad(7, 2, 0.5), odd.id: None}
+    assert errors == [(odd.id, "ValueError: Cannot combine AUTHORIZATION header with AUTH argument")]
