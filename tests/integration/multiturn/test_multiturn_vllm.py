@@ -1,0 +1,121 @@
+"""Multi-turn on push with upstream's NixlPushConnector (real vLLM CPU engines, prefix caching on).
+
+(a) bypass: after turn 1 went through P/D push, turn 2 sent to decode alone is served from decode's own prefix
+    cache (turn 1's prompt arrived by transfer and is cached there, its answer was generated there);
+(b) partial prefix push: turn 2 pushed to the same decode needs only the blocks decode lacks
+    (local_cache_hit + external_kv_transfer == the prompt);
+(c) the same through the router with `--decider session-affinity` (once the dispatcher calls the decider).
+Every turn's greedy output equals one plain instance's for the same conversation.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.multiturn.mt_support import (
+    PushPair,
+    block_size,
+    chat_body,
+    post_chat,
+    push_pair,
+    push_turn,
+    reply_of,
+    sources_delta,
+)
+from tests.integration.vllm_support import kv_sources, prompt_text, require_vllm, router
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[PushPair]:
+    require_vllm()
+    with push_pair("NixlPushConnector", tag="mt-up") as pair:
+        yield pair
+
+
+def single(pair: PushPair, body: dict[str, object]) -> str:
+    """The same request on one plain instance (the prefill engine serving it whole)."""
+    return reply_of(post_chat(pair.prefill.url, body)).text
+
+
+def first_turn(pair: PushPair) -> tuple[list[dict[str, str]], int]:
+    """Turn 1 pushed; returns the history a client sends next (its answer appended) and turn 1's prompt tokens."""
+    user1 = {"role": "user", "content": prompt_text(50)}
+    body = chat_body([user1])
+    before = kv_sources(pair.decode.url)
+    got = push_turn(pair, body)
+    moved = sources_delta(pair.decode.url, before, got.prompt_tokens)
+    assert moved["external_kv_transfer"] == got.prompt_tokens, moved  # turn 1 arrived whole by transfer
+    assert got.text == single(pair, body)
+    return [user1, {"role": "assistant", "content": got.text}], got.prompt_tokens
+
+
+def test_a_bypassed_turn_two_is_served_from_decodes_prefix_cache(engines: PushPair) -> None:
+    history, p1 = first_turn(engines)
+    block = block_size(engines.decode.url)
+    body = chat_body([*history, {"role": "user", "content": f"And then? ({uuid.uuid4().hex[:8]})"}])
+    before = kv_sources(engines.decode.url)
+    got = reply_of(post_chat(engines.decode.url, body))  # no kv_transfer_params: decode computes what it lacks
+    moved = sources_delta(engines.decode.url, before, got.prompt_tokens)
+    assert moved["external_kv_transfer"] == 0
+    assert moved["local_cache_hit"] >= (p1 // block) * block, (moved, p1, block)
+    assert moved["local_cache_hit"] + moved["local_compute"] == got.prompt_tokens
+    assert got.cached_tokens == moved["local_cache_hit"]  # what the decider's prediction is checked against
+    assert got.text == single(engines, body)
+
+
+def test_a_pushed_turn_two_transfers_only_the_blocks_decode_lacks(engines: PushPair) -> None:
+    history, p1 = first_turn(engines)
+    block = block_size(engines.decode.url)
+    body = chat_body([*history, {"role": "user", "content": prompt_text(20)}])
+    before = kv_sources(engines.decode.url)
+    got = push_turn(engines, body)
+    moved = sources_delta(engines.decode.url, before, got.prompt_tokens)
+    assert moved["local_cache_hit"] >= (p1 // block) * block, moved
+    assert moved["local_cache_hit"] + moved["external_kv_transfer"] == got.prompt_tokens, moved
+    assert moved["local_compute"] == 0, moved
+    assert got.text == single(engines, body)
+
+
+def _router_calls_the_decider() -> bool:
+    import router.dispatch
+
+    return ".decide(" in Path(router.dispatch.__file__).read_text(encoding="utf-8")
+
+
+def test_through_the_router_with_the_decider(engines: PushPair, tmp_path: Path) -> None:
+    """Turn 2 (short) is bypassed on the decode that holds turn 1; turn 3 (long) is pushed, partially."""
+    if not _router_calls_the_decider():
+        pytest.skip("the dispatcher does not call the decider yet (interface 5, router helper)")
+    d = engines.decode.url
+    block = block_size(d)
+    headers = {"X-Session-ID": f"mt-{uuid.uuid4().hex}"}
+    config = tmp_path / "decider.yaml"
+    config.write_text("decider:\n  name: session-affinity\n  bypass_max_uncached_tokens: 256\n", encoding="utf-8")
+    with router("push", [engines.prefill_arg()], [d], "--config", str(config)) as url:
+
+        def turn(messages: list[dict[str, str]]) -> tuple[str, int, dict[str, float]]:
+            body = chat_body(messages)
+            before = kv_sources(d)
+            got = reply_of(httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120))
+            assert got.text == single(engines, body)
+            return got.text, got.prompt_tokens, sources_delta(d, before, got.prompt_tokens)
+
+        history = [{"role": "user", "content": prompt_text(50)}]
+        answer, p1, moved = turn(history)
+        assert moved["external_kv_transfer"] == p1, moved  # turn 1: pushed whole
+        history += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Short follow-up?"}]
+        answer, p2, moved = turn(history)
+        assert moved["external_kv_transfer"] == 0, moved  # turn 2: bypassed
+        assert moved["local_cache_hit"] >= (p1 // block) * block, moved
+        history += [{"role": "assistant", "content": answer}, {"role": "user", "content": prompt_text(60)}]
+        _, p3, moved = turn(history)
+        assert moved["local_cache_hit"] >= (p2 // block) * block, moved  # turn 3: pushed, only what decode lacks
+        assert moved["local_cache_hit"] + moved["external_kv_transfer"] == p3, moved
+        assert moved["external_kv_transfer"] > 0, moved

@@ -1,0 +1,106 @@
+"""The multi-turn session plan, one streamed turn's bookkeeping, and the per-turn figures (no sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from loadtest import multiturn
+from loadtest.records import RequestRecord
+
+SHAPE = multiturn.SessionShape(sessions=20, session_rate=0.5, seed=4)
+
+
+def test_the_plan_is_determined_by_its_shape() -> None:
+    assert multiturn.plan_sessions(SHAPE) == multiturn.plan_sessions(SHAPE)
+    assert multiturn.plan_sessions(SHAPE) != multiturn.plan_sessions(multiturn.SessionShape(20, 0.5, seed=5))
+
+
+def test_sessions_respect_every_range_and_start_in_order() -> None:
+    sessions = multiturn.plan_sessions(SHAPE)
+    assert len(sessions) == 20 and len({s.id for s in sessions}) == 20
+    starts = [s.start_s for s in sessions]
+    assert starts[0] == 0.0 and starts == sorted(starts)
+    for s in sessions:
+        assert 6 <= len(s.turns) <= 10
+        assert [t.kind for t in s.turns[:2]] == ["user", "tool"]
+        for t in s.turns:
+            assert 50 <= t.message_tokens <= 500 and 32 <= t.answer_tokens <= 128 and t.think_s >= 0
+
+
+def test_message_text_has_the_asked_number_of_words_and_a_unique_head() -> None:
+    text = multiturn.message_text(100, "tool", 7, words_per_token=0.5)
+    assert text.startswith("[tool 00000007] result:\n")
+    assert len(text.split()) == 3 + 50
+    assert multiturn.message_text(100, "tool", 7, 0.5) == text != multiturn.message_text(100, "tool", 8, 0.5)
+
+
+def turn(session: str, n: int, *, ok: bool = True, prompt: int = 100, out: int = 10, ttft: float = 0.1) -> Any:
+    rec = RequestRecord(index=n, request_id=f"{session}-{n}", ok=ok, prompt_tokens=prompt, output_tokens=out)
+    rec.ttft_s = ttft
+    return multiturn.TurnRecord(session, n, rec, answer=f"{session}{n}")
+
+
+def test_ideal_reuse_is_the_previous_prompt_and_answer_capped_at_the_prompt() -> None:
+    records = [turn("a", 1, prompt=100), turn("a", 2, prompt=200), turn("a", 3, prompt=50), turn("b", 1)]
+    assert multiturn.ideal_reusable(records) == 110 + 50
+
+
+def test_a_failed_turn_is_not_reusable() -> None:
+    assert multiturn.ideal_reusable([turn("a", 1, ok=False), turn("a", 2)]) == 0
+
+
+def test_by_turn_splits_ttft_by_turn_index() -> None:
+    figures = multiturn.by_turn([turn("a", 1, ttft=1.0), turn("a", 2, ttft=0.2), turn("b", 2, ttft=0.4)])
+    assert figures["ttft_ms_by_turn"]["1"]["p50"] == pytest.approx(1000)
+    assert figures["ttft_ms_turn2plus"]["p50"] == pytest.approx(300)
+    assert figures["turns_ok"] == 3 and figures["turns_failed"] == 0
+
+
+def test_answers_agree_compares_turns_both_runs_completed() -> None:
+    a = [turn("a", 1), turn("a", 2)]
+    b = [turn("a", 1), turn("a", 2, ok=False)]
+    b[0].answer = "a1"
+    assert multiturn.answers_agree(a, b) == (1, 1)
+
+
+def sse(*events: dict[str, Any]) -> bytes:
+    return b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n"
+
+
+def test_send_turn_collects_text_usage_and_cached_tokens() -> None:
+    seen: dict[str, Any] = {}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen["headers"] = dict(request.headers)
+        chunks = [{"choices": [{"delta": {"content": piece}}]} for piece in ("Hel", "lo")]
+        usage = {"prompt_tokens": 40, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 32}}
+        return httpx.Response(200, content=sse(*chunks, {"choices": [], "usage": usage}))
+
+    async def go() -> tuple[RequestRecord, str, int | None]:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            rec = RequestRecord(index=0, request_id="s-t1")
+            ticks = iter(range(100))
+            return await multiturn.send_turn(
+                client, "http://x/v1/chat/completions", {}, {"X-Session-ID": "s"}, rec, lambda: next(ticks), 5.0, 2
+            )
+
+    rec, text, cached = asyncio.run(go())
+    assert (rec.ok, text, cached, rec.prompt_tokens) == (True, "Hello", 32, 40)
+    assert seen["headers"]["x-session-id"] == "s"
+
+
+def test_send_turn_records_an_http_error() -> None:
+    async def go() -> RequestRecord:
+        transport = httpx.MockTransport(lambda _: httpx.Response(503, content=b"busy"))
+        async with httpx.AsyncClient(transport=transport) as client:
+            rec = RequestRecord(index=0, request_id="s-t1")
+            got, _, _ = await multiturn.send_turn(client, "http://x/", {}, {}, rec, lambda: 0.0, 5.0, 2)
+            return got
+
+    rec = asyncio.run(go())
+    assert not rec.ok and rec.error == "HTTP 503: busy"
