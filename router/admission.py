@@ -28,6 +28,7 @@ class Admission:
 
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
+        """The one way the request path holds a slot: taken on entry (or Overloaded), released on exit."""
         await self.acquire()
         try:
             yield
@@ -48,6 +49,8 @@ class Admission:
             async with asyncio.timeout(self.max_wait):
                 await waiter  # _release hands its slot over: _in_flight already counts us
         except TimeoutError:
+            if waiter.done() and not waiter.cancelled():
+                return  # the slot was handed over in the very iteration the deadline fired: it is ours
             self._refuse(f"no capacity freed up within {self.max_wait:g} s")
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():

@@ -1,16 +1,26 @@
-"""What a dispatch hands back to the HTTP layer: a whole JSON answer, or a primed decode stream to relay."""
+"""What a dispatch hands back to the HTTP layer: a whole JSON answer, or a primed decode stream it owns.
+
+A `StreamAnswer` owns everything the decode leg still holds once its first event is in: the upstream response,
+the decode worker's in-flight count and the request's record. `aclose()` (always called, once or more) releases
+all three exactly once. The stream is relayed byte for byte after the first event (no re-framing); `RelayCheck`
+only bounds the open event and keeps the usage chunk.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
-from router.errors import RouterError, UpstreamError
-from router.sse import EventFramer, error_event
+from router.domain import Role
+from router.errors import RouterError, UpstreamError, UpstreamProtocolError, UpstreamTimeout
+from router.sse import EventFramer, EventTooLarge, RelayCheck, error_event, payload_of
+from router.transport import LegResponse
 from router.upstream import translate
 
 logger = logging.getLogger("kvpush.answer")
@@ -18,85 +28,164 @@ logger = logging.getLogger("kvpush.answer")
 
 @dataclass
 class JsonAnswer:
-    """The decode worker's whole answer, relayed byte for byte."""
+    """The decode worker's whole answer, relayed byte for byte; everything it held is released already."""
 
     status: int
     content: bytes
 
 
-class StreamAnswer:
-    """A decode stream whose status is 2xx and whose first event has arrived.
+@dataclass
+class StreamEnd:
+    """How a relayed stream ended, for the record and the decider."""
 
-    Iterate `events()` to relay the rest one event at a time; `aclose()` must always be called (the HTTP layer
-    does so in `finally`): it closes the upstream response, which makes vLLM abort the request if it is still
-    running, releases the in-flight counters and reports the outcome exactly once.
+    outcome: str
+    usage: dict[str, Any] | None = None
+    text: str | None = None
+
+
+@dataclass
+class _Collected:
+    framer: EventFramer
+    parts: list[str] = field(default_factory=list)
+
+
+class StreamAnswer:
+    """A decode stream whose status is 2xx and whose first event has arrived (and was not an error).
+
+    `relay(send, ...)` or `events()` hand on the rest; `aclose()` must always be called: it closes the upstream
+    response (vLLM aborts a request whose client left), releases the in-flight count and reports the end once.
     """
 
     def __init__(
         self,
-        response: httpx.Response,
+        response: LegResponse,
         first: list[bytes],
-        chunks: AsyncIterator[bytes],
+        chunks: AsyncGenerator[bytes, None],
         framer: EventFramer,
+        check: RelayCheck,
         *,
         worker: str,
         cleanup: contextlib.AsyncExitStack,
-        on_close: Callable[[str], None],
+        on_close: Callable[[StreamEnd], None],
+        collect_text: Callable[[Any], str] | None = None,
     ) -> None:
         self._response = response
         self._first = first
-        self._chunks = chunks
         self._framer = framer
+        self._chunks = chunks
+        self._check = check
         self._worker = worker
         self._cleanup = cleanup
         self._on_close = on_close
+        self._collect = None if collect_text is None else (_Collected(EventFramer()), collect_text)
         self._outcome = "client_gone"  # until the stream is read to its end
         self._closed = False
 
-    async def events(self) -> AsyncIterator[bytes]:
+    @property
+    def stalled(self) -> bool:
+        """The client took nothing for the write-stall bound: its response was cut."""
+        return self._outcome == "client_stalled"
+
+    async def events(self) -> AsyncGenerator[bytes, None]:
+        """The first events, then the upstream bytes as they come; a broken stream ends with an error event."""
         for event in self._first:
+            self._observe(event)
             yield event
+        rest = self._framer.flush()  # the start of the next event, read with the first
         try:
+            if rest:
+                self._check.feed(rest)
+                self._observe(rest)
+                yield rest
             async for chunk in self._chunks:
-                for event in self._framer.feed(chunk):
-                    yield event
-        except (httpx.HTTPError, TimeoutError) as exc:
-            error: RouterError = translate(exc, leg="decode", worker=self._worker)
-            logger.warning("decode stream broke after the first event: %s", error.message)
-            self._outcome = f"stream_{error.kind}"
-            yield error_event(error)
+                self._check.feed(chunk)
+                self._observe(chunk)
+                yield chunk
+        except (httpx.HTTPError, EventTooLarge) as exc:
+            yield self._broke(exc)
             return
-        rest = self._framer.flush()
-        if rest.strip():
-            yield rest
         self._outcome = "ok"
+
+    async def relay(self, send: Callable[[bytes], Awaitable[None]], *, idle: float, write_stall: float) -> None:
+        """Hands every chunk to `send`: at most `idle` s waiting for the worker, `write_stall` s for the client.
+
+        A silent worker ends the stream with an in-band timeout error; a client that takes nothing for
+        `write_stall` s is cut (then the caller's aclose() closes both legs)."""
+        events = self.events()
+        now = asyncio.get_running_loop().time
+        reading = True
+        try:
+            async with asyncio.timeout_at(now() + idle) as deadline:
+                while True:
+                    reading = True
+                    deadline.reschedule(now() + idle)
+                    try:
+                        chunk = await anext(events)
+                    except StopAsyncIteration:
+                        return
+                    reading = False
+                    deadline.reschedule(now() + write_stall)
+                    await send(chunk)
+        except TimeoutError:
+            if not reading:
+                self._outcome = "client_stalled"
+                logger.info("a streaming client took nothing for %g s: stream and legs closed", write_stall)
+                return
+        finally:
+            await events.aclose()
+        failure = UpstreamTimeout(f"no event for {idle:g} s", leg=Role.DECODE, worker=self._worker)
+        logger.warning("decode stream went silent after the first event: %s", failure)
+        self._outcome = f"stream_{failure.kind}"
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(write_stall):
+                await send(error_event(failure))
+
+    def _broke(self, exc: Exception) -> bytes:
+        error: RouterError
+        if isinstance(exc, EventTooLarge):
+            error = UpstreamProtocolError(str(exc), leg=Role.DECODE, worker=self._worker)
+        else:
+            error = translate(exc, leg=Role.DECODE, worker=self._worker)
+        logger.warning("decode stream broke after the first event: %s", error)
+        self._outcome = f"stream_{error.kind}"
+        return error_event(error)
+
+    def _observe(self, chunk: bytes) -> None:
+        if self._collect is not None:
+            collected, text_of = self._collect
+            for event in collected.framer.feed(chunk):
+                collected.parts.append(text_of(payload_of(event)))
 
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
         try:
+            await self._chunks.aclose()
             await self._response.aclose()
         except httpx.HTTPError as exc:
             logger.debug("closing the decode stream: %s", exc)
         finally:
             await self._cleanup.aclose()
-            self._on_close(self._outcome)
+            text = None if self._collect is None else "".join(self._collect[0].parts)
+            self._on_close(StreamEnd(self._outcome, self._check.usage(), text))
 
 
 async def read_first_events(
-    response: httpx.Response, framer: EventFramer, *, worker: str
-) -> tuple[list[bytes], AsyncIterator[bytes]]:
+    response: LegResponse, framer: EventFramer, *, worker: str
+) -> tuple[list[bytes], AsyncGenerator[bytes, None]]:
     """Reads until at least one whole event has arrived; returns it and the iterator for the rest."""
-    chunks = response.aiter_raw()
+    chunks = response.chunks()
     try:
         async for chunk in chunks:
             events = framer.feed(chunk)
             if events:
                 return events, chunks
     except httpx.HTTPError as exc:
-        raise translate(exc, leg="decode", worker=worker) from exc
+        raise translate(exc, leg=Role.DECODE, worker=worker) from exc
+    except EventTooLarge as exc:
+        raise UpstreamProtocolError(str(exc), leg=Role.DECODE, worker=worker) from None
     rest = framer.flush()
     if rest.strip():
         return [rest], chunks
-    raise UpstreamError("closed the stream before sending anything", leg="decode", worker=worker)
+    raise UpstreamError("closed the stream before sending anything", leg=Role.DECODE, worker=worker)

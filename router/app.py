@@ -1,45 +1,56 @@
-"""The HTTP surface: routes, lifespan, error → status mapping, disconnect watching. The only fastapi importer."""
+"""The HTTP surface: the two hot routes as a plain ASGI handler, FastAPI for the rest, errors → OpenAI bodies.
+The only fastapi/starlette importer.
+
+The hot path, in the order it runs (`HotPath.serve`): header limits (431), key (401), request id, the body under
+its deadline and size limit (408/413; no admission slot is held while a client uploads), strict JSON (400),
+validation (400), admission (429), then the dispatch and the relay under one disconnect watcher.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
+from starlette.types import Message, Receive, Scope, Send
 
 from router import auth, protocol
-from router.admission import Admission
-from router.answer import JsonAnswer, StreamAnswer
-from router.config import Settings, parse_decode_url, parse_prefill_spec
-from router.dispatch import Call
-from router.domain import Endpoint, RequestInfo, Role, WorkerSpec
+from router.answer import JsonAnswer
+from router.config import Settings
+from router.dispatch import ClientRequest
+from router.domain import Endpoint, RequestInfo
 from router.errors import (
     BadRequest,
-    ConfigError,
-    NoHealthyWorker,
+    HeadersTooLarge,
+    MethodNotAllowed,
+    NotFound,
     Overloaded,
+    PayloadTooLarge,
+    RequestTimeout,
     RouterError,
     Unauthorized,
     UpstreamError,
 )
 from router.service import Service
-from router.upstream import translate
 
 logger = logging.getLogger("kvpush.app")
-T = TypeVar("T")
+_HOT = {Endpoint.COMPLETIONS.path: Endpoint.COMPLETIONS, Endpoint.CHAT.path: Endpoint.CHAT}
+_JSON = (b"content-type", b"application/json")
+_STREAM = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+_REQUEST_ID = protocol.REQUEST_ID_HEADER.encode()
+_PAIRING_ID = protocol.PAIRING_ID_HEADER.encode()
 
 
 class ClientGone(Exception):
-    """The client closed its connection before the answer was ready."""
+    """The client closed its connection before its request was in."""
 
 
 def create_app(
@@ -59,45 +70,248 @@ def create_app(
         finally:
             await service.stop()
 
-    app = FastAPI(title="kvpush router", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.runtime = service  # the drain switch, for the process around the app (cli.py)
-
-    @app.exception_handler(RouterError)
-    async def router_error(request: Request, error: RouterError) -> Response:
-        service.metrics.errors.labels(error.kind).inc()
-        return _error_response(error, request.headers.get(protocol.REQUEST_ID_HEADER, ""))
-
+    app = RouterApp(HotPath(service), lifespan=lifespan)
+    app.state.service = service  # the drain switch, for the process around the app (cli.py)
+    _error_handlers(app, service)
     _openai_routes(app, service)
     _operations_routes(app, service)
     _admin_routes(app, service)
     return app
 
 
-def _openai_routes(app: FastAPI, service: Service) -> None:
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _serve(service, request, Endpoint.COMPLETIONS)
+class RouterApp(FastAPI):
+    """FastAPI, except that POSTs to the two completion routes go straight to the hot path."""
 
+    def __init__(self, hot: HotPath, **kwargs: Any) -> None:
+        super().__init__(title="kvpush router", docs_url=None, redoc_url=None, openapi_url=None, **kwargs)
+        self._hot = hot
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            endpoint = _HOT.get(scope["path"])
+            if endpoint is not None and scope["method"] == "POST":
+                await self._hot.serve(scope, receive, send, endpoint)
+                return
+            too_big = self._hot.header_limits(scope["headers"])
+            if too_big is not None:
+                await _send_error(send, too_big, None)
+                return
+        await super().__call__(scope, receive, send)
+
+
+class HotPath:
+    """POST /v1/completions and /v1/chat/completions, without a framework."""
+
+    def __init__(self, service: Service) -> None:
+        self._service = service
+        s = service.settings
+        self._limits, self._timeouts, self._keys, self._mode = s.limits, s.timeouts, s.api_keys, str(s.mode)
+        self._metrics = service.metrics
+
+    def header_limits(self, headers: list[tuple[bytes, bytes]]) -> HeadersTooLarge | None:
+        limits = self._limits
+        if len(headers) > limits.max_headers:
+            return HeadersTooLarge(f"more than {limits.max_headers} request headers")
+        if sum(len(k) + len(v) for k, v in headers) > limits.max_header_bytes:
+            return HeadersTooLarge(f"request headers over {limits.max_header_bytes} bytes")
+        return None
+
+    async def serve(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        authorization = client_id = length = None
+        for name, value in headers:
+            if name == b"authorization":
+                authorization = value.decode("latin-1")
+            elif name == _REQUEST_ID:
+                client_id = value.decode("latin-1")
+            elif name == b"content-length":
+                length = value
+        request_id = protocol.client_request_id(client_id, self._limits.max_request_id_chars)
+        try:
+            too_big = self.header_limits(headers)
+            if too_big is not None:
+                raise too_big
+            auth.check_client(authorization, self._keys)
+            raw = await self._body(receive, length)
+            info, body = self._parse(endpoint, raw)
+        except ClientGone:
+            logger.info("request %s: the client left while sending its body", request_id)
+            return
+        except (BadRequest, Unauthorized) as refused:
+            self._count(endpoint, refused, errors=True)
+            await _send_error(send, refused, request_id)
+            return
+        request = ClientRequest(
+            body=body,
+            info=info,
+            record=self._service.dispatcher.new_record(request_id, info),
+            headers={k.decode("latin-1"): v.decode("latin-1") for k, v in headers} if self._wants_headers() else {},
+        )
+        try:
+            async with self._service.admission.slot():
+                await self._watched(receive, send, request)
+        except Overloaded as refused:
+            self._count(endpoint, refused, errors=False)
+            await _send_error(send, refused, request_id)
+
+    def _wants_headers(self) -> bool:
+        return self._service.dispatcher.decider.name != "none"
+
+    async def _body(self, receive: Receive, length: bytes | None) -> bytes:
+        limit, deadline = self._limits.max_body_bytes, self._timeouts.client_body
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise PayloadTooLarge(f"the request body is over {limit} bytes")
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(deadline):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise ClientGone
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        raise PayloadTooLarge(f"the request body is over {limit} bytes")
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            raise RequestTimeout(f"the request body did not arrive within {deadline:g} s") from None
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _parse(self, endpoint: Endpoint, raw: bytes) -> tuple[RequestInfo, dict[str, Any]]:
+        body = protocol.decode_body(raw, self._limits.max_json_depth)
+        return protocol.parse_request(endpoint, body), body
+
+    def _count(self, endpoint: Endpoint, error: RouterError, *, errors: bool) -> None:
+        if errors:
+            self._metrics.errors.labels(error.kind).inc()
+        self._metrics.requests.labels(str(endpoint), self._mode, error.kind).inc()
+
+    async def _watched(self, receive: Receive, send: Send, request: ClientRequest) -> None:
+        """Dispatch and relay; if the client leaves meanwhile, this task is cancelled (closing both legs)."""
+        task = asyncio.current_task()
+        assert task is not None
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            gone = True
+            task.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await self._answer(send, request)
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            task.uncancel()
+        finally:
+            watcher.cancel()
+
+    async def _answer(self, send: Send, request: ClientRequest) -> None:
+        rec = request.record
+        try:
+            answer = await self._service.dispatcher.handle(request)
+        except RouterError as failed:
+            await _send_error(send, failed, rec.request_id, rec.pairing_id)
+            return
+        except Exception:
+            logger.exception("request %s: internal error", rec.request_id)
+            await _send_error(send, RouterError("internal error in the router"), rec.request_id, rec.pairing_id)
+            return
+        ids = [(_REQUEST_ID, rec.request_id.encode()), (_PAIRING_ID, (rec.pairing_id or "").encode())]
+        if isinstance(answer, JsonAnswer):
+            start: Message = {"type": "http.response.start", "status": answer.status, "headers": [_JSON, *ids]}
+            await send(start)
+            await send({"type": "http.response.body", "body": answer.content})
+            return
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": [*_STREAM, *ids]})
+
+            async def chunk(data: bytes) -> None:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+
+            t = self._timeouts
+            await answer.relay(chunk, idle=t.stream_idle, write_stall=t.client_write_stall)
+            if answer.stalled:
+                return  # the server closes a response it did not see end
+            async with asyncio.timeout(t.client_write_stall):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await asyncio.shield(answer.aclose())
+
+
+async def _send_error(send: Send, error: RouterError, request_id: str | None, pairing_id: str | None = None) -> None:
+    headers = [_JSON]
+    if request_id:
+        headers.append((_REQUEST_ID, request_id.encode()))
+    if pairing_id:
+        headers.append((_PAIRING_ID, pairing_id.encode()))
+    for name, value in _extra_headers(error).items():
+        headers.append((name.encode(), value.encode()))
+    if isinstance(error, UpstreamError) and error.http_status >= 500:
+        logger.warning("request %s failed: %s", request_id, error)
+    await send({"type": "http.response.start", "status": error.http_status, "headers": headers})
+    await send({"type": "http.response.body", "body": error.to_json()})
+
+
+def _extra_headers(error: RouterError) -> dict[str, str]:
+    if isinstance(error, Overloaded):
+        return {"retry-after": str(error.retry_after)}
+    if isinstance(error, Unauthorized):
+        return {"www-authenticate": "Bearer"}
+    if isinstance(error, PayloadTooLarge | RequestTimeout):
+        return {"connection": "close"}
+    return {}
+
+
+def _error_response(error: RouterError) -> Response:
+    return Response(
+        error.to_json(), status_code=error.http_status, media_type="application/json", headers=_extra_headers(error)
+    )
+
+
+def _error_handlers(app: FastAPI, service: Service) -> None:
+    @app.exception_handler(RouterError)
+    async def router_error(request: Request, error: RouterError) -> Response:
+        service.metrics.errors.labels(error.kind).inc()
+        return _error_response(error)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> Response:
+        if error.status_code == 404:
+            return _error_response(NotFound(f"no route {request.method} {request.url.path}"))
+        if error.status_code == 405:
+            return _error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}"))
+        failed = BadRequest(str(error.detail))
+        return Response(failed.to_json(), status_code=error.status_code, media_type="application/json")
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> Response:
+        return _error_response(BadRequest("invalid query parameters"))
+
+
+def _openai_routes(app: FastAPI, service: Service) -> None:
+    keys = service.settings.api_keys
+
+    @app.post("/v1/completions")
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await _serve(service, request, Endpoint.CHAT)
+    async def hot_route() -> Response:  # POSTs never get here (RouterApp serves them); other methods get 405
+        raise AssertionError("served by HotPath")
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        pool, client = service.pool, service.client
-        for view in pool.candidates(Role.DECODE):
-            url = f"{pool.get(view.id).spec.url}/v1/models"
-            try:
-                answer = await client.get(url, timeout=service.settings.timeouts.health)
-            except httpx.HTTPError as exc:
-                logger.warning("GET %s: %s", url, translate(exc, leg="decode", worker=view.id).message)
-                continue
-            if answer.is_success:
-                return Response(answer.content, media_type="application/json")
-        raise NoHealthyWorker("no healthy decode worker answered /v1/models")
+    async def models(request: Request) -> Response:
+        auth.check_client(request.headers.get("authorization"), keys)
+        return Response(await service.models(), media_type="application/json")
 
 
 def _operations_routes(app: FastAPI, service: Service) -> None:
+    keys = service.settings.api_keys
+
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
@@ -119,36 +333,35 @@ def _operations_routes(app: FastAPI, service: Service) -> None:
         return Response(content, media_type=content_type)
 
     @app.get("/debug/timings")
-    async def debug_timings(request_id: str | None = None, pairing_id: str | None = None) -> dict[str, Any]:
+    async def debug_timings(
+        request: Request, request_id: str | None = None, pairing_id: str | None = None
+    ) -> dict[str, Any]:
+        auth.check_client(request.headers.get("authorization"), keys)
         return {"requests": service.timings.query(request_id=request_id, pairing_id=pairing_id)}
 
 
 def _admin_routes(app: FastAPI, service: Service) -> None:
-    settings, pool = service.settings, service.pool
+    admin_key = service.settings.admin_key
 
     def check(request: Request) -> None:
-        auth.check_admin(request.headers.get("authorization"), settings.admin_key)
+        auth.check_admin(request.headers.get("authorization"), admin_key)
 
     @app.get("/admin/workers")
     async def admin_list(request: Request) -> dict[str, Any]:
         check(request)
-        return {"workers": pool.snapshot()}
+        return {"workers": service.pool.snapshot()}
 
     @app.post("/admin/workers")
     async def admin_add(request: Request) -> Response:
         check(request)
-        spec = _worker_from(await _json_object(request))
-        if str(spec.role) in settings.discovery:
-            raise BadRequest(f"{spec.role} workers come from discovery here; add them there, not by hand")
-        added = pool.add(spec)
-        await pool.probe_all(service.client, settings.timeouts.health)
-        return JSONResponse({"added": added, "url": spec.url}, status_code=201 if added else 200)
+        added, url = await service.add_worker(await _json_object(request))
+        return JSONResponse({"added": added, "url": url}, status_code=201 if added else 200)
 
     @app.post("/admin/workers/drain")
     async def admin_drain(request: Request) -> dict[str, Any]:
         check(request)
         url = _url_of(await _json_object(request))
-        if not pool.drain(url):
+        if not service.pool.drain(url):
             raise BadRequest(f"no worker {url!r} in the pool")
         return {"draining": url}
 
@@ -156,63 +369,13 @@ def _admin_routes(app: FastAPI, service: Service) -> None:
     async def admin_remove(request: Request) -> dict[str, Any]:
         check(request)
         url = _url_of(await _json_object(request))
-        if not pool.remove(url):
+        if not service.remove_worker(url):
             raise BadRequest(f"no worker {url!r} in the pool")
         return {"removed": url}
 
 
-async def _serve(service: Service, request: Request, endpoint: Endpoint) -> Response:
-    """One OpenAI request: auth, admission, then validation and dispatch; a relayed stream keeps its slot."""
-    request_id = request.headers.get(protocol.REQUEST_ID_HEADER) or f"req-{uuid.uuid4().hex}"
-    auth.check_client(request.headers.get("authorization"), service.settings.api_keys)
-    try:
-        await service.admission.acquire()
-    except Overloaded as refused:
-        service.metrics.requests.labels(str(endpoint), str(service.settings.mode), refused.kind).inc()
-        return _error_response(refused, request_id)
-    response: Response | None = None
-    try:
-        response = await _admitted(service, request, endpoint, request_id)
-        return response
-    finally:
-        if not isinstance(response, RelayResponse):
-            service.admission.release()  # a relayed stream holds its slot until it ends
-
-
-async def _admitted(service: Service, request: Request, endpoint: Endpoint, request_id: str) -> Response:
-    raw = await request.body()
-    try:
-        info, body = _parse(endpoint, raw)
-    except BadRequest as bad:
-        service.metrics.errors.labels(bad.kind).inc()
-        service.metrics.requests.labels(str(endpoint), str(service.settings.mode), bad.kind).inc()
-        return _error_response(bad, request_id)
-    call = Call(body=body, info=info, record=service.dispatcher.new_record(request_id, info))
-    try:
-        answer = await _until_disconnect(request.receive, service.dispatcher.handle(call))
-    except RouterError as failed:
-        return _error_response(failed, request_id, call.record.pairing_id)
-    except ClientGone:
-        return Response(status_code=499)
-    headers = {protocol.REQUEST_ID_HEADER: request_id, protocol.PAIRING_ID_HEADER: call.record.pairing_id or ""}
-    if isinstance(answer, JsonAnswer):
-        return Response(answer.content, status_code=answer.status, media_type="application/json", headers=headers)
-    return RelayResponse(answer, headers, service.admission)
-
-
-def _parse(endpoint: Endpoint, raw: bytes) -> tuple[RequestInfo, dict[str, Any]]:
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        raise BadRequest("the request body is not valid JSON") from None
-    return protocol.parse_request(endpoint, body), body
-
-
 async def _json_object(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body())
-    except ValueError:
-        raise BadRequest("the request body is not valid JSON") from None
+    body = protocol.decode_body(await request.body(), 16)
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     return body
@@ -223,93 +386,3 @@ def _url_of(body: dict[str, Any]) -> str:
     if not isinstance(url, str) or not url:
         raise BadRequest("'url' is required")
     return url.rstrip("/")
-
-
-def _worker_from(body: dict[str, Any]) -> WorkerSpec:
-    """An admin's new worker: {"role": "prefill"|"decode", "url": ..., optional prefill identity fields}."""
-    role, url = body.get("role"), _url_of(body)
-    options = {k: v for k, v in body.items() if k not in ("role", "url")}
-    try:
-        if role == "prefill":
-            return parse_prefill_spec(",".join([url, *(f"{k}={v}" for k, v in options.items())]))
-        if role == "decode" and not options:
-            return parse_decode_url(url)
-    except ConfigError as bad:
-        raise BadRequest(str(bad)) from None
-    raise BadRequest("'role' must be 'prefill' or 'decode' (decode workers take only a url)")
-
-
-def _error_response(error: RouterError, request_id: str, pairing_id: str | None = None) -> Response:
-    headers = {protocol.REQUEST_ID_HEADER: request_id} if request_id else {}
-    if pairing_id:
-        headers[protocol.PAIRING_ID_HEADER] = pairing_id
-    if isinstance(error, Overloaded):
-        headers["retry-after"] = str(error.retry_after)
-    if isinstance(error, Unauthorized):
-        headers["www-authenticate"] = "Bearer"
-    if isinstance(error, UpstreamError) and error.http_status >= 500:
-        logger.warning("request %s failed: %s", request_id, error.message)
-    return Response(error.to_json(), status_code=error.http_status, media_type="application/json", headers=headers)
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
-    """Runs `work` unless the client leaves first; then `work` is cancelled, which closes both upstream legs."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
-            task.cancel()
-            await asyncio.wait({task})
-            raise ClientGone
-        result = task.result()
-        if watcher.done() and isinstance(result, StreamAnswer):
-            await result.aclose()
-            raise ClientGone
-        return result
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-
-
-class RelayResponse(StreamingResponse):
-    """Relays a primed decode stream event by event; closes it (and so the upstream legs) however it ends."""
-
-    def __init__(self, answer: StreamAnswer, headers: dict[str, str], admission: Admission) -> None:
-        super().__init__(
-            answer.events(),
-            status_code=200,
-            media_type="text/event-stream",
-            headers={**headers, "cache-control": "no-cache", "x-accel-buffering": "no"},
-        )
-        self._answer = answer
-        self._admission = admission
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        pump = asyncio.ensure_future(self._pump(send))
-        watcher = asyncio.ensure_future(_wait_disconnect(receive))
-        try:
-            await asyncio.wait({pump, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if pump.done():
-                pump.result()
-        finally:
-            for task in (pump, watcher):
-                task.cancel()
-            await asyncio.wait({pump, watcher})
-            try:
-                await asyncio.shield(self._answer.aclose())
-            finally:
-                self._admission.release()
-
-    async def _pump(self, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        async for event in self.body_iterator:
-            chunk = event if isinstance(event, bytes) else str(event).encode()
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})

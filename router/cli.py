@@ -137,9 +137,10 @@ def serve(argv: list[str]) -> int:
         log_level=settings.log_level,
         access_log=False,
         log_config=None,
-        timeout_graceful_shutdown=int(settings.drain_grace),
+        # uvicorn waits with asyncio.wait_for, which takes any number of seconds; int() made 0.9 into 0
+        timeout_graceful_shutdown=settings.drain_grace,  # type: ignore[arg-type]
     )
-    server = DrainingServer(config, app.state.runtime, settings.drain_delay)
+    server = DrainingServer(config, app.state.service, settings.drain_delay)
     server.run()
     return 0
 

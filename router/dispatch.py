@@ -1,8 +1,10 @@
-"""Executes one client request over the pools: push (both legs at once) or pull (prefill, then decode).
+"""Executes one client request over the pools: push (both legs at once), pull (prefill, then decode) or bypass.
 
-The dispatcher only sequences awaits: bodies come from `protocol`, choices from the policies, I/O from
-`upstream`. One attempt = one pair of fresh ids. An attempt that fails before anything reached the client is
-retried once (by default) with fresh ids on another worker of the failing leg's role, when there is one.
+The dispatcher only sequences awaits: bodies come from `protocol`, the route from the decider, workers from the
+policies, I/O from `upstream`. One attempt = one pair of fresh ids. An attempt that fails before anything reached
+the client is retried (once, by default) with fresh ids on another worker of the failing leg's role, unless the
+failure was the client's own request (a worker's 4xx). Every leg runs under its own deadline and is raced against
+its worker being lost (ejected, drained, removed): a hung worker costs the client seconds, not the deadline.
 """
 
 from __future__ import annotations
@@ -11,16 +13,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from router import protocol, upstream
-from router.answer import JsonAnswer, StreamAnswer, read_first_events
+from router.answer import JsonAnswer, StreamAnswer, StreamEnd, read_first_events
 from router.config import Settings
-from router.domain import Mode, NixlIdentity, RequestInfo, Role
+from router.decider import Decider, Decision, NoDecider, Outcome, Route, Turn
+from router.domain import Mode, NixlIdentity, RequestInfo, Role, WorkerView
 from router.errors import (
     NoHealthyWorker,
     RouterError,
@@ -31,23 +34,39 @@ from router.errors import (
 )
 from router.metrics import Metrics
 from router.policy import Policy, make_policy
-from router.pool import Pool, WorkerState
-from router.sse import EventFramer, error_of
+from router.pool import Pool, Tracked, WorkerState
+from router.sse import EventFramer, RelayCheck, error_of
 from router.timings import RequestRecord, TimingLog
+from router.transport import HttpxLegs, LegTransport
 
 logger = logging.getLogger("kvpush.dispatch")
 
 Answer = JsonAnswer | StreamAnswer
 DECODE_ONLY = "decode-only"  # the record's mode when the fallback served a request
+BYPASS = "bypass"  # the record's mode when the decider skipped prefill
+_LOG_FIELDS = (
+    "request_id",
+    "pairing_id",
+    "mode",
+    "endpoint",
+    "stream",
+    "prefill_worker",
+    "decode_worker",
+    "outcome",
+    "attempts",
+    "ttft_ms",
+    "handoff_ms",
+)
 
 
 @dataclass
-class Call:
+class ClientRequest:
     """One validated client request and its timing record."""
 
     body: dict[str, Any]
     info: RequestInfo
     record: RequestRecord
+    headers: Mapping[str, str] = field(default_factory=dict)  # lower-case names, for the decider
 
 
 class Dispatcher:
@@ -55,22 +74,30 @@ class Dispatcher:
         self,
         settings: Settings,
         pool: Pool,
-        client: httpx.AsyncClient,
+        legs: LegTransport | httpx.AsyncClient,
         metrics: Metrics,
         timings: TimingLog,
         clock: Callable[[], float] = time.monotonic,
+        decider: Decider | None = None,
     ) -> None:
         self._settings = settings
         self._pool = pool
-        self._client = client
+        self._legs: LegTransport = HttpxLegs(legs) if isinstance(legs, httpx.AsyncClient) else legs
         self._metrics = metrics
         self._timings = timings
         self._clock = clock
+        self._decider: Decider = decider or NoDecider()
+        self._learns = not isinstance(self._decider, NoDecider)  # NoDecider.record does nothing: skip the parse
         self._policies: dict[Role, Policy] = {
             Role.PREFILL: make_policy(settings.prefill_policy),
             Role.DECODE: make_policy(settings.decode_policy),
         }
         self._background: dict[str, asyncio.Task[Any]] = {}  # pairing id → prefill leg still running
+        self._json_headers = {"content-type": "application/json"}
+
+    @property
+    def decider(self) -> Decider:
+        return self._decider
 
     def new_record(self, request_id: str, info: RequestInfo) -> RequestRecord:
         return RequestRecord(
@@ -81,89 +108,110 @@ class Dispatcher:
             t_start=self._clock(),
         )
 
-    async def handle(self, call: Call) -> Answer:
-        """The answer to relay, or a RouterError. Records and metrics are finished here or when a stream closes."""
+    async def handle(self, request: ClientRequest) -> Answer:
+        """The answer to relay, or a RouterError. The record is finished here, or by the StreamAnswer's aclose."""
         exclude: dict[Role, set[str]] = {Role.PREFILL: set(), Role.DECODE: set()}
+        turn = Turn(request.info, request.body, request.headers, self._settings.mode)
         try:
             for attempt in range(1 + self._settings.retries):
-                call.record.new_attempt()
-                decode = self._select(Role.DECODE, call.info, exclude[Role.DECODE])
+                request.record.new_attempt()
+                decodes = self._pool.candidates(Role.DECODE, frozenset(exclude[Role.DECODE]))
+                prefills = self._pool.candidates(Role.PREFILL, frozenset(exclude[Role.PREFILL]))
+                decision = self._decide(turn, decodes, prefills)
                 try:
-                    if self._decode_only(exclude[Role.PREFILL]):
-                        answer = await self._attempt_decode_only(call, decode)
-                    else:
-                        prefill = self._select(Role.PREFILL, call.info, exclude[Role.PREFILL])
-                        answer = await self._attempt(call, prefill, decode)
+                    answer = await self._attempt(request, turn, decision, decodes, prefills)
                 except UpstreamError as error:
-                    role = Role(error.leg)
-                    exclude[role].add(error.worker)
+                    self._tell(turn, decision, request.record, ok=False)
+                    exclude[error.leg].add(error.worker)
                     last = attempt == self._settings.retries
-                    if last or not error.retryable or not self._pool.candidates(role, frozenset(exclude[role])):
+                    others = self._pool.candidates(error.leg, frozenset(exclude[error.leg]))
+                    if last or not error.may_retry or not others:
                         raise
-                    logger.warning("request %s: retrying with fresh ids after: %s", call.record.request_id, error)
-                    self._metrics.retries.labels(error.leg).inc()
+                    logger.warning("request %s: retrying with fresh ids after: %s", request.record.request_id, error)
+                    self._metrics.retries.labels(str(error.leg)).inc()
                     continue
                 if isinstance(answer, JsonAnswer):
-                    self._finish(call.record, "ok")
+                    self._tell(turn, decision, request.record, ok=True, answer=answer.content)
+                    self._finish(request.record, "ok")
                 return answer
             raise AssertionError("unreachable: the attempt loop returns or raises")
         except RouterError as error:
             self._metrics.errors.labels(error.kind).inc()
-            self._finish(call.record, error.kind)
+            self._finish(request.record, error.kind)
             raise
         except asyncio.CancelledError:
-            self._finish(call.record, "client_gone")
+            self._finish(request.record, "client_gone")
             raise
 
-    def _select(self, role: Role, info: RequestInfo, exclude: set[str]) -> WorkerState:
-        candidates = self._pool.candidates(role, frozenset(exclude))
-        if not candidates:
-            raise NoHealthyWorker(f"no healthy {role} worker is available")
-        return self._pool.get(self._policies[role].select(candidates, info).id)
+    def _decide(self, turn: Turn, decodes: Sequence[WorkerView], prefills: Sequence[WorkerView]) -> Decision:
+        if not prefills and self._settings.fallback == DECODE_ONLY:
+            return Decision(Route.FALLBACK, reason="no healthy prefill worker")
+        decision = self._decider.decide(turn, decodes, prefills, self._clock())
+        if decision.route not in (Route.BYPASS, Route(str(self._settings.mode))):
+            logger.warning("decider %s chose %s; routing by the mode instead", self._decider.name, decision.route)
+            decision = Decision(Route(str(self._settings.mode)), decision.decode, decision.prefill)
+        return decision
 
-    def _decode_only(self, excluded_prefills: set[str]) -> bool:
-        """With fallback "decode-only" and no healthy prefill left, decode computes the prompt itself."""
-        return self._settings.fallback == "decode-only" and not self._pool.candidates(
-            Role.PREFILL, frozenset(excluded_prefills)
-        )
-
-    async def _attempt_decode_only(self, call: Call, decode: WorkerState) -> Answer:
-        rec = call.record
-        rec.mode, rec.prefill_worker, rec.decode_worker = DECODE_ONLY, None, decode.spec.id
+    async def _attempt(
+        self,
+        request: ClientRequest,
+        turn: Turn,
+        decision: Decision,
+        decodes: Sequence[WorkerView],
+        prefills: Sequence[WorkerView],
+    ) -> Answer:
+        rec, info = request.record, request.info
+        decode = self._select(Role.DECODE, info, decodes, decision.decode)
+        self._metrics.decisions.labels(str(decision.route)).inc()
         ids = protocol.mint_ids()
-        rec.pairing_id, rec.transfer_id = ids.request_id, None
-        logger.warning("request %s: no healthy prefill worker; decode-only fallback", rec.request_id)
-        return await self._decode(call, decode, call.body, ids)
-
-    async def _attempt(self, call: Call, prefill: WorkerState, decode: WorkerState) -> Answer:
-        rec = call.record
+        if decision.route in (Route.BYPASS, Route.FALLBACK):
+            rec.mode = DECODE_ONLY if decision.route is Route.FALLBACK else BYPASS
+            rec.prefill_worker, rec.decode_worker = None, decode.spec.id
+            rec.pairing_id, rec.transfer_id = ids.request_id, None
+            if decision.route is Route.FALLBACK:
+                logger.warning("request %s: no healthy prefill worker; decode-only fallback", rec.request_id)
+            return await self._decode(request, turn, decision, decode, request.body, ids)
+        prefill = self._select(Role.PREFILL, info, prefills, decision.prefill)
+        rec.mode = str(self._settings.mode)
         rec.prefill_worker, rec.decode_worker = prefill.spec.id, decode.spec.id
-        ids = protocol.mint_ids()
         rec.pairing_id, rec.transfer_id = ids.request_id, ids.transfer_id
         if self._settings.mode is Mode.PULL:
-            params = await self._prefill(call, prefill, ids)
-            return await self._decode(call, decode, protocol.pull_decode_body(call.body, params), ids)
-        if prefill.identity is None:  # auto: learn the identity from a first, sequential prefill
-            await self._prefill(call, prefill, ids)
+            params = await self._prefill(request, prefill, ids)
+            body = protocol.pull_decode_body(request.body, params)
+            return await self._decode(request, turn, decision, decode, body, ids)
         identity = prefill.identity
-        if identity is None:
-            raise UpstreamProtocolError("did not state its NIXL identity", leg="prefill", worker=prefill.spec.id)
-        if rec.prefill_done is not None:
-            return await self._decode(call, decode, protocol.push_decode_body(call.body, identity, ids), ids)
-        return await self._push(call, prefill, decode, identity, ids)
+        if identity is None:  # auto: learn the identity from a first, sequential prefill
+            await self._prefill(request, prefill, ids)
+            identity = prefill.identity
+            if identity is None:
+                raise UpstreamProtocolError("did not state its NIXL identity", leg=Role.PREFILL, worker=prefill.spec.id)
+            body = protocol.push_decode_body(request.body, identity, ids)
+            return await self._decode(request, turn, decision, decode, body, ids)
+        return await self._push(request, turn, decision, prefill, decode, identity, ids)
+
+    def _select(
+        self, role: Role, info: RequestInfo, candidates: Sequence[WorkerView], prefer: str | None
+    ) -> WorkerState:
+        if not candidates:
+            raise NoHealthyWorker(f"no healthy {role} worker is available")
+        if prefer is not None and any(v.id == prefer for v in candidates):
+            return self._pool.get(prefer)
+        return self._pool.get(self._policies[role].select(list(candidates), info).id)
 
     async def _push(
         self,
-        call: Call,
+        request: ClientRequest,
+        turn: Turn,
+        decision: Decision,
         prefill: WorkerState,
         decode: WorkerState,
         identity: NixlIdentity,
         ids: protocol.PairingIds,
     ) -> Answer:
         """Both legs at once; the answer is decode's, as soon as its first byte is in."""
-        decode_body = protocol.push_decode_body(call.body, identity, ids)
-        prefill_leg = asyncio.create_task(self._prefill(call, prefill, ids))
-        decode_leg = asyncio.create_task(self._decode(call, decode, decode_body, ids))
+        decode_body = protocol.push_decode_body(request.body, identity, ids)
+        prefill_leg = asyncio.create_task(self._prefill(request, prefill, ids))
+        decode_leg = asyncio.create_task(self._decode(request, turn, decision, decode, decode_body, ids))
         try:
             await asyncio.wait({prefill_leg, decode_leg}, return_when=asyncio.FIRST_COMPLETED)
             if _failed(prefill_leg) and not decode_leg.done():
@@ -181,23 +229,27 @@ class Dispatcher:
             if _failed(prefill_leg) and not prefill_leg.cancelled():
                 raise prefill_leg.exception() from None  # type: ignore[misc]  # the root cause
             raise
-        self._drain(ids.request_id, prefill_leg)
+        self._detach_prefill_leg(ids.request_id, prefill_leg)
         return answer
 
-    async def _prefill(self, call: Call, worker: WorkerState, ids: protocol.PairingIds) -> dict[str, Any]:
-        """The prefill leg; returns the kv_transfer_params it answered with."""
-        rec, wid = call.record, worker.spec.id
-        body = protocol.prefill_body(call.body, call.info.endpoint, ids.transfer_id)
-        url = f"{worker.spec.url}{call.info.endpoint.path}"
+    async def _prefill(
+        self, request: ClientRequest, worker: WorkerState, ids: protocol.PairingIds
+    ) -> protocol.KvTransferParams:
+        """The prefill leg under its deadline; returns the kv_transfer_params it answered with."""
+        rec, wid, deadline = request.record, worker.spec.id, self._settings.timeouts.prefill
+        body = protocol.encode(protocol.prefill_body(request.body, request.info.endpoint, ids.transfer_id))
+        url = f"{worker.spec.url}{request.info.endpoint.path}"
         rec.prefill_sent = self._clock()
-        with self._pool.track(wid, call.info.prompt_tokens):
+        with self._pool.track(wid, request.info.prompt_tokens) as tracked:
             try:
-                async with asyncio.timeout(self._settings.timeouts.prefill):
+                async with _unless_lost(tracked, Role.PREFILL), asyncio.timeout(deadline):
                     _, answer = await upstream.post_json(
-                        self._client, url, body, _headers(ids), leg="prefill", worker=wid
+                        self._legs, url, body, self._headers(ids), leg=Role.PREFILL, worker=wid
                     )
             except TimeoutError:
-                raise UpstreamTimeout("no answer within the prefill deadline", leg="prefill", worker=wid) from None
+                raise UpstreamTimeout(
+                    f"no answer within the prefill deadline ({deadline:g} s)", leg=Role.PREFILL, worker=wid
+                ) from None
             except UpstreamError as error:
                 self._passive_check(error)
                 raise
@@ -206,58 +258,69 @@ class Dispatcher:
         self._metrics.leg.labels("prefill", rec.mode).observe(rec.prefill_done - rec.prefill_sent)
         return self._check_prefill_answer(worker, answer)
 
-    def _check_prefill_answer(self, worker: WorkerState, answer: dict[str, Any]) -> dict[str, Any]:
+    def _check_prefill_answer(self, worker: WorkerState, answer: dict[str, Any]) -> protocol.KvTransferParams:
         wid, mode = worker.spec.id, self._settings.mode
         params = protocol.kv_params_of(answer)
         if params is None:
             raise UpstreamProtocolError(
                 "answered without kv_transfer_params: is it started with a KV connector (kv_producer)?",
-                leg="prefill",
+                leg=Role.PREFILL,
                 worker=wid,
             )
         stated = params.get("transfer_mode")
         if stated is not None and stated != str(mode):
             raise UpstreamProtocolError(
-                f"runs a {stated}-mode connector but the router is in {mode} mode", leg="prefill", worker=wid
+                f"runs a {stated}-mode connector but the router is in {mode} mode", leg=Role.PREFILL, worker=wid
             )
         if worker.spec.identity is None and (identity := protocol.identity_from(params)) is not None:
             self._pool.learn_identity(wid, identity)
         return params
 
-    async def _decode(self, call: Call, worker: WorkerState, body: dict[str, Any], ids: protocol.PairingIds) -> Answer:
-        """Opens the decode leg and waits for its first byte (stream) or its whole answer (non-stream)."""
-        rec, wid, t = call.record, worker.spec.id, self._settings.timeouts
-        url = f"{worker.spec.url}{call.info.endpoint.path}"
+    async def _decode(
+        self,
+        request: ClientRequest,
+        turn: Turn,
+        decision: Decision,
+        worker: WorkerState,
+        body: dict[str, Any],
+        ids: protocol.PairingIds,
+    ) -> Answer:
+        """Opens the decode leg and waits for its first event (stream) or its whole answer (non-stream)."""
+        rec, wid, t = request.record, worker.spec.id, self._settings.timeouts
+        url = f"{worker.spec.url}{request.info.endpoint.path}"
+        raw = protocol.encode(body)
         cleanup = contextlib.AsyncExitStack()
-        cleanup.enter_context(self._pool.track(wid, call.info.prompt_tokens))
+        tracked = cleanup.enter_context(self._pool.track(wid, request.info.prompt_tokens))
         rec.decode_sent = self._clock()
         try:
-            if not call.info.stream:
+            if not request.info.stream:
                 try:
-                    async with asyncio.timeout(t.decode_total):
+                    async with _unless_lost(tracked, Role.DECODE), asyncio.timeout(t.decode_total):
                         content, _ = await upstream.post_json(
-                            self._client, url, body, _headers(ids), leg="decode", worker=wid
+                            self._legs, url, raw, self._headers(ids), leg=Role.DECODE, worker=wid
                         )
                 except TimeoutError:
-                    raise UpstreamTimeout("no answer within the decode deadline", leg="decode", worker=wid) from None
+                    raise UpstreamTimeout(
+                        f"no answer within the decode deadline ({t.decode_total:g} s)", leg=Role.DECODE, worker=wid
+                    ) from None
                 rec.decode_first_byte = self._clock()
                 self._observe_first_byte(rec)
                 await cleanup.aclose()
                 return JsonAnswer(200, content)
-            framer = EventFramer()
+            framer = EventFramer(self._settings.limits.max_event_bytes)
             try:
-                async with asyncio.timeout(t.decode_first_byte):
+                async with _unless_lost(tracked, Role.DECODE), asyncio.timeout(t.decode_first_byte):
                     response = await upstream.open_stream(
-                        self._client, url, body, _headers(ids), leg="decode", worker=wid
+                        self._legs, url, raw, self._headers(ids), leg=Role.DECODE, worker=wid
                     )
                     cleanup.push_async_callback(response.aclose)
                     first, rest = await read_first_events(response, framer, worker=wid)
                     if (message := error_of(first[0])) is not None:  # nothing reached the client yet: retryable
-                        raise UpstreamError(f"failed before its first token: {message}", leg="decode", worker=wid)
+                        raise UpstreamError(f"failed before its first token: {message}", leg=Role.DECODE, worker=wid)
             except TimeoutError:
                 raise UpstreamTimeout(
                     f"no first byte within {t.decode_first_byte:g} s (did the KV arrive?)",
-                    leg="decode",
+                    leg=Role.DECODE,
                     worker=wid,
                 ) from None
         except BaseException as error:
@@ -267,15 +330,25 @@ class Dispatcher:
             raise
         rec.decode_first_byte = self._clock()
         self._observe_first_byte(rec)
+
+        def on_close(end: StreamEnd) -> None:
+            self._tell(turn, decision, rec, ok=end.outcome == "ok", usage=end.usage, text=end.text)
+            self._finish(rec, end.outcome)
+
         return StreamAnswer(
             response,
             first,
             rest,
             framer,
+            RelayCheck(self._settings.limits.max_event_bytes),
             worker=wid,
             cleanup=cleanup,
-            on_close=lambda outcome: self._finish(rec, outcome),
+            on_close=on_close,
+            collect_text=protocol.text_of if self._decider.wants_answer else None,
         )
+
+    def _headers(self, ids: protocol.PairingIds) -> dict[str, str]:
+        return {**self._json_headers, protocol.REQUEST_ID_HEADER: ids.request_id}
 
     def _observe_first_byte(self, rec: RequestRecord) -> None:
         mode = rec.mode
@@ -291,9 +364,44 @@ class Dispatcher:
         """Feeds a leg's failure to the worker's health, unless the client's request was at fault."""
         if isinstance(error, UpstreamStatus) and error.client_fault:
             return
-        self._pool.report(error.worker, ok=False, hard=error.kind == "connect", reason=error.message)
+        if isinstance(error, _WorkerLost):
+            return  # health already knows
+        self._pool.report(error.worker, ok=False, hard=error.kind == "connect", reason=str(error))
 
-    def _drain(self, pairing_id: str, prefill_leg: asyncio.Task[dict[str, Any]]) -> None:
+    def _tell(
+        self,
+        turn: Turn,
+        decision: Decision,
+        rec: RequestRecord,
+        *,
+        ok: bool,
+        answer: bytes | None = None,
+        usage: dict[str, Any] | None = None,
+        text: str | None = None,
+    ) -> None:
+        """The attempt's Outcome for the decider (skipped for NoDecider, which learns nothing)."""
+        if not self._learns or rec.decode_worker is None:
+            return
+        if answer is not None:
+            parsed = _json_or_none(answer)
+            usage = protocol.usage_of(parsed)
+            text = protocol.text_of(parsed) if self._decider.wants_answer else None
+        details = usage.get("prompt_tokens_details") if usage else None
+        outcome = Outcome(
+            ok=ok,
+            decode=rec.decode_worker,
+            prefill=rec.prefill_worker,
+            prompt_tokens=_int_or_none(usage, "prompt_tokens"),
+            cached_tokens=_int_or_none(details if isinstance(details, dict) else None, "cached_tokens"),
+            completion_tokens=_int_or_none(usage, "completion_tokens"),
+            answer=text,
+        )
+        try:
+            self._decider.record(turn, decision, outcome, self._clock())
+        except Exception:  # a decider's bug must not fail a request that is already answered
+            logger.exception("decider %s failed to record an outcome", self._decider.name)
+
+    def _detach_prefill_leg(self, pairing_id: str, prefill_leg: asyncio.Task[Any]) -> None:
         """Lets a prefill leg still running after decode answered finish on its deadline (checked when done).
 
         If the request ends otherwise than "ok" first (the client left), `_finish` cancels it.
@@ -316,32 +424,22 @@ class Dispatcher:
         if rec.decode_first_byte is not None and rec.decode_sent is not None:
             self._metrics.leg.labels("decode", mode).observe(rec.t_end - rec.decode_sent)
         self._timings.add(rec)
-        data = rec.to_json()
-        fields = {
-            k: data[k]
-            for k in (
-                "request_id",
-                "pairing_id",
-                "mode",
-                "endpoint",
-                "stream",
-                "prefill_worker",
-                "decode_worker",
-                "outcome",
-                "attempts",
-                "ttft_ms",
-                "handoff_ms",
+        if logger.isEnabledFor(logging.INFO):
+            data = rec.to_json()
+            fields = {k: data[k] for k in _LOG_FIELDS}
+            fields["e2e_ms"] = round((rec.t_end - rec.t_start) * 1000.0, 3)
+            logger.info(
+                "request %s %s (%s, %s attempt(s))",
+                rec.request_id,
+                outcome,
+                rec.mode,
+                rec.attempts,
+                extra={"fields": fields},
             )
-        }
-        fields["e2e_ms"] = round((rec.t_end - rec.t_start) * 1000.0, 3)
-        logger.info(
-            "request %s %s (%s, %s attempt(s))",
-            rec.request_id,
-            outcome,
-            rec.mode,
-            rec.attempts,
-            extra={"fields": fields},
-        )
+
+    def forget(self, worker_id: str) -> None:
+        """A worker was ejected or removed: the decider drops what it knew of it."""
+        self._decider.forget(worker_id)
 
     async def aclose(self) -> None:
         tasks = list(self._background.values())
@@ -349,10 +447,57 @@ class Dispatcher:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks)
+        await self._legs.aclose()
 
 
-def _headers(ids: protocol.PairingIds) -> dict[str, str]:
-    return {"X-Request-Id": ids.request_id}
+class _WorkerLost(UpstreamError):
+    """The leg's worker was ejected, drained or removed before the leg answered (retryable elsewhere)."""
+
+    kind = "worker_lost"
+
+
+@contextlib.asynccontextmanager
+async def _unless_lost(tracked: Tracked, leg: Role) -> AsyncIterator[None]:
+    """Runs the block unless the leg's worker is lost first; then the block is cancelled and _WorkerLost raised.
+
+    One waiter task per leg: asyncio.Event has no callbacks of its own."""
+    task = asyncio.current_task()
+    assert task is not None
+    lost, fired = tracked.lost, False
+    if lost.is_set():
+        raise _WorkerLost(f"was out of rotation ({tracked.reason})", leg=leg, worker=tracked.worker_id)
+
+    def fire(waiter: asyncio.Future[Any]) -> None:
+        nonlocal fired
+        if not waiter.cancelled():
+            fired = True
+            task.cancel()
+
+    waiter = asyncio.ensure_future(lost.wait())
+    waiter.add_done_callback(fire)
+    try:
+        yield
+    except asyncio.CancelledError:
+        if fired and task.uncancel() == 0:
+            raise _WorkerLost(
+                f"was taken out of rotation before it answered ({tracked.loss})", leg=leg, worker=tracked.worker_id
+            ) from None
+        raise
+    finally:
+        waiter.remove_done_callback(fire)
+        waiter.cancel()
+
+
+def _json_or_none(raw: bytes) -> Any:
+    try:
+        return protocol.decode_json(raw)
+    except ValueError:
+        return None
+
+
+def _int_or_none(mapping: dict[str, Any] | None, key: str) -> int | None:
+    value = mapping.get(key) if mapping else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _failed(task: asyncio.Task[Any]) -> bool:

@@ -2,6 +2,11 @@
 
     RouterError                      500 internal_error
     ├── BadRequest                   400 invalid_request_error   (the client's body or headers)
+    │   ├── NotFound                 404                         (no such route)
+    │   ├── MethodNotAllowed         405
+    │   ├── RequestTimeout           408                         (the body did not arrive within client_body)
+    │   ├── PayloadTooLarge          413                         (body over limits.max_body_bytes)
+    │   └── HeadersTooLarge          431                         (headers over limits.max_header_bytes/max_headers)
     ├── Unauthorized                 401 authentication_error
     ├── Overloaded                   429 rate_limit_error        (admission bound reached)
     ├── NoHealthyWorker              503 service_unavailable     (a pool has no healthy worker)
@@ -12,12 +17,17 @@
         └── UpstreamProtocolError    502                         (the worker answered something unusable)
 
 ConfigError is separate: it is raised at startup, never inside a request.
+
+What a client reads (`message`, the body) names the failing role, never a worker's URL; `str(error)` (logs) adds
+the worker and the low-level detail.
 """
 
 from __future__ import annotations
 
 import json
 from typing import Any, ClassVar
+
+from router.domain import Role
 
 
 class ConfigError(ValueError):
@@ -43,13 +53,38 @@ class RouterError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": None, "code": self.http_status}}
 
     def to_json(self) -> bytes:
-        return json.dumps(self.to_body()).encode()
+        return json.dumps(self.to_body(), ensure_ascii=True).encode()
 
 
 class BadRequest(RouterError):
     status = 400
     type = "invalid_request_error"
     kind = "bad_request"
+
+
+class NotFound(BadRequest):
+    status = 404
+    kind = "not_found"
+
+
+class MethodNotAllowed(BadRequest):
+    status = 405
+    kind = "method_not_allowed"
+
+
+class RequestTimeout(BadRequest):
+    status = 408
+    kind = "body_timeout"
+
+
+class PayloadTooLarge(BadRequest):
+    status = 413
+    kind = "body_too_large"
+
+
+class HeadersTooLarge(BadRequest):
+    status = 431
+    kind = "headers_too_large"
 
 
 class Unauthorized(RouterError):
@@ -75,17 +110,28 @@ class NoHealthyWorker(RouterError):
 
 
 class UpstreamError(RouterError):
-    """One leg to one worker failed. `leg` is "prefill" or "decode"; `worker` the worker's URL."""
+    """One leg to one worker failed. `leg` is the role; `worker` the worker's URL (logs only, never to clients);
+    `detail` the low-level cause (logs only: it may name hosts and ports)."""
 
     status = 502
     type = "upstream_error"
     kind = "upstream"
     retryable: ClassVar[bool] = True
 
-    def __init__(self, message: str, *, leg: str, worker: str) -> None:
-        super().__init__(f"{leg} worker {worker}: {message}")
-        self.leg = leg
+    def __init__(self, message: str, *, leg: Role | str, worker: str, detail: str = "") -> None:
+        self.leg = Role(leg)
+        super().__init__(f"{self.leg} worker: {message}")
         self.worker = worker
+        self.detail = detail
+
+    @property
+    def may_retry(self) -> bool:
+        """Another worker may succeed: the failure was the worker's, not the client's request."""
+        return self.retryable
+
+    def __str__(self) -> str:
+        detail = f" ({self.detail})" if self.detail else ""
+        return f"{self.message} [{self.worker}]{detail}"
 
 
 class UpstreamConnectError(UpstreamError):
@@ -108,7 +154,7 @@ class UpstreamStatus(UpstreamError):
 
     kind = "status"
 
-    def __init__(self, upstream_status: int, body: bytes, *, leg: str, worker: str) -> None:
+    def __init__(self, upstream_status: int, body: bytes, *, leg: Role | str, worker: str) -> None:
         detail = _error_message(body) or f"HTTP {upstream_status}"
         super().__init__(f"answered {upstream_status}: {detail}", leg=leg, worker=worker)
         self.upstream_status = upstream_status
@@ -117,6 +163,10 @@ class UpstreamStatus(UpstreamError):
     @property
     def client_fault(self) -> bool:
         return 400 <= self.upstream_status < 500 and self.upstream_status not in (408, 429)
+
+    @property
+    def may_retry(self) -> bool:
+        return not self.client_fault  # the same request would fail the same way on another worker
 
     @property
     def http_status(self) -> int:

@@ -90,6 +90,15 @@ class Metrics:
             "kvpush_discovery_errors", "Failed discovery lookups (DNS, Kubernetes API), by role.", ["role"], registry=r
         )
         self.draining = Gauge("kvpush_draining", "1 while the router drains before it exits.", registry=r)
+        self.decisions = Counter(
+            "kvpush_decisions", "Dispatch attempts by the route the P/D decider chose.", ["route"], registry=r
+        )
+        self.loop_errors = Counter(
+            "kvpush_loop_errors",
+            "Errors that ended a background loop (it is restarted), by loop.",
+            ["loop"],
+            registry=r,
+        )
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

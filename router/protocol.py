@@ -2,17 +2,47 @@
 
 from __future__ import annotations
 
-import copy
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
+
+import msgspec
 
 from router.domain import Endpoint, NixlIdentity, RequestInfo
 from router.errors import BadRequest
 
 REQUEST_ID_HEADER = "x-request-id"
 PAIRING_ID_HEADER = "x-kvpush-pairing-id"
+_SAFE_CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]+")
+_decode = msgspec.json.Decoder().decode
+encode = msgspec.json.Encoder().encode  # the one dump per leg
+
+
+def decode_json(raw: bytes) -> Any:
+    """A worker's JSON (trusted shape, still strict); raises ValueError."""
+    try:
+        return _decode(raw)
+    except (msgspec.DecodeError, RecursionError) as exc:
+        raise ValueError(str(exc)) from None
+
+
+class KvTransferParams(TypedDict, total=False):
+    """`kv_transfer_params` as the router writes and reads it (the connector's parsers are the other side)."""
+
+    do_remote_decode: bool
+    do_remote_prefill: bool
+    remote_engine_id: str | None
+    remote_block_ids: list[Any] | None
+    remote_host: str | None
+    remote_port: int | None
+    remote_request_id: str
+    tp_size: int
+    pp_size: int
+    transfer_id: str
+    transfer_mode: str
+
+
 # vLLM strips this suffix from request ids when it pairs legs by id; our ids must never end with it.
 _VLLM_ID_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 _CHARS_PER_TOKEN = 4  # prompt-size estimate for text prompts; only used to balance load
@@ -35,6 +65,40 @@ def mint_ids() -> PairingIds:
 def is_safe_request_id(request_id: str) -> bool:
     """False when vLLM's base-id fallback would strip part of the id (it ends in '-' and 8 hex digits)."""
     return _VLLM_ID_SUFFIX.search(request_id) is None
+
+
+def client_request_id(raw: str | None, max_chars: int) -> str:
+    """The client's x-request-id when it is short and plain ([A-Za-z0-9._:-]); else a fresh one (never echoed)."""
+    if raw and len(raw) <= max_chars and _SAFE_CLIENT_ID.fullmatch(raw):
+        return raw
+    return f"req-{uuid.uuid4().hex}"
+
+
+def decode_body(raw: bytes, max_depth: int) -> Any:
+    """The client's JSON: strict (no NaN/Infinity, no lone surrogates, numbers in range), nesting ≤ max_depth."""
+    try:
+        body = _decode(raw)
+    except (msgspec.DecodeError, RecursionError, ValueError):
+        raise BadRequest("the request body is not valid JSON") from None
+    if raw.count(b"[") + raw.count(b"{") > max_depth and _depth(body) > max_depth:
+        raise BadRequest(f"the request body nests deeper than {max_depth} levels")
+    return body
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of decoded JSON, iteratively (a hostile body cannot exhaust the stack)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return deepest
 
 
 def parse_request(endpoint: Endpoint, body: Any) -> RequestInfo:
@@ -94,15 +158,17 @@ def _chat_tokens(body: dict[str, Any]) -> int:
 
 
 def prefill_body(body: dict[str, Any], endpoint: Endpoint, transfer_id: str) -> dict[str, Any]:
-    """The prefill leg: the client's request cut to one token, unstreamed, asking for a remote decode."""
-    out = copy.deepcopy(body)
+    """The prefill leg: the client's request cut to one token, unstreamed, asking for a remote decode.
+
+    Shaping copies the top level only: it sets top-level keys and never writes into the client's nested values."""
+    out = dict(body)
     out["max_tokens"] = 1
     if endpoint is Endpoint.CHAT or "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out["stream"] = False
     for key in ("stream_options", "min_tokens"):
         out.pop(key, None)
-    out["kv_transfer_params"] = {
+    params: KvTransferParams = {
         "do_remote_decode": True,
         "do_remote_prefill": False,
         "remote_engine_id": None,
@@ -111,13 +177,14 @@ def prefill_body(body: dict[str, Any], endpoint: Endpoint, transfer_id: str) -> 
         "remote_port": None,
         "transfer_id": transfer_id,
     }
+    out["kv_transfer_params"] = params
     return out
 
 
 def push_decode_body(body: dict[str, Any], identity: NixlIdentity, ids: PairingIds) -> dict[str, Any]:
     """The push decode leg: the client's request plus where to register for the KV WRITE."""
-    out = copy.deepcopy(body)
-    out["kv_transfer_params"] = {
+    out = dict(body)
+    params: KvTransferParams = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_engine_id": identity.engine_id,
@@ -128,30 +195,53 @@ def push_decode_body(body: dict[str, Any], identity: NixlIdentity, ids: PairingI
         "remote_request_id": ids.request_id,
         "transfer_id": ids.transfer_id,
     }
+    out["kv_transfer_params"] = params
     return out
 
 
-def pull_decode_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
+def pull_decode_body(body: dict[str, Any], kv_params: KvTransferParams) -> dict[str, Any]:
     """The pull decode leg: the client's request plus the params prefill returned, verbatim."""
-    out = copy.deepcopy(body)
-    out["kv_transfer_params"] = copy.deepcopy(kv_params)
+    out = dict(body)
+    out["kv_transfer_params"] = dict(kv_params)
     return out
 
 
-def kv_params_of(response: Any) -> dict[str, Any] | None:
+def kv_params_of(response: Any) -> KvTransferParams | None:
     """The `kv_transfer_params` object of a prefill answer, if it has one."""
     if isinstance(response, dict) and isinstance(response.get("kv_transfer_params"), dict):
-        return dict(response["kv_transfer_params"])
+        params: KvTransferParams = dict(response["kv_transfer_params"])  # type: ignore[assignment]
+        return params
     return None
 
 
-def identity_from(kv_params: dict[str, Any]) -> NixlIdentity | None:
+def usage_of(answer: Any) -> dict[str, Any] | None:
+    """The `usage` object of an OpenAI answer or stream chunk, if it has one."""
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
+def text_of(answer: Any) -> str:
+    """The generated text of an OpenAI answer or stream chunk (completions `text`, chat `message`/`delta`)."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return ""
+    choice = choices[0]
+    if isinstance(choice.get("text"), str):
+        return str(choice["text"])
+    for key in ("message", "delta"):
+        part = choice.get(key)
+        if isinstance(part, dict) and isinstance(part.get("content"), str):
+            return str(part["content"])
+    return ""
+
+
+def identity_from(kv_params: KvTransferParams) -> NixlIdentity | None:
     """A prefill worker's NIXL identity as its own answer states it (for workers configured as auto)."""
     try:
         return NixlIdentity(
             engine_id=str(kv_params["remote_engine_id"]),
             host=str(kv_params["remote_host"]),
-            port=int(kv_params["remote_port"]),
+            port=int(kv_params["remote_port"]),  # type: ignore[arg-type]
             tp_size=int(kv_params.get("tp_size") or 1),
             pp_size=int(kv_params.get("pp_size") or 1),
         )

@@ -1,27 +1,32 @@
-"""The router's parts wired together (no HTTP framework): pools, dispatcher, admission, background loops, drain."""
+"""The router's parts wired together (no HTTP framework): pools, dispatcher, admission, background loops, drain,
+and the service work behind the non-hot routes (/v1/models fan-out, adding and probing workers)."""
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import httpx
 
 from router.admission import Admission
-from router.config import Settings
+from router.config import Settings, decode_from_mapping, prefill_from_mapping
+from router.decider import make_decider
 from router.discovery.build import build_source
 from router.discovery.settings import parse_discovery
 from router.dispatch import Dispatcher
-from router.domain import Role
+from router.domain import Fallback, Role, WorkerSpec
+from router.errors import BadRequest, ConfigError, NoHealthyWorker
 from router.health import HealthPolicy
+from router.loops import Supervisor
 from router.metrics import Metrics
 from router.pool import Pool
 from router.scrape import Scraper
 from router.timings import TimingLog
-from router.upstream import make_client
+from router.transport import HttpxLegs, LegTransport
+from router.upstream import make_client, make_legs, translate
 
 logger = logging.getLogger("kvpush.service")
 
@@ -42,21 +47,28 @@ class Service:
         self.pool = Pool((*settings.prefill, *settings.decode), self.metrics, policy, clock)
         self.timings = TimingLog(settings.timings_capacity)
         self.client = make_client(settings, transport)
-        self.dispatcher = Dispatcher(settings, self.pool, self.client, self.metrics, self.timings, clock)
+        legs: LegTransport = HttpxLegs(self.client) if transport is not None else make_legs(settings)
+        decider = make_decider(settings.decider, settings.decider_options)
+        self.dispatcher = Dispatcher(settings, self.pool, legs, self.metrics, self.timings, clock, decider)
         self.admission = Admission(
             settings.max_in_flight, settings.admission_queue, settings.admission_wait, self.metrics
         )
         self.draining = False
-        self._loops: set[asyncio.Task[None]] = set()
+        self._loops = Supervisor(on_error=self._loop_failed)
 
     async def start(self) -> None:
         """First probe of every worker, then the health, discovery and scrape loops."""
         s, metrics = self.settings, self.metrics
-        await self.pool.probe_all(self.client, s.timeouts.health)
-        self._spawn(self.pool.run_health(self.client, s.health_interval, s.timeouts.health))
+        await self.pool.probe_all(self.client, s.timeouts.health, on_error=self._probe_failed)
+        self._loops.spawn(
+            "health",
+            lambda: self.pool.run_health(
+                self.client, s.health_interval, s.timeouts.health, on_error=self._probe_failed
+            ),
+        )
         for config in parse_discovery(s.discovery):
             source = build_source(config, on_error=lambda role, _: metrics.discovery_errors.labels(str(role)).inc())
-            self._spawn(source.run(self.pool))
+            self._loops.spawn(f"discovery-{config.role}", functools.partial(source.run, self.pool))
         if s.scrape_interval > 0:
             scraper = Scraper(
                 self.client,
@@ -66,13 +78,10 @@ class Service:
                 timeout=s.timeouts.health,
                 on_error=lambda spec, _: metrics.scrape_errors.labels(str(spec.role)).inc(),
             )
-            self._spawn(scraper.run())
+            self._loops.spawn("scrape", scraper.run)
 
     async def stop(self) -> None:
-        for task in self._loops:
-            task.cancel()
-        if self._loops:
-            await asyncio.wait(self._loops)
+        await self._loops.stop()
         await self.dispatcher.aclose()
         await self.client.aclose()
 
@@ -84,10 +93,53 @@ class Service:
         self.metrics.draining.set(1)
 
     def ready(self) -> bool:
-        """Both pools have a healthy worker (or decode alone, with the decode-only fallback), and no drain."""
-        decode = bool(self.pool.candidates(Role.DECODE))
-        prefill = bool(self.pool.candidates(Role.PREFILL)) or self.settings.fallback == "decode-only"
-        return decode and prefill and not self.draining
+        """Both pools have a healthy worker (or decode alone, with the decode-only fallback), every background
+        loop is alive, and no drain."""
+        workers = self.pool.ready(prefill_needed=self.settings.fallback != Fallback.DECODE_ONLY)
+        return workers and self._loops.alive() and not self.draining
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
-        self._loops.add(asyncio.create_task(work))
+    async def models(self) -> bytes:
+        """The first healthy decode worker's /v1/models answer."""
+        for view in self.pool.candidates(Role.DECODE):
+            url = f"{self.pool.get(view.id).spec.url}/v1/models"
+            try:
+                answer = await self.client.get(url, timeout=self.settings.timeouts.health)
+            except httpx.HTTPError as exc:
+                logger.warning("GET %s: %s", url, translate(exc, leg=Role.DECODE, worker=view.id))
+                continue
+            if answer.is_success:
+                return answer.content
+        raise NoHealthyWorker("no healthy decode worker answered /v1/models")
+
+    async def add_worker(self, body: Mapping[str, Any]) -> tuple[bool, str]:
+        """An admin's new worker from typed JSON fields ({"role", "url", prefill identity fields}); probed at once.
+        Returns (added, url); False when the URL is already a member."""
+        role = body.get("role")
+        fields = {k: v for k, v in body.items() if k != "role"}
+        where = f"admin: new {role} worker"
+        try:
+            if role == "prefill":
+                spec: WorkerSpec = prefill_from_mapping(fields, where=where)
+            elif role == "decode":
+                spec = decode_from_mapping(fields, where=where)
+            else:
+                raise BadRequest("'role' must be 'prefill' or 'decode'")
+        except ConfigError as bad:
+            raise BadRequest(str(bad)) from None
+        if str(spec.role) in self.settings.discovery:
+            raise BadRequest(f"{spec.role} workers come from discovery here; add them there, not by hand")
+        added = self.pool.add(spec)
+        await self.pool.probe_all(self.client, self.settings.timeouts.health, on_error=self._probe_failed)
+        return added, spec.url
+
+    def remove_worker(self, url: str) -> bool:
+        removed = self.pool.remove(url)
+        if removed:
+            self.dispatcher.forget(url)
+        return removed
+
+    def _probe_failed(self, spec: WorkerSpec, error: BaseException) -> None:
+        self.metrics.loop_errors.labels("health").inc()
+
+    def _loop_failed(self, name: str, error: BaseException) -> None:
+        self.metrics.loop_errors.labels(name).inc()

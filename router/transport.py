@@ -1,19 +1,186 @@
-"""An httpx transport over aiohttp's connection pool: the router's production seam to workers.
+"""The router's seams to workers, over aiohttp's connection pool.
 
-httpx stays the interface (tests swap in httpx.MockTransport); aiohttp carries the bytes. httpcore's pool
-scans every pooled connection (a poll() syscall each) whenever a request starts or ends, which at tens of
-connections cost the router more CPU than everything else it does per request; aiohttp's pool does not.
+- `LegTransport` carries the two legs of every client request (the hot path): `post(url, body, headers)` gives
+  a `LegResponse` once status and headers are in. Production: `AiohttpLegs`, straight on aiohttp (httpx's
+  request and response models cost more CPU per leg than aiohttp's whole client call). Tests: `HttpxLegs` over
+  any httpx transport (httpx.MockTransport), so both run the same dispatcher code.
+- `AiohttpTransport`, an httpx transport, carries everything else (health probes, scrapes, /v1/models).
+  httpcore's pool scans every pooled connection (a poll() syscall each) whenever a request starts or ends,
+  which at tens of connections cost more CPU than the rest of a request; aiohttp's pool does not.
 
-Closing a response before its end closes its connection (so vLLM sees the client leave and aborts the
-request); a response read to its end gives the connection back for reuse.
+Neither puts a read timeout on a leg: every leg runs under its own deadline (router/dispatch.py), and a
+transport-wide read timeout would cut those short. Errors come out as httpx's exception classes whatever
+carries the bytes, so router/upstream.py maps one family. Closing a response before its end closes its
+connection (the worker sees the client leave and aborts the request); one read to its end goes back to the pool.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from typing import Protocol
 
 import aiohttp
 import httpx
+
+
+class LegResponse(Protocol):
+    status: int
+    content_type: str
+
+    async def read(self) -> bytes:
+        """The whole body; the connection is released (or dropped) after."""
+        ...
+
+    def chunks(self) -> AsyncGenerator[bytes, None]:
+        """The body as it arrives."""
+        ...
+
+    async def aclose(self) -> None:
+        """Read to its end: back to the pool; else the connection is dropped. Idempotent."""
+        ...
+
+
+class LegTransport(Protocol):
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> LegResponse: ...
+
+    async def aclose(self) -> None: ...
+
+
+def _client_error(exc: BaseException, during: str) -> httpx.HTTPError:
+    """aiohttp's exception as the httpx one router/upstream.py maps."""
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return httpx.ConnectTimeout(f"no connection in time: {exc}")
+    if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+        return httpx.ReadTimeout(f"{during}: timed out: {exc}")
+    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ClientOSError):
+        return httpx.ConnectError(f"{type(exc).__name__}: {exc}")
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return httpx.RemoteProtocolError(f"server disconnected: {exc}")
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return httpx.RemoteProtocolError(f"incomplete body: {exc}")
+    return httpx.ReadError(f"{type(exc).__name__}: {exc}")
+
+
+class _AiohttpLeg:
+    __slots__ = ("_response", "content_type", "status")
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._response = response
+        self.status = response.status
+        self.content_type = response.headers.get("content-type", "")
+
+    async def read(self) -> bytes:
+        try:
+            return await self._response.read()
+        except aiohttp.ClientError as exc:
+            raise _client_error(exc, "reading the answer") from exc
+        finally:
+            self._close()
+
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
+        try:
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+        except aiohttp.ClientError as exc:
+            raise _client_error(exc, "reading the stream") from exc
+
+    async def aclose(self) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self._response.content.at_eof():
+            self._response.release()
+        else:
+            self._response.close()
+
+
+class AiohttpLegs:
+    """The production leg transport: one aiohttp session (made in the running loop on first use), its pool
+    sized by `max_connections` and kept alive `keepalive` s (under uvicorn's 5 s default, so an idle pooled
+    connection is never one the worker is closing)."""
+
+    def __init__(self, *, max_connections: int, connect_timeout: float, keepalive: float = 4.0) -> None:
+        self._max_connections = max_connections
+        self._keepalive = keepalive
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, sock_read=None)
+        self._session: aiohttp.ClientSession | None = None
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(
+                limit=self._max_connections,
+                limit_per_host=0,
+                keepalive_timeout=self._keepalive,
+                use_dns_cache=True,
+                ttl_dns_cache=10,
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                auto_decompress=False,
+                trust_env=False,
+                skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
+                timeout=self._timeout,
+            )
+        return self._session
+
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> LegResponse:
+        try:
+            response = await self._get_session().post(url, data=body, headers=headers, allow_redirects=False)
+        except aiohttp.ClientError as exc:
+            raise _client_error(exc, "sending the request") from exc
+        return _AiohttpLeg(response)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+class _HttpxLeg:
+    def __init__(self, response: httpx.Response) -> None:
+        self._response = response
+        self._raw: AsyncIterator[bytes] | None = None
+        self.status = response.status_code
+        self.content_type = response.headers.get("content-type", "")
+
+    async def read(self) -> bytes:
+        try:
+            return await self._response.aread()
+        finally:
+            await self._response.aclose()
+
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
+        self._raw = self._response.aiter_raw()
+        async for chunk in self._raw:
+            yield chunk
+
+    async def aclose(self) -> None:
+        raw, self._raw = self._raw, None
+        if isinstance(raw, AsyncGenerator):
+            await raw.aclose()
+        # `async for` never closes what it iterates, and httpx's stream wrappers keep the body's own iterator
+        # (a MockTransport handler's generator): close it, as AiohttpLegs closes the connection
+        inner: object = self._response.stream
+        for _ in range(4):
+            inner = getattr(inner, "_stream", None)
+            if isinstance(inner, AsyncGenerator):
+                await inner.aclose()
+                break
+        await self._response.aclose()
+
+
+class HttpxLegs:
+    """Legs over an httpx client (tests: httpx.MockTransport), with the same semantics as AiohttpLegs."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self._client = client
+
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> LegResponse:
+        request = self._client.build_request("POST", url, content=body, headers=headers)
+        return _HttpxLeg(await self._client.send(request, stream=True))
+
+    async def aclose(self) -> None:
+        return None
 
 
 class _Body(httpx.AsyncByteStream):

@@ -1,13 +1,16 @@
-"""The httpx seam to workers: one client with explicit limits and deadlines, and httpx errors → router errors."""
+"""Calls to workers: the leg calls over the LegTransport seam, the httpx client for everything else, and every
+transport failure → a router error that names the role to the client and the worker and cause to the log."""
 
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
+import msgspec
 
 from router.config import Settings
+from router.domain import Role
 from router.errors import (
     UpstreamConnectError,
     UpstreamError,
@@ -15,65 +18,78 @@ from router.errors import (
     UpstreamStatus,
     UpstreamTimeout,
 )
-from router.transport import AiohttpTransport
+from router.transport import AiohttpLegs, AiohttpTransport, LegResponse, LegTransport
+
+_decode = msgspec.json.Decoder().decode
 
 
 def make_client(settings: Settings, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
-    """The one client for every worker call. Per-call deadlines are tighter; these bound every read."""
+    """The client for probes, scrapes and /v1/models; each call passes its own deadline."""
     t = settings.timeouts
-    timeout = httpx.Timeout(connect=t.connect, read=t.stream_idle, write=t.connect, pool=t.connect)
+    timeout = httpx.Timeout(t.health, connect=t.connect)
     if transport is None:
-        transport = AiohttpTransport(max_connections=settings.max_connections)
+        transport = AiohttpTransport(max_connections=64)
     return httpx.AsyncClient(timeout=timeout, transport=transport, trust_env=False)
 
 
-def translate(exc: Exception, *, leg: str, worker: str) -> UpstreamError:
-    """The router error for an httpx failure on `leg` to `worker`."""
+def make_legs(settings: Settings) -> LegTransport:
+    return AiohttpLegs(max_connections=settings.max_connections, connect_timeout=settings.timeouts.connect)
+
+
+def translate(exc: BaseException, *, leg: Role | str, worker: str) -> UpstreamError:
+    """The router error for a transport failure on `leg` to `worker`; `detail` (logs only) keeps the cause."""
     if isinstance(exc, UpstreamError):
         return exc
+    detail = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, httpx.TimeoutException | TimeoutError):
-        return UpstreamTimeout(f"no answer in time ({type(exc).__name__})", leg=leg, worker=worker)
+        return UpstreamTimeout("no answer in time", leg=leg, worker=worker, detail=detail)
     if isinstance(exc, httpx.ConnectError):
-        return UpstreamConnectError(f"cannot connect ({exc})", leg=leg, worker=worker)
+        return UpstreamConnectError("cannot connect", leg=leg, worker=worker, detail=detail)
     if isinstance(exc, httpx.TransportError):
-        return UpstreamConnectError(f"connection failed ({type(exc).__name__}: {exc})", leg=leg, worker=worker)
-    return UpstreamProtocolError(f"{type(exc).__name__}: {exc}", leg=leg, worker=worker)
+        return UpstreamConnectError("the connection failed", leg=leg, worker=worker, detail=detail)
+    return UpstreamProtocolError("answered something unusable", leg=leg, worker=worker, detail=detail)
 
 
 async def post_json(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str], *, leg: str, worker: str
-) -> tuple[bytes, dict[str, Any]]:
-    """POST a JSON body and return the raw answer and its parsed object; any failure is an UpstreamError."""
+    legs: LegTransport, url: str, body: bytes, headers: Mapping[str, str], *, leg: Role, worker: str
+) -> tuple[bytes, Any]:
+    """POST a JSON body; the raw answer and its parsed object. Any failure is an UpstreamError."""
     try:
-        response = await client.post(url, json=body, headers=headers)
+        response = await legs.post(url, body, headers)
+        content = await response.read()
     except httpx.HTTPError as exc:
         raise translate(exc, leg=leg, worker=worker) from exc
-    if not response.is_success:
-        raise UpstreamStatus(response.status_code, response.content, leg=leg, worker=worker)
+    if not 200 <= response.status < 300:
+        raise UpstreamStatus(response.status, content, leg=leg, worker=worker)
     try:
-        parsed = json.loads(response.content)
-    except ValueError:
+        parsed = _decode(content)
+    except (msgspec.DecodeError, ValueError):
         raise UpstreamProtocolError("answered with a body that is not JSON", leg=leg, worker=worker) from None
     if not isinstance(parsed, dict):
         raise UpstreamProtocolError("answered with JSON that is not an object", leg=leg, worker=worker)
-    return response.content, parsed
+    return content, parsed
 
 
 async def open_stream(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str], *, leg: str, worker: str
-) -> httpx.Response:
-    """POST and return the response once its status and headers are in; a non-2xx is read, closed and raised."""
-    request = client.build_request("POST", url, json=body, headers=headers)
+    legs: LegTransport, url: str, body: bytes, headers: Mapping[str, str], *, leg: Role, worker: str
+) -> LegResponse:
+    """POST and return the response once a 2xx event-stream status is in; anything else is read, closed, raised."""
     try:
-        response = await client.send(request, stream=True)
+        response = await legs.post(url, body, headers)
     except httpx.HTTPError as exc:
         raise translate(exc, leg=leg, worker=worker) from exc
-    if response.is_success:
+    if 200 <= response.status < 300 and response.content_type.startswith("text/event-stream"):
         return response
     try:
-        content = await response.aread()
+        content = await response.read()
     except httpx.HTTPError:
         content = b""
     finally:
         await response.aclose()
-    raise UpstreamStatus(response.status_code, content, leg=leg, worker=worker)
+    if 200 <= response.status < 300:
+        raise UpstreamProtocolError(
+            f"answered a streamed request with {response.content_type or 'no content type'}, not an event stream",
+            leg=leg,
+            worker=worker,
+        )
+    raise UpstreamStatus(response.status, content, leg=leg, worker=worker)

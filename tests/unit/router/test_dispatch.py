@@ -10,7 +10,7 @@ import pytest
 
 from router.answer import JsonAnswer, StreamAnswer
 from router.config import build_settings
-from router.dispatch import Call, Dispatcher
+from router.dispatch import ClientRequest, Dispatcher
 from router.domain import Endpoint, Role
 from router.errors import NoHealthyWorker, UpstreamError, UpstreamProtocolError, UpstreamStatus, UpstreamTimeout
 from router.metrics import Metrics
@@ -32,9 +32,11 @@ async def make(workers: FakeWorkers, **settings: Any) -> tuple[Dispatcher, Pool,
     return Dispatcher(s, pool, client, metrics, timings), pool, timings
 
 
-def call_of(dispatcher: Dispatcher, body: dict[str, Any] = BODY, endpoint: Endpoint = Endpoint.COMPLETIONS) -> Call:
+def call_of(
+    dispatcher: Dispatcher, body: dict[str, Any] = BODY, endpoint: Endpoint = Endpoint.COMPLETIONS
+) -> ClientRequest:
     info = parse_request(endpoint, body)
-    return Call(body=body, info=info, record=dispatcher.new_record("client-1", info))
+    return ClientRequest(body=body, info=info, record=dispatcher.new_record("client-1", info))
 
 
 async def relay(answer: StreamAnswer | JsonAnswer) -> list[bytes]:
