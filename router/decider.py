@@ -92,6 +92,7 @@ class DeciderStats:
     checked_bypasses: int  # bypass decisions with usage to check the prediction against
     accurate_bypasses: int  # ... whose predicted uncached tokens were within 20 % of the actual
     tokens_per_char: float  # the learned ratio
+    answers_trusted: bool = True  # False once bypasses showed relayed answers are not what decode caches
 
 
 class ReportsStats(Protocol):

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,11 @@ from router.domain import Mode, WorkerView
 from router.errors import ConfigError
 from router.prefix_index import Match, PrefixIndex, SessionTable, TokenRatio, prorated
 
+logger = logging.getLogger("kvpush.decider")
 ACCURATE = 0.2  # a bypass prediction is "accurate" when uncached tokens are within 20 % of the actual
+MISS_WINDOW, MISS_LIMIT = 16, 4  # this many of the last checked bypasses holding under half the predicted cache:
+# the answers the router relays are not what the engines cache (e.g. reasoning the relay does not show), so
+# generated text stops being credited
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,7 @@ class _Counters:
     actual_cached_tokens: int = 0
     checked_bypasses: int = 0
     accurate_bypasses: int = 0
+    recent_misses: list[bool] = field(default_factory=list)
 
 
 class SessionAffinity:
@@ -103,6 +109,7 @@ class SessionAffinity:
         self.prefill_index = PrefixIndex(o.max_links_per_worker, o.ttl_s)
         self.sessions = SessionTable(o.max_sessions, o.ttl_s)
         self.ratio = TokenRatio(1.0 / o.chars_per_token)
+        self.answers_trusted = True  # generated text is credited as held on decode (until bypasses prove wrong)
         self._counts = _Counters()
 
     @classmethod
@@ -142,7 +149,7 @@ class SessionAffinity:
         if outcome.prefill is not None:
             self.prefill_index.record(outcome.prefill, chain.links, prompt_counts, now)
         held_links, held_counts = list(chain.links), prompt_counts
-        if outcome.answer is not None and chain.links:
+        if outcome.answer is not None and chain.links and self.answers_trusted:
             grown = chain.extend(outcome.answer)
             generated = outcome.completion_tokens
             total = tokens + (generated if generated is not None else self.ratio.tokens(len(outcome.answer)))
@@ -178,6 +185,7 @@ class SessionAffinity:
             checked_bypasses=c.checked_bypasses,
             accurate_bypasses=c.accurate_bypasses,
             tokens_per_char=self.ratio.value,
+            answers_trusted=self.answers_trusted,
         )
 
     def _usable(self, workers: Sequence[WorkerView]) -> list[WorkerView]:
@@ -230,3 +238,15 @@ class SessionAffinity:
         actual = outcome.prompt_tokens - outcome.cached_tokens
         if abs(plan.predicted_uncached - actual) <= ACCURATE * max(actual, 1):
             c.accurate_bypasses += 1
+        c.recent_misses = [*c.recent_misses, 2 * outcome.cached_tokens < decision.predicted_cached_tokens][
+            -MISS_WINDOW:
+        ]
+        if self.answers_trusted and sum(c.recent_misses) >= MISS_LIMIT:
+            self.answers_trusted = False
+            logger.warning(
+                "decider %s: %d of the last %d bypasses found under half the predicted prefix cached on decode; "
+                "generated text is no longer credited as cached (is reasoning or tool-call output stripped?)",
+                self.name,
+                sum(c.recent_misses),
+                len(c.recent_misses),
+            )

@@ -330,3 +330,31 @@ def _chars(t: Turn) -> int:
     from router.conversation import chain_of
 
     return chain_of(t.info.endpoint, t.body).chars
+
+
+def test_answers_stop_being_credited_when_bypasses_find_them_uncached() -> None:
+    """The strict-prefix trap seen from outside: the relayed text is not what decode cached (e.g. reasoning the
+    relay did not show), so bypasses find only the earlier prompt cached. After enough such misses the decider
+    credits prompts only."""
+    decider = SessionAffinity()
+    for i in range(4):
+        first_turn(decider, now=float(i))
+        t2 = second(SHORT)
+        decision = decider.decide(t2, DECODES, PREFILLS, i + 0.5)
+        assert decision.route is Route.BYPASS and decision.predicted_cached_tokens >= 490
+        served(decider, t2, decision, prefill=None, prompt_tokens=520, cached=200, now=i + 0.6)
+    assert not decider.answers_trusted and not stats(decider).answers_trusted
+    fresh = SessionAffinity()
+    fresh.answers_trusted = False
+    first_turn(fresh)
+    assert fresh.decide(second(SHORT), DECODES, PREFILLS, 2.0).predicted_cached_tokens == 400
+
+
+def test_accurate_bypasses_keep_answers_credited() -> None:
+    decider = SessionAffinity()
+    for i in range(6):
+        first_turn(decider, now=float(i))
+        t2 = second(SHORT)
+        decision = decider.decide(t2, DECODES, PREFILLS, i + 0.5)
+        served(decider, t2, decision, prefill=None, prompt_tokens=520, cached=480, now=i + 0.6)
+    assert decider.answers_trusted
