@@ -26,7 +26,11 @@ from typing import Any, ClassVar
 # History:
 #   1  first version: Registration / Cancel / CancelAck / Failure / Done notices, JSON bodies,
 #      handshake with regions + clock sample, pairing key "t:<transfer_id>" or "r:<base request id>".
-PROTOCOL_VERSION = 1
+#   2  Registration carries D's prompt length (``num_tokens``) so P refuses a registration its blocks
+#      cannot fill; Failure carries ``quarantine`` (D fails the request now but holds its blocks until
+#      its hold deadline: a WRITE P could not release may still land); agent names are unique per
+#      incarnation; the side channel carries heartbeats after the handshake.
+PROTOCOL_VERSION = 2
 
 NOTICE_PREFIX = b"kvpush:"
 
@@ -122,6 +126,7 @@ class Registration:
     d_engine_id: str
     block_ids: tuple[int, ...]
     write_deadline: float
+    num_tokens: int  # D's prompt length: P refuses blocks that cannot hold exactly this prompt
 
 
 @dataclass(frozen=True)
@@ -145,12 +150,17 @@ class CancelAck:
 
 @dataclass(frozen=True)
 class Failure:
-    """P -> D: the transfer will not happen (prefill failed, aborted, expired or WRITE failed)."""
+    """P -> D: the transfer will not happen (prefill failed, aborted, expired or WRITE failed).
+
+    ``quarantine``: a WRITE into D's blocks may still land (P could not release its handle); D
+    reports the request failed now and frees its blocks only at its own hold deadline.
+    """
 
     kind: ClassVar[str] = "fail"
     key: str
     d_request_id: str
     reason: str
+    quarantine: bool = False
 
 
 @dataclass(frozen=True)
@@ -307,6 +317,17 @@ class RegisterOrder:
     key: str
     peer: PeerAddress
     block_ids: tuple[int, ...]
+    num_tokens: int = 0  # the request's prompt length
+
+
+@dataclass(frozen=True)
+class CancelUnallocated:
+    """D: vLLM finished ``request_id`` before it allocated blocks; tell the prefill at ``peer``
+    (it may hold blocks for ``key`` until its lease ends)."""
+
+    request_id: str
+    key: str
+    peer: PeerAddress
 
 
 @dataclass(frozen=True)
@@ -316,6 +337,7 @@ class PrefillFinished:
     request_id: str
     key: str
     block_ids: tuple[int, ...]
+    num_tokens: int = 0  # the prompt length (0: not known)
 
 
 @dataclass(frozen=True)
@@ -333,8 +355,9 @@ class StepPlan:
 
     register: list[RegisterOrder] = field(default_factory=list)
     cancel: list[str] = field(default_factory=list)  # D request ids aborted while awaiting KV
+    cancel_unallocated: list[CancelUnallocated] = field(default_factory=list)
     finished: list[PrefillFinished] = field(default_factory=list)
     failed: list[PrefillFailed] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.register or self.cancel or self.finished or self.failed)
+        return not (self.register or self.cancel or self.cancel_unallocated or self.finished or self.failed)

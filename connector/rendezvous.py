@@ -2,40 +2,56 @@
 
 No vLLM, NIXL, torch or threading here. The transfer thread feeds events (each takes ``now``,
 the caller's monotonic clock) and performs the returned actions; tests drive the machines
-directly. Both machines hold every entry under a deadline, so ``expire(now)`` eventually
-removes everything (guarantee 5).
+directly. Both machines hold every entry under a deadline kept in a heap, so ``expire(now)``
+eventually removes everything (guarantee G5) and costs O(log n) per due entry, not a scan.
 
 Prefill side, per pairing key (``PrefillRendezvous``)::
 
-    (none) --finished--> AWAIT_REGISTRATION --registration--> WRITING --write ok/failed--> DONE
+    (none) --finished--> AWAIT_REGISTRATION --registration--> WRITING --write done--> DONE
     (none) --registration--> AWAIT_PREFILL --finished--> WRITING
+    AWAIT_* --registration/finished that do not fit (more blocks than held, other prompt)--> DONE (refused)
     (none) --failed--> FAILED (tombstone: a late registration is answered with a Failure)
     (none) / AWAIT_* --cancel--> CANCELLED (tombstone: acked; a late registration/finish is refused)
-    WRITING --cancel--> WRITING(cancel pending): the ack waits until the WRITE is DONE or failed
+    WRITING --cancel--> WRITING(cancel pending): the ack waits until the WRITE is over
+    WRITING --write failed (ERR) or deadline (abandoned)--> the handle must be released first:
+        released at once            --> DONE (blocks released, D told Failure: it may free)
+        release refused (stuck)     --> RELEASING (blocks held, D told Failure(quarantine): it
+                                        reports the request failed now and frees at its hold deadline)
+    RELEASING --released--> DONE (blocks released; D told a plain Failure so it may free early)
+    RELEASING --hold limit--> DONE (blocks released: D's own hold deadline has passed by then)
     AWAIT_REGISTRATION / AWAIT_PREFILL --deadline--> DONE (expired; blocks released / D told)
-    WRITING --deadline--> DONE (write abandoned, D told)
     DONE / FAILED / CANCELLED --deadline--> removed
 
 Decode side, per D request id (``DecodeRendezvous``)::
 
     (none) --register--> PENDING_SEND (no connection to P yet) --peer ready--> AWAITING_KV
     (none) --register, peer ready--> AWAITING_KV
-    AWAITING_KV --done--> received;  --failure / deadline / peer lost--> received with error
-    AWAITING_KV --abort--> CANCELLING --ack / done / failure / deadline / peer lost--> released
-    PENDING_SEND --abort--> released at once (P never saw the blocks)
+    AWAITING_KV --done--> received;  --failure / deadline--> received with error
+    AWAITING_KV --failure(quarantine) / link lost--> QUARANTINED: reported failed at once,
+        blocks held until the hold deadline (or a plain Failure: P released the WRITE)
+    AWAITING_KV --abort--> CANCELLING --ack / done / failure / deadline--> released
+    PENDING_SEND --abort / link lost--> released at once (P never saw the blocks)
+    (none) --aborted before allocation--> PENDING_CANCEL --peer ready--> Cancel sent, removed
+        (or Cancel sent at once when P is connected; vLLM holds nothing for it)
 
-The safety argument for guarantee 2 ("never a write into freed blocks"): D reports an aborted
-request (which lets vLLM free its blocks) only after P's ``CancelAck``, ``Done`` or ``Failure``,
-after P's process is gone, or after the hold deadline. P acks only when no WRITE is in flight,
-and refuses any later WRITE for that key; P never posts a WRITE after the registration's
-``write_deadline``, which D places ``write_grace_s`` before its hold deadline, and abandons a
-WRITE that runs longer than ``write_timeout_s`` (< ``write_grace_s``).
+The safety argument for guarantee G2 ("never a write into freed blocks"): D reports a request
+finished (which lets vLLM free its blocks) only after P's ``Done``, ``CancelAck`` or plain
+``Failure``, or after the hold deadline. P sends those only when no WRITE for the key is in flight:
+a failed or abandoned WRITE first has its handle released (the backend's confirmation that no
+part of it can still land); a release the backend refuses keeps P's blocks and handle and makes
+D hold its blocks until the hold deadline (quarantine). A closed or silent side channel is not
+proof that P's process is gone, so it fails D's requests at once but also quarantines their
+blocks. P never posts a WRITE after the registration's ``write_deadline``, which D places
+``write_grace_s`` before its hold deadline, and abandons a WRITE that runs longer than
+``write_timeout_s`` (< ``write_grace_s``).
 """
 
 from __future__ import annotations
 
 import enum
+import heapq
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from connector.metadata import (
@@ -81,7 +97,8 @@ class StartWrite:
 
 @dataclass(frozen=True)
 class AbandonWrite:
-    """P: release the WRITE of ``key`` still in flight (it ran past ``write_timeout_s``)."""
+    """P: release the WRITE of ``key`` still in flight (it ran past ``write_timeout_s``), then
+    report ``on_write_released`` or ``on_write_stuck``."""
 
     key: str
 
@@ -110,13 +127,54 @@ class Received:
 
 
 @dataclass(frozen=True)
+class Failed:
+    """D: report request ``request_id`` failed now; its blocks stay held (quarantine)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Freed:
+    """D: the quarantine of ``request_id`` is over (report it finished receiving; failure already told)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
 class Connect:
     """D: open the side channel to ``peer`` and report ``peer_ready`` or ``peer_lost``."""
 
     peer: PeerAddress
 
 
-Action = StartWrite | AbandonWrite | Send | Release | Received | Connect
+Action = StartWrite | AbandonWrite | Send | Release | Received | Failed | Freed | Connect
+
+
+class _Deadlines:
+    """A min-heap of ``(deadline, seq, key)`` with lazy deletion: an item counts only while the
+    entry it names still has that deadline."""
+
+    def __init__(self, current: Callable[[str], float | None]) -> None:
+        self._heap: list[tuple[float, int, str]] = []
+        self._seq = 0
+        self._current = current
+
+    def push(self, key: str, deadline: float) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (deadline, self._seq, key))
+
+    def due(self, now: float) -> list[str]:
+        keys: dict[str, None] = {}
+        while self._heap and self._heap[0][0] <= now:
+            deadline, _, key = heapq.heappop(self._heap)
+            if self._current(key) == deadline:
+                keys[key] = None
+        return list(keys)
+
+    def next(self) -> float | None:
+        while self._heap and self._current(self._heap[0][2]) != self._heap[0][0]:
+            heapq.heappop(self._heap)
+        return self._heap[0][0] if self._heap else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -128,6 +186,7 @@ class PState(enum.Enum):
     AWAIT_REGISTRATION = "await_registration"  # prefill done, blocks held, D not heard of
     AWAIT_PREFILL = "await_prefill"  # registration held, prefill still running
     WRITING = "writing"  # WRITE posted, not yet DONE
+    RELEASING = "releasing"  # WRITE failed or abandoned, handle not yet released: blocks held
     DONE = "done"  # tombstone: transfer over (written, failed or expired)
     FAILED = "failed"  # tombstone: prefill ended without KV before D registered
     CANCELLED = "cancelled"  # tombstone: D cancelled and was acked; never write this key
@@ -143,8 +202,10 @@ class PEntry:
     request_id: str | None = None  # P's vLLM request whose blocks we hold (while held)
     blocks: tuple[int, ...] = ()
     registration: Registration | None = None
-    cancel_pending: bool = False  # a Cancel arrived while WRITING
+    cancel_pending: bool = False  # a Cancel arrived while WRITING / RELEASING
     cancelled_d_request: str | None = None
+    num_tokens: int = 0  # P's prompt length (0 = not known)
+    quarantine_told: bool = False  # RELEASING: D already holds its blocks until its deadline
 
 
 class PrefillRendezvous:
@@ -154,17 +215,25 @@ class PrefillRendezvous:
         self.timeouts = timeouts
         self.entries: dict[str, PEntry] = {}
         self.counters: Counter[str] = Counter()
+        self.live = 0  # entries not in a terminal state (O(1) liveness check)
+        self._deadlines = _Deadlines(self._deadline_of)
+
+    def next_deadline(self) -> float | None:
+        return self._deadlines.next()
 
     # ---- events ------------------------------------------------------------------------
 
-    def on_prefill_finished(self, key: str, request_id: str, blocks: tuple[int, ...], now: float) -> list[Action]:
+    def on_prefill_finished(
+        self, key: str, request_id: str, blocks: tuple[int, ...], now: float, num_tokens: int = 0
+    ) -> list[Action]:
         entry = self.entries.get(key)
         if entry is None:
-            self.entries[key] = PEntry(PState.AWAIT_REGISTRATION, now + self.timeouts.lease_s, request_id, blocks)
+            self._add(key, PEntry(PState.AWAIT_REGISTRATION, now + self.timeouts.lease_s, request_id, blocks))
+            self.entries[key].num_tokens = num_tokens
             return []
         if entry.state is PState.AWAIT_PREFILL:
             assert entry.registration is not None
-            entry.request_id, entry.blocks = request_id, blocks
+            entry.request_id, entry.blocks, entry.num_tokens = request_id, blocks, num_tokens
             return self._write_or_refuse(key, entry, now)
         # Cancelled, failed, done or already holding blocks: never pair a second prefill.
         self.counters["late_prefill" if entry.state in P_TERMINAL else "duplicate"] += 1
@@ -173,11 +242,11 @@ class PrefillRendezvous:
     def on_prefill_failed(self, key: str, reason: str, now: float) -> list[Action]:
         entry = self.entries.get(key)
         if entry is None:
-            self.entries[key] = PEntry(PState.FAILED, now + self.timeouts.lease_s)
+            self._add(key, PEntry(PState.FAILED, now + self.timeouts.lease_s))
             return []
         if entry.state is PState.AWAIT_PREFILL:
             assert entry.registration is not None
-            self._finish(entry, PState.DONE, now)
+            self._finish(key, entry, PState.DONE, now)
             self.counters["prefill_failed"] += 1
             return [self._fail(entry.registration, f"prefill failed: {reason}")]
         self.counters["duplicate"] += 1
@@ -188,16 +257,16 @@ class PrefillRendezvous:
         if entry is None:
             if now >= reg.write_deadline:
                 self.counters["expired"] += 1
-                self.entries[reg.key] = PEntry(PState.DONE, now + self.timeouts.lease_s, registration=reg)
+                self._add(reg.key, PEntry(PState.DONE, now + self.timeouts.lease_s, registration=reg))
                 return [self._fail(reg, "registration arrived after its write deadline")]
-            self.entries[reg.key] = PEntry(PState.AWAIT_PREFILL, reg.write_deadline, registration=reg)
+            self._add(reg.key, PEntry(PState.AWAIT_PREFILL, reg.write_deadline, registration=reg))
             return []
         if entry.state is PState.AWAIT_REGISTRATION:
             entry.registration = reg
             return self._write_or_refuse(reg.key, entry, now)
         if entry.state is PState.FAILED:
             entry.registration = reg
-            self._finish(entry, PState.DONE, now)
+            self._finish(reg.key, entry, PState.DONE, now)
             self.counters["prefill_failed"] += 1
             return [self._fail(reg, "prefill failed")]
         return self._repeated_registration(entry, reg)
@@ -206,8 +275,9 @@ class PrefillRendezvous:
         entry = self.entries.get(cancel.key)
         ack = Send(cancel.d_engine_id, CancelAck(cancel.key, cancel.d_request_id))
         if entry is None:
-            self.entries[cancel.key] = PEntry(
-                PState.CANCELLED, now + self.timeouts.lease_s, cancelled_d_request=cancel.d_request_id
+            self._add(
+                cancel.key,
+                PEntry(PState.CANCELLED, now + self.timeouts.lease_s, cancelled_d_request=cancel.d_request_id),
             )
             self.counters["cancelled"] += 1
             return [ack]
@@ -216,20 +286,21 @@ class PrefillRendezvous:
             # Not the registration we would write to: nothing for it can land.
             self.counters["stale"] += 1
             return [ack]
-        if entry.state is PState.WRITING:
-            entry.cancel_pending = True  # ack once the WRITE is over
+        if entry.state in (PState.WRITING, PState.RELEASING):
+            entry.cancel_pending = True  # answered once the WRITE is over (ack or Failure)
             return []
         if entry.state in P_TERMINAL:
             self.counters["duplicate"] += entry.state is PState.CANCELLED
             return [ack]
         # AWAIT_REGISTRATION or AWAIT_PREFILL: drop it, refuse any later pairing of this key.
         actions: list[Action] = [Release(entry.request_id)] if entry.request_id else []
-        self._finish(entry, PState.CANCELLED, now)
+        self._finish(cancel.key, entry, PState.CANCELLED, now)
         entry.cancelled_d_request = cancel.d_request_id
         self.counters["cancelled"] += 1
         return [*actions, ack]
 
-    def on_write_result(self, key: str, ok: bool, now: float) -> list[Action]:
+    def on_write_done(self, key: str, now: float) -> list[Action]:
+        """The WRITE completed (its ``Done`` travels with the data) and its handle is released."""
         entry = self.entries.get(key)
         if entry is None or entry.state is not PState.WRITING:
             self.counters["stale"] += 1
@@ -237,56 +308,120 @@ class PrefillRendezvous:
         reg = entry.registration
         assert reg is not None and entry.request_id is not None
         actions: list[Action] = [Release(entry.request_id)]
-        if ok:
-            self.counters["written"] += 1
-            if entry.cancel_pending:
-                actions.append(Send(reg.d_engine_id, CancelAck(key, reg.d_request_id)))
-        else:
-            self.counters["write_failed"] += 1
-            actions.append(self._fail(reg, "WRITE failed"))  # also releases a cancelling D
-        self._finish(entry, PState.DONE, now)
+        self.counters["written"] += 1
+        if entry.cancel_pending:
+            actions.append(Send(reg.d_engine_id, CancelAck(key, reg.d_request_id)))
+        self._finish(key, entry, PState.DONE, now)
         return actions
 
+    def on_write_released(self, key: str, now: float) -> list[Action]:
+        """A WRITE that failed or was abandoned is released: nothing of it can land any more."""
+        entry = self.entries.get(key)
+        if entry is None or entry.state not in (PState.WRITING, PState.RELEASING):
+            self.counters["stale"] += 1
+            return []
+        reg = entry.registration
+        assert reg is not None and entry.request_id is not None
+        self.counters["write_failed" if entry.state is PState.WRITING else "write_released"] += 1
+        actions: list[Action] = [Release(entry.request_id), self._fail(reg, "WRITE failed")]
+        self._finish(key, entry, PState.DONE, now)
+        return actions
+
+    def on_write_stuck(self, key: str, now: float) -> list[Action]:
+        """A WRITE failed or was abandoned and the backend refused to release its handle: keep the
+        blocks, tell D to fail the request now and hold its blocks until its hold deadline."""
+        entry = self.entries.get(key)
+        if entry is None or entry.state not in (PState.WRITING, PState.RELEASING):
+            self.counters["stale"] += 1
+            return []
+        reg = entry.registration
+        assert reg is not None
+        if entry.state is PState.WRITING:
+            self.counters["write_failed"] += 1
+        self._enter_releasing(key, entry, reg)
+        if entry.quarantine_told:
+            return []
+        entry.quarantine_told = True
+        self.counters["quarantined"] += 1
+        return [self._fail(reg, "WRITE failed and could not be released", quarantine=True)]
+
     def on_peer_lost(self, engine_id: str, now: float) -> list[Action]:
-        """D's process is gone: drop registrations waiting for a prefill (nobody to write to)."""
-        for entry in self.entries.values():
+        """D's link is gone: drop registrations waiting for a prefill (nothing will be written)."""
+        for key, entry in self.entries.items():
             reg = entry.registration
             if entry.state is PState.AWAIT_PREFILL and reg is not None and reg.d_engine_id == engine_id:
-                self._finish(entry, PState.DONE, now)
+                self._finish(key, entry, PState.DONE, now)
                 self.counters["peer_lost"] += 1
         return []
 
     def expire(self, now: float) -> list[Action]:
         actions: list[Action] = []
-        for key, entry in list(self.entries.items()):
-            if entry.deadline > now:
-                continue
+        for key in self._deadlines.due(now):
+            entry = self.entries[key]
             if entry.state in P_TERMINAL:
                 del self.entries[key]
                 continue
-            self.counters["expired"] += 1
-            if entry.state is PState.WRITING:
-                assert entry.registration is not None
-                actions.append(AbandonWrite(key))
-            if entry.request_id is not None:
-                actions.append(Release(entry.request_id))
-            if entry.registration is not None:
-                actions.append(self._fail(entry.registration, f"expired in {entry.state.value}"))
-            self._finish(entry, PState.DONE, now)
+            actions += self._expire_live(key, entry, now)
         return actions
 
     # ---- helpers -----------------------------------------------------------------------
 
+    def _expire_live(self, key: str, entry: PEntry, now: float) -> list[Action]:
+        reg = entry.registration
+        if entry.state is PState.WRITING:
+            assert reg is not None
+            self.counters["expired"] += 1
+            self._enter_releasing(key, entry, reg)
+            return [AbandonWrite(key)]  # answered with on_write_released / on_write_stuck
+        actions: list[Action] = []
+        if entry.state is PState.RELEASING:
+            assert reg is not None
+            self.counters["quarantine_expired"] += 1
+            if not entry.quarantine_told:
+                actions.append(self._fail(reg, "WRITE could not be released", quarantine=True))
+        else:
+            self.counters["expired"] += 1
+            if reg is not None:
+                actions.append(self._fail(reg, f"expired in {entry.state.value}"))
+        if entry.request_id is not None:
+            actions.insert(0, Release(entry.request_id))
+        self._finish(key, entry, PState.DONE, now)
+        return actions
+
+    def _enter_releasing(self, key: str, entry: PEntry, reg: Registration) -> None:
+        if entry.state is PState.RELEASING:
+            return
+        entry.state = PState.RELEASING
+        # D's hold deadline in P's clock is at least this (its clock offset is a lower bound).
+        self._set_deadline(key, entry, reg.write_deadline + self.timeouts.write_grace_s)
+
     def _write_or_refuse(self, key: str, entry: PEntry, now: float) -> list[Action]:
         reg, request_id = entry.registration, entry.request_id
         assert reg is not None and request_id is not None
-        if now >= reg.write_deadline:
+        refusal = self._mismatch(reg, entry)
+        if refusal is None and now >= reg.write_deadline:
             self.counters["expired"] += 1
-            self._finish(entry, PState.DONE, now)
-            return [Release(request_id), self._fail(reg, "write deadline passed")]
+            refusal = "write deadline passed"
+        elif refusal is not None:
+            self.counters["mismatch"] += 1
+        if refusal is not None:
+            self._finish(key, entry, PState.DONE, now)
+            return [Release(request_id), self._fail(reg, refusal)]
         entry.state = PState.WRITING
-        entry.deadline = now + self.timeouts.write_timeout_s
+        self._set_deadline(key, entry, now + self.timeouts.write_timeout_s)
         return [StartWrite(key, request_id, entry.blocks, reg)]
+
+    @staticmethod
+    def _mismatch(reg: Registration, entry: PEntry) -> str | None:
+        """Why this registration cannot be written from these blocks (None: it can)."""
+        if len(reg.block_ids) > len(entry.blocks):
+            return (
+                f"decode registered {len(reg.block_ids)} blocks for {reg.num_tokens} tokens, "
+                f"prefill holds {len(entry.blocks)} for {entry.num_tokens}"
+            )
+        if reg.num_tokens and entry.num_tokens and reg.num_tokens != entry.num_tokens:
+            return f"decode's prompt has {reg.num_tokens} tokens, prefill's {entry.num_tokens}"
+        return None
 
     def _repeated_registration(self, entry: PEntry, reg: Registration) -> list[Action]:
         known = entry.registration
@@ -300,16 +435,30 @@ class PrefillRendezvous:
         self.counters["conflict"] += 1
         return [self._fail(reg, "pairing key already used by another decode request")]
 
-    def _finish(self, entry: PEntry, state: PState, now: float) -> None:
+    def _add(self, key: str, entry: PEntry) -> None:
+        self.entries[key] = entry
+        self.live += entry.state not in P_TERMINAL
+        self._deadlines.push(key, entry.deadline)
+
+    def _finish(self, key: str, entry: PEntry, state: PState, now: float) -> None:
+        self.live -= entry.state not in P_TERMINAL
         entry.state = state
-        entry.deadline = now + self.timeouts.lease_s
+        self._set_deadline(key, entry, now + self.timeouts.lease_s)
         entry.request_id = None
         entry.blocks = ()
         entry.cancel_pending = False
 
+    def _set_deadline(self, key: str, entry: PEntry, deadline: float) -> None:
+        entry.deadline = deadline
+        self._deadlines.push(key, deadline)
+
+    def _deadline_of(self, key: str) -> float | None:
+        entry = self.entries.get(key)
+        return None if entry is None else entry.deadline
+
     @staticmethod
-    def _fail(reg: Registration, reason: str) -> Send:
-        return Send(reg.d_engine_id, Failure(reg.key, reg.d_request_id, reason))
+    def _fail(reg: Registration, reason: str, quarantine: bool = False) -> Send:
+        return Send(reg.d_engine_id, Failure(reg.key, reg.d_request_id, reason, quarantine))
 
 
 # --------------------------------------------------------------------------------------------
@@ -321,6 +470,8 @@ class DState(enum.Enum):
     PENDING_SEND = "pending_send"  # waiting for the side-channel handshake with P
     AWAITING_KV = "awaiting_kv"  # registration sent, waiting for Done / Failure
     CANCELLING = "cancelling"  # aborted after sending; blocks held until P acks
+    QUARANTINED = "quarantined"  # reported failed; blocks held until the hold deadline
+    PENDING_CANCEL = "pending_cancel"  # aborted before allocation: Cancel waits for the handshake
 
 
 @dataclass
@@ -330,6 +481,7 @@ class DEntry:
     key: str
     peer: PeerAddress
     block_ids: tuple[int, ...]
+    num_tokens: int = 0
 
 
 @dataclass
@@ -342,46 +494,88 @@ class DecodeRendezvous:
     peers: dict[str, float] = field(default_factory=dict)  # P engine id -> min clock offset (P - D)
     counters: Counter[str] = field(default_factory=Counter)
 
+    def __post_init__(self) -> None:
+        self._deadlines = _Deadlines(self._deadline_of)
+
+    @property
+    def live(self) -> int:
+        return len(self.entries)
+
+    def next_deadline(self) -> float | None:
+        return self._deadlines.next()
+
     def on_register(
-        self, request_id: str, key: str, peer: PeerAddress, block_ids: tuple[int, ...], now: float
+        self,
+        request_id: str,
+        key: str,
+        peer: PeerAddress,
+        block_ids: tuple[int, ...],
+        now: float,
+        num_tokens: int = 0,
     ) -> list[Action]:
         if request_id in self.entries:
             self.counters["duplicate"] += 1
             return []
-        entry = DEntry(DState.PENDING_SEND, now + self.timeouts.connect_timeout_s, key, peer, block_ids)
-        self.entries[request_id] = entry
+        entry = DEntry(DState.PENDING_SEND, 0.0, key, peer, block_ids, num_tokens)
+        self._put(request_id, entry, now + self.timeouts.connect_timeout_s)
         if peer.engine_id in self.peers:
             return self._send_registration(request_id, entry, now)
+        return [Connect(peer)]
+
+    def on_abort_unallocated(self, request_id: str, key: str, peer: PeerAddress, now: float) -> list[Action]:
+        """vLLM finished a decode request before it allocated blocks: P may hold blocks for it."""
+        if request_id in self.entries:
+            self.counters["duplicate"] += 1
+            return []
+        self.counters["cancelled"] += 1
+        if peer.engine_id in self.peers:
+            return [Send(peer.engine_id, Cancel(key, request_id, self.engine_id))]
+        entry = DEntry(DState.PENDING_CANCEL, 0.0, key, peer, ())
+        self._put(request_id, entry, now + self.timeouts.connect_timeout_s)
         return [Connect(peer)]
 
     def on_peer_ready(self, engine_id: str, clock_offset: float, now: float) -> list[Action]:
         """Handshake with P done; ``clock_offset`` is a lower bound of (P clock - D clock)."""
         self.peers[engine_id] = clock_offset
         actions: list[Action] = []
-        for request_id, entry in self.entries.items():
-            if entry.state is DState.PENDING_SEND and entry.peer.engine_id == engine_id:
+        for request_id, entry in list(self.entries.items()):
+            if entry.peer.engine_id != engine_id:
+                continue
+            if entry.state is DState.PENDING_SEND:
                 actions += self._send_registration(request_id, entry, now)
+            elif entry.state is DState.PENDING_CANCEL:
+                del self.entries[request_id]
+                actions.append(Send(engine_id, Cancel(entry.key, request_id, self.engine_id)))
         return actions
 
     def on_peer_lost(self, engine_id: str, now: float) -> list[Action]:
-        """P is unreachable or its process ended: nothing more can come from it, nor land."""
+        """P's side channel closed or went silent. That is not proof that its process is gone:
+        fail what waits for KV now, but keep blocks P knows of until their hold deadline."""
         self.peers.pop(engine_id, None)
-        lost = [r for r, e in self.entries.items() if e.peer.engine_id == engine_id]
-        self.counters["peer_lost"] += len(lost)
-        return [self._leave(r, ok=False) for r in lost]
+        actions: list[Action] = []
+        for request_id, entry in list(self.entries.items()):
+            if entry.peer.engine_id != engine_id:
+                continue
+            if entry.state is DState.PENDING_SEND:
+                self.counters["peer_lost"] += 1
+                actions.append(self._leave(request_id, ok=False))  # P never saw the blocks
+            elif entry.state is DState.PENDING_CANCEL:
+                del self.entries[request_id]
+            elif entry.state is DState.AWAITING_KV:
+                self.counters["peer_lost"] += 1
+                entry.state = DState.QUARANTINED
+                actions.append(Failed(request_id))
+        return actions
 
     def on_notice(self, notice: Notice, now: float) -> list[Action]:
         entry = self.entries.get(notice.d_request_id)
-        if entry is None or entry.key != notice.key or entry.state is DState.PENDING_SEND:
+        if entry is None or entry.key != notice.key or entry.state in (DState.PENDING_SEND, DState.PENDING_CANCEL):
             self.counters["stale"] += 1
             return []
         if isinstance(notice, Done):
-            ok = entry.state is DState.AWAITING_KV
-            self.counters["received" if ok else "released"] += 1
-            return [self._leave(notice.d_request_id, ok=ok)]
+            return self._on_done(notice.d_request_id, entry)
         if isinstance(notice, Failure):
-            self.counters["failed" if entry.state is DState.AWAITING_KV else "released"] += 1
-            return [self._leave(notice.d_request_id, ok=False)]
+            return self._on_failure(notice.d_request_id, entry, notice.quarantine)
         if isinstance(notice, CancelAck) and entry.state is DState.CANCELLING:
             self.counters["released"] += 1
             return [self._leave(notice.d_request_id, ok=False)]
@@ -403,15 +597,49 @@ class DecodeRendezvous:
         return []
 
     def expire(self, now: float) -> list[Action]:
-        expired = [r for r, e in self.entries.items() if e.deadline <= now]
-        self.counters["expired"] += len(expired)
-        return [self._leave(r, ok=False) for r in expired]
+        actions: list[Action] = []
+        for request_id in self._deadlines.due(now):
+            entry = self.entries[request_id]
+            if entry.state is DState.PENDING_CANCEL:
+                del self.entries[request_id]
+                continue
+            self.counters["expired"] += 1
+            if entry.state is DState.QUARANTINED:
+                del self.entries[request_id]
+                actions.append(Freed(request_id))
+            else:
+                actions.append(self._leave(request_id, ok=False))
+        return actions
 
     # ---- helpers -----------------------------------------------------------------------
 
+    def _on_done(self, request_id: str, entry: DEntry) -> list[Action]:
+        if entry.state is DState.QUARANTINED:
+            self.counters["stale"] += 1  # already failed; the hold deadline frees it
+            return []
+        ok = entry.state is DState.AWAITING_KV
+        self.counters["received" if ok else "released"] += 1
+        return [self._leave(request_id, ok=ok)]
+
+    def _on_failure(self, request_id: str, entry: DEntry, quarantine: bool) -> list[Action]:
+        if entry.state is DState.QUARANTINED:
+            if quarantine:
+                return []
+            del self.entries[request_id]  # P released the WRITE: nothing can land any more
+            self.counters["released"] += 1
+            return [Freed(request_id)]
+        if not quarantine:
+            self.counters["failed" if entry.state is DState.AWAITING_KV else "released"] += 1
+            return [self._leave(request_id, ok=False)]
+        self.counters["quarantined"] += 1
+        if entry.state is DState.CANCELLING:
+            return []  # vLLM finished it already; the hold deadline frees it
+        entry.state = DState.QUARANTINED
+        return [Failed(request_id)]
+
     def _send_registration(self, request_id: str, entry: DEntry, now: float) -> list[Action]:
         entry.state = DState.AWAITING_KV
-        entry.deadline = now + self.timeouts.kv_timeout_s
+        self._set_deadline(request_id, entry, now + self.timeouts.kv_timeout_s)
         last_write_d = entry.deadline - self.timeouts.write_grace_s
         reg = Registration(
             key=entry.key,
@@ -419,8 +647,21 @@ class DecodeRendezvous:
             d_engine_id=self.engine_id,
             block_ids=entry.block_ids,
             write_deadline=last_write_d + self.peers[entry.peer.engine_id],
+            num_tokens=entry.num_tokens,
         )
         return [Send(entry.peer.engine_id, reg)]
+
+    def _put(self, request_id: str, entry: DEntry, deadline: float) -> None:
+        self.entries[request_id] = entry
+        self._set_deadline(request_id, entry, deadline)
+
+    def _set_deadline(self, request_id: str, entry: DEntry, deadline: float) -> None:
+        entry.deadline = deadline
+        self._deadlines.push(request_id, deadline)
+
+    def _deadline_of(self, request_id: str) -> float | None:
+        entry = self.entries.get(request_id)
+        return None if entry is None else entry.deadline
 
     def _leave(self, request_id: str, ok: bool) -> Received:
         del self.entries[request_id]

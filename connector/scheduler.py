@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.v1.request import RequestStatus
 
 from connector.metadata import (
+    CancelUnallocated,
     DecodeLeg,
     PeerAddress,
     PrefillFailed,
@@ -88,7 +89,8 @@ class SchedulerHalf:
         key = pairing_key(leg.transfer_id, request.request_id)
         peer = PeerAddress(leg.remote_engine_id, leg.remote_host, leg.remote_port)
         block_ids = tuple(blocks.get_unhashed_block_ids())
-        self._plan.register.append(RegisterOrder(request.request_id, key, peer, block_ids))
+        num_tokens = len(request.prompt_token_ids or ())
+        self._plan.register.append(RegisterOrder(request.request_id, key, peer, block_ids, num_tokens))
         self._awaiting.add(request.request_id)
         params["do_remote_prefill"] = False  # a preempted, rescheduled request does not register again
 
@@ -112,6 +114,7 @@ class SchedulerHalf:
             if request.status != RequestStatus.FINISHED_ERROR:
                 self._plan.cancel.append(request_id)
             return False, None  # vLLM holds the blocks until we report the request received
+        self._cancel_unallocated(request)
         leg = PrefillLeg.parse(request.kv_transfer_params)
         if leg is None:
             return False, None
@@ -119,7 +122,8 @@ class SchedulerHalf:
         if request.status not in _PREFILL_OK or not block_ids:
             self._plan.failed.append(PrefillFailed(request_id, key, str(request.status.name)))
             return False, None
-        self._plan.finished.append(PrefillFinished(request_id, key, tuple(block_ids)))
+        num_tokens = len(request.prompt_token_ids or ())
+        self._plan.finished.append(PrefillFinished(request_id, key, tuple(block_ids), num_tokens))
         self._held.add(request_id)
         return True, {
             "do_remote_prefill": True,
@@ -135,6 +139,19 @@ class SchedulerHalf:
             "transfer_mode": "push",
             "transfer_id": leg.transfer_id,
         }
+
+    def _cancel_unallocated(self, request: Request) -> None:
+        """A decode leg finished before it allocated blocks (``do_remote_prefill`` still set): P may
+        hold blocks for it until its lease ends, so tell P (guarantee G5: nothing held for long)."""
+        try:
+            leg = DecodeLeg.parse(request.kv_transfer_params)
+        except ProtocolError:
+            return
+        if leg is None:
+            return
+        key = pairing_key(leg.transfer_id, request.request_id)
+        peer = PeerAddress(leg.remote_engine_id, leg.remote_host, leg.remote_port)
+        self._plan.cancel_unallocated.append(CancelUnallocated(request.request_id, key, peer))
 
     def has_pending_push_work(self) -> bool:
         return bool(self._held or self._cancelling or not self._plan.is_empty())

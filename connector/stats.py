@@ -16,11 +16,14 @@ _SERIES = ("transfer_duration", "bytes_transferred", "num_descriptors")
 
 # Prometheus counter (without "vllm:kvpush_" and "_total") -> rendezvous / thread counter names.
 COUNTERS: dict[str, tuple[str, ...]] = {
-    "failed_transfers": ("write_failed", "failed", "peer_lost", "prefill_failed", "thread_errors"),
+    "completed_transfers": ("written", "received"),
+    "failed_transfers": ("write_failed", "failed", "peer_lost", "prefill_failed", "mismatch", "thread_errors"),
+    "quarantined": ("quarantined", "quarantine_expired", "release_refused"),
     "expired": ("expired",),
     "failed_notifications": ("failed_notices", "bad_notices"),
     "ignored_notices": ("duplicate", "stale", "conflict", "unknown_notices", "late_prefill"),
-    "cancelled": ("cancelled", "released"),
+    "cancelled": ("cancelled", "released", "write_released"),
+    "agents_removed": ("agents_removed",),
 }
 
 

@@ -47,7 +47,11 @@ class TransferBackend(Protocol):
         """Opaque bytes a peer passes to ``add_peer`` (sent over the side channel)."""
 
     def add_peer(self, payload: HandshakePayload) -> None:
-        """Load a peer's agent metadata and remember its KV layout; idempotent per agent."""
+        """Load a peer's agent metadata and remember its KV layout. Idempotent for the same
+        metadata; metadata that changed under a known agent name (a restarted peer) is reloaded."""
+
+    def remove_peer(self, agent_name: str) -> None:
+        """Forget a peer's agent (the caller ensures no WRITE to it is in flight)."""
 
     def send_notice(self, agent_name: str, message: bytes) -> None:
         """Send a standalone notification; raise ``TransferError`` if it cannot be sent."""
@@ -63,8 +67,10 @@ class TransferBackend(Protocol):
 
     def write_state(self, handle: int) -> WriteState: ...
 
-    def release(self, handle: int) -> None:
-        """Forget a WRITE (cancels it if still running)."""
+    def release(self, handle: int) -> bool:
+        """Forget a WRITE, cancelling it if still running. True: the handle is gone and nothing of
+        it can land any more. False: the backend refused (it could not cancel every part); the
+        handle is kept and the caller must keep both sides' blocks and try again."""
 
     def close(self) -> None: ...
 
@@ -82,7 +88,7 @@ class NixlBackend:
         regions = [(r.base, r.block_len * r.num_blocks, layout.device_id, "") for r in layout.regions]
         self._registered = self._agent.register_memory(regions, layout.mem_type)
         self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", region_descriptors(layout), layout.mem_type)
-        self._peers: dict[str, tuple[KVLayout, Any]] = {}  # agent name -> (layout, prepped dlist)
+        self._peers: dict[str, tuple[KVLayout, Any, bytes]] = {}  # agent name -> (layout, dlist, metadata)
         self._handles: dict[int, Any] = {}
         self._next_handle = 0
 
@@ -94,14 +100,27 @@ class NixlBackend:
         return bytes(self._agent.get_agent_metadata())
 
     def add_peer(self, payload: HandshakePayload) -> None:
-        if payload.agent_name in self._peers:
+        known = self._peers.get(payload.agent_name)
+        if known is not None and known[2] == payload.agent_metadata:
             return
+        if known is not None:
+            self.remove_peer(payload.agent_name)
         added = self._agent.add_remote_agent(payload.agent_metadata)
         name = added.decode() if isinstance(added, bytes) else str(added)
         if name != payload.agent_name:
             raise TransferError(f"peer metadata names agent {name!r}, handshake said {payload.agent_name!r}")
         dlist = self._agent.prep_xfer_dlist(name, region_descriptors(payload.layout), payload.layout.mem_type)
-        self._peers[name] = (payload.layout, dlist)
+        self._peers[name] = (payload.layout, dlist, payload.agent_metadata)
+
+    def remove_peer(self, agent_name: str) -> None:
+        peer = self._peers.pop(agent_name, None)
+        if peer is None:
+            return
+        try:
+            peer[1].release()
+            self._agent.remove_remote_agent(agent_name)
+        except Exception:  # nixl raises its own binding exceptions
+            logger.warning("could not remove NIXL agent %s", agent_name, exc_info=True)
 
     def send_notice(self, agent_name: str, message: bytes) -> None:
         try:
@@ -122,7 +141,7 @@ class NixlBackend:
         peer = self._peers.get(agent_name)
         if peer is None:
             raise TransferError(f"WRITE to unknown agent {agent_name!r}")
-        remote_layout, remote_dlist = peer
+        remote_layout, remote_dlist, _ = peer
         local_blocks, remote_blocks = pair_blocks(local_blocks, remote_blocks)
         local_idx = descriptor_indices(self._layout, local_blocks)
         remote_idx = descriptor_indices(remote_layout, remote_blocks)
@@ -145,19 +164,22 @@ class NixlBackend:
         state: WriteState = self._agent.check_xfer_state(self._handles[handle])
         return state
 
-    def release(self, handle: int) -> None:
-        xfer = self._handles.pop(handle, None)
+    def release(self, handle: int) -> bool:
+        xfer = self._handles.get(handle)
         if xfer is None:
-            return
+            return True
         try:
             xfer.release()
-        except Exception:  # a transfer NIXL cannot cancel stays leaked, not fatal
-            logger.warning("could not release NIXL transfer handle %d", handle, exc_info=True)
+        except Exception:  # NIXL could not cancel it: DMA may still be running
+            logger.warning("NIXL refused to release transfer handle %d (kept)", handle, exc_info=True)
+            return False
+        del self._handles[handle]
+        return True
 
     def close(self) -> None:
         for handle in list(self._handles):
             self.release(handle)
-        for _, dlist in self._peers.values():
+        for _, dlist, _ in self._peers.values():
             dlist.release()
         self._local_dlist.release()
         self._agent.deregister_memory(self._registered)

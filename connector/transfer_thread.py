@@ -1,20 +1,30 @@
 """The one thread that owns the transfer backend (the NIXL agent) and both rendezvous machines.
 
-Threading model:
+Threading model (guarantee G6):
 
 * **Owner thread** (``kvpush-transfer``, this module): the only caller of the ``TransferBackend``
   and the only reader/writer of ``PrefillRendezvous`` / ``DecodeRendezvous``, ``_writes``,
   ``_agents`` and ``_links``. Each turn it drains the inbox, polls notices (which also progresses
-  UCX, since NIXL runs without its progress thread), checks posted WRITEs, expires leases and
-  performs the actions the machines return. It sleeps on ``_wake`` between turns: ``poll_s`` while
-  anything is in flight, ``idle_poll_s`` otherwise.
-* **Worker thread** (vLLM's model runner, via ``connector.worker``): only calls ``submit`` (puts a
-  step order in the inbox and sets ``_wake``) and ``drain`` (empties the outbox). It never waits on
-  the owner thread, so the forward loop never waits on NIXL.
-* **Side-channel threads** (``connector.handshake``): put ``_PeerReady`` / ``_PeerLost`` /
-  ``_AddPeer`` in the inbox. ``_AddPeer`` carries an ``Event`` the server thread waits on, so the
-  handshake reply is sent only after the owner loaded the peer's agent. They read only
-  ``_local_payload`` (built from bytes cached at start, never a backend call).
+  UCX, since NIXL runs without its progress thread), checks posted WRITEs, expires what is due and
+  performs the actions the machines return.
+* **When it runs** (guarantee G7): it sleeps on ``_wake`` until something needs it: a submission
+  (``submit``), a step hook (``kick``, once per engine step from ``get_transfer_results``), a
+  side-channel event, the next deadline of either machine (a heap: O(1) to look at), or, only
+  while a WRITE is in flight, a short backoff timer (``Polling.write_poll_min_s`` doubling up to
+  ``write_poll_max_s``) that notices its completion. With nothing in flight it wakes at most every
+  ``Polling.idle_wait_s`` as a safety net for notices that arrive while no engine steps (NIXL
+  offers no wake-up on a notification without its busy progress thread).
+* **Worker thread** (vLLM's model runner, via ``connector.worker``): only calls ``submit``,
+  ``kick`` and ``collect_results`` (empties the outbox). It never waits on the owner thread, so
+  the forward loop never waits on NIXL.
+* **Side-channel threads** (``connector.handshake``, started by ``start``): put ``_PeerReady`` /
+  ``_PeerLost`` / ``_AddPeer`` in the inbox. ``_AddPeer`` carries an ``Event`` the server thread
+  waits on, so the handshake reply is sent only after the owner loaded the peer's agent. They read
+  only ``_local_payload`` (built from bytes cached at construction, never a backend call).
+
+Peers (guarantee G8): agent names are unique per process incarnation (the worker adds a uuid);
+a handshake with changed metadata reloads the agent, a new agent for a known engine id retires
+the old one, and a retired or lost agent is removed once no WRITE to it is in flight.
 
 Stopping: ``close()`` sets ``_stop`` and ``_wake``, joins the owner thread, then closes the
 side channel and the backend from the calling thread (the owner is gone by then).
@@ -27,13 +37,16 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, assert_never
 
-from connector.handshake import PeerLink, SideChannelServer
+from connector.handshake import Liveness, PeerLink, SideChannelServer
 from connector.metadata import (
     PROTOCOL_VERSION,
     Cancel,
+    CancelAck,
+    CancelUnallocated,
     Done,
     Failure,
     HandshakePayload,
@@ -49,11 +62,12 @@ from connector.metadata import (
     is_notice,
 )
 from connector.rendezvous import (
-    P_TERMINAL,
     AbandonWrite,
     Action,
     Connect,
     DecodeRendezvous,
+    Failed,
+    Freed,
     PrefillRendezvous,
     Received,
     Release,
@@ -64,6 +78,56 @@ from connector.rendezvous import (
 from connector.transfer import TransferBackend, TransferError, WriteTicket
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Polling:
+    """When the owner thread wakes without being woken (seconds)."""
+
+    write_poll_min_s: float = 0.0002  # first check of a posted WRITE
+    write_poll_max_s: float = 0.005  # the check interval doubles up to this while WRITEs are in flight
+    idle_wait_s: float = 0.1  # safety-net wake with nothing in flight
+
+    def __post_init__(self) -> None:
+        if not 0 < self.write_poll_min_s <= self.write_poll_max_s <= self.idle_wait_s:
+            raise ValueError("need 0 < write_poll_min_s <= write_poll_max_s <= idle_wait_s")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything ``kv_connector_extra_config`` may set; any other key is refused."""
+
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    polling: Polling = field(default_factory=Polling)
+    liveness: Liveness = field(default_factory=Liveness)
+    backends: tuple[str, ...] = ("UCX",)
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> Options:
+        """Parse ``kv_connector_extra_config``; raise ``ValueError`` naming unknown keys or bad values."""
+        extra = dict(extra or {})
+        groups: dict[str, dict[str, float]] = {"timeouts": {}, "polling": {}, "liveness": {}}
+        known: dict[str, str] = {}
+        for group, kind in (("timeouts", Timeouts), ("polling", Polling), ("liveness", Liveness)):
+            known.update({f.name: group for f in fields(kind)})
+        backends = extra.pop("backends", ("UCX",))
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ValueError(
+                f"unknown kv_connector_extra_config key(s) {unknown} for KvpushConnector; "
+                f"known: {sorted([*known, 'backends'])}"
+            )
+        try:
+            for key, value in extra.items():
+                groups[known[key]][key] = float(value)
+            return cls(
+                Timeouts(**groups["timeouts"]),
+                Polling(**groups["polling"]),
+                Liveness(**groups["liveness"]),
+                tuple(str(b) for b in backends),
+            )
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"bad kv_connector_extra_config for KvpushConnector: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -82,6 +146,7 @@ class _PeerReady:
 @dataclass(frozen=True)
 class _PeerLost:
     engine_id: str
+    link: PeerLink | None = None  # the link that ended (a stale one is ignored), None: the server's
 
 
 @dataclass
@@ -91,7 +156,7 @@ class _AddPeer:
     error: str | None = None
 
 
-Order = RegisterOrder | PrefillFinished | PrefillFailed | CancelOrder
+Order = RegisterOrder | PrefillFinished | PrefillFailed | CancelOrder | CancelUnallocated
 _Command = Order | _PeerReady | _PeerLost | _AddPeer
 
 
@@ -106,13 +171,31 @@ class TransferRecord:
 
 @dataclass
 class Results:
-    """What the owner thread reported since the last ``drain``."""
+    """What the owner thread reported since the last ``collect_results``."""
 
     released: set[str] = field(default_factory=set)  # P: finished sending
-    received: set[str] = field(default_factory=set)  # D: finished receiving (ok or not)
-    failed: set[str] = field(default_factory=set)  # D: subset of ``received`` without valid KV
+    received: set[str] = field(default_factory=set)  # D: finished receiving (ok or not): blocks may be freed
+    failed: set[str] = field(default_factory=set)  # D: without valid KV (reported now, freed with ``received``)
     records: list[TransferRecord] = field(default_factory=list)
     counters: Counter[str] = field(default_factory=Counter)
+
+    def merge(self, other: Results) -> None:
+        self.released |= other.released
+        self.received |= other.received
+        self.failed |= other.failed
+        self.records += other.records
+        self.counters.update(other.counters)
+
+    def __bool__(self) -> bool:
+        return bool(self.released or self.received or self.failed or self.records or self.counters)
+
+
+@dataclass
+class _Write:
+    ticket: WriteTicket
+    agent: str
+    started: float
+    failed: bool = False  # ERR or abandoned: waiting for the backend to release the handle
 
 
 class TransferThread:
@@ -125,34 +208,50 @@ class TransferThread:
         compat_hash: str,
         side_host: str,
         side_port: int,
-        timeouts: Timeouts,
+        options: Options | None = None,
         clock: Callable[[], float] = time.monotonic,
-        poll_s: float = 0.001,
-        idle_poll_s: float = 0.005,
     ) -> None:
+        options = options or Options()
         self.engine_id = engine_id
         self._backend = backend
         self._layout = layout
         self._compat_hash = compat_hash
         self._metadata = backend.agent_metadata()
         self._clock = clock
-        self._poll_s, self._idle_poll_s = poll_s, idle_poll_s
-        self._timeouts = timeouts
-        self._prefill = PrefillRendezvous(timeouts)
-        self._decode = DecodeRendezvous(timeouts, engine_id)
-        self._writes: dict[str, tuple[WriteTicket, float]] = {}
+        self._polling = options.polling
+        self._liveness = options.liveness
+        self._timeouts = options.timeouts
+        self._side_host, self._side_port = side_host, side_port
+        self._prefill = PrefillRendezvous(self._timeouts)
+        self._decode = DecodeRendezvous(self._timeouts, engine_id)
+        self._writes: dict[str, _Write] = {}
+        self._write_backoff = self._polling.write_poll_min_s
         self._agents: dict[str, str] = {}  # engine id -> agent name
+        self._retired: set[str] = set()  # agent names to remove once no WRITE to them is in flight
         self._links: dict[str, PeerLink] = {}
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue[Results] = queue.SimpleQueue()
         self._pending = Results()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._server: SideChannelServer | None = None
+        self._thread = threading.Thread(target=self._run, name="kvpush-transfer", daemon=True)
+        self.side_port = side_port
+        self.wakes = 0  # owner-thread turns so far (for tests and stats)
+
+    def start(self) -> None:
+        """Open the side channel and start the owner thread."""
         self._server = SideChannelServer(
-            side_host, side_port, self._local_payload, self._add_peer_and_wait, self._peer_lost, compat_hash
+            self._side_host,
+            self._side_port,
+            self._local_payload,
+            self._add_peer_and_wait,
+            self._peer_lost,
+            self._compat_hash,
+            liveness=self._liveness,
+            clock=self._clock,
         )
         self.side_port = self._server.port
-        self._thread = threading.Thread(target=self._run, name="kvpush-transfer", daemon=True)
         self._thread.start()
 
     # ---- worker-thread API -------------------------------------------------------------
@@ -161,24 +260,25 @@ class TransferThread:
         self._inbox.put(order)
         self._wake.set()
 
-    def drain(self) -> Results:
+    def kick(self) -> None:
+        """A step hook: let the owner poll notices and WRITEs now (one ``Event.set``)."""
+        self._wake.set()
+
+    def collect_results(self) -> Results:
         merged = Results()
         while True:
             try:
-                r = self._outbox.get_nowait()
+                merged.merge(self._outbox.get_nowait())
             except queue.Empty:
                 return merged
-            merged.released |= r.released
-            merged.received |= r.received
-            merged.failed |= r.failed
-            merged.records += r.records
-            merged.counters.update(r.counters)
 
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=5.0)
-        self._server.close()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5.0)
+        if self._server is not None:
+            self._server.close()
         for link in self._links.values():
             link.close()
         self._backend.close()
@@ -198,35 +298,44 @@ class TransferThread:
 
     def _add_peer_and_wait(self, payload: HandshakePayload) -> None:
         cmd = _AddPeer(payload)
-        self._inbox.put(cmd)
-        self._wake.set()
+        self._inbox_put(cmd)
         if not cmd.done.wait(timeout=self._timeouts.connect_timeout_s):
             raise TimeoutError("transfer thread did not load the peer in time")
         if cmd.error is not None:
             raise ConnectionError(cmd.error)
 
     def _peer_lost(self, engine_id: str) -> None:
-        self._inbox.put(_PeerLost(engine_id))
+        self._inbox_put(_PeerLost(engine_id))
+
+    def _inbox_put(self, cmd: _Command) -> None:
+        self._inbox.put(cmd)
         self._wake.set()
 
     # ---- owner thread --------------------------------------------------------------------
 
     def _run(self) -> None:
-        next_expiry = 0.0
         while not self._stop.is_set():
             self._wake.clear()
+            self.wakes += 1
             now = self._clock()
             try:
                 self._turn(now)
-                if now >= next_expiry:
-                    self._perform(self._prefill.expire(now), now)
-                    self._perform(self._decode.expire(now), now)
-                    next_expiry = now + 0.05
             except Exception:  # the loop must survive one bad turn
                 logger.exception("kvpush transfer thread turn failed")
                 self._pending.counters["thread_errors"] += 1
             self._publish()
-            self._wake.wait(self._poll_s if self._busy() else self._idle_poll_s)
+            self._wake.wait(self._sleep_s(self._clock()))
+
+    def _sleep_s(self, now: float) -> float:
+        """Until the next deadline, the next WRITE check (only with WRITEs in flight) or the safety net."""
+        timeout = self._polling.idle_wait_s
+        if self._writes:
+            timeout = self._write_backoff
+            self._write_backoff = min(2 * self._write_backoff, self._polling.write_poll_max_s)
+        for deadline in (self._prefill.next_deadline(), self._decode.next_deadline()):
+            if deadline is not None:
+                timeout = min(timeout, max(0.0, deadline - now))
+        return timeout
 
     def _turn(self, now: float) -> None:
         while True:
@@ -237,58 +346,90 @@ class TransferThread:
             self._handle(cmd, now)
         for sender, raw in self._backend.poll_notices():
             self._on_raw_notice(sender, raw, now)
-        self._check_writes(now)
+        if self._writes:
+            self._check_writes(now)
+        if self._due(now):
+            self._perform(self._prefill.expire(now), now)
+            self._perform(self._decode.expire(now), now)
+        if self._retired:
+            self._reap_agents()
 
-    def _busy(self) -> bool:
-        return bool(
-            self._writes
-            or self._decode.entries
-            or any(e.state not in P_TERMINAL for e in self._prefill.entries.values())
-        )
+    def _due(self, now: float) -> bool:
+        return any(d is not None and d <= now for d in (self._prefill.next_deadline(), self._decode.next_deadline()))
 
     def _publish(self) -> None:
-        counters = self._prefill.counters + self._decode.counters
-        self._pending.counters.update(counters)
-        self._prefill.counters.clear()
-        self._decode.counters.clear()
-        p = self._pending
-        if p.released or p.received or p.records or p.counters:
-            self._outbox.put(p)
+        for counters in (self._prefill.counters, self._decode.counters):
+            if counters:
+                self._pending.counters.update(counters)
+                counters.clear()
+        if self._pending:
+            self._outbox.put(self._pending)
             self._pending = Results()
 
     def _handle(self, cmd: _Command, now: float) -> None:
-        if isinstance(cmd, RegisterOrder):
-            self._perform(self._decode.on_register(cmd.request_id, cmd.key, cmd.peer, cmd.block_ids, now), now)
-        elif isinstance(cmd, CancelOrder):
-            self._perform(self._decode.on_abort(cmd.request_id, now), now)
-        elif isinstance(cmd, PrefillFinished):
-            self._perform(self._prefill.on_prefill_finished(cmd.key, cmd.request_id, cmd.block_ids, now), now)
-        elif isinstance(cmd, PrefillFailed):
-            self._perform(self._prefill.on_prefill_failed(cmd.key, cmd.reason, now), now)
-        elif isinstance(cmd, _AddPeer):
-            try:
-                self._load_peer(cmd.payload)
-            except TransferError as exc:
-                cmd.error = str(exc)
-            cmd.done.set()
-        elif isinstance(cmd, _PeerReady):
-            try:
-                self._load_peer(cmd.payload)
-            except TransferError:
-                logger.exception("could not load prefill agent %s", cmd.payload.engine_id)
-                self._perform(self._decode.on_peer_lost(cmd.payload.engine_id, now), now)
-                return
-            self._perform(self._decode.on_peer_ready(cmd.payload.engine_id, cmd.clock_offset, now), now)
-        elif isinstance(cmd, _PeerLost):
-            link = self._links.pop(cmd.engine_id, None)
-            if link is not None:
-                link.close()
-            self._perform(self._decode.on_peer_lost(cmd.engine_id, now), now)
-            self._perform(self._prefill.on_peer_lost(cmd.engine_id, now), now)
+        match cmd:
+            case RegisterOrder():
+                actions = self._decode.on_register(
+                    cmd.request_id, cmd.key, cmd.peer, cmd.block_ids, now, cmd.num_tokens
+                )
+                self._perform(actions, now)
+            case CancelOrder():
+                self._perform(self._decode.on_abort(cmd.request_id, now), now)
+            case CancelUnallocated():
+                self._perform(self._decode.on_abort_unallocated(cmd.request_id, cmd.key, cmd.peer, now), now)
+            case PrefillFinished():
+                actions = self._prefill.on_prefill_finished(cmd.key, cmd.request_id, cmd.block_ids, now, cmd.num_tokens)
+                self._perform(actions, now)
+            case PrefillFailed():
+                self._perform(self._prefill.on_prefill_failed(cmd.key, cmd.reason, now), now)
+            case _AddPeer():
+                try:
+                    self._load_peer(cmd.payload)
+                except TransferError as exc:
+                    cmd.error = str(exc)
+                cmd.done.set()
+            case _PeerReady():
+                self._on_peer_ready(cmd, now)
+            case _PeerLost():
+                self._on_peer_lost(cmd.engine_id, now, cmd.link)
+            case _:
+                assert_never(cmd)
+
+    def _on_peer_ready(self, cmd: _PeerReady, now: float) -> None:
+        try:
+            self._load_peer(cmd.payload)
+        except TransferError:
+            logger.exception("could not load prefill agent %s", cmd.payload.engine_id)
+            self._on_peer_lost(cmd.payload.engine_id, now)
+            return
+        self._perform(self._decode.on_peer_ready(cmd.payload.engine_id, cmd.clock_offset, now), now)
+
+    def _on_peer_lost(self, engine_id: str, now: float, ended: PeerLink | None = None) -> None:
+        if ended is not None and self._links.get(engine_id) is not ended:
+            return  # an older link of that engine ended after a newer one was opened
+        link = self._links.pop(engine_id, None)
+        if link is not None:
+            link.close()
+        agent = self._agents.pop(engine_id, None)
+        if agent is not None:
+            self._retired.add(agent)
+        self._perform(self._decode.on_peer_lost(engine_id, now), now)
+        self._perform(self._prefill.on_peer_lost(engine_id, now), now)
 
     def _load_peer(self, payload: HandshakePayload) -> None:
-        self._backend.add_peer(payload)
+        self._backend.add_peer(payload)  # reloads when the metadata changed (a restarted peer)
+        previous = self._agents.get(payload.engine_id)
+        if previous is not None and previous != payload.agent_name:
+            self._retired.add(previous)  # an older incarnation of that engine
+        self._retired.discard(payload.agent_name)
         self._agents[payload.engine_id] = payload.agent_name
+
+    def _reap_agents(self) -> None:
+        busy = {w.agent for w in self._writes.values()}
+        for agent in list(self._retired - busy):
+            self._retired.discard(agent)
+            self._backend.remove_peer(agent)
+            self._pending.counters["agents_removed"] += 1
 
     def _on_raw_notice(self, sender: str, raw: bytes, now: float) -> None:
         if not is_notice(raw):
@@ -300,56 +441,90 @@ class TransferThread:
             logger.warning("dropped notice from %s: %s", sender, exc)
             self._pending.counters["bad_notices"] += 1
             return
-        if isinstance(notice, Registration):
-            self._perform(self._prefill.on_registration(notice, now), now)
-        elif isinstance(notice, Cancel):
-            self._perform(self._prefill.on_cancel(notice, now), now)
-        else:
-            self._perform(self._decode.on_notice(notice, now), now)
+        match notice:
+            case Registration():
+                self._perform(self._prefill.on_registration(notice, now), now)
+            case Cancel():
+                self._perform(self._prefill.on_cancel(notice, now), now)
+            case CancelAck() | Failure() | Done():
+                self._perform(self._decode.on_notice(notice, now), now)
+            case _:
+                assert_never(notice)
 
     def _check_writes(self, now: float) -> None:
-        for key, (ticket, started) in list(self._writes.items()):
-            state = self._backend.write_state(ticket.handle)
+        for key, w in list(self._writes.items()):
+            if w.failed:  # retry the release of a failed or abandoned WRITE
+                if self._backend.release(w.ticket.handle):
+                    del self._writes[key]
+                    self._perform(self._prefill.on_write_released(key, now), now)
+                continue
+            state = self._backend.write_state(w.ticket.handle)
             if state == "PROC":
                 continue
+            if state == "ERR":
+                self._fail_write(key, w, now)
+                continue
             del self._writes[key]
-            self._backend.release(ticket.handle)
-            if state == "DONE":
-                self._pending.records.append(TransferRecord(ticket.num_bytes, now - started, ticket.num_descriptors))
-            self._perform(self._prefill.on_write_result(key, state == "DONE", now), now)
+            if not self._backend.release(w.ticket.handle):
+                self._pending.counters["release_refused"] += 1  # done: the data landed already
+            self._pending.records.append(TransferRecord(w.ticket.num_bytes, now - w.started, w.ticket.num_descriptors))
+            self._perform(self._prefill.on_write_done(key, now), now)
+
+    def _fail_write(self, key: str, w: _Write, now: float) -> None:
+        """ERR or abandoned: D may free its blocks only once the backend released the handle."""
+        if self._backend.release(w.ticket.handle):
+            del self._writes[key]
+            self._perform(self._prefill.on_write_released(key, now), now)
+            return
+        w.failed = True
+        self._pending.counters["release_refused"] += 1
+        self._perform(self._prefill.on_write_stuck(key, now), now)
 
     # ---- performing actions --------------------------------------------------------------
 
     def _perform(self, actions: list[Action], now: float) -> None:
         for action in actions:
-            if isinstance(action, StartWrite):
-                self._start_write(action, now)
-            elif isinstance(action, AbandonWrite):
-                entry = self._writes.pop(action.key, None)
-                if entry is not None:
-                    self._backend.release(entry[0].handle)
-            elif isinstance(action, Send):
-                self._send(action, now)
-            elif isinstance(action, Release):
-                self._pending.released.add(action.request_id)
-            elif isinstance(action, Received):
-                self._pending.received.add(action.request_id)
-                if not action.ok:
+            match action:
+                case StartWrite():
+                    self._start_write(action, now)
+                case AbandonWrite():
+                    w = self._writes.get(action.key)
+                    if w is None:
+                        self._perform(self._prefill.on_write_released(action.key, now), now)
+                    elif not w.failed:
+                        self._fail_write(action.key, w, now)
+                case Send():
+                    self._send(action, now)
+                case Release():
+                    self._pending.released.add(action.request_id)
+                case Received():
+                    self._pending.received.add(action.request_id)
+                    if not action.ok:
+                        self._pending.failed.add(action.request_id)
+                case Failed():
                     self._pending.failed.add(action.request_id)
-            elif isinstance(action, Connect):
-                self._connect(action.peer)
+                case Freed():
+                    self._pending.received.add(action.request_id)
+                case Connect():
+                    self._connect(action.peer)
+                case _:
+                    assert_never(action)
 
     def _start_write(self, action: StartWrite, now: float) -> None:
         reg = action.registration
         try:
             agent = self._agents[reg.d_engine_id]
             done = encode_notice(Done(reg.key, reg.d_request_id))
+            # GPU note: with a design-A WRITE (posted in the step that computed the KV) on VRAM, the
+            # forward's CUDA stream must be synchronised here (an event recorded after the forward,
+            # waited on before postXfer); on CPU the forward is synchronous and the KV is in place.
             ticket = self._backend.write(agent, action.local_blocks, reg.block_ids, done)
         except (KeyError, TransferError, ValueError) as exc:
             logger.warning("WRITE for %s not posted: %r", action.key, exc)
-            self._perform(self._prefill.on_write_result(action.key, False, now), now)
+            self._perform(self._prefill.on_write_released(action.key, now), now)  # nothing can land
             return
-        self._writes[action.key] = (ticket, now)
+        self._writes[action.key] = _Write(ticket, agent, now)
+        self._write_backoff = self._polling.write_poll_min_s
 
     def _send(self, action: Send, now: float) -> None:
         notice = action.notice
@@ -367,15 +542,15 @@ class TransferThread:
     def _connect(self, peer: PeerAddress) -> None:
         if peer.engine_id in self._links:
             return
-        self._links[peer.engine_id] = PeerLink(
+        link = PeerLink(
             peer,
             self._local_payload,
             on_ready=lambda payload, offset: self._inbox_put(_PeerReady(payload, offset)),
-            on_lost=self._peer_lost,
+            on_lost=lambda engine_id: self._inbox_put(_PeerLost(engine_id, link)),
             expect_hash=self._compat_hash,
             timeout_s=self._timeouts.connect_timeout_s,
+            liveness=self._liveness,
+            clock=self._clock,
         )
-
-    def _inbox_put(self, cmd: _Command) -> None:
-        self._inbox.put(cmd)
-        self._wake.set()
+        self._links[peer.engine_id] = link
+        link.start()

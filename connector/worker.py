@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+import uuid
+from typing import TYPE_CHECKING
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from connector.metadata import KVLayout, Region, StepPlan, compatibility_hash
-from connector.rendezvous import Timeouts
 from connector.stats import KvpushStats
 from connector.transfer import NixlBackend
-from connector.transfer_thread import CancelOrder, Order, TransferThread
+from connector.transfer_thread import CancelOrder, Options, Order, TransferThread
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,15 +56,14 @@ def layout_from_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int, bloc
 class WorkerHalf:
     def __init__(self, vllm_config: VllmConfig, engine_id: str, side_host: str, side_port: int) -> None:
         kv_config = vllm_config.kv_transfer_config
-        extra: dict[str, Any] = dict(kv_config.kv_connector_extra_config or {})
+        # Unknown keys are refused here, at engine start, with the list of known ones.
+        self._options = Options.from_extra(kv_config.kv_connector_extra_config)
         self.engine_id = engine_id
         self._side_host, self._side_port = side_host, side_port
         self._mem_type = "VRAM" if kv_config.kv_buffer_device == "cuda" else "DRAM"
         self._block_size = vllm_config.cache_config.block_size
         model = vllm_config.model_config
         self._model_signature = f"{model.model}|{model.dtype}|{vllm_config.cache_config.cache_dtype}"
-        self._timeouts = Timeouts(**{k: float(v) for k, v in extra.items() if k in Timeouts.__dataclass_fields__})
-        self._backends = tuple(extra.get("backends", ("UCX",)))
         self._num_blocks = 0
         self._thread: TransferThread | None = None
         self._stats = KvpushStats()
@@ -74,7 +73,9 @@ class WorkerHalf:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = layout_from_caches(kv_caches, self._num_blocks, self._block_size, self._mem_type)
-        backend = NixlBackend(f"kvpush-{self.engine_id}-{os.getpid()}", layout, self._backends)
+        # Unique per incarnation: a restarted peer (same engine id, even the same pid) is a new agent.
+        name = f"kvpush-{self.engine_id}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        backend = NixlBackend(name, layout, self._options.backends)
         self._thread = TransferThread(
             backend,
             engine_id=self.engine_id,
@@ -82,8 +83,9 @@ class WorkerHalf:
             compat_hash=compatibility_hash(self._model_signature, layout),
             side_host=self._side_host,
             side_port=self._side_port,
-            timeouts=self._timeouts,
+            options=self._options,
         )
+        self._thread.start()
         logger.info(
             "kvpush: %d KV regions of %d blocks registered (%s); side channel on %s:%d",
             len(layout.regions),
@@ -96,14 +98,21 @@ class WorkerHalf:
     def start(self, plan: StepPlan) -> None:
         if self._thread is None or plan.is_empty():
             return
-        orders: list[Order] = [*plan.register, *(CancelOrder(r) for r in plan.cancel), *plan.finished, *plan.failed]
+        orders: list[Order] = [
+            *plan.register,
+            *(CancelOrder(r) for r in plan.cancel),
+            *plan.cancel_unallocated,
+            *plan.finished,
+            *plan.failed,
+        ]
         for order in orders:
             self._thread.submit(order)
 
     def transfer_results(self) -> KVConnectorTransferResults:
         if self._thread is None:
             return KVConnectorTransferResults()
-        r = self._thread.drain()
+        self._thread.kick()  # once per engine step: the owner thread polls notices and WRITEs now
+        r = self._thread.collect_results()
         if r.records or r.counters:
             self._stats.record(r.records, r.counters)
         return KVConnectorTransferResults(

@@ -30,7 +30,7 @@ def peer_main(conn: Connection, engine: str, seed: int | None) -> None:
     from connector.metadata import KVLayout, PeerAddress, PrefillFailed, PrefillFinished, Region, RegisterOrder
     from connector.rendezvous import Timeouts
     from connector.transfer import NixlBackend
-    from connector.transfer_thread import CancelOrder, Results, TransferThread
+    from connector.transfer_thread import CancelOrder, Options, Results, TransferThread
 
     rng = np.random.default_rng(seed)
     kv = [
@@ -48,8 +48,9 @@ def peer_main(conn: Connection, engine: str, seed: int | None) -> None:
         compat_hash="it",
         side_host="127.0.0.1",
         side_port=0,
-        timeouts=timeouts,
+        options=Options(timeouts=timeouts),
     )
+    thread.start()
     seen = Results()
     conn.send(thread.side_port)
     while True:
@@ -63,15 +64,12 @@ def peer_main(conn: Connection, engine: str, seed: int | None) -> None:
         elif cmd == "fail":
             thread.submit(PrefillFailed(args[0], args[1], "aborted"))
         elif cmd == "register":
-            thread.submit(RegisterOrder(args[0], args[1], PeerAddress("P", "127.0.0.1", args[2]), tuple(args[3])))
+            peer = PeerAddress("P", "127.0.0.1", args[2])
+            thread.submit(RegisterOrder(args[0], args[1], peer, tuple(args[3]), len(args[3]) * 16))
         elif cmd == "cancel":
             thread.submit(CancelOrder(args[0]))
         elif cmd == "results":
-            r = thread.drain()
-            seen.released |= r.released
-            seen.received |= r.received
-            seen.failed |= r.failed
-            seen.records += r.records
+            seen.merge(thread.collect_results())
         elif cmd == "sha":
             data = b"".join(region[b * BLOCK_LEN : (b + 1) * BLOCK_LEN].tobytes() for b in args[0] for region in kv)
             conn.send(hashlib.sha256(data).hexdigest())

@@ -28,17 +28,18 @@ from connector.metadata import (
 )
 
 NOTICES = [
-    Registration("t:x", "d-1", "D", (3, 4, 5), 12.5),
+    Registration("t:x", "d-1", "D", (3, 4, 5), 12.5, 40),
     Cancel("t:x", "d-1", "D"),
     CancelAck("t:x", "d-1"),
     Failure("t:x", "d-1", "prefill failed"),
+    Failure("t:x", "d-1", "WRITE failed and could not be released", quarantine=True),
     Done("t:x", "d-1"),
 ]
 
 LAYOUT = KVLayout("DRAM", 0, 16, (Region(4096, 1024, 8), Region(65536, 1024, 8)))
 
 
-@pytest.mark.parametrize("notice", NOTICES, ids=lambda n: n.kind)
+@pytest.mark.parametrize("notice", NOTICES, ids=lambda n: f"{n.kind}-{NOTICES.index(n)}")
 def test_notice_round_trip(notice):
     assert decode_notice(encode_notice(notice)) == notice
 

@@ -3,12 +3,14 @@
 Each example runs a few transfers (every retry gets a fresh key, as the router does) through one
 prefill and one decode machine. Hypothesis picks the order of: prefill finish / failure, decode
 registration and abort, delivery (possibly duplicated) of any in-flight notice, landing or failure
-of any posted WRITE, and clock jumps (lease expiry). Checked invariants:
+of any posted WRITE (a failed one may have its release refused: it then stays "stuck" and may still
+land until prefill's hold limit), and clock jumps (lease expiry). Checked invariants:
 
-* guarantee 2: a WRITE never lands in blocks that decode already gave back, and prefill never posts a
+* guarantee G2: a WRITE (also a failed or abandoned one whose handle is not yet released) never lands
+  in blocks that decode already gave back, and prefill never posts a
   WRITE for a (key, decode request) it has acknowledged or failed;
-* guarantee 4: a WRITE only pairs a prefill and a registration of the same transfer;
-* guarantee 5: after quiescence both machines are empty, every prefill's blocks were released exactly
+* guarantee G4: a WRITE only pairs a prefill and a registration of the same transfer;
+* guarantee G5: after quiescence both machines are empty, every prefill's blocks were released exactly
   once and every registered decode request was reported exactly once.
 """
 
@@ -26,6 +28,8 @@ from connector.rendezvous import (
     Action,
     Connect,
     DecodeRendezvous,
+    Failed,
+    Freed,
     PrefillRendezvous,
     Received,
     Release,
@@ -55,6 +59,7 @@ class World:
     to_p: list[Notice] = field(default_factory=list)
     to_d: list[Notice] = field(default_factory=list)
     writes: list[Write] = field(default_factory=list)
+    stuck: list[Write] = field(default_factory=list)  # failed or abandoned, release refused so far
     write_results: list[tuple[str, bool]] = field(default_factory=list)
     d_gone: set[str] = field(default_factory=set)  # decode requests whose blocks were given back
     closed: set[tuple[str, str]] = field(default_factory=set)  # (key, d req) acked or failed by P
@@ -64,6 +69,8 @@ class World:
     d_started: set[int] = field(default_factory=set)
     d_aborted: set[int] = field(default_factory=set)
     finished_ok: set[str] = field(default_factory=set)
+    limits: dict[str, float] = field(default_factory=dict)  # key -> P's hold limit for a stuck WRITE
+    d_gone_at: dict[str, float] = field(default_factory=dict)
 
     # ---- performing actions -------------------------------------------------------------
     def perform(self, actions: list[Action]) -> None:
@@ -76,20 +83,28 @@ class World:
                 self.writes.append(
                     Write(a.key, a.request_id, a.registration.d_request_id, self.now + T.write_timeout_s)
                 )
+                self.limits[a.key] = a.registration.write_deadline + T.write_grace_s
             elif isinstance(a, AbandonWrite):
-                self.writes = [w for w in self.writes if w.key != a.key]
+                # The transport may refuse to cancel it: it stays stuck and may land until P's hold limit.
+                for w in [w for w in self.writes if w.key == a.key]:
+                    self.writes.remove(w)
+                    self.stuck.append(Write(w.key, w.p_request, w.d_request, self.limits[w.key]))
+                    self.perform(self.p.on_write_stuck(w.key, self.now))
             elif isinstance(a, Send) and a.engine_id == "P":
                 self.to_p.append(a.notice)
             elif isinstance(a, Send):
-                if isinstance(a.notice, CancelAck | Failure):
-                    assert not any(w.key == a.notice.key for w in self.writes), "acked with a WRITE in flight"
+                if isinstance(a.notice, CancelAck) or (isinstance(a.notice, Failure) and not a.notice.quarantine):
+                    assert not any(w.key == a.notice.key for w in self.writes + self.stuck), "freed with a WRITE live"
                     self.closed.add((a.notice.key, a.notice.d_request_id))
                 self.to_d.append(a.notice)
             elif isinstance(a, Release):
                 self.released[a.request_id] += 1
-            elif isinstance(a, Received):
+            elif isinstance(a, Received | Freed):
                 self.received[a.request_id] += 1
                 self.d_gone.add(a.request_id)
+                self.d_gone_at.setdefault(a.request_id, self.now)
+            elif isinstance(a, Failed):
+                pass  # reported failed; the blocks stay held
             elif isinstance(a, Connect):
                 self.perform(self.d.on_peer_ready("P", 0.0, self.now))
 
@@ -117,12 +132,26 @@ class World:
         elif kind == "land" and self.writes:
             self.land(self.writes.pop(i % len(self.writes)), ok=True)
         elif kind == "write_fails" and self.writes:
-            self.land(self.writes.pop(i % len(self.writes)), ok=False)
+            w = self.writes.pop(i % len(self.writes))
+            if dup:  # the release is refused: stuck, may still land
+                self.stuck.append(Write(w.key, w.p_request, w.d_request, self.limits[w.key]))
+                self.perform(self.p.on_write_stuck(w.key, self.now))
+            else:
+                self.land(w, ok=False)
+        elif kind == "stuck_lands" and self.stuck:
+            w = self.stuck[i % len(self.stuck)]
+            assert w.d_request not in self.d_gone, "a stuck WRITE landed in freed decode blocks"
+        elif kind == "stuck_released" and self.stuck:
+            w = self.stuck.pop(i % len(self.stuck))
+            self.perform(self.p.on_write_released(w.key, self.now))
         elif kind == "write_result" and self.write_results:
             key, ok = self.write_results.pop(i % len(self.write_results))
-            self.perform(self.p.on_write_result(key, ok, self.now))
+            self.result(key, ok)
         elif kind == "tick":
             self.tick(dt)
+
+    def result(self, key: str, ok: bool) -> None:
+        self.perform(self.p.on_write_done(key, self.now) if ok else self.p.on_write_released(key, self.now))
 
     def deliver_p(self, i: int, dup: bool) -> None:
         notice = self.to_p[i % len(self.to_p)] if dup else self.to_p.pop(i % len(self.to_p))
@@ -147,16 +176,24 @@ class World:
         # Writes past their bound cannot land; prefill abandons them at its next expiry.
         self.perform(self.p.expire(self.now))
         self.writes = [w for w in self.writes if w.land_by >= self.now]
+        for w in self.stuck:  # past P's hold limit nothing lands (the transport's retry bound)
+            if w.land_by < self.now:
+                assert w.d_request not in self.d_gone or self.d_gone_at[w.d_request] >= w.land_by
+        self.stuck = [w for w in self.stuck if w.land_by >= self.now]
         self.perform(self.d.expire(self.now))
 
     def quiesce(self) -> None:
         for _ in range(50):
+            if not (self.to_p or self.to_d or self.writes or self.write_results or self.stuck):
+                break
+            while self.stuck:
+                self.perform(self.p.on_write_released(self.stuck.pop().key, self.now))
             if not (self.to_p or self.to_d or self.writes or self.write_results):
                 break
             while self.writes:
                 self.land(self.writes.pop(), ok=True)
             while self.write_results:
-                self.perform(self.p.on_write_result(*self.write_results.pop(), self.now))
+                self.result(*self.write_results.pop())
             while self.to_p:
                 self.deliver_p(0, dup=False)
             while self.to_d:
@@ -180,6 +217,8 @@ OPS = st.tuples(
             "deliver_d",
             "land",
             "write_fails",
+            "stuck_lands",
+            "stuck_released",
             "write_result",
             "tick",
         ]

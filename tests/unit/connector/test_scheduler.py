@@ -142,3 +142,20 @@ def test_a_plain_request_is_left_to_vllm() -> None:
     h = half()
     assert h.request_finished(req, [1, 2]) == (False, None)
     assert plan(h).is_empty()
+
+
+def test_a_decode_request_finished_before_allocation_cancels_its_prefill() -> None:
+    """G5: the prefill may hold finished blocks for it; a Cancel frees them before the lease ends."""
+    h = half()
+    req = Req("d-9", d_params("xfer-9"), status=RequestStatus.FINISHED_ABORTED)
+    assert h.request_finished(req, []) == (False, None)
+    (order,) = plan(h).cancel_unallocated
+    assert (order.request_id, order.key, order.peer) == ("d-9", "t:xfer-9", PeerAddress("p0", "127.0.0.1", 5600))
+    assert not h.has_pending_push_work(), "vLLM holds no blocks for it"
+
+
+def test_a_registration_carries_the_prompt_length() -> None:
+    h = half()
+    registered(h)
+    (order,) = plan(h).register
+    assert order.num_tokens == 40

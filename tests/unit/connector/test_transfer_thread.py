@@ -1,11 +1,13 @@
-"""Two transfer threads (prefill and decode) over the in-memory backend.
+"""Two transfer threads (prefill and decode) over the in-memory backend, with injected faults.
 
-The side channel is real (loopback, ephemeral port); the data path is ``MemoryBackend``.
+The side channel is real (loopback, ephemeral port); the data path is ``MemoryBackend``. Guarantee
+numbers (G2, G3, ...) are those of connector/README.md.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -13,10 +15,19 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from connector.handshake import Liveness
 from connector.memory_backend import MemoryBackend, MemoryFabric
-from connector.metadata import KVLayout, PeerAddress, PrefillFailed, PrefillFinished, Region, RegisterOrder
+from connector.metadata import (
+    CancelUnallocated,
+    KVLayout,
+    PeerAddress,
+    PrefillFailed,
+    PrefillFinished,
+    Region,
+    RegisterOrder,
+)
 from connector.rendezvous import Timeouts
-from connector.transfer_thread import CancelOrder, Results, TransferThread
+from connector.transfer_thread import CancelOrder, Options, Polling, Results, TransferThread
 
 BLOCKS, BLOCK_LEN = 8, 64
 FAST = Timeouts(lease_s=2, kv_timeout_s=3, write_grace_s=1, write_timeout_s=0.5, connect_timeout_s=2)
@@ -33,16 +44,16 @@ class Side:
         return b"".join(r[b * BLOCK_LEN : (b + 1) * BLOCK_LEN].tobytes() for r in self.kv)
 
     def collect(self) -> Results:
-        r = self.thread.drain()
-        self.results.released |= r.released
-        self.results.received |= r.received
-        self.results.failed |= r.failed
-        self.results.records += r.records
-        self.results.counters.update(r.counters)
+        self.results.merge(self.thread.collect_results())
         return self.results
 
 
-def make_side(fabric: MemoryFabric, engine: str, seed: int | None, compat: str = "c1") -> Side:
+OPTIONS = Options(timeouts=FAST, liveness=Liveness(heartbeat_s=0.2, dead_after_s=0.8))
+
+
+def make_side(
+    fabric: MemoryFabric, engine: str, seed: int | None, compat: str = "c1", options: Options = OPTIONS
+) -> Side:
     rng = np.random.default_rng(seed)
     kv = [
         rng.integers(0, 256, BLOCKS * BLOCK_LEN, dtype=np.uint8)
@@ -59,8 +70,9 @@ def make_side(fabric: MemoryFabric, engine: str, seed: int | None, compat: str =
         compat_hash=compat,
         side_host="127.0.0.1",
         side_port=0,
-        timeouts=FAST,
+        options=options,
     )
+    thread.start()
     return Side(thread, backend, kv, Results())
 
 
@@ -82,7 +94,7 @@ def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:
     raise AssertionError("condition not met in time")
 
 
-def register(p: Side, d: Side, req: str = "d1", key: str = "t:1", blocks=(5, 6)) -> None:
+def register(p: Side, d: Side, req: str = "d1", key: str = "t:1", blocks: tuple[int, ...] = (5, 6)) -> None:
     peer = PeerAddress("P", "127.0.0.1", p.thread.side_port)
     d.thread.submit(RegisterOrder(req, key, peer, blocks))
 
@@ -198,3 +210,167 @@ def test_many_transfers_concurrently(pair):
     wait_for(lambda: len(d.collect().received) == 4 and len(p.collect().released) == 4)
     assert d.results.failed == set()
     assert [d.block(4 + i) for i in range(4)] == [p.block(i) for i in range(4)]
+
+
+# ---- issue 8 item 1: faults ------------------------------------------------------------------
+
+
+def test_an_err_with_sibling_parts_in_flight_frees_nothing_until_every_part_ended(pair: tuple[Side, Side]) -> None:
+    """G2: NIXL reports ERR at the first failed part while its siblings still write; D must not
+    free (report finished) its blocks before the last of them ended and the handle was released."""
+    p, d = pair
+    p.backend.subrequests, p.backend.fail_first_part, p.backend.sibling_polls = 2, True, 40
+    p.thread.submit(PrefillFinished("p1", "t:1", (1, 2)))
+    register(p, d)
+    wait_for(lambda: "d1" in d.collect().received)
+    assert p.backend.in_flight_to("agent-D") == 0, "decode freed its blocks while a part could still land"
+    assert p.backend.landed, "the siblings of the failed part did land"
+    assert d.results.failed == {"d1"}
+    wait_for(lambda: "p1" in p.collect().released)
+
+
+def test_a_release_that_keeps_failing_quarantines_both_sides(pair: tuple[Side, Side]) -> None:
+    """G2: ERR and the backend refuses to release the handle: D reports the request failed at once
+    but frees its blocks only at its hold deadline; P keeps its blocks until then as well."""
+    p, d = pair
+    p.backend.fail_writes, p.backend.refuse_releases = True, -1
+    p.thread.submit(PrefillFinished("p1", "t:1", (1, 2)))
+    t0 = time.monotonic()
+    register(p, d)
+    wait_for(lambda: "d1" in d.collect().failed, timeout=2.0)
+    assert "d1" not in d.results.received, "quarantined blocks freed at once"
+    assert "p1" not in p.collect().released
+    wait_for(lambda: "d1" in d.collect().received, timeout=FAST.kv_timeout_s + 2)
+    assert time.monotonic() - t0 >= FAST.kv_timeout_s - 0.5, "freed before the hold deadline"
+    wait_for(lambda: "p1" in p.collect().released, timeout=FAST.kv_timeout_s + 2)
+    assert p.results.counters["quarantined"] == 1
+
+
+def test_a_release_that_succeeds_later_ends_the_quarantine_early(pair: tuple[Side, Side]) -> None:
+    p, d = pair
+    p.backend.fail_writes, p.backend.refuse_releases = True, 3
+    p.thread.submit(PrefillFinished("p1", "t:1", (1, 2)))
+    register(p, d)
+    wait_for(lambda: "d1" in d.collect().received and "p1" in p.collect().released, timeout=2.0)
+    assert d.results.failed == {"d1"}
+
+
+def test_an_abandoned_write_that_cannot_be_released_is_quarantined(pair: tuple[Side, Side]) -> None:
+    """G2: a WRITE past write_timeout_s whose cancel is refused frees nothing before the hold deadline."""
+    p, d = pair
+    p.backend.polls_before_done, p.backend.refuse_releases = 10**9, -1
+    p.thread.submit(PrefillFinished("p1", "t:1", (1, 2)))
+    register(p, d)
+    wait_for(lambda: "d1" in d.collect().failed, timeout=FAST.write_timeout_s + 2)
+    assert "d1" not in d.results.received
+    counters = p.collect().counters
+    assert counters["expired"] >= 1 and counters["quarantined"] == 1
+
+
+def test_a_link_reset_while_both_live_fails_decode_at_once_but_keeps_its_blocks(pair: tuple[Side, Side]) -> None:
+    """G2/G3: a closed side channel is not proof that prefill died: fail now, free at the hold deadline."""
+    p, d = pair
+    register(p, d)
+    wait_for(lambda: p.thread._prefill.entries)
+    assert p.thread._server is not None
+    p.thread._server.close()  # both processes live; only the links go
+    t0 = time.monotonic()
+    wait_for(lambda: "d1" in d.collect().failed, timeout=2.0)
+    assert time.monotonic() - t0 < 1.5
+    assert "d1" not in d.results.received, "blocks freed on link loss"
+    wait_for(lambda: "d1" in d.collect().received, timeout=FAST.kv_timeout_s + 2)
+
+
+def test_decode_registering_more_blocks_than_prefill_holds_is_refused(pair: tuple[Side, Side]) -> None:
+    """G9: no silent tail write; decode fails the request, prefill writes nothing."""
+    p, d = pair
+    p.thread.submit(PrefillFinished("p1", "t:1", (1,)))
+    register(p, d, blocks=(5, 6))
+    wait_for(lambda: "d1" in d.collect().failed and "p1" in p.collect().released)
+    assert p.results.records == [] and p.results.counters["mismatch"] == 1
+    assert d.block(6) == bytes(2 * BLOCK_LEN)
+
+
+def test_decode_aborted_before_allocation_cancels_and_prefill_frees_at_once(pair: tuple[Side, Side]) -> None:
+    """G5: P holds the finished blocks only until decode's Cancel, not for its whole lease."""
+    p, d = pair
+    p.thread.submit(PrefillFinished("p1", "t:1", (1, 2)))
+    wait_for(lambda: p.thread._prefill.entries)
+    peer = PeerAddress("P", "127.0.0.1", p.thread.side_port)
+    d.thread.submit(CancelUnallocated("d1", "t:1", peer))
+    wait_for(lambda: "p1" in p.collect().released, timeout=FAST.lease_s / 2)
+    assert d.collect().received == set(), "vLLM holds nothing for it: nothing to report"
+
+
+def test_a_lost_peer_agent_is_removed_once_no_write_to_it_is_in_flight(pair: tuple[Side, Side]) -> None:
+    """G8: the agent of a decode whose link went is removed, but only after its WRITE ended."""
+    p, d = pair
+    p.backend.polls_before_done = 60
+    p.thread.submit(PrefillFinished("p1", "t:1", (1, 2)))
+    register(p, d)
+    wait_for(lambda: bool(p.thread._writes))
+    d.thread.close()
+    wait_for(lambda: "agent-D" in p.backend.removed, timeout=3.0)
+    assert p.backend.in_flight_to("agent-D") == 0
+
+
+def test_a_restarted_prefill_under_the_same_engine_id_is_reloaded(pair: tuple[Side, Side]) -> None:
+    """G8: the new incarnation's metadata replaces the old; the old agent is removed."""
+    p, d = pair
+    register(p, d)
+    p.thread.submit(PrefillFinished("p1", "t:1", (1, 2)))
+    wait_for(lambda: "d1" in d.collect().received)
+    p.thread.close()
+    wait_for(lambda: "agent-P" in d.backend.removed, timeout=3.0)
+    p2 = make_side(d.backend.fabric, "P", seed=2)  # same engine id and agent name, new incarnation
+    try:
+        register(p2, d, req="d2", key="t:2")
+        p2.thread.submit(PrefillFinished("p2", "t:2", (3, 4)))
+        wait_for(lambda: "d2" in d.collect().received)
+        assert "d2" not in d.results.failed
+        assert d.block(5) == p2.block(3)
+    finally:
+        p2.thread.close()
+
+
+# ---- issue 8 item 2: the owner thread sleeps until there is work -----------------------------
+
+
+def test_the_owner_thread_does_not_spin_while_blocks_wait_for_a_registration(pair: tuple[Side, Side]) -> None:
+    """G7: held blocks awaiting a registration are no reason to wake (the old loop woke every 1 ms)."""
+    p, _ = pair
+    p.thread.submit(PrefillFinished("p1", "t:1", (1, 2)))
+    wait_for(lambda: p.thread._prefill.live == 1)
+    before = p.thread.wakes
+    time.sleep(0.5)
+    idle_wakes = p.thread.wakes - before
+    assert idle_wakes <= 0.5 / OPTIONS.polling.idle_wait_s + 3, idle_wakes
+
+
+def test_a_kick_wakes_the_owner_thread(pair: tuple[Side, Side]) -> None:
+    p, _ = pair
+    time.sleep(0.05)
+    before = p.thread.wakes
+    for _ in range(5):
+        p.thread.kick()
+        time.sleep(0.01)
+    assert p.thread.wakes - before >= 3
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"poll_s": 0.001}, "unknown kv_connector_extra_config key(s) ['poll_s']"),
+        ({"write_timeout_s": 20}, "write_timeout_s < write_grace_s"),
+        ({"write_poll_min_s": "fast"}, "bad kv_connector_extra_config"),
+    ],
+)
+def test_extra_config_refuses_unknown_keys_and_bad_values(extra: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Options.from_extra(extra)
+
+
+def test_extra_config_sets_every_group() -> None:
+    o = Options.from_extra({"lease_s": 7, "write_poll_max_s": 0.002, "dead_after_s": 2, "backends": ["UCX"]})
+    assert (o.timeouts.lease_s, o.polling.write_poll_max_s, o.liveness.dead_after_s) == (7, 0.002, 2)
+    assert o.polling == Polling(write_poll_max_s=0.002)
