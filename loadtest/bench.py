@@ -130,6 +130,7 @@ def run_suites(
         what_if = report.latest_what_if(rows_all) if name == "seed-sim" else []
         for path in plots.suite_plots(name, what_if, results_dir, prefix="seed-sim-whatif"):
             print(f"   plot {path}")
+    results_dir.mkdir(parents=True, exist_ok=True)
     readme = results_dir / "README.md" if smoke or results is not None else REPO / "bench" / "README.md"
     readme.write_text(report.render(rows_all, results_dir), encoding="utf-8")
     print(f"== report {readme}")

@@ -1,10 +1,14 @@
 """Shared machinery of the benchmark suites: child processes (sims, routers), probes, one measured point."""
 
 import asyncio
+import contextlib
+import fcntl
 import os
 import shutil
 import sys
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,11 +59,17 @@ def sim_proc(
     return ManagedProcess(ProcessSpec(name, argv, _env(), log_dir / f"{name}.log", f"{url(port)}/health", REPO))
 
 
-def router_proc(name: str, port: int, mode: str, prefill: str, decode: str, log_dir: Path) -> ManagedProcess:
-    """Our router. `prefill` is a SPEC: URL or URL,engine_id=..,side_port=.. (see router's contract)."""
+def router_proc(
+    name: str, port: int, mode: str, prefill: str, decode: str, log_dir: Path, cprofile_to: Path | None = None
+) -> ManagedProcess:
+    """Our router. `prefill` is a SPEC: URL or URL,engine_id=..,side_port=.. (see router's contract).
+
+    `cprofile_to`: run it under loadtest.profiled (SIGUSR1 starts cProfile, SIGUSR2 writes that file).
+    """
+    head = ("-m", "loadtest.profiled", str(cprofile_to)) if cprofile_to else ("-m",)
     argv = (
         sys.executable,
-        "-m",
+        *head,
         "router",
         "serve",
         "--host",
@@ -197,6 +207,7 @@ class Point:
     prefill_url: str | None = None  # a simulated P: scrape its loop fidelity too
     timeout_s: float = 300.0
     extra: Mapping[str, Any] = field(default_factory=dict)
+    legs_of: tuple[str, str] | None = None  # simulated (P, D) URLs: record how the front door sent the legs
 
 
 def measure(
@@ -204,7 +215,9 @@ def measure(
 ) -> dict[str, Any]:
     """Run one point, append its row to summary_path and return the row (per-request JSONL under run_dir)."""
     lab = point.labels
-    name = f"{lab.suite}-{lab.router}-{lab.mode}-q{lab.qps}-c{lab.concurrency}"
+    rep = point.extra.get("repeat", lab.extra.get("repeat"))
+    name = f"{lab.suite}-{lab.router}-{lab.mode}-{lab.connector}-q{lab.qps}-c{lab.concurrency}"
+    name += f"-r{rep}" if rep is not None else ""
     load = LoadConfig(
         base_url=point.base_url,
         model="",
@@ -229,6 +242,7 @@ def measure(
     before = scrape(point.decode_url) if point.decode_url else None
     p_before = scrape(point.prefill_url) if point.prefill_url else None
     cpu0 = group_cpu_seconds(cpu_pid) if cpu_pid else None
+    since = time.monotonic()
     result, summary = asyncio.run(execute(job))
     extra: dict[str, Any] = dict(lab.extra) | dict(point.extra)
     if cpu_pid is not None and cpu0 is not None:
@@ -244,6 +258,8 @@ def measure(
         sources = kv_sources(before, after)
         extra["decode_prompt_tokens_by_source"] = sources
         extra["kv_external_frac"] = kv_external_frac(sources)
+    if point.legs_of is not None:
+        extra["wire_order"] = wire_order(legs(point.legs_of[0]), legs(point.legs_of[1]), since)
     extra["errors"] = sorted({r.error for r in result.records if r.error})[:5]
     extra["records"] = (
         str((run_dir / name / "requests.jsonl").relative_to(REPO))
@@ -256,3 +272,117 @@ def measure(
     row = build_row(summary, labels, git_commit(REPO))
     append_rows(summary_path, [row])
     return row
+
+
+def legs(base_url: str, timeout_s: float = 10.0) -> list[tuple[str, str, float]]:
+    """A simulator's leg log: (handoff key, leg kind, CLOCK_MONOTONIC at arrival) per generation request."""
+    resp = httpx.get(base_url.rstrip("/") + "/debug/legs", timeout=timeout_s)
+    resp.raise_for_status()
+    return [(str(k), str(kind), float(t)) for k, kind, t in resp.json()["legs"]]
+
+
+def wire_order(
+    p_legs: Sequence[tuple[str, str, float]], d_legs: Sequence[tuple[str, str, float]], since: float
+) -> dict[str, Any]:
+    """How a front door sent the two legs of each request since `since` (monotonic), seen by the workers.
+
+    `d_after_p_ms`: D's leg arrival minus P's leg arrival, per request joined by handoff key (p50/max); a
+    concurrent front door sends D's leg well before P answers. `d_kinds`: D's legs by kind ("push" = D was not
+    given P's block ids, i.e. it did not wait for P's answer; "pull" = it did).
+    """
+    p_at = {k: t for k, kind, t in p_legs if t >= since and kind == "prefill"}
+    gaps = sorted(1000 * (t - p_at[k]) for k, kind, t in d_legs if t >= since and k in p_at)
+    kinds: dict[str, int] = {}
+    for _, kind, t in d_legs:
+        if t >= since:
+            kinds[kind] = kinds.get(kind, 0) + 1
+    out: dict[str, Any] = {"joined": len(gaps), "d_kinds": kinds}
+    if gaps:
+        out["d_after_p_ms_p50"] = gaps[len(gaps) // 2]
+        out["d_after_p_ms_max"] = gaps[-1]
+    return out
+
+
+LOCK = Path("/tmp/kvpush-vllm.lock")
+
+
+def _ancestors() -> set[int]:
+    out, pid = set(), os.getppid()
+    while pid > 1 and pid not in out:
+        out.add(pid)
+        try:
+            pid = int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return out
+
+
+def lock_held_by_ancestor(path: Path = LOCK) -> bool:
+    """True when a process above us (e.g. `flock /tmp/kvpush-vllm.lock ...`) holds an flock on `path` (/proc/locks)."""
+    try:
+        inode = path.stat().st_ino
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return False
+    mine = _ancestors()
+    for line in table.splitlines():
+        parts = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 00:2a:5678 0 EOF" (a "->" marks a blocked waiter)
+        if len(parts) < 6 or parts[1] != "FLOCK" or "->" in parts:
+            continue
+        try:
+            pid, ino = int(parts[4]), int(parts[5].rsplit(":", 1)[1])
+        except (ValueError, IndexError):
+            continue
+        if ino == inode and pid in mine:
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def vllm_lock(path: Path = LOCK) -> Iterator[None]:
+    """The machine's one-vLLM-run-at-a-time lock; a no-op when an ancestor process already holds it."""
+    path.touch(exist_ok=True)
+    if lock_held_by_ancestor(path):
+        yield
+        return
+    with path.open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _load(base_url: str, client: httpx.Client) -> float:
+    """Requests running + waiting on a vLLM engine (waiting includes those waiting for remote KV)."""
+    samples = promtext.parse(client.get(base_url.rstrip("/") + "/metrics", timeout=5.0).text)
+    return promtext.total(samples, "vllm:num_requests_running") + promtext.total(samples, "vllm:num_requests_waiting")
+
+
+def concurrency_probe(front: str, p_url: str, d_url: str, prompt_words: int = 1024, polls: int = 400) -> dict[str, Any]:
+    """Does `front` send D's leg while P is still prefilling? One request through it, both engines' /metrics
+    polled meanwhile: `overlap` counts the polls that saw the request on D while P still held it in its queue
+    or batch (a sequential front never shows one). Say "concurrent" when at least one poll overlapped."""
+    result: dict[str, Any] = {}
+    body = {"model": "", "prompt": "hello " * prompt_words, "max_tokens": 4, "stream": False}
+
+    def send() -> None:
+        with httpx.Client(timeout=120.0) as c:
+            models = c.get(front.rstrip("/") + "/v1/models").json()["data"]
+            r = c.post(front.rstrip("/") + "/v1/completions", json=body | {"model": models[0]["id"]})
+            result["status"] = r.status_code
+
+    worker = threading.Thread(target=send, daemon=True)
+    overlap = seen_p = seen_d = n = 0
+    with httpx.Client() as client:
+        worker.start()
+        while worker.is_alive() and n < polls:
+            p, d = _load(p_url, client), _load(d_url, client)
+            n += 1
+            seen_p += p > 0
+            seen_d += d > 0
+            overlap += p > 0 and d > 0
+            time.sleep(0.005)
+    worker.join(timeout=120.0)
+    return result | {"polls": n, "p_busy": seen_p, "d_busy": seen_d, "overlap": overlap, "concurrent": overlap > 0}

@@ -22,8 +22,15 @@ def _pyplot() -> Any:
 def series_name(row: Row) -> str:
     if row["router"] == "direct":
         return "direct"
-    ours = " (kvpush connector)" if row.get("connector") == "kvpush-push" else ""
-    return f"{row['router']} {row['mode']}{ours}"
+    conn = str(row.get("connector") or "")
+    tag = f" [{conn}]" if conn not in ("", "sim", "upstream-pull") else ""
+    return f"{row['router']} {row['mode']}{tag}"
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
 def _stat(row: Row, metric: str, stat: str) -> float | None:
@@ -39,10 +46,14 @@ def vs_load(rows: Sequence[Row], x: str, panels: Sequence[tuple[str, Sequence[st
     colors = {name: f"C{i}" for i, name in enumerate(names)}  # one colour per series, one line style per stat
     for ax, (metric, stats) in zip(axes[0], panels, strict=True):
         for name in names:
-            pts = sorted((r[x], r) for r in rows if series_name(r) == name and r.get(x) is not None)
+            mine = [r for r in rows if series_name(r) == name and r.get(x) is not None]
             for stat, style in zip(stats, ("-o", "--s", ":^"), strict=False):
-                xs = [p[0] for p in pts if _stat(p[1], metric, stat) is not None]
-                ys = [_stat(p[1], metric, stat) for p in pts if _stat(p[1], metric, stat) is not None]
+                at: dict[float, list[float]] = {}  # repeats of a point: plot their median
+                for r in mine:
+                    if (v := _stat(r, metric, stat)) is not None:
+                        at.setdefault(r[x], []).append(v)
+                xs = sorted(at)
+                ys = [_median(at[k]) for k in xs]
                 if xs:
                     ax.plot(xs, ys, style, color=colors[name], label=f"{name} {stat}")
         ax.set_xlabel(x)

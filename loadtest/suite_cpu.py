@@ -1,25 +1,37 @@
-"""Suite "cpu-vllm": real vLLM CPU engines (tiny model) behind kvpush (push and pull) and vllm-router (pull).
+"""Suite "cpu-vllm": real vLLM CPU engines (tiny model), three P/D pairs up at once, every front side by side.
 
-One P/D pair at a time (P on core 0, D on core 1), one pair per connector family: the upstream pull pair
-(NixlConnector) serves kvpush-pull and vllm-router, the upstream push pair (NixlPushConnector) and our push pair
-(connector.plugin.KvpushConnector) serve kvpush-push. Holds /tmp/kvpush-vllm.lock throughout.
-Every row records decode's prompt tokens by source, to show the KV arrived by transfer.
+Pairs (every P pinned to core 0, every D to core 1, as the stack pins them): the upstream pull pair
+(NixlConnector), the upstream push pair (NixlPushConnector) and our push pair (connector.plugin.KvpushConnector).
+Fronts: kvpush and vllm-router 0.1.17 on every pair (vllm-router in push mode on both push pairs: it learns push
+from the prefill's first answer stating `transfer_mode: push`; a probe at startup checks on the engines that it
+then sends D's leg while P is still prefilling, `concurrency_probe` in the rows). So a row differs from its
+neighbour either by connector (same front) or by front (same pair).
+
+Every QPS point runs `repeats` times; even repeats take the fronts in one order, odd repeats in the reverse
+order, so drift on these shared cores shows up as spread between repeats, not as a difference between fronts.
+Holds the machine's vLLM lock throughout (benchkit.vllm_lock). Every row records decode's prompt tokens by
+source, to show the KV arrived by transfer.
 """
 
-import fcntl
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.benchkit import Point, measure, router_proc, url, vrouter_binary, vrouter_proc
+from loadtest.benchkit import (
+    Point,
+    concurrency_probe,
+    measure,
+    router_proc,
+    url,
+    vllm_lock,
+    vrouter_binary,
+    vrouter_proc,
+)
 from loadtest.results import RowLabels
-from stack.engines import EngineSpec, Fleet
+from stack.engines import Engine, EngineSpec, Fleet
 from stack.local import StackOptions, ensure_model
 from stack.procs import free_port
 
-LOCK = Path("/tmp/kvpush-vllm.lock")
 MODEL_SIZE = "bench"  # 4 layers, hidden 256: a 1024-token prefill takes ~0.33 s on one core (anchors.md)
 
 
@@ -44,24 +56,27 @@ FAMILIES = (
 class CpuPlan:
     input_len: int
     output_len: int
-    points: tuple[tuple[float, int], ...]  # (qps, requests)
+    qps: tuple[float, ...]
+    requests: int  # per point and front
     warmup: int
+    repeats: int = 2  # >= 2: the second takes the fronts in reverse order
+    vrouter: bool = True  # vllm-router fronts, when its binary is found
 
 
-# The stack's pinned engines prefill a 1024-token prompt in ~0.15 s (first run: TTFT ~170 ms at 0.5 QPS), so P
-# saturates near 6 req/s on an idle box: 0.5 light, 1.5-4.5 loaded, 6 and 8 at and past saturation.
-FULL = CpuPlan(1024, 64, ((0.5, 24), (1.5, 40), (3.0, 40), (4.5, 60), (6.0, 60), (8.0, 60)), warmup=2)
-SMOKE = CpuPlan(256, 8, ((1.0, 3),), warmup=0)
+# The stack's pinned engines prefill a 1024-token prompt in ~0.15 s, so P saturates near 6 req/s on an idle box.
+# 6 fronts x 6 points x 2 repeats x 40 requests = 2,880 requests: about 50 minutes on 2 idle cores. The lead's
+# 20-minute run: --set qps=0.5,3,6 --set requests=30 (see bench/README.md).
+FULL = CpuPlan(1024, 64, (0.5, 1.5, 3.0, 4.5, 6.0, 8.0), requests=40, warmup=2)
+SMOKE = CpuPlan(256, 8, (1.0,), requests=3, warmup=0)
 
 
-@contextmanager
-def vllm_lock() -> Iterator[None]:
-    with LOCK.open("a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+@dataclass(frozen=True)
+class Front:
+    router: str
+    family: Family
+    base: str
+    p: Engine
+    d: Engine
 
 
 def pair_specs(family: Family, model: Path) -> tuple[EngineSpec, EngineSpec]:
@@ -79,20 +94,22 @@ def pair_specs(family: Family, model: Path) -> tuple[EngineSpec, EngineSpec]:
     return p, d
 
 
-def _fronts(fleet: Fleet, mode: str, p_url: str, p_spec: str, d_url: str, logs: Path) -> list[tuple[str, str]]:
-    """(router name, base URL) of every front door for this pair, started and ready."""
-    out = []
+def _fronts(fleet: Fleet, family: Family, p: Engine, d: Engine, logs: Path, vrouter: bool) -> list[Front]:
+    """kvpush and (when found) vllm-router in front of one pair, started and ready."""
+    mode, tag = family.mode, family.label
+    side = p.engine_spec.side_port
+    p_spec = f"{p.url},engine_id={p.engine_spec.engine_id},side_port={side}"
     port = free_port()
-    proc = fleet.start(router_proc(f"router-{mode}", port, mode, p_spec, d_url, logs))
+    proc = fleet.start(router_proc(f"router-{tag}", port, mode, p_spec, d.url, logs))
     proc.wait_healthy(timeout=60.0)
-    out.append(("kvpush", url(port)))
-    binary = vrouter_binary()
-    if mode == "pull" and binary is not None:
+    out = [Front("kvpush", family, url(port), p, d)]
+    binary = vrouter_binary() if vrouter else None
+    if binary is not None:
         port, prom = free_port(), free_port()
-        proc = fleet.start(vrouter_proc("vllm-router", port, prom, p_url, d_url, logs, binary))
+        proc = fleet.start(vrouter_proc(f"vllm-router-{tag}", port, prom, p.url, d.url, logs, binary))
         proc.wait_healthy(timeout=120.0)
-        out.append(("vllm-router", url(port)))
-    elif mode == "pull":
+        out.append(Front("vllm-router", family, url(port), p, d))
+    elif vrouter:
         print("cpu-vllm: vllm-router not found (.venv-vrouter); its rows are skipped")
     return out
 
@@ -101,40 +118,59 @@ def run(plan: CpuPlan, run_dir: Path, summary: Path, progress: bool, run_id: str
     rows: list[dict[str, Any]] = []
     logs = run_dir / "logs"
     model = ensure_model(StackOptions(model_size=MODEL_SIZE))  # shared cache; built in a child process
-    with vllm_lock():
+    with vllm_lock(), Fleet(logs) as fleet:
+        engines: dict[str, tuple[Engine, Engine]] = {}
         for family in FAMILIES:
-            mode = family.mode
-            with Fleet(logs) as fleet:
-                p, d = fleet.start_all(pair_specs(family, model))
-                fleet.wait_all_healthy(timeout=600.0)
-                side = p.engine_spec.side_port
-                p_spec = f"{p.url},engine_id={p.engine_spec.engine_id},side_port={side}"
-                fronts = _fronts(fleet, mode, p.url, p_spec, d.url, logs)
-                for i, (qps, n) in enumerate(plan.points):
-                    for j, (router, base) in enumerate(fronts if i % 2 == 0 else fronts[::-1]):
-                        labels = RowLabels(
-                            "cpu-vllm",
-                            router,
-                            mode,
-                            family.label,
-                            qps,
-                            None,
-                            plan.input_len,
-                            plan.output_len,
-                            {"run_id": run_id, "model": MODEL_SIZE},
-                        )
-                        point = Point(
-                            labels,
-                            base,
-                            n,
-                            seed=3000 + i,
-                            warmup=plan.warmup,
-                            tokenizer="server",
-                            tokenizer_url=p.url,
-                            router_timings=router == "kvpush",
-                            decode_url=d.url,
-                            timeout_s=120.0,
-                            extra={"order": j},
-                        )
-                        rows.append(measure(point, run_dir, summary, progress))
+            p, d = fleet.start_all(pair_specs(family, model))
+            engines[family.label] = (p, d)
+        fleet.wait_all_healthy(timeout=900.0)
+        fronts = [f for fam in FAMILIES for f in _fronts(fleet, fam, *engines[fam.label], logs, plan.vrouter)]
+        probes = {(f.router, f.family.label): _probe(f, plan) for f in fronts if f.family.mode == "push"}
+        for i, qps in enumerate(plan.qps):
+            for rep in range(plan.repeats):
+                order = fronts if rep % 2 == 0 else fronts[::-1]
+                for j, front in enumerate(order):
+                    probe = probes.get((front.router, front.family.label))
+                    rows.append(_point(front, plan, qps, i, rep, j, probe, run_id, run_dir, summary, progress))
     return rows
+
+
+def _probe(front: Front, plan: CpuPlan) -> dict[str, Any]:
+    result = concurrency_probe(front.base, front.p.url, front.d.url, prompt_words=max(plan.input_len, 512))
+    state = "concurrent" if result.get("concurrent") else "NOT concurrent"
+    print(f"cpu-vllm: {front.router} on {front.family.label}: legs {state} ({result})")
+    return result
+
+
+def _point(
+    front: Front,
+    plan: CpuPlan,
+    qps: float,
+    index: int,
+    rep: int,
+    order: int,
+    probe: dict[str, Any] | None,
+    run_id: str,
+    run_dir: Path,
+    summary: Path,
+    progress: bool,
+) -> dict[str, Any]:
+    extra: dict[str, Any] = {"run_id": run_id, "model": MODEL_SIZE, "repeat": rep, "order": order}
+    if probe is not None:
+        extra["concurrency_probe"] = probe
+    fam = front.family
+    labels = RowLabels("cpu-vllm", front.router, fam.mode, fam.label, qps, None, plan.input_len, plan.output_len)
+    point = Point(
+        labels,
+        front.base,
+        plan.requests,
+        seed=3000 + index,  # the same arrivals for every front and repeat of a point
+        warmup=plan.warmup,
+        tokenizer="server",
+        tokenizer_url=front.p.url,
+        router_timings=front.router == "kvpush",
+        decode_url=front.d.url,
+        timeout_s=120.0,
+        extra=extra,
+    )
+    return measure(point, run_dir, summary, progress)

@@ -11,7 +11,7 @@ import json
 import logging
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -31,6 +31,7 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Item = tuple[str, bool, str]  # ("tok", final, "") | ("err", True, message)
 SIDE_TIMEOUT_S = 600.0
+LEG_LOG = 20000
 PREFILL_WAIT_S = 300.0
 
 
@@ -66,6 +67,9 @@ class SimServer:
         self.success = 0
         self.client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        # (handoff key, leg kind, CLOCK_MONOTONIC at arrival): one machine-wide clock, so a P's and a D's
+        # entries can be joined to tell a concurrent front door (D's leg ~at once) from a sequential one
+        self.legs: deque[tuple[str, str, float]] = deque(maxlen=LEG_LOG)
 
     # engine events ----------------------------------------------------------------------------------------
     def _spawn(self, coro: Awaitable[None]) -> None:
@@ -154,6 +158,8 @@ class SimServer:
                 {"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": "kvpush-sim"}]},
                 rid,
             )
+        elif method == "GET" and path == "/debug/legs":
+            await send_json(send, 200, {"legs": [list(x) for x in self.legs]}, rid)
         elif method == "GET" and path == "/metrics":
             await send_text(send, 200, self._metrics(), rid)
         elif method == "POST" and path == "/tokenize":
@@ -194,6 +200,7 @@ class SimServer:
     # generation ------------------------------------------------------------------------------------------
     async def _generate(self, body: dict[str, Any], chat: bool, rid: str, receive: Receive, send: Send) -> None:
         inc = wire.parse(body, chat)
+        self.legs.append((wire.handoff_key(inc.kv, rid), inc.kind.value, time.monotonic()))
         await asyncio.sleep(costs.api_time(self.profile, inc.prompt_tokens))
         req = Req(rid=rid, kind=inc.kind, prompt=inc.prompt_tokens, max_tokens=inc.max_tokens)
         queue: asyncio.Queue[Item] = asyncio.Queue()

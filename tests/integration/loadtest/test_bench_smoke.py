@@ -29,10 +29,12 @@ def rows_of(results: Path) -> list[dict[str, object]]:
 def test_seed_sim_smoke_push_and_pull_through_the_router(tmp_path: Path) -> None:
     assert run_suites("seed-sim", smoke=True, results=tmp_path, progress=False) == 0
     rows = rows_of(tmp_path)
-    assert sorted((r["qps"], r["mode"]) for r in rows) == [(1.0, "pull"), (1.0, "push"), (2.0, "pull"), (2.0, "push")]
+    stacks = [("pull", "sim"), ("push", "kvpush-progressive"), ("push", "kvpush-push"), ("push", "upstream-push")]
+    assert len(rows) == 8
+    assert {(r["qps"], r["mode"], r["connector"]) for r in rows} == {(q, *s) for q in (1.0, 2.0) for s in stacks}
     for r in rows:
         assert r["failed"] == 0, r["errors"]
-        assert r["router"] == "kvpush" and r["connector"] == "sim"
+        assert r["router"] == "kvpush"
         assert r["handoff_ms"] is not None  # the router measured every handoff
         assert r["kv_external_frac"] == 1.0  # decode got all its prompt tokens by (simulated) transfer
     for name in ("seed-sim.png", "seed-sim-ttft-cdf.png", "seed-sim-handoff-cdf.png", "README.md"):
@@ -47,8 +49,21 @@ def test_overhead_smoke_has_direct_kvpush_and_vllm_router(tmp_path: Path) -> Non
     fronts = {(r["router"], r["mode"]) for r in rows}
     assert {("direct", "direct"), ("kvpush", "push"), ("kvpush", "pull")} <= fronts
     if vrouter_binary() is not None:
-        assert ("vllm-router", "pull") in fronts
+        assert {("vllm-router", "pull"), ("vllm-router", "push")} <= fronts
     for r in rows:
         assert r["failed"] == 0, (r["router"], r["mode"], r["errors"])
         if r["router"] != "direct":
-            assert r["cpu_s_per_1k"] is not None and r["peak_rss_mb"] > 0
+            assert r["cpu_s_per_1k"] is not None and float(str(r["peak_rss_mb"])) > 0
+            # the workers saw how the legs came: push fronts never handed D the prefill's block ids
+            wire = r["wire_order"]
+            assert isinstance(wire, dict)
+            kinds = wire["d_kinds"]
+            assert set(kinds) == {r["mode"]}, (r["router"], r["mode"], kinds)
+
+
+@needs_router
+def test_overhead_can_profile_the_push_router(tmp_path: Path) -> None:
+    assert run_suites("overhead", smoke=True, results=tmp_path, progress=False, overrides=["cprofile=true"]) == 0
+    prof = json.loads((tmp_path / "router-profile.json").read_text())
+    assert prof["requests"] > 0 and prof["total_s"] > 0
+    assert "legs: upstream client" in prof["per_request_ms"]

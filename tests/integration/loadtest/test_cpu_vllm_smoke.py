@@ -1,6 +1,6 @@
-"""The cpu-vllm suite, tiny: real vLLM CPU pairs (pull, then push) behind our router and vllm-router.
+"""The cpu-vllm suite, tiny: three real vLLM CPU pairs up at once behind our router and vllm-router.
 
-Takes minutes (engines boot in about a minute per pair) and holds /tmp/kvpush-vllm.lock while it runs.
+Takes minutes (six engines boot) and holds /tmp/kvpush-vllm.lock while it runs (unless an ancestor holds it).
 """
 
 import importlib.util
@@ -24,9 +24,18 @@ def test_cpu_vllm_smoke(tmp_path: Path) -> None:
     assert run_suites("cpu-vllm", smoke=True, results=tmp_path, progress=False) == 0
     rows = json.loads((tmp_path / "summary.json").read_text())
     fronts = {(r["router"], r["mode"], r["connector"]) for r in rows}
-    assert {("kvpush", "pull", "upstream-pull"), ("kvpush", "push", "upstream-push")} <= fronts
+    pairs = {("pull", "upstream-pull"), ("push", "upstream-push"), ("push", "kvpush-push")}
+    assert {("kvpush", *p) for p in pairs} <= fronts
     if vrouter_binary() is not None:
-        assert ("vllm-router", "pull", "upstream-pull") in fronts
+        assert {("vllm-router", *p) for p in pairs} <= fronts
+    # every point twice, the second time with the fronts in reverse order
+    assert sorted({r["repeat"] for r in rows}) == [0, 1]
+    first = sorted((r["order"], r["router"], r["connector"]) for r in rows if r["repeat"] == 0)
+    second = sorted((r["order"], r["router"], r["connector"]) for r in rows if r["repeat"] == 1)
+    assert [x[1:] for x in first] == [x[1:] for x in second][::-1]
+    for r in rows:
+        if r["mode"] == "push":
+            assert r["concurrency_probe"]["concurrent"], (r["router"], r["connector"], r["concurrency_probe"])
     for r in rows:
         assert r["failed"] == 0, (r["router"], r["mode"], r["errors"])
         assert r["kv_external_frac"] == 1.0  # decode received every prompt token by KV transfer

@@ -1,7 +1,9 @@
 import os
+from pathlib import Path
 
 import pytest
 
+from loadtest import benchkit
 from loadtest.benchkit import group_cpu_seconds, group_peak_rss_mb, kv_external_frac, kv_sources, sim_fidelity
 from loadtest.promtext import parse
 from loadtest.suite_seed import FULL, SMOKE
@@ -43,3 +45,18 @@ def test_seed_plan_sizes_points_by_rate() -> None:
     assert FULL.n_for(0.5) == 40 and FULL.n_for(2.0) == 60 and FULL.n_for(8.0) == 120
     assert FULL.input_len == 16384 and 8.0 in FULL.qps
     assert SMOKE.n_for(1.0) == 3 and SMOKE.n_for(2.0) == 4
+
+
+def test_wire_order_joins_p_and_d_legs_by_key_after_since() -> None:
+    p = [("old", "prefill", 1.0), ("a", "prefill", 10.0), ("b", "prefill", 11.0)]
+    d = [("old", "pull", 1.5), ("a", "push", 10.0002), ("b", "push", 11.0005), ("c", "push", 12.0)]
+    out = benchkit.wire_order(p, d, since=5.0)
+    assert out["joined"] == 2 and out["d_kinds"] == {"push": 3}
+    assert abs(out["d_after_p_ms_max"] - 0.5) < 1e-6
+
+
+def test_the_vllm_lock_is_not_taken_twice_under_an_ancestor_that_holds_it(tmp_path: Path) -> None:
+    lock = tmp_path / "l.lock"
+    assert not benchkit.lock_held_by_ancestor(lock)
+    with benchkit.vllm_lock(lock):  # nobody holds it: taken here
+        assert lock.exists()
