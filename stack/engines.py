@@ -1,10 +1,12 @@
 """Real vLLM CPU engines as child processes: the typed spec, its exact command and environment, handles, fleets.
 
-An `EngineSpec` says what one engine is (role, ports, core, KV connector). The pure functions
-`engine_argv()`, `kv_transfer_config()` and `vllm_env()` turn it into the command line and environment that
-work on a small CPU box (see docs in stack/site/sitecustomize.py for the two harness switches). `Engine`
-runs one spec as a `ManagedProcess` pinned to its core with taskset; `Fleet` starts several at once and
-stops every process it started when its `with` block ends, however it ends.
+An `EngineSpec` says what one engine is (role, ports, core, KV connector); `prefill_arg()` is the router's
+`--prefill` SPEC naming a prefill engine's NIXL identity, and `pd_family()` builds the specs of one P/D
+family (prefills on one core, a decode on another, one connector). The pure functions `engine_argv()`,
+`kv_transfer_config()` and `vllm_env()` turn a spec into the command line and environment that work on a
+small CPU box (see docs in stack/site/sitecustomize.py for the two harness switches). `Engine` runs one spec
+as a `ManagedProcess` pinned to its core with taskset; `Fleet` starts several at once and stops every
+process it started when its `with` block ends, however it ends.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 from stack.procs import LOOPBACK, ManagedProcess, ProcessSpec, Readiness, free_port, http_status
 
@@ -29,14 +31,17 @@ __all__ = [
     "Engine",
     "EngineSpec",
     "Fleet",
+    "PdFamily",
     "engine_argv",
     "free_port",
     "kv_transfer_config",
+    "pd_family",
     "resolve_ports",
     "vllm_env",
 ]
 
 Role = Literal["prefill", "decode", "single"]
+_Process = TypeVar("_Process", bound=ManagedProcess)
 KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -102,6 +107,74 @@ class EngineSpec:
     @property
     def url(self) -> str:
         return f"http://{LOOPBACK}:{self.http_port}"
+
+    def prefill_arg(self) -> str:
+        """The router's `--prefill` SPEC for this engine: its URL and, with a connector, its NIXL identity
+        (`URL,engine_id=...,side_port=...`). Without an engine id the router learns the identity itself."""
+        if self.http_port == 0:
+            raise ValueError(f"{self.name}: resolve ports before naming the engine to the router")
+        if self.connector is None or self.engine_id is None or not self.side_port:
+            return self.url
+        return f"{self.url},engine_id={self.engine_id},side_port={self.side_port}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PdFamily:
+    """The specs of one prefill/decode family: prefill engines and one decode, all on one connector."""
+
+    prefills: tuple[EngineSpec, ...]
+    decode: EngineSpec
+
+    @property
+    def specs(self) -> tuple[EngineSpec, ...]:
+        """Every spec, prefills first (the order `Fleet.start_all` returns the handles in)."""
+        return (*self.prefills, self.decode)
+
+
+def pd_family(
+    label: str,
+    model: Path,
+    connector: str,
+    *,
+    module: str | None = None,
+    n_prefill: int = 1,
+    prefill_core: int = 0,
+    decode_core: int = 1,
+    engine_suffix: str = "",
+    prefill_args: Sequence[tuple[str, ...]] = (),
+    decode_args: tuple[str, ...] = (),
+) -> PdFamily:
+    """Prefills `{label}-p0..` (engine ids `{label}-pN{engine_suffix}`) on prefill_core, decode `{label}-d` on
+    decode_core; ports and side ports are picked when the engines are made. `prefill_args[i]` are extra vLLM
+    flags of prefill i (the rest get none); `decode_args` the decode's."""
+    if n_prefill < 1:
+        raise ValueError("a P/D family needs at least one prefill engine")
+    if len(prefill_args) > n_prefill:
+        raise ValueError(f"{len(prefill_args)} prefill_args for {n_prefill} prefill engines")
+    extra = [*prefill_args, *[()] * (n_prefill - len(prefill_args))]
+    prefills = tuple(
+        EngineSpec(
+            name=f"{label}-p{i}",
+            role="prefill",
+            model=model,
+            core=prefill_core,
+            connector=connector,
+            connector_module=module,
+            engine_id=f"{label}-p{i}{engine_suffix}",
+            extra_args=tuple(extra[i]),
+        )
+        for i in range(n_prefill)
+    )
+    decode = EngineSpec(
+        name=f"{label}-d",
+        role="decode",
+        model=model,
+        core=decode_core,
+        connector=connector,
+        connector_module=module,
+        extra_args=decode_args,
+    )
+    return PdFamily(prefills, decode)
 
 
 def spec_problems(spec: EngineSpec) -> list[str]:
@@ -310,7 +383,7 @@ class Fleet:
             self.start(engine)
         return engines
 
-    def start(self, process: ManagedProcess) -> ManagedProcess:
+    def start(self, process: _Process) -> _Process:
         """Start any managed process (the router, a stand-in) under this fleet's stop guarantee."""
         self.members.append(process)
         process.start()

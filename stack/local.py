@@ -27,7 +27,8 @@ from typing import Literal
 
 from stack import tiny_model
 from stack.engines import REPO_ROOT, Engine, EngineSpec, Fleet
-from stack.procs import LOOPBACK, ManagedProcess, ProcessSpec, StartupError, port_is_free, tail_lines
+from stack.procs import LOOPBACK, ManagedProcess, StartupError, port_is_free, tail_lines
+from stack.routers import Router, RouterSpec, router_spec
 
 Mode = Literal["push", "pull"]
 ConnectorChoice = Literal["auto", "upstream", "kvpush"]
@@ -105,38 +106,9 @@ def plan_engines(options: StackOptions) -> tuple[EngineSpec, EngineSpec]:
     return prefill, decode
 
 
-def router_argv(options: StackOptions, prefill: EngineSpec, decode: EngineSpec) -> tuple[str, ...]:
-    """`python -m router serve ...` for resolved engine specs (the prefill SPEC names P's NIXL identity)."""
-    prefill_arg = f"{prefill.url},engine_id={prefill.engine_id},side_port={prefill.side_port}"
-    return (
-        options.python,
-        "-m",
-        "router",
-        "serve",
-        "--host",
-        LOOPBACK,
-        "--port",
-        str(options.port),
-        "--mode",
-        options.mode,
-        "--prefill",
-        prefill_arg,
-        "--decode",
-        decode.url,
-    )
-
-
-def router_process(options: StackOptions, argv: Sequence[str], base_env: dict[str, str]) -> ProcessSpec:
-    env = dict(base_env)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), base_env.get("PYTHONPATH")) if p)
-    return ProcessSpec(
-        name="router",
-        argv=tuple(argv),
-        env=env,
-        log_path=options.log_dir / "router.log",
-        ready_url=f"http://{LOOPBACK}:{options.port}/ready",
-        cwd=REPO_ROOT,
-    )
+def plan_router(options: StackOptions, prefill: EngineSpec, decode: EngineSpec) -> RouterSpec:
+    """The router of the local stack for resolved engine specs (the prefill SPEC names P's NIXL identity)."""
+    return router_spec(options.port, options.mode, [prefill], [decode], name="router")
 
 
 def stack_ports(options: StackOptions, engines: Sequence[EngineSpec]) -> list[int]:
@@ -302,11 +274,11 @@ def _serve(options: StackOptions, fleet: Fleet) -> int:
         _say(f"ports already in use on {LOOPBACK}: {busy}; is another stack running? (see --port, --prefill-port)")
         return 1
     _say(f"starting prefill {prefill.url} and decode {decode.url} (about a minute); logs in {options.log_dir}")
-    argv = router_argv(options, prefill.engine_spec, decode.engine_spec)
+    spec = plan_router(options, prefill.engine_spec, decode.engine_spec)
     return run_stack(
         fleet,
         [prefill, decode],
-        lambda: ManagedProcess(router_process(options, argv, dict(os.environ))),
+        lambda: Router(spec, log_dir=options.log_dir, python=options.python),
         startup_timeout=options.startup_timeout,
         announce=lambda: ready_line(options, prefill.url, decode.url),
     )

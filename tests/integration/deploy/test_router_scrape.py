@@ -12,18 +12,17 @@ from pathlib import Path
 import httpx
 import pytest
 
+from stack.engines import Fleet
 from stack.procs import ManagedProcess, ProcessSpec, free_port
+from stack.routers import Router, router_spec
+from tests.integration.support import INTEGRATION, LOGS, REPO
+from tests.unit.deploy import promql
 
-try:
-    from tests.unit.deploy import promql
-except ImportError:  # run from the tests directory
-    from unit.deploy import promql  # type: ignore[no-redef]
-
-pytestmark = pytest.mark.integration
+pytestmark = INTEGRATION
 
 HERE = Path(__file__).resolve().parent
-LOGS = promql.REPO / ".cache" / "kvpush" / "test-logs"
-# The router's series, as issue 4 names them (the dashboard and alerts are built on these).
+# The router's series that the observability work promised (deploy/README.md sections 5-7: the dashboard and the
+# alerts are built on these).
 ROUTER_SERIES = [
     "kvpush_requests_total",
     "kvpush_ttft_seconds_bucket",
@@ -46,17 +45,29 @@ ROUTER_SERIES = [
 ]
 
 
-def process(name: str, argv: list[str], ready_url: str) -> ManagedProcess:
+def fake_worker(tag: str, port: int, *flags: str) -> ManagedProcess:
+    """fake_vllm.py on port (its log: deploy-fake-<tag>-<port>.log)."""
+    name = f"deploy-fake-{tag}-{port}"
+    argv = (sys.executable, str(HERE / "fake_vllm.py"), "--port", str(port), *flags)
     return ManagedProcess(
-        ProcessSpec(
-            name=name,
-            argv=tuple(argv),
-            env=dict(os.environ),
-            log_path=LOGS / f"{name}.log",
-            ready_url=ready_url,
-            cwd=promql.REPO,
-        )
+        ProcessSpec(name, argv, dict(os.environ), LOGS / f"{name}.log", f"http://127.0.0.1:{port}/health", REPO)
     )
+
+
+def traffic(base: str) -> None:
+    """Streamed and non-streamed completions and chat completions (one prefill fails once: a retry), and one
+    request that is not JSON (a client error)."""
+    with httpx.Client(base_url=base, timeout=30.0) as client:
+        for i in range(6):
+            path, body = (
+                ("/v1/completions", {"model": "tiny", "prompt": f"hello {i}"})
+                if i % 2
+                else ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": f"hi {i}"}]})
+            )
+            response = client.post(path, json={**body, "max_tokens": 3, "stream": i % 3 == 0})
+            assert response.status_code == 200, response.text
+        bad = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert bad.status_code == 400
 
 
 @pytest.fixture(scope="module")
@@ -64,72 +75,22 @@ def router_metrics() -> Iterator[str]:
     """Starts two prefill stand-ins (one fails its first request), a decode stand-in and the router; sends
     streamed, non-streamed and invalid requests through it; yields the router's /metrics text."""
     ports = {name: free_port() for name in ("p0", "p1", "d0", "router")}
-    fake = [sys.executable, str(HERE / "fake_vllm.py")]
-    workers = [
-        process(
-            f"deploy-fake-p0-{ports['p0']}",
-            [*fake, "--role", "prefill", "--port", str(ports["p0"]), "--engine-id", "fake-p0"],
-            f"http://127.0.0.1:{ports['p0']}/health",
-        ),
-        process(
-            f"deploy-fake-p1-{ports['p1']}",
-            [*fake, "--role", "prefill", "--port", str(ports["p1"]), "--engine-id", "fake-p1", "--fail-first", "1"],
-            f"http://127.0.0.1:{ports['p1']}/health",
-        ),
-        process(
-            f"deploy-fake-d0-{ports['d0']}",
-            [*fake, "--role", "decode", "--port", str(ports["d0"])],
-            f"http://127.0.0.1:{ports['d0']}/health",
-        ),
+    prefills = [
+        f"http://127.0.0.1:{ports['p0']},engine_id=fake-p0,side_port=5600",
+        f"http://127.0.0.1:{ports['p1']},engine_id=fake-p1,side_port=5601",
     ]
-    base = f"http://127.0.0.1:{ports['router']}"
-    router = process(
-        f"deploy-router-{ports['router']}",
-        [
-            sys.executable,
-            "-m",
-            "router",
-            "serve",
-            "--port",
-            str(ports["router"]),
-            "--mode",
-            "push",
-            "--health-interval",
-            "0.5",
-            "--prefill",
-            f"http://127.0.0.1:{ports['p0']},engine_id=fake-p0,side_port=5600",
-            "--prefill",
-            f"http://127.0.0.1:{ports['p1']},engine_id=fake-p1,side_port=5601",
-            "--decode",
-            f"http://127.0.0.1:{ports['d0']}",
-        ],
-        f"{base}/ready",
+    decodes = [f"http://127.0.0.1:{ports['d0']}"]
+    spec = router_spec(
+        ports["router"], "push", prefills, decodes, "--health-interval", "0.5", name=f"deploy-router-{ports['router']}"
     )
-    started: list[ManagedProcess] = []
-    try:
-        for proc in [*workers, router]:
-            proc.start()
-            started.append(proc)
-        for proc in started:
-            proc.wait_healthy(60.0)
-        with httpx.Client(base_url=base, timeout=30.0) as client:
-            for i in range(6):
-                path, body = (
-                    ("/v1/completions", {"model": "tiny", "prompt": f"hello {i}"})
-                    if i % 2
-                    else (
-                        "/v1/chat/completions",
-                        {"model": "tiny", "messages": [{"role": "user", "content": f"hi {i}"}]},
-                    )
-                )
-                response = client.post(path, json={**body, "max_tokens": 3, "stream": i % 3 == 0})
-                assert response.status_code == 200, response.text
-            bad = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
-            assert bad.status_code == 400
-            yield client.get("/metrics").text
-    finally:
-        for proc in reversed(started):
-            proc.stop(10.0)
+    with Fleet(LOGS, stop_grace=10.0) as fleet:
+        fleet.start(fake_worker("p0", ports["p0"], "--role", "prefill", "--engine-id", "fake-p0"))
+        fleet.start(fake_worker("p1", ports["p1"], "--role", "prefill", "--engine-id", "fake-p1", "--fail-first", "1"))
+        fleet.start(fake_worker("d0", ports["d0"], "--role", "decode"))
+        router = fleet.start(Router(spec, log_dir=LOGS))
+        fleet.wait_all_healthy(60.0)
+        traffic(router.url)
+        yield httpx.get(f"{router.url}/metrics", timeout=10.0).text
 
 
 def test_promtool_check_metrics_passes_on_a_live_router_scrape(router_metrics: str) -> None:
@@ -140,7 +101,7 @@ def test_promtool_check_metrics_passes_on_a_live_router_scrape(router_metrics: s
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_the_live_router_exports_every_series_issue_4_names(router_metrics: str) -> None:
+def test_the_live_router_exports_every_series_the_deploy_guide_names(router_metrics: str) -> None:
     page = promql.Exposition(router_metrics)
     missing = [name for name in ROUTER_SERIES if not page.exports(name)]
     assert not missing, f"the router's /metrics has no {missing}"

@@ -16,21 +16,11 @@ import httpx
 import pytest
 
 from stack.engines import EngineSpec, Fleet
+from tests.integration.support import LOGS, STARTUP_TIMEOUT, VLLM, require_vllm, tiny_model
+from tests.integration.vllm_support import prompt_text
+from tests.unit.deploy import promql
 
-try:
-    from tests.integration.vllm_support import LOGS, STARTUP_TIMEOUT, prompt_text, require_vllm, tiny_model
-    from tests.unit.deploy import promql
-except ImportError:  # run from the tests directory
-    from integration.vllm_support import (  # type: ignore[no-redef]
-        LOGS,
-        STARTUP_TIMEOUT,
-        prompt_text,
-        require_vllm,
-        tiny_model,
-    )
-    from unit.deploy import promql  # type: ignore[no-redef]
-
-pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+pytestmark = VLLM
 
 LOCK = Path("/tmp/kvpush-vllm.lock")
 
@@ -86,8 +76,8 @@ def test_every_vllm_series_the_dashboard_and_alerts_query_is_exported(vllm_metri
             assert labels is not None, f"{where}: {selector.name} has no samples on a used engine"
             unknown = selector.matchers - labels - promql.TARGET_LABELS
             assert not unknown, f"{where}: {selector.name} has no label(s) {unknown}"
-            unknown = found.grouping - labels - promql.TARGET_LABELS
-            assert not unknown, f"{where}: groups {selector.name} by {unknown}, which it does not carry"
+            ungrouped = found.grouping - labels - promql.TARGET_LABELS
+            assert not ungrouped, f"{where}: groups {selector.name} by {ungrouped}, which it does not carry"
             checked += 1
     assert checked >= 10
 

@@ -7,35 +7,24 @@ import sys
 from pathlib import Path
 
 import httpx
-import pytest
 import yaml
 
+from stack.engines import Fleet
 from stack.procs import ManagedProcess, ProcessSpec, free_port
+from stack.routers import Router, RouterSpec
 from tests.integration.discovery.dnsmasq import DOMAIN, Dnsmasq
-from tests.integration.vllm_support import LOGS, REPO, wait_for
+from tests.integration.support import INTEGRATION, LOGS, REPO, wait_for
 
-pytestmark = pytest.mark.integration
-
-
-def process(name: str, argv: list[str], ready_url: str) -> ManagedProcess:
-    proc = ManagedProcess(
-        ProcessSpec(
-            name=name,
-            argv=tuple(argv),
-            env=dict(os.environ),
-            log_path=LOGS / f"{name}.log",
-            ready_url=ready_url,
-            cwd=REPO,
-        )
-    )
-    proc.start()
-    proc.wait_healthy(30.0)
-    return proc
+pytestmark = INTEGRATION
 
 
 def fake(host: str, port: int) -> ManagedProcess:
-    argv = [sys.executable, "-m", "tests.integration.router.fake_worker", "--host", host, "--port", str(port)]
-    return process(f"fake-{host}-{port}", argv, f"http://{host}:{port}/health")
+    """A stand-in worker on host:port (any loopback address: one DNS record each)."""
+    argv = (sys.executable, "-m", "tests.integration.router.fake_worker", "--host", host, "--port", str(port))
+    name = f"fake-{host}-{port}"
+    return ManagedProcess(
+        ProcessSpec(name, argv, dict(os.environ), LOGS / f"{name}.log", f"http://{host}:{port}/health", REPO)
+    )
 
 
 def decode_members(url: str) -> list[str]:
@@ -47,7 +36,6 @@ def test_decode_workers_follow_dns_records(dnsmasq: Dnsmasq, tmp_path: Path) -> 
     port = free_port()
     name = f"decode.{DOMAIN}"
     dnsmasq.set_records({"decode": ["127.0.0.2"]})
-    workers = [fake("127.0.0.1", port), fake("127.0.0.2", port), fake("127.0.0.3", port)]
     config = tmp_path / "router.yaml"
     config.write_text(
         yaml.safe_dump(
@@ -62,26 +50,13 @@ def test_decode_workers_follow_dns_records(dnsmasq: Dnsmasq, tmp_path: Path) -> 
             }
         )
     )
-    router_port = free_port()
-    router = process(
-        "router-dns",
-        [
-            sys.executable,
-            "-m",
-            "router",
-            "serve",
-            "--config",
-            str(config),
-            "--port",
-            str(router_port),
-            "--health-interval",
-            "0.3",
-        ],
-        f"http://127.0.0.1:{router_port}/health",
-    )
-    url = f"http://127.0.0.1:{router_port}"
+    spec = RouterSpec(name="router-dns", config=config, flags=("--health-interval", "0.3"), ready_path="/health")
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
-    try:
+    with Fleet(LOGS, stop_grace=5.0) as fleet:
+        for host in ("127.0.0.1", "127.0.0.2", "127.0.0.3"):
+            fleet.start(fake(host, port))
+        url = fleet.start(Router(spec, log_dir=LOGS)).url
+        fleet.wait_all_healthy(30.0)
         wait_for(lambda: decode_members(url) == [f"http://127.0.0.2:{port}"], "the first record is a member")
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=20).status_code == 200
         dnsmasq.set_records({"decode": ["127.0.0.3"]})
@@ -89,6 +64,3 @@ def test_decode_workers_follow_dns_records(dnsmasq: Dnsmasq, tmp_path: Path) -> 
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=20).status_code == 200
         dnsmasq.set_records({})
         wait_for(lambda: httpx.get(f"{url}/ready", timeout=5).status_code == 503, "no decode: not ready")
-    finally:
-        for proc in (router, *workers):
-            proc.stop(5.0)

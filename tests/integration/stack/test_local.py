@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from stack.engines import REPO_ROOT
+from tests.integration.support import CACHE, INTEGRATION, alive
 
-pytestmark = pytest.mark.integration
+pytestmark = INTEGRATION
 DRIVER = Path(__file__).with_name("local_driver.py")
 NAMES = ("prefill", "decode", "router")
 
@@ -39,14 +40,6 @@ def child_pids(log_dir: Path) -> list[int]:
         if log.exists():
             pids += [int(p) for p in re.findall(r"(?:pid|grandchild)=(\d+)", log.read_text())]
     return pids
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def wait_for_ready_line(driver: subprocess.Popen[str], timeout: float = 60.0) -> str:
@@ -109,7 +102,6 @@ def test_the_real_entry_point_refuses_ports_already_in_use(tmp_path: Path) -> No
         sock.listen()
         port = sock.getsockname()[1]
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-        cache = Path(os.environ.get("KVPUSH_TEST_CACHE", REPO_ROOT / ".cache" / "kvpush"))
         done = subprocess.run(
             [
                 sys.executable,
@@ -118,7 +110,7 @@ def test_the_real_entry_point_refuses_ports_already_in_use(tmp_path: Path) -> No
                 "--port",
                 str(port),
                 "--cache-dir",
-                str(cache),
+                str(CACHE),
                 "--prefill-port",
                 "0",
                 "--decode-port",

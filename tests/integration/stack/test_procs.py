@@ -12,8 +12,9 @@ import pytest
 
 from stack.engines import EngineSpec, Fleet
 from stack.procs import ManagedProcess, ProcessSpec, StartupError, free_port, group_members, port_is_free
+from tests.integration.support import INTEGRATION, alive
 
-pytestmark = pytest.mark.integration
+pytestmark = INTEGRATION
 STANDIN = Path(__file__).with_name("standin.py")
 
 
@@ -32,14 +33,6 @@ def standin(tmp_path: Path, name: str, *flags: str) -> ManagedProcess:
 
 def pids_in_log(proc: ManagedProcess) -> list[int]:
     return [int(m) for m in re.findall(r"(?:pid|grandchild)=(\d+)", proc.log_path.read_text())]
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_start_ready_stop_leaves_no_process_of_the_group(tmp_path: Path) -> None:

@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from stack.engines import REPO_ROOT, vllm_env
+from tests.integration.support import INTEGRATION
 
-pytestmark = pytest.mark.integration
+pytestmark = INTEGRATION
 
 NIXL_PROBE = """
 import json

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from stack.tiny_model import BOS, SIZES, build, is_built
+from tests.integration.support import INTEGRATION
 
-pytestmark = pytest.mark.integration
+pytestmark = INTEGRATION
 
 
 def digest(path: Path) -> str:

@@ -190,7 +190,7 @@ class Exposition:
 
     def declared(self) -> set[str]:
         """Every series name the TYPE lines promise, whether or not a sample is there yet."""
-        names = set()
+        names: set[str] = set()
         for family, kind in self.types.items():
             base = family.removesuffix("_total") if kind == "counter" else family
             names.update(base + suffix for suffix in _DERIVED.get(kind, ("",)))

@@ -16,11 +16,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from router.metrics import Metrics
-
-try:
-    from tests.unit.deploy import promql
-except ImportError:  # run from the tests directory
-    from unit.deploy import promql  # type: ignore[no-redef]
+from tests.unit.deploy import promql
 
 BOUNDED = {"endpoint", "mode", "outcome", "kind", "leg", "role", "worker", "source", "pool", "pod", "namespace", "le"}
 

@@ -13,6 +13,7 @@ from stack.engines import (
     EngineSpec,
     engine_argv,
     kv_transfer_config,
+    pd_family,
     process_spec,
     resolve_ports,
     vllm_env,
@@ -199,3 +200,48 @@ def test_process_spec_logs_by_name_and_waits_for_health() -> None:
     assert proc.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
     assert proc.env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     assert proc.argv[:3] == ("taskset", "-c", "0")
+
+
+class TestPrefillArg:
+    def test_a_connector_engine_is_named_with_its_nixl_identity(self) -> None:
+        assert push_prefill().prefill_arg() == "http://127.0.0.1:8100,engine_id=p-id,side_port=5600"
+
+    def test_without_an_engine_id_the_router_learns_the_identity(self) -> None:
+        assert spec(connector="NixlPushConnector", side_port=5600).prefill_arg() == "http://127.0.0.1:8100"
+        assert spec().prefill_arg() == "http://127.0.0.1:8100"
+
+    def test_an_unresolved_port_cannot_be_named(self) -> None:
+        with pytest.raises(ValueError, match="resolve ports"):
+            spec(http_port=0).prefill_arg()
+
+    def test_the_router_s_parser_reads_it_back(self) -> None:
+        from router.config import parse_prefill_spec
+
+        worker = parse_prefill_spec(push_prefill().prefill_arg())
+        assert worker.url == "http://127.0.0.1:8100"
+        assert worker.identity is not None
+        assert (worker.identity.engine_id, worker.identity.host, worker.identity.port) == ("p-id", "127.0.0.1", 5600)
+
+
+class TestPdFamily:
+    def test_prefills_on_one_core_decode_on_another_one_connector(self) -> None:
+        family = pd_family("kv", MODEL, "KvpushConnector", module="connector.plugin", n_prefill=2, engine_suffix="-x")
+        assert [s.name for s in family.specs] == ["kv-p0", "kv-p1", "kv-d"]
+        assert [s.engine_id for s in family.prefills] == ["kv-p0-x", "kv-p1-x"]
+        assert family.decode.engine_id is None
+        assert {s.core for s in family.prefills} == {0}
+        assert family.decode.core == 1
+        assert {(s.connector, s.connector_module) for s in family.specs} == {("KvpushConnector", "connector.plugin")}
+        assert [s.effective_kv_role for s in family.specs] == ["kv_producer", "kv_producer", "kv_consumer"]
+        assert {(s.http_port, s.side_port) for s in family.specs} == {(0, None)}  # picked when the Engine is made
+
+    def test_extra_flags_per_engine(self) -> None:
+        family = pd_family("f", MODEL, "NixlPushConnector", n_prefill=2, prefill_args=[("--a",)], decode_args=("--b",))
+        assert [s.extra_args for s in family.specs] == [("--a",), (), ("--b",)]
+
+    @pytest.mark.parametrize(
+        ("kwargs", "fragment"), [({"n_prefill": 0}, "at least one"), ({"prefill_args": [(), ()]}, "2 prefill_args")]
+    )
+    def test_impossible_families_are_refused(self, kwargs: dict[str, object], fragment: str) -> None:
+        with pytest.raises(ValueError, match=fragment):
+            pd_family("f", MODEL, "NixlPushConnector", **kwargs)  # type: ignore[arg-type]

@@ -17,11 +17,11 @@ from stack.local import (
     connector_for,
     parse_args,
     plan_engines,
+    plan_router,
     ready_line,
-    router_argv,
-    router_process,
     stack_ports,
 )
+from stack.routers import router_argv, router_process
 
 
 def kv_config(argv: tuple[str, ...]) -> dict[str, object]:
@@ -84,7 +84,7 @@ def test_our_connector_is_loaded_from_its_module() -> None:
 def test_router_command_names_the_prefill_identity() -> None:
     options = StackOptions(python="py", port=8000)
     prefill, decode = plan_engines(options)
-    assert router_argv(options, prefill, decode) == (
+    assert router_argv(plan_router(options, prefill, decode), options.python) == (
         "py",
         "-m",
         "router",
@@ -104,7 +104,8 @@ def test_router_command_names_the_prefill_identity() -> None:
 
 def test_router_process_waits_for_ready_and_finds_the_repo() -> None:
     options = StackOptions(cache_dir=Path("/c"), port=8123)
-    proc = router_process(options, ("py", "-m", "router"), {"PATH": "/bin", "PYTHONPATH": "/x"})
+    spec = plan_router(options, *plan_engines(options))
+    proc = router_process(spec, options.log_dir, base_env={"PATH": "/bin", "PYTHONPATH": "/x"})
     assert proc.ready_url == "http://127.0.0.1:8123/ready"
     assert proc.log_path == Path("/c/logs/router.log")
     assert proc.env["PATH"] == "/bin"
