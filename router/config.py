@@ -5,12 +5,26 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
-from urllib.parse import urlsplit
 
 from router import decider, values
-from router.domain import Fallback, Mode, NixlIdentity, Role, WorkerSpec
+from router.discovery.settings import Discovery, parse_discovery, resolve_in_cluster
+from router.domain import Fallback, Mode, Role, WorkerSpec
 from router.errors import ConfigError
 from router.policy import REGISTRY
+from router.specs import decode_from_mapping, parse_decode_url, parse_prefill_spec, prefill_from_mapping, workers
+
+__all__ = [  # the worker builders live in router.specs; config is where callers find every setting
+    "Limits",
+    "Settings",
+    "Timeouts",
+    "build_settings",
+    "decode_from_mapping",
+    "from_env",
+    "parse_decode_url",
+    "parse_prefill_spec",
+    "prefill_from_mapping",
+    "with_environment",
+]
 
 
 @dataclass(frozen=True)
@@ -68,7 +82,7 @@ class Settings:
     drain_grace: float = 30.0  # on SIGTERM: how long requests in flight may still run
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # client Bearer keys; empty: no auth
     admin_key: str | None = field(default=None, repr=False)  # Bearer key of /admin/*; None: admin API off
-    discovery: dict[str, Any] = field(default_factory=dict)  # per role: dns/kubernetes source settings
+    discovery: Discovery = field(default_factory=Discovery)  # per role: a static, DNS or Kubernetes source
     scrape_interval: float = 0.0  # seconds between scrapes of workers' /metrics; 0: off
     timings_capacity: int = 4096  # requests kept for GET /debug/timings
     log_level: str = "info"
@@ -97,84 +111,6 @@ _LIMIT_NAMES = {f.name for f in fields(Limits)}
 _TOP_NAMES = {f.name for f in fields(Settings)} - {"timeouts", "limits", "decider_options"}
 
 
-def parse_prefill_spec(spec: str) -> WorkerSpec:
-    """`URL` (identity learned from the worker) or `URL,engine_id=ID,side_host=H,side_port=P,tp=1,pp=1`."""
-    url, *pairs = [part.strip() for part in spec.split(",")]
-    options: dict[str, str] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not value:
-            raise ConfigError(f"prefill worker {spec!r}: expected key=value after the URL, got {pair!r}")
-        options[key] = value
-    return prefill_from_mapping({"url": url, **options}, where=f"prefill worker {values.shown_url(spec)}")
-
-
-def parse_decode_url(url: str) -> WorkerSpec:
-    return decode_from_mapping({"url": url}, where=f"decode worker {values.shown_url(url)}")
-
-
-_PREFILL_KEYS = {"url", "engine_id", "side_host", "side_port", "tp", "pp"}
-
-
-def prefill_from_mapping(item: Mapping[str, Any], *, where: str) -> WorkerSpec:
-    """A prefill worker from typed fields: `url`, and either no identity (learned) or `engine_id` + `side_port`
-    (+ optional `side_host`, `tp`, `pp`). Unknown fields are refused."""
-    unknown = set(item) - _PREFILL_KEYS
-    if unknown:
-        raise ConfigError(f"{where}: unknown option(s) {sorted(map(str, unknown))}; known: {sorted(_PREFILL_KEYS)}")
-    url = values.url(item.get("url"), where)
-    engine_id = item.get("engine_id")
-    if engine_id in (None, "", "auto"):
-        if "side_port" in item:
-            raise ConfigError(f"{where}: side_port is given but engine_id is not; give both or neither (auto)")
-        return WorkerSpec(url=url, role=Role.PREFILL)
-    if "side_port" not in item:
-        raise ConfigError(f"{where}: engine_id is given but side_port (the NIXL side-channel port) is not")
-    engine = values.text(engine_id, f"{where}: engine_id")
-    side_host = values.text(item.get("side_host"), f"{where}: side_host") or urlsplit(url).hostname
-    identity = NixlIdentity(
-        engine_id=str(engine),
-        host=str(side_host),
-        port=values.port(item["side_port"], f"{where}: side_port"),
-        tp_size=values.integer(item.get("tp", 1), f"{where}: tp", low=1),
-        pp_size=values.integer(item.get("pp", 1), f"{where}: pp", low=1),
-    )
-    return WorkerSpec(url=url, role=Role.PREFILL, identity=identity)
-
-
-def decode_from_mapping(item: Mapping[str, Any], *, where: str) -> WorkerSpec:
-    """A decode worker from typed fields: only `url` (decode workers need no identity)."""
-    unknown = set(item) - {"url"}
-    if unknown:
-        raise ConfigError(f"{where}: unknown option(s) {sorted(map(str, unknown))}; decode workers take only url")
-    return WorkerSpec(url=values.url(item.get("url"), where), role=Role.DECODE)
-
-
-def _workers(value: Any, role: Role) -> tuple[WorkerSpec, ...]:
-    items = value.split() if isinstance(value, str) else value
-    if not isinstance(items, list | tuple):
-        raise ConfigError(f"{role} workers: expected a list, got {type(value).__name__}")
-    out: list[WorkerSpec] = []
-    for i, item in enumerate(items):
-        where = f"{role} worker #{i + 1}"
-        if isinstance(item, WorkerSpec):
-            out.append(item)
-        elif role is Role.PREFILL and isinstance(item, str):
-            out.append(parse_prefill_spec(item))
-        elif role is Role.PREFILL and isinstance(item, Mapping):
-            out.append(prefill_from_mapping(item, where=where))
-        elif isinstance(item, str):
-            out.append(decode_from_mapping({"url": item}, where=where))
-        elif isinstance(item, Mapping):
-            out.append(decode_from_mapping(item, where=where))
-        else:
-            raise ConfigError(f"{where}: expected a URL string or a mapping with url, got {item!r}")
-    urls = [w.url for w in out]
-    if len(set(urls)) != len(urls):
-        raise ConfigError(f"{role} workers: a URL is listed twice: {urls}")
-    return tuple(out)
-
-
 def _keys(value: Any) -> tuple[str, ...]:
     items = value.replace(",", " ").split() if isinstance(value, str) else value
     if not isinstance(items, list | tuple) or not all(isinstance(k, str) and len(k) >= 8 for k in items):
@@ -190,21 +126,17 @@ def _key(value: Any, where: str) -> str | None:
     return value
 
 
-def _discovery(value: Any) -> dict[str, Any]:
-    if not isinstance(value, Mapping):
-        raise ConfigError("discovery: expected a mapping of role → source settings")
-    unknown = set(value) - {"prefill", "decode"}
-    if unknown:
-        raise ConfigError(f"discovery: unknown role(s) {sorted(unknown)}; expected prefill and/or decode")
-    from router.discovery.settings import parse_discovery  # late: that module builds on this one
-
-    parse_discovery(value)  # raises ConfigError with the offending key
-    return dict(value)
-
-
 def from_env(env: Mapping[str, str]) -> dict[str, Any]:
     """The settings named by KVPUSH_* variables, as raw values."""
     return {name: env[var] for var, name in _ENV.items() if env.get(var)}
+
+
+def with_environment(settings: Settings, env: Mapping[str, str]) -> Settings:
+    """`settings` with what only the running process can know resolved: the Kubernetes in-cluster defaults of the
+    discovery sources (API server from KUBERNETES_SERVICE_HOST/PORT, namespace and CA of the service account).
+    Call it at startup, before serving, so a missing one is a configuration error rather than a failing loop;
+    `build_settings` stays free of the environment so a deployment's config can be checked outside its cluster."""
+    return replace(settings, discovery=resolve_in_cluster(settings.discovery, env))
 
 
 def build_settings(*layers: Mapping[str, Any]) -> Settings:
@@ -292,8 +224,8 @@ def _validate(raw: dict[str, Any], timeouts_raw: dict[str, Any], limits_raw: dic
         host=str(get("host")),
         port=values.port(get("port"), "port", zero_ok=True),
         mode=mode,
-        prefill=_workers(raw.get("prefill", ()), Role.PREFILL),
-        decode=_workers(raw.get("decode", ()), Role.DECODE),
+        prefill=workers(raw.get("prefill", ()), Role.PREFILL),
+        decode=workers(raw.get("decode", ()), Role.DECODE),
         decode_policy=str(get("decode_policy")),
         prefill_policy=str(get("prefill_policy")),
         timeouts=timeouts,
@@ -312,7 +244,7 @@ def _validate(raw: dict[str, Any], timeouts_raw: dict[str, Any], limits_raw: dic
         drain_grace=secs("drain_grace"),
         api_keys=_keys(raw.get("api_keys", ())),
         admin_key=_key(raw.get("admin_key"), "admin_key"),
-        discovery=_discovery(raw.get("discovery", {})),
+        discovery=parse_discovery(raw.get("discovery", {})),
         scrape_interval=secs("scrape_interval", zero_off=True),
         timings_capacity=count("timings_capacity", 0),
         log_level=str(get("log_level")).lower(),
@@ -320,8 +252,8 @@ def _validate(raw: dict[str, Any], timeouts_raw: dict[str, Any], limits_raw: dic
         decider=decider_name,
         decider_options=decider_options,
     )
-    for role, workers in (("prefill", settings.prefill), ("decode", settings.decode)):
-        if not workers and role not in settings.discovery:
+    for role, members in (("prefill", settings.prefill), ("decode", settings.decode)):
+        if not members and role not in settings.discovery:
             hint = "--prefill URL[,engine_id=..,side_port=..]" if role == "prefill" else "--decode URL"
             raise ConfigError(f"no {role} workers: give at least one ({hint}) or a discovery source for {role}")
     if settings.log_format not in ("json", "text"):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from router.discovery.base import Backoff, ErrorHook, MembershipSink, Publisher, host_for_url
+from router.discovery.base import Backoff, ErrorHook, MembershipSink, Publisher
 from router.discovery.pods import (
     Members,
     WatchEvent,
@@ -22,9 +21,8 @@ from router.discovery.pods import (
     members_from_list,
     parse_event,
 )
-from router.discovery.settings import KubernetesConfig
+from router.discovery.settings import KubernetesConfig, in_cluster
 from router.domain import Role
-from router.errors import ConfigError
 
 logger = logging.getLogger("kvpush.discovery")
 
@@ -202,13 +200,6 @@ class KubernetesSource:
             self._on_error(self.role, reason)
 
 
-def in_cluster_api_url(env: Mapping[str, str]) -> str:
-    host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT", "443")
-    if not host:
-        raise ConfigError("Kubernetes discovery: KUBERNETES_SERVICE_HOST is unset (not in a pod?); give api_url")
-    return f"https://{host_for_url(host)}:{port}"
-
-
 def _token_source(cfg: KubernetesConfig) -> TokenSource:
     if cfg.token is not None:
         literal = cfg.token
@@ -230,19 +221,7 @@ def _verify(cfg: KubernetesConfig, api_url: str) -> ssl.SSLContext | bool:
         return False
     if not api_url.startswith("https://") or cfg.ca_path is None:
         return True
-    if not os.path.exists(cfg.ca_path):
-        raise ConfigError(f"Kubernetes discovery: CA file {cfg.ca_path} not found; give ca_path (or insecure: true)")
-    return ssl.create_default_context(cafile=cfg.ca_path)
-
-
-def _namespace(cfg: KubernetesConfig) -> str:
-    if cfg.namespace is not None:
-        return cfg.namespace
-    path = Path(cfg.token_path).parent / "namespace"
-    try:
-        return path.read_text().strip()
-    except OSError:
-        raise ConfigError(f"Kubernetes discovery: no namespace given and {path} is unreadable") from None
+    return ssl.create_default_context(cafile=cfg.ca_path)  # in_cluster checked that the file exists
 
 
 def kubernetes_source(
@@ -253,19 +232,21 @@ def kubernetes_source(
     on_error: ErrorHook | None = None,
     sleep: Sleep = asyncio.sleep,
 ) -> KubernetesSource:
-    """The source for `cfg`, with the in-cluster defaults filled in (raises ConfigError when one is missing)."""
-    api_url = cfg.api_url or in_cluster_api_url(env)
+    """The source for `cfg`, with the in-cluster defaults filled in from `env` where the settings did not already
+    (raises ConfigError when one is missing)."""
+    cfg = in_cluster(cfg, env)
+    assert cfg.api_url is not None and cfg.namespace is not None  # in_cluster resolves both
     api = KubeApi(
-        api_url,
+        cfg.api_url,
         token=_token_source(cfg),
-        verify=_verify(cfg, api_url),
+        verify=_verify(cfg, cfg.api_url),
         request_timeout=cfg.request_timeout,
         transport=transport,
     )
     return KubernetesSource(
         cfg.role,
         api,
-        namespace=_namespace(cfg),
+        namespace=cfg.namespace,
         selector=cfg.selector,
         port=cfg.port,
         watch_timeout=cfg.watch_timeout,

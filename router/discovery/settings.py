@@ -1,17 +1,22 @@
-"""Discovery settings: the `discovery:` block parsed into one typed config per role, validated. Pure."""
+"""Discovery settings: the `discovery:` block parsed into one typed config per role, validated, and the
+Kubernetes in-cluster defaults resolved from the environment. Pure, except `resolve_in_cluster`, which reads the
+service account's namespace file and checks that its CA file exists."""
 
 from __future__ import annotations
 
 import ipaddress
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from router import values
-from router.config import parse_prefill_spec
+from router.discovery.base import host_for_url
 from router.domain import Role, WorkerSpec
 from router.errors import ConfigError
+from router.specs import workers
 
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 
@@ -55,6 +60,27 @@ class KubernetesConfig:
 
 SourceConfig = StaticConfig | DnsConfig | KubernetesConfig
 
+
+@dataclass(frozen=True)
+class Discovery:
+    """The `discovery:` block: at most one source per role, in role order. Iterates over its sources;
+    `role in discovery` (a Role or its name) says whether that role's membership comes from discovery."""
+
+    sources: tuple[SourceConfig, ...] = ()
+
+    def __iter__(self) -> Iterator[SourceConfig]:
+        return iter(self.sources)
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def __contains__(self, role: object) -> bool:
+        return any(str(source.role) == str(role) for source in self.sources)
+
+    def source(self, role: Role) -> SourceConfig | None:
+        return next((s for s in self.sources if s.role is role), None)
+
+
 _KINDS = ("static", "dns", "kubernetes")
 _DNS_KEYS = {"name", "port", "interval", "timeout", "nameserver"}
 _KUBE_KEYS = {
@@ -72,15 +98,52 @@ _KUBE_KEYS = {
 }
 
 
-def parse_discovery(raw: Mapping[str, Any]) -> list[SourceConfig]:
-    """The value of the `discovery:` block: role → {dns: {...}} | {kubernetes: {...}} | {static: [URL, ...]}.
-    A role left out has no discovery (its workers come from the static settings)."""
+def parse_discovery(raw: Mapping[str, Any] | Discovery) -> Discovery:
+    """The value of the `discovery:` block: role → {dns: {...}} | {kubernetes: {...}} | {static: [worker, ...]}.
+    A role left out has no discovery (its workers come from the static settings). An already parsed block
+    (`Settings.discovery`) is returned as it is."""
+    if isinstance(raw, Discovery):
+        return raw
     if not isinstance(raw, Mapping):
         raise ConfigError(f"discovery: expected a mapping of role → source, got {type(raw).__name__}")
     unknown = set(raw) - {str(r) for r in Role}
     if unknown:
         raise ConfigError(f"discovery: unknown role(s) {sorted(map(str, unknown))}; known: prefill, decode")
-    return [_source(Role(name), raw[name]) for name in (str(r) for r in Role) if name in raw]
+    return Discovery(tuple(_source(Role(name), raw[name]) for name in (str(r) for r in Role) if name in raw))
+
+
+def resolve_in_cluster(discovery: Discovery, env: Mapping[str, str]) -> Discovery:
+    """Every Kubernetes source with its in-cluster defaults filled in: the API server from
+    KUBERNETES_SERVICE_HOST/PORT, the namespace from the service account; its CA file must exist. Raises
+    ConfigError when one is missing (not in a pod and not given)."""
+    return Discovery(tuple(in_cluster(s, env) if isinstance(s, KubernetesConfig) else s for s in discovery))
+
+
+def in_cluster(cfg: KubernetesConfig, env: Mapping[str, str]) -> KubernetesConfig:
+    """`cfg` with api_url and namespace resolved (see resolve_in_cluster)."""
+    api_url = cfg.api_url or in_cluster_api_url(env)
+    verified = not cfg.insecure and api_url.startswith("https://") and cfg.ca_path is not None
+    if verified and cfg.ca_path is not None and not os.path.exists(cfg.ca_path):
+        raise ConfigError(f"Kubernetes discovery: CA file {cfg.ca_path} not found; give ca_path (or insecure: true)")
+    return replace(cfg, api_url=api_url, namespace=cfg.namespace or _namespace_of(cfg.token_path))
+
+
+def in_cluster_api_url(env: Mapping[str, str]) -> str:
+    host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT", "443")
+    if not host:
+        raise ConfigError("Kubernetes discovery: KUBERNETES_SERVICE_HOST is unset (not in a pod?); give api_url")
+    return f"https://{host_for_url(host)}:{values.port(port, 'KUBERNETES_SERVICE_PORT')}"
+
+
+def _namespace_of(token_path: str) -> str:
+    path = Path(token_path).parent / "namespace"
+    try:
+        namespace = path.read_text().strip()
+    except OSError:
+        raise ConfigError(f"Kubernetes discovery: no namespace given and {path} is unreadable") from None
+    if not namespace:
+        raise ConfigError(f"Kubernetes discovery: no namespace given and {path} is empty")
+    return namespace
 
 
 def _source(role: Role, block: Any) -> SourceConfig:
@@ -102,10 +165,9 @@ def _source(role: Role, block: Any) -> SourceConfig:
 
 
 def _static(role: Role, items: Any, where: str) -> StaticConfig:
-    if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+    if not isinstance(items, list):
         raise ConfigError(f"{where}: expected a list of worker URLs")
-    specs = tuple(parse_prefill_spec(i) if role is Role.PREFILL else WorkerSpec(_url(i, where), role) for i in items)
-    return StaticConfig(role=role, workers=specs)
+    return StaticConfig(role=role, workers=workers(items, role, where=where))
 
 
 def _dns(role: Role, o: Mapping[str, Any], where: str) -> DnsConfig:
@@ -116,9 +178,9 @@ def _dns(role: Role, o: Mapping[str, Any], where: str) -> DnsConfig:
     return DnsConfig(
         role=role,
         name=name.strip(),
-        port=_port(o.get("port"), f"{where}.port"),
-        interval=_seconds(o.get("interval", DnsConfig.interval), f"{where}.interval"),
-        timeout=_seconds(o.get("timeout", DnsConfig.timeout), f"{where}.timeout"),
+        port=values.port(o.get("port"), f"{where}.port"),
+        interval=values.seconds(o.get("interval", DnsConfig.interval), f"{where}.interval"),
+        timeout=values.seconds(o.get("timeout", DnsConfig.timeout), f"{where}.timeout"),
         nameserver=host,
         nameserver_port=port,
     )
@@ -129,26 +191,24 @@ def _kubernetes(role: Role, o: Mapping[str, Any], where: str) -> KubernetesConfi
     if not isinstance(selector, str) or not selector.strip():
         raise ConfigError(f"{where}: selector (a label selector such as 'app=vllm,role=decode') is missing")
     api_url = o.get("api_url")
-    if api_url is not None:
-        api_url = _url(api_url, f"{where}.api_url", https_too=True)
     ca_path = o.get("ca_path", KubernetesConfig.ca_path)
     return KubernetesConfig(
         role=role,
         selector=selector.strip(),
-        port=_port(o.get("port"), f"{where}.port"),
-        namespace=_text(o.get("namespace"), f"{where}.namespace"),
-        api_url=api_url,
-        token=_text(o.get("token"), f"{where}.token", secret=True),
-        token_path=_text(o.get("token_path"), f"{where}.token_path") or KubernetesConfig.token_path,
-        ca_path=None if ca_path is None else _text(ca_path, f"{where}.ca_path"),
-        insecure=_bool(o.get("insecure", False), f"{where}.insecure"),
+        port=values.port(o.get("port"), f"{where}.port"),
+        namespace=values.text(o.get("namespace"), f"{where}.namespace"),
+        api_url=None if api_url is None else values.url(api_url, f"{where}.api_url"),
+        token=values.text(o.get("token"), f"{where}.token", secret=True),
+        token_path=values.text(o.get("token_path"), f"{where}.token_path") or KubernetesConfig.token_path,
+        ca_path=None if ca_path is None else values.text(ca_path, f"{where}.ca_path"),
+        insecure=values.boolean(o.get("insecure", False), f"{where}.insecure"),
         watch_timeout=math.ceil(
-            _seconds(o.get("watch_timeout", KubernetesConfig.watch_timeout), f"{where}.watch_timeout")
+            values.seconds(o.get("watch_timeout", KubernetesConfig.watch_timeout), f"{where}.watch_timeout")
         ),
-        request_timeout=_seconds(
+        request_timeout=values.seconds(
             o.get("request_timeout", KubernetesConfig.request_timeout), f"{where}.request_timeout"
         ),
-        backoff_max=_seconds(o.get("backoff_max", KubernetesConfig.backoff_max), f"{where}.backoff_max"),
+        backoff_max=values.seconds(o.get("backoff_max", KubernetesConfig.backoff_max), f"{where}.backoff_max"),
     )
 
 
@@ -165,47 +225,4 @@ def _nameserver(value: Any, where: str) -> tuple[str, int]:
         address = str(ipaddress.ip_address(host))
     except ValueError:
         raise ConfigError(f"{where}.nameserver: {value!r} is not an IP address (optionally with :port)") from None
-    return address, _port(port, f"{where}.nameserver port")
-
-
-def _url(value: Any, where: str, *, https_too: bool = True) -> str:
-    return values.url(value, where)
-
-
-def _port(value: Any, where: str) -> int:
-    if value is None:
-        raise ConfigError(f"{where}: the workers' port is missing")
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: expected a port number, got {value!r}") from None
-    if not 1 <= number <= 65535:
-        raise ConfigError(f"{where}: {number} is out of range [1, 65535]")
-    return number
-
-
-def _seconds(value: Any, where: str, *, low: float = 0.0) -> float:
-    if isinstance(value, bool):
-        raise ConfigError(f"{where}: expected a number of seconds, got {value!r}")
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: expected a number of seconds, got {value!r}") from None
-    if not number > low or number == float("inf"):
-        raise ConfigError(f"{where}: must be a finite number of seconds above {low:g}, got {value!r}")
-    return number
-
-
-def _text(value: Any, where: str, *, secret: bool = False) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value.strip():
-        shown = type(value).__name__ if secret else repr(value)
-        raise ConfigError(f"{where}: expected a non-empty string, got {shown}")
-    return value.strip()
-
-
-def _bool(value: Any, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{where}: expected true or false, got {value!r}")
-    return value
+    return address, values.port(port, f"{where}.nameserver port")

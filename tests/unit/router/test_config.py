@@ -18,8 +18,10 @@ from router.config import (
     parse_decode_url,
     parse_prefill_spec,
     prefill_from_mapping,
+    with_environment,
 )
 from router.decider import NoDecider
+from router.discovery.settings import Discovery, DnsConfig, KubernetesConfig
 from router.domain import Fallback, Mode, NixlIdentity, Role, WorkerSpec
 from router.errors import ConfigError
 
@@ -215,3 +217,27 @@ def test_credentials_in_a_worker_url_are_refused_everywhere_and_never_shown(make
     with pytest.raises(ConfigError, match="must not carry credentials") as refused:
         make()
     assert "secret" not in str(refused.value)
+
+
+def test_the_discovery_block_is_parsed_once_into_typed_settings() -> None:
+    s = build_settings({"prefill": ["http://p:1"], "discovery": {"decode": {"dns": {"name": "d.example", "port": 1}}}})
+    assert isinstance(s.discovery, Discovery) and "decode" in s.discovery and "prefill" not in s.discovery
+    (source,) = s.discovery
+    assert isinstance(source, DnsConfig) and source.name == "d.example"
+    with pytest.raises(ConfigError, match=r"discovery\.decode\.dns\.interval"):
+        build_settings(
+            {"prefill": ["http://p:1"], "discovery": {"decode": {"dns": {"name": "d", "port": 1, "interval": 0}}}}
+        )
+
+
+def test_the_environment_resolves_in_cluster_defaults_at_startup(tmp_path: Path) -> None:
+    (tmp_path / "namespace").write_text("llm\n")
+    kube = {"selector": "a=b", "port": 8000, "token_path": str(tmp_path / "token"), "insecure": True}
+    s = build_settings({"prefill": ["http://p:1"], "discovery": {"decode": {"kubernetes": kube}}})
+    (unresolved,) = s.discovery
+    assert isinstance(unresolved, KubernetesConfig) and unresolved.api_url is None, "build_settings reads no env"
+    (resolved,) = with_environment(s, {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}).discovery
+    assert isinstance(resolved, KubernetesConfig)
+    assert (resolved.api_url, resolved.namespace) == ("https://10.96.0.1:443", "llm")
+    with pytest.raises(ConfigError, match="KUBERNETES_SERVICE_HOST"):
+        with_environment(s, {})

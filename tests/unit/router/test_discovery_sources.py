@@ -14,8 +14,8 @@ import pytest
 from router.discovery.base import StaticSource
 from router.discovery.build import build_source
 from router.discovery.dns import DnsSource, LookupFailed
-from router.discovery.kubernetes import KubeApi, KubernetesSource, in_cluster_api_url
-from router.discovery.settings import DnsConfig, KubernetesConfig, StaticConfig
+from router.discovery.kubernetes import KubeApi, KubernetesSource
+from router.discovery.settings import DnsConfig, KubernetesConfig, StaticConfig, in_cluster_api_url
 from router.domain import Role, WorkerSpec
 from router.errors import ConfigError
 from router.metrics import Metrics
