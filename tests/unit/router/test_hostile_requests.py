@@ -167,9 +167,10 @@ async def router(
 
 
 def service_of(app: FastAPI) -> Service:
-    runtime = app.state.runtime
-    assert isinstance(runtime, Service)
-    return runtime
+    """The app's Service (`app.state.service`; `app.state.runtime` before the issue-10 rework)."""
+    service = getattr(app.state, "service", None) or getattr(app.state, "runtime", None)
+    assert isinstance(service, Service)
+    return service
 
 
 async def metrics_text(app: FastAPI) -> str:
@@ -255,7 +256,7 @@ async def test_an_unsafe_request_id_is_replaced_not_echoed_logged_or_kept(
     async with router() as (app, _):
         for body in (OK_BODY, {"prompt": "no model"}):  # a served request and a refused one
             reply = await post(app, body, headers=[(b"x-request-id", bad_id)])
-            assert reply.status in (200, 400)
+            assert reply.status in (200, 400, 431)  # 431: the id alone is over max_header_bytes
             echoed = reply.header("x-request-id")
             assert echoed is not None and echoed.encode("latin-1") != bad_id
             assert SAFE_ID.match(echoed), echoed[:200]
@@ -617,3 +618,22 @@ async def test_the_health_loop_survives_an_exception_that_is_not_an_httpx_error(
         await until(lambda: not healthy("http://d0:8200"), "d0 marked down")
         workers.down.discard("d0")
         await until(lambda: healthy("http://d0:8200"), "d0 comes back")
+
+
+async def test_a_background_loop_that_dies_turns_ready_to_503() -> None:
+    from router.loops import Supervisor  # interface 3 (router/loops.py)
+
+    async with router() as (app, _):
+        assert (await drive(app, "GET", "/ready", headers=[(b"host", b"router")])).status == 200
+        supervisors = [v for v in vars(service_of(app)).values() if isinstance(v, Supervisor)]
+        assert len(supervisors) == 1, "the service runs its loops under one Supervisor"
+
+        async def ends_at_once() -> None:
+            return None  # a background loop must run until cancelled; one that returns is dead
+
+        supervisors[0].spawn("test-loop", ends_at_once)
+        deadline = time.monotonic() + 5.0  # hang guard
+        while supervisors[0].alive() and time.monotonic() < deadline:  # noqa: ASYNC110  # no event to wait on
+            await asyncio.sleep(0.01)
+        ready = await drive(app, "GET", "/ready", headers=[(b"host", b"router")])
+        assert ready.status == 503, (ready.status, ready.body[:200])
