@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,59 +15,26 @@ import pytest
 import yaml
 
 from router.cli import load_serve_settings
-
-REPO = Path(__file__).resolve().parents[3]
-K8S = REPO / "deploy" / "k8s"
-LAYOUTS = {
-    "base": K8S / "base",
-    "standalone": K8S / "overlays" / "standalone",
-    "kvpush-connector": K8S / "overlays" / "kvpush-connector",
-}
-SIDECAR = {"base", "kvpush-connector"}  # layouts with the router in the decode pods
-KUBE_VERSION = "1.32"
-CRD_KINDS = {"PodMonitor", "PrometheusRule"}
-Doc = dict[str, Any]
-
-
-def render(path: Path) -> list[Doc]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed (it renders the kustomizations: `kubectl kustomize`)")
-    done = subprocess.run([kubectl, "kustomize", str(path)], capture_output=True, text=True, timeout=60, check=False)
-    assert done.returncode == 0, f"kubectl kustomize {path} failed:\n{done.stderr}"
-    return [d for d in yaml.safe_load_all(done.stdout) if d]
+from tests.unit.deploy.kustomize import (
+    CRD_KINDS,
+    KUBE_VERSION,
+    LAYOUTS,
+    REPO,
+    SIDECAR,
+    Doc,
+    container,
+    env_of,
+    one,
+    pod_templates,
+    ports_of,
+    render,
+    selects,
+)
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
 def layout(request: pytest.FixtureRequest) -> tuple[str, list[Doc]]:
     return request.param, render(LAYOUTS[request.param])
-
-
-def one(docs: list[Doc], kind: str, name: str) -> Doc:
-    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
-    assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
-    return found[0]
-
-
-def container(pod_spec: Doc, name: str) -> Doc:
-    (found,) = [c for c in pod_spec["containers"] if c["name"] == name]
-    return dict(found)
-
-
-def env_of(c: Doc) -> dict[str, Doc]:
-    return {e["name"]: e for e in c.get("env", [])}
-
-
-def ports_of(c: Doc) -> dict[str, int]:
-    return {p["name"]: p["containerPort"] for p in c.get("ports", [])}
-
-
-def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
-    return all(labels.get(k) == v for k, v in selector.items())
-
-
-def pod_templates(docs: list[Doc]) -> list[Doc]:
-    return [d["spec"]["template"] for d in docs if d["kind"] == "Deployment"]
 
 
 # --- schemas ---------------------------------------------------------------------------------------------------
