@@ -360,29 +360,46 @@ def _load(base_url: str, client: httpx.Client) -> float:
     return promtext.total(samples, "vllm:num_requests_running") + promtext.total(samples, "vllm:num_requests_waiting")
 
 
-def concurrency_probe(front: str, p_url: str, d_url: str, prompt_words: int = 1024, polls: int = 400) -> dict[str, Any]:
-    """Does `front` send D's leg while P is still prefilling? One request through it, both engines' /metrics
-    polled meanwhile: `overlap` counts the polls that saw the request on D while P still held it in its queue
-    or batch (a sequential front never shows one). Say "concurrent" when at least one poll overlapped."""
-    result: dict[str, Any] = {}
-    body = {"model": "", "prompt": "hello " * prompt_words, "max_tokens": 4, "stream": False}
+def concurrency_probe(
+    front: str, p_url: str, d_url: str, prompt_words: int = 1500, polls: int = 2000
+) -> dict[str, Any]:
+    """Does `front` send D's leg while P is still prefilling? Seen from the engines, not from the front.
+
+    Two short requests first (vllm-router learns a push prefill's identity from its first answer). Then P's
+    prefill time of a long prompt, measured directly on P; then the same length through the front while only
+    D's /metrics is polled: `d_seen_ms` is when D first holds the request (running or waiting, which includes
+    waiting for remote KV). A sequential front cannot show it before P's prefill is done, so "concurrent" is
+    d_seen_ms < half of P's prefill time. Prompts start with distinct words, so no prefix cache helps.
+    """
+    out: dict[str, Any] = {}
+    with httpx.Client(timeout=120.0) as c:
+        model = c.get(front.rstrip("/") + "/v1/models").json()["data"][0]["id"]
+
+        def body(tag: str, words: int, max_tokens: int) -> dict[str, Any]:
+            return {"model": model, "prompt": f"{tag} " + "hello " * words, "max_tokens": max_tokens}
+
+        for i in range(2):
+            c.post(front.rstrip("/") + "/v1/completions", json=body(f"warm{i}-{time.time_ns()}", 16, 2))
+        t = time.monotonic()
+        c.post(p_url.rstrip("/") + "/v1/completions", json=body(f"direct-{time.time_ns()}", prompt_words, 1))
+        out["p_prefill_ms"] = 1000 * (time.monotonic() - t)
 
     def send() -> None:
         with httpx.Client(timeout=120.0) as c:
-            models = c.get(front.rstrip("/") + "/v1/models").json()["data"]
-            r = c.post(front.rstrip("/") + "/v1/completions", json=body | {"model": models[0]["id"]})
-            result["status"] = r.status_code
+            r = c.post(front.rstrip("/") + "/v1/completions", json=body(f"probe-{time.time_ns()}", prompt_words, 2))
+            out["status"] = r.status_code
 
     worker = threading.Thread(target=send, daemon=True)
-    overlap = seen_p = seen_d = n = 0
     with httpx.Client() as client:
+        t0 = time.monotonic()
         worker.start()
-        while worker.is_alive() and n < polls:
-            p, d = _load(p_url, client), _load(d_url, client)
-            n += 1
-            seen_p += p > 0
-            seen_d += d > 0
-            overlap += p > 0 and d > 0
-            time.sleep(0.005)
+        for _ in range(polls):
+            if _load(d_url, client) > 0:
+                out["d_seen_ms"] = 1000 * (time.monotonic() - t0)
+                break
+            if not worker.is_alive():
+                break
     worker.join(timeout=120.0)
-    return result | {"polls": n, "p_busy": seen_p, "d_busy": seen_d, "overlap": overlap, "concurrent": overlap > 0}
+    seen = out.get("d_seen_ms")
+    out["concurrent"] = seen is not None and seen < 0.5 * out["p_prefill_ms"]
+    return out

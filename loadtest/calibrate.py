@@ -175,6 +175,7 @@ def calibrated_yaml(apriori_text: str, values: Mapping[str, float], fit_error: f
     for line in lines:
         if re.match(r"^[A-Za-z_]+:", line):
             section = line.split(":", 1)[0]
+        line = line.replace("Nothing here was tuned", "In the a-priori file nothing was tuned")
         if line.startswith("name:"):
             line = f"name: {CALIBRATED}"
         m = re.match(r"^(\s+)([A-Za-z_]+):\s*([^#\s]+)(\s*#.*)?$", line)

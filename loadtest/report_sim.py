@@ -1,0 +1,142 @@
+"""The seed-sim part of bench/README.md for runs with the connectors' WRITE timing (pull + three push stacks),
+and the calibration against the seed's published rows (calibration.json)."""
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from loadtest.reportkit import Row, fmt, stat
+
+STACKS = ("pull", "upstream-push", "kvpush-push", "kvpush-progressive")
+WHEN = {
+    "upstream-push": "vLLM's NixlPushConnector: WRITE one P step late (next step's metadata, after its forward)",
+    "kvpush-push": "ours: WRITE from the end-of-step hook of the step that completes the prompt",
+    "kvpush-progressive": "ours, progressive: each chunked-prefill step's blocks written at that step's end",
+}
+
+
+def has_stacks(rows: Sequence[Row]) -> bool:
+    return any(r.get("connector") in WHEN for r in rows)
+
+
+def _stack(r: Row) -> str:
+    return "pull" if r["mode"] == "pull" else str(r["connector"])
+
+
+def connectors_section(rows: Sequence[Row], prefix: str = "seed-sim") -> list[str]:
+    by = {(r["qps"], _stack(r)): r for r in rows}
+    stacks = [s for s in STACKS if any(_stack(r) == s for r in rows)]
+    head = " / ".join(stacks)
+    out = [
+        f"Simulator profile `{rows[0].get('profile')}`, 1 prefill + 1 decode simulated engine per stack, each behind "
+        f"its own kvpush router, {rows[0]['input_len']}-token prompts, {rows[0]['output_len']} output tokens, "
+        "Poisson arrivals (the same seed for every stack at a point, order rotated). The push stacks differ only "
+        "in when P posts its WRITE:",
+        "",
+        *[f"- `{s}`: {WHEN[s]}" for s in stacks if s in WHEN],
+        "",
+        f"Cells: {head}.",
+        "",
+        "| QPS | n | TTFT mean (ms) | TTFT p50 | TPOT mean | handoff p50 | **ours / upstream TTFT mean** "
+        "| progressive / upstream | pull / ours | failed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for qps in sorted({r["qps"] for r in rows}):
+        rs = [by.get((qps, s)) for s in stacks]
+
+        def cells(metric: str, name: str, rs: list[Row | None] = rs) -> str:
+            return " / ".join(fmt(stat(r, metric, name)) for r in rs)
+
+        def ratio(a: str, b: str, qps: float = qps) -> str:
+            x, y = stat(by.get((qps, a)), "ttft_ms", "mean"), stat(by.get((qps, b)), "ttft_ms", "mean")
+            return "-" if x is None or not y else f"{x / y:.2f}"
+
+        n = next((r["n"] for r in rs if r), "-")
+        failed = " / ".join(str(r["failed"]) if r else "-" for r in rs)
+        out.append(
+            f"| {qps} | {n} | {cells('ttft_ms', 'mean')} | {cells('ttft_ms', 'p50')} | {cells('tpot_ms', 'mean')} "
+            f"| {cells('handoff_ms', 'p50')} | **{ratio('kvpush-push', 'upstream-push')}** "
+            f"| {ratio('kvpush-progressive', 'upstream-push')} | {ratio('pull', 'kvpush-push')} | {failed} |"
+        )
+    out += [
+        "",
+        f"![{prefix}](results/{prefix}.png)",
+        f"![ttft cdf](results/{prefix}-ttft-cdf.png)",
+        f"![handoff cdf](results/{prefix}-handoff-cdf.png)",
+    ]
+    return out
+
+
+def mdl_service_s(wait_s: float, rate: float) -> float:
+    """M/D/1: the service time whose mean queueing wait at `rate` is `wait_s` (W = r s^2 / (2 (1 - r s)))."""
+    if wait_s <= 0 or rate <= 0:
+        return 0.0
+    a, b, c = rate, 2 * wait_s * rate, -2 * wait_s
+    return (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)
+
+
+def calibration_section(path: Path | None) -> list[str]:
+    if path is None or not path.exists():
+        return ["No calibration yet (`python -m loadtest calibrate`, also run by the full seed-sim suite)."]
+    d: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    tp, tq = d["target_pull"], d["target_push"]
+    pred, apr, pl = d["predicted"], d["apriori_predicted"], d["pull"]
+    push = pred["upstream-push"]
+    fitted = ", ".join(
+        f"`{k}` = {v:.4g} (a-priori {d['apriori'][k]:.4g}{', on a bound of its range' if k in d['bounded'] else ''})"
+        for k, v in d["fitted"].items()
+    )
+    out = [
+        f"Fitted on the virtual-time pair (loadtest/sim/pair.py: the simulator's engine, costs and WRITE timing "
+        f"without processes), {d['prompt']}-token prompts, {d['output']} output tokens, {d['qps']:g} QPS, "
+        f"{d['evaluations']} evaluations. Only the pull row was fitted; FITTED: {fitted}. Profile: "
+        "`loadtest/profiles/qwen3-32b-h200-calibrated.yaml` (the a-priori one is unchanged). An `mfu` above 1.0 is "
+        "more compute than the H200's BF16 dense peak: the seed's P must have run FP8 or computed fewer prompt "
+        "tokens than 16k (prefix hits); with BF16 at mfu <= 1, one P cannot prefill 8 x 16k tokens per second.",
+        "",
+        "| row | TTFT mean (ms) | TTFT p50 | TPOT mean | handoff p50 | vs seed TTFT | vs seed TPOT |",
+        "|---|---|---|---|---|---|---|",
+        f"| seed pull (fitted) | {tp['ttft_mean_ms']:.0f} | - | {tp['tpot_mean_ms']:.1f} | - | - | - |",
+        f"| model pull, calibrated | {pl['ttft_mean_ms']:.0f} | {pl['ttft_p50_ms']:.0f} "
+        f"| {pl['tpot_mean_ms']:.2f} | {pl['handoff_p50_ms']:.0f} "
+        f"| {pl['ttft_mean_ms'] / tp['ttft_mean_ms']:.2f}x | {pl['tpot_mean_ms'] / tp['tpot_mean_ms']:.2f}x |",
+        f"| seed push (predicted, not fitted) | {tq['ttft_mean_ms']:.0f} | - | {tq['tpot_mean_ms']:.1f} | - | - | - |",
+    ]
+    for m in ("upstream-push", "kvpush-push", "kvpush-progressive"):
+        s = pred[m]
+        out.append(
+            f"| model {m}, calibrated | {s['ttft_mean_ms']:.0f} | {s['ttft_p50_ms']:.0f} | {s['tpot_mean_ms']:.2f} "
+            f"| {s['handoff_p50_ms']:.0f} | {s['ttft_mean_ms'] / tq['ttft_mean_ms']:.2f}x "
+            f"| {s['tpot_mean_ms'] / tq['tpot_mean_ms']:.2f}x |"
+        )
+    for m in ("pull", "upstream-push", "kvpush-push", "kvpush-progressive"):
+        s = apr[m]
+        out.append(
+            f"| model {m}, a-priori | {s['ttft_mean_ms']:.0f} | {s['ttft_p50_ms']:.0f} | {s['tpot_mean_ms']:.2f} "
+            f"| {s['handoff_p50_ms']:.0f} | - | - |"
+        )
+    seed_gap = tp["ttft_mean_ms"] - tq["ttft_mean_ms"]
+    model_gap = d["pull"]["ttft_mean_ms"] - push["ttft_mean_ms"]
+    missing_s = (seed_gap - model_gap) / 1000
+    service = mdl_service_s(missing_s, float(d["qps"]))
+    out += [
+        "",
+        f"Upstream push predicted {push['ttft_mean_ms']:.0f} ms TTFT mean vs the seed's {tq['ttft_mean_ms']:.0f} ms "
+        f"({push['ttft_mean_ms'] / tq['ttft_mean_ms']:.2f}x), TPOT {push['tpot_mean_ms']:.2f} vs "
+        f"{tq['tpot_mean_ms']:.1f} ms ({push['tpot_mean_ms'] / tq['tpot_mean_ms']:.2f}x).",
+    ]
+    if abs(push["ttft_mean_ms"] / tq["ttft_mean_ms"] - 1) > 0.25:
+        out += [
+            "",
+            f"**The model cannot reproduce both rows.** The seed's pull-push TTFT gap is {seed_gap:.0f} ms; the "
+            f"calibrated model's is {model_gap:.0f} ms. In the model, pull pays only D's API time, descriptor setup "
+            "on D's engine loop (which also raises TPOT, so the TPOT target caps it) and one step boundary; push "
+            "shares P's queue with pull. The mechanism it lacks is a **pull-only wait that does not slow D's "
+            f"decode steps**, about {missing_s * 1000:.0f} ms per request at {d['qps']:g} QPS: e.g. a serial "
+            "pull-only stage (READ posting or completion on one thread, or D admitting remote-KV requests one at "
+            f"a time) with ~{service * 1000:.0f} ms of service per 16k request (M/D/1 estimate), which would queue "
+            "near saturation while push's WRITEs, posted by P, bypass it.",
+        ]
+    return out
