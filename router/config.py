@@ -10,7 +10,7 @@ from router import decider, values
 from router.discovery.settings import Discovery, parse_discovery, resolve_in_cluster
 from router.domain import Fallback, Mode, Role, WorkerSpec
 from router.errors import ConfigError
-from router.policy import REGISTRY
+from router.policy import make_policy
 from router.specs import decode_from_mapping, parse_decode_url, parse_prefill_spec, prefill_from_mapping, workers
 
 __all__ = [  # the worker builders live in router.specs; config is where callers find every setting
@@ -60,8 +60,10 @@ class Settings:
     mode: Mode = Mode.PUSH
     prefill: tuple[WorkerSpec, ...] = ()
     decode: tuple[WorkerSpec, ...] = ()
-    decode_policy: str = "least-loaded"
+    decode_policy: str = "least-loaded"  # a name in router.policy.REGISTRY
     prefill_policy: str = "least-prefill-tokens"
+    decode_policy_options: Mapping[str, Any] = field(default_factory=dict)  # the policy's own settings
+    prefill_policy_options: Mapping[str, Any] = field(default_factory=dict)
     timeouts: Timeouts = field(default_factory=Timeouts)
     limits: Limits = field(default_factory=Limits)
     # A round of probes every second, each with a 1 s deadline, two timeouts in a row to go down: a hung worker
@@ -108,7 +110,8 @@ _ENV = {  # environment variable → setting
 }
 _TIMEOUT_NAMES = {f.name for f in fields(Timeouts)}
 _LIMIT_NAMES = {f.name for f in fields(Limits)}
-_TOP_NAMES = {f.name for f in fields(Settings)} - {"timeouts", "limits", "decider_options"}
+_NAMED = ("decider", "decode_policy", "prefill_policy")  # a name, or a mapping {name: ..., <its options>}
+_TOP_NAMES = {f.name for f in fields(Settings)} - {"timeouts", "limits"} - {f"{n}_options" for n in _NAMED}
 
 
 def _keys(value: Any) -> tuple[str, ...]:
@@ -151,10 +154,11 @@ def build_settings(*layers: Mapping[str, Any]) -> Settings:
                 if not isinstance(value, Mapping):
                     raise ConfigError(f"{key}: expected a mapping of name → value")
                 blocks[key].update(value)
-            elif key == "policy" and isinstance(value, Mapping):
-                raw.update({f"{role}_policy": name for role, name in value.items()})
-            elif key == "decider":
-                raw["decider"] = _merge_decider(raw.get("decider"), value)
+            elif key == "policy":
+                for role, choice in _policy_block(value).items():
+                    raw[f"{role}_policy"] = _merge_named(raw.get(f"{role}_policy"), choice)
+            elif key in _NAMED:
+                raw[key] = _merge_named(raw.get(key), value)
             elif key in _TOP_NAMES:
                 raw[key] = value
             else:
@@ -163,26 +167,49 @@ def build_settings(*layers: Mapping[str, Any]) -> Settings:
     return _validate(raw, blocks["timeouts"], blocks["limits"])
 
 
-def _merge_decider(earlier: Any, value: Any) -> Any:
-    """A later `decider:` replaces an earlier one; a bare name naming the same decider keeps its options."""
+def _policy_block(value: Any) -> Mapping[str, Any]:
+    """`policy: {decode: NAME | {name: NAME, <options>}, prefill: ...}`."""
+    if not isinstance(value, Mapping):
+        raise ConfigError("policy: expected a mapping of role → policy name (or {name: ..., <options>})")
+    unknown = set(value) - {str(r) for r in Role}
+    if unknown:
+        raise ConfigError(f"policy: unknown role(s) {sorted(map(str, unknown))}; known: prefill, decode")
+    return value
+
+
+def _merge_named(earlier: Any, value: Any) -> Any:
+    """A later choice replaces an earlier one; a bare name naming the same thing keeps the earlier options (a flag
+    naming the policy or decider the file configures)."""
     if isinstance(earlier, Mapping) and isinstance(value, str) and earlier.get("name") == value:
         return earlier
     return value
 
 
-def _decider(value: Any) -> tuple[str, dict[str, Any]]:
-    """`decider: NAME` or `decider: {name: NAME, <options>}`, checked by the decider's own factory."""
+def _named(value: Any, where: str) -> tuple[str, dict[str, Any]]:
+    """`NAME` or `{name: NAME, <options>}` → (name, options)."""
     if isinstance(value, Mapping):
-        options = {str(k): v for k, v in value.items() if k != "name"}
-        name = value.get("name")
+        name, options = value.get("name"), {str(k): v for k, v in value.items() if k != "name"}
     else:
         name, options = value, {}
     if not isinstance(name, str) or not name:
-        raise ConfigError("decider: expected a name or a mapping with name and the decider's options")
+        raise ConfigError(f"{where}: expected a name or a mapping with name and its options")
+    return name, options
+
+
+def _decider(value: Any) -> tuple[str, dict[str, Any]]:
+    """The decider and its options, checked by the decider's own factory."""
+    name, options = _named(value, "decider")
     if name not in decider.REGISTRY:
         known = ", ".join(sorted(decider.REGISTRY))
         raise ConfigError(f"decider: unknown decider {name!r}; known deciders: {known}")
     decider.make_decider(name, options)  # its factory refuses bad options with a ConfigError
+    return name, options
+
+
+def _policy(value: Any, role: Role) -> tuple[str, dict[str, Any]]:
+    """One role's selection policy and its options, checked by the policy's factory."""
+    name, options = _named(value, f"policy.{role}")
+    make_policy(name, options)  # refuses an unknown name or option with a ConfigError
     return name, options
 
 
@@ -210,6 +237,8 @@ def _validate(raw: dict[str, Any], timeouts_raw: dict[str, Any], limits_raw: dic
     except ValueError:
         raise ConfigError(f"mode: expected 'push' or 'pull', got {raw.get('mode')!r}") from None
     decider_name, decider_options = _decider(raw.get("decider", Settings.decider))
+    decode_policy, decode_options = _policy(raw.get("decode_policy", Settings.decode_policy), Role.DECODE)
+    prefill_policy, prefill_options = _policy(raw.get("prefill_policy", Settings.prefill_policy), Role.PREFILL)
 
     def get(name: str) -> Any:
         return raw.get(name, getattr(Settings, name))
@@ -226,8 +255,10 @@ def _validate(raw: dict[str, Any], timeouts_raw: dict[str, Any], limits_raw: dic
         mode=mode,
         prefill=workers(raw.get("prefill", ()), Role.PREFILL),
         decode=workers(raw.get("decode", ()), Role.DECODE),
-        decode_policy=str(get("decode_policy")),
-        prefill_policy=str(get("prefill_policy")),
+        decode_policy=decode_policy,
+        prefill_policy=prefill_policy,
+        decode_policy_options=decode_options,
+        prefill_policy_options=prefill_options,
         timeouts=timeouts,
         limits=_limits(limits_raw),
         health_interval=secs("health_interval"),
@@ -260,9 +291,6 @@ def _validate(raw: dict[str, Any], timeouts_raw: dict[str, Any], limits_raw: dic
         raise ConfigError(f"log_format: expected 'json' or 'text', got {settings.log_format!r}")
     if settings.admin_key is not None and settings.admin_key in settings.api_keys:
         raise ConfigError("admin_key must differ from every client API key")
-    for name in (settings.decode_policy, settings.prefill_policy):
-        if name not in REGISTRY:
-            raise ConfigError(f"unknown selection policy {name!r}; known policies: {', '.join(sorted(REGISTRY))}")
     overlap = {w.url for w in settings.prefill} & {w.url for w in settings.decode}
     if overlap:
         raise ConfigError(f"a worker cannot be both prefill and decode: {sorted(overlap)}")

@@ -18,11 +18,11 @@ class MembershipSink(Protocol):
 
 
 class Source(Protocol):
-    """Keeps one role's membership current. `run` lasts until cancelled and calls the sink on every change.
-    `synced` turns True at the first membership it publishes (readiness may wait for it)."""
+    """Keeps one role's membership current. `run` lasts until cancelled and calls the sink on every change; a
+    failed round keeps the last membership. Until the first one is published the role's pool is empty, so the
+    router is not ready: that is how readiness waits for discovery."""
 
     role: Role
-    synced: bool
 
     async def run(self, sink: MembershipSink) -> None: ...
 
@@ -79,11 +79,9 @@ class StaticSource:
     def __init__(self, role: Role, specs: Sequence[WorkerSpec]) -> None:
         self.role = role
         self.specs = tuple(specs)
-        self.synced = False
 
     async def run(self, sink: MembershipSink) -> None:
         sink.set_members(self.role, self.specs)
-        self.synced = True
         await asyncio.get_running_loop().create_future()  # never done: returns only by cancellation
 
 

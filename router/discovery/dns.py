@@ -85,7 +85,6 @@ class DnsSource:
         self.timeout = timeout
         self.resolver = resolver
         self.errors = 0
-        self.synced = False
         self._on_error = on_error
         self._sleep = sleep
 
@@ -109,7 +108,6 @@ class DnsSource:
             logger.exception("%s discovery: resolving %s raised", self.role, self.name)
             self._failed(publisher, f"{type(exc).__name__}: {exc}")
             return
-        self.synced = True
         if changed:
             log = logger.info if specs else logger.warning
             log(

@@ -131,7 +131,6 @@ class KubernetesSource:
         self.watch_timeout = watch_timeout
         self.members = Members()
         self.errors = 0
-        self.synced = False
         self._backoff = Backoff(0.2, backoff_max)
         self._on_error = on_error
         self._sleep = sleep
@@ -181,7 +180,6 @@ class KubernetesSource:
             logger.warning("%s discovery: %s (left out)", self.role, problem)
         specs = self.members.specs()
         changed = publisher.publish(specs)
-        self.synced = True
         if changed:
             logger.info(
                 "%s discovery (%s %s, %s): %d pod(s) ready: %s",

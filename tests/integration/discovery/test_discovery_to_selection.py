@@ -14,8 +14,8 @@ import uvicorn
 
 from router.discovery.dns import DnspythonResolver, DnsSource
 from router.domain import Endpoint, RequestInfo, Role
-from router.loadaware import LoadAware
 from router.metrics import Metrics
+from router.policy import LoadAware
 from router.pool import Pool
 from router.scrape import Scraper
 from tests.integration.discovery.dnsmasq import DOMAIN, Dnsmasq

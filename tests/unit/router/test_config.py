@@ -241,3 +241,37 @@ def test_the_environment_resolves_in_cluster_defaults_at_startup(tmp_path: Path)
     assert (resolved.api_url, resolved.namespace) == ("https://10.96.0.1:443", "llm")
     with pytest.raises(ConfigError, match="KUBERNETES_SERVICE_HOST"):
         with_environment(s, {})
+
+
+def test_policies_take_their_options_from_the_policy_block() -> None:
+    block = {"policy": {"decode": {"name": "load-aware", "kv_weight": 10}, "prefill": "round-robin"}}
+    s = build_settings(MIN, block)
+    assert (s.decode_policy, dict(s.decode_policy_options)) == ("load-aware", {"kv_weight": 10})
+    assert (s.prefill_policy, dict(s.prefill_policy_options)) == ("round-robin", {})
+    flag = build_settings(MIN, block, {"decode_policy": "load-aware"})  # --decode-policy naming the same policy
+    assert dict(flag.decode_policy_options) == {"kv_weight": 10}
+    other = build_settings(MIN, block, {"decode_policy": "least-loaded"})
+    assert (other.decode_policy, dict(other.decode_policy_options)) == ("least-loaded", {})
+    assert (build_settings(MIN).decode_policy, build_settings(MIN).prefill_policy) == (
+        "least-loaded",
+        "least-prefill-tokens",
+    )
+
+
+@pytest.mark.parametrize(
+    ("layer", "message"),
+    [
+        (
+            {"policy": {"decode": {"name": "load-aware", "running_weight": 1}}},
+            r"unknown option\(s\) \['running_weight'\]",
+        ),
+        ({"policy": {"decode": {"name": "least-loaded", "kv_weight": 1}}}, "it takes no options"),
+        ({"policy": {"decode": {"kv_weight": 1}}}, r"policy\.decode: expected a name or a mapping with name"),
+        ({"policy": {"encode": "round-robin"}}, r"policy: unknown role\(s\) \['encode'\]"),
+        ({"policy": "round-robin"}, "policy: expected a mapping of role"),
+        ({"policy": {"prefill": "fastest"}}, "unknown selection policy 'fastest'"),
+    ],
+)
+def test_bad_policy_settings_are_refused_at_startup(layer: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build_settings(MIN, layer)

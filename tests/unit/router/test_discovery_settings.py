@@ -156,7 +156,7 @@ def test_mistakes_are_refused_with_a_clear_message(raw: Any, message: str) -> No
 
 
 @pytest.mark.parametrize(
-    "module", ["router.discovery.settings", "router.discovery.pods", "router.discovery.base", "router.loadaware"]
+    "module", ["router.discovery.settings", "router.discovery.pods", "router.discovery.base", "router.policy"]
 )
 def test_the_pure_discovery_modules_load_no_io_library(module: str) -> None:
     code = f"import sys, json; import {module}; print(json.dumps(sorted(sys.modules)))"

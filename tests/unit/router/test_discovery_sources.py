@@ -93,7 +93,7 @@ async def test_dns_source_publishes_changes_only_and_keeps_the_last_set_when_loo
         ["http://[fd00::1]:8000"],
     ]
     assert all(role is Role.DECODE for role, _ in sink.calls)
-    assert errors == [(Role.DECODE, "SERVFAIL")] and source.errors == 1 and source.synced
+    assert errors == [(Role.DECODE, "SERVFAIL")] and source.errors == 1
     assert sleeps.delays == [3.0] * 6
 
 
@@ -107,7 +107,7 @@ async def test_dns_source_counts_a_resolver_that_hangs_past_its_deadline() -> No
     sink = Sink()
     with pytest.raises(Stop):
         await source.run(sink)
-    assert source.errors == 1 and not source.synced and sink.calls == []
+    assert source.errors == 1 and sink.calls == []
 
 
 async def test_dns_source_survives_an_unexpected_error_and_keeps_the_last_set() -> None:
@@ -143,7 +143,7 @@ async def test_static_source_publishes_once_and_runs_until_cancelled() -> None:
     task = asyncio.create_task(source.run(sink))
     await asyncio.sleep(0)
     await asyncio.sleep(0)
-    assert sink.calls == [(Role.DECODE, ["http://10.0.0.1:1"])] and not task.done() and source.synced
+    assert sink.calls == [(Role.DECODE, ["http://10.0.0.1:1"])] and not task.done()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -241,10 +241,8 @@ async def test_kubernetes_failures_keep_the_membership_and_back_off() -> None:
     sink, sleeps = Sink(), Sleeps(rounds=99)
     errors: list[str] = []
     source = kube_source(api, sleeps, errors)
-    assert not source.synced
     with pytest.raises(Stop):
         await source.run(sink)
-    assert source.synced
     assert sink.urls == [["http://10.1.0.1:8000"]]  # never emptied by the failures
     assert len(errors) == 3 and source.errors == 3
     assert "500" in errors[0] and "403" in errors[1] and "not JSON" in errors[2]
