@@ -1,8 +1,8 @@
 """Real vLLM CPU engines as child processes: the typed spec, its exact command and environment, handles, fleets.
 
 An `EngineSpec` says what one engine is (role, ports, core, KV connector); `prefill_arg()` is the router's
-`--prefill` SPEC naming a prefill engine's NIXL identity, and `pd_family()` builds the specs of one P/D
-family (prefills on one core, a decode on another, one connector). The pure functions `engine_argv()`,
+`--prefill` SPEC naming a prefill engine's NIXL identity (`stack.family` builds whole P/D families). The pure
+functions `engine_argv()`,
 `kv_transfer_config()` and `vllm_env()` turn a spec into the command line and environment that work on a
 small CPU box (see docs in stack/site/sitecustomize.py for the two harness switches). `Engine` runs one spec
 as a `ManagedProcess` pinned to its core with taskset; `Fleet` starts several at once and stops every
@@ -31,11 +31,9 @@ __all__ = [
     "Engine",
     "EngineSpec",
     "Fleet",
-    "PdFamily",
     "engine_argv",
     "free_port",
     "kv_transfer_config",
-    "pd_family",
     "resolve_ports",
     "vllm_env",
 ]
@@ -116,65 +114,6 @@ class EngineSpec:
         if self.connector is None or self.engine_id is None or not self.side_port:
             return self.url
         return f"{self.url},engine_id={self.engine_id},side_port={self.side_port}"
-
-
-@dataclasses.dataclass(frozen=True)
-class PdFamily:
-    """The specs of one prefill/decode family: prefill engines and one decode, all on one connector."""
-
-    prefills: tuple[EngineSpec, ...]
-    decode: EngineSpec
-
-    @property
-    def specs(self) -> tuple[EngineSpec, ...]:
-        """Every spec, prefills first (the order `Fleet.start_all` returns the handles in)."""
-        return (*self.prefills, self.decode)
-
-
-def pd_family(
-    label: str,
-    model: Path,
-    connector: str,
-    *,
-    module: str | None = None,
-    n_prefill: int = 1,
-    prefill_core: int = 0,
-    decode_core: int = 1,
-    engine_suffix: str = "",
-    prefill_args: Sequence[tuple[str, ...]] = (),
-    decode_args: tuple[str, ...] = (),
-) -> PdFamily:
-    """Prefills `{label}-p0..` (engine ids `{label}-pN{engine_suffix}`) on prefill_core, decode `{label}-d` on
-    decode_core; ports and side ports are picked when the engines are made. `prefill_args[i]` are extra vLLM
-    flags of prefill i (the rest get none); `decode_args` the decode's."""
-    if n_prefill < 1:
-        raise ValueError("a P/D family needs at least one prefill engine")
-    if len(prefill_args) > n_prefill:
-        raise ValueError(f"{len(prefill_args)} prefill_args for {n_prefill} prefill engines")
-    extra = [*prefill_args, *[()] * (n_prefill - len(prefill_args))]
-    prefills = tuple(
-        EngineSpec(
-            name=f"{label}-p{i}",
-            role="prefill",
-            model=model,
-            core=prefill_core,
-            connector=connector,
-            connector_module=module,
-            engine_id=f"{label}-p{i}{engine_suffix}",
-            extra_args=tuple(extra[i]),
-        )
-        for i in range(n_prefill)
-    )
-    decode = EngineSpec(
-        name=f"{label}-d",
-        role="decode",
-        model=model,
-        core=decode_core,
-        connector=connector,
-        connector_module=module,
-        extra_args=decode_args,
-    )
-    return PdFamily(prefills, decode)
 
 
 def spec_problems(spec: EngineSpec) -> list[str]:

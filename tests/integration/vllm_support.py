@@ -15,7 +15,8 @@ from typing import Any
 
 import httpx
 
-from stack.engines import Engine, Fleet, pd_family
+from stack.engines import Engine, Fleet
+from stack.family import pd_family, start_family
 from stack.procs import free_port
 from stack.routers import Router, router_spec
 from tests.integration.support import (
@@ -80,9 +81,8 @@ def pair(connector: str, n_prefill: int = 1, module: str | None = None, tag: str
         engine_suffix=f"-{uuid.uuid4().hex[:6]}",
     )
     with Fleet(LOGS) as fleet:
-        engines = fleet.start_all(family.specs)
-        fleet.wait_all_healthy(STARTUP_TIMEOUT)
-        yield Pair(fleet=fleet, prefills=engines[:-1], decode=engines[-1], connector=connector)
+        engines = start_family(fleet, family, STARTUP_TIMEOUT)
+        yield Pair(fleet=fleet, prefills=list(engines.prefills), decode=engines.decode, connector=connector)
 
 
 @contextlib.contextmanager

@@ -13,7 +13,6 @@ from stack.engines import (
     EngineSpec,
     engine_argv,
     kv_transfer_config,
-    pd_family,
     process_spec,
     resolve_ports,
     vllm_env,
@@ -221,27 +220,3 @@ class TestPrefillArg:
         assert worker.url == "http://127.0.0.1:8100"
         assert worker.identity is not None
         assert (worker.identity.engine_id, worker.identity.host, worker.identity.port) == ("p-id", "127.0.0.1", 5600)
-
-
-class TestPdFamily:
-    def test_prefills_on_one_core_decode_on_another_one_connector(self) -> None:
-        family = pd_family("kv", MODEL, "KvpushConnector", module="connector.plugin", n_prefill=2, engine_suffix="-x")
-        assert [s.name for s in family.specs] == ["kv-p0", "kv-p1", "kv-d"]
-        assert [s.engine_id for s in family.prefills] == ["kv-p0-x", "kv-p1-x"]
-        assert family.decode.engine_id is None
-        assert {s.core for s in family.prefills} == {0}
-        assert family.decode.core == 1
-        assert {(s.connector, s.connector_module) for s in family.specs} == {("KvpushConnector", "connector.plugin")}
-        assert [s.effective_kv_role for s in family.specs] == ["kv_producer", "kv_producer", "kv_consumer"]
-        assert {(s.http_port, s.side_port) for s in family.specs} == {(0, None)}  # picked when the Engine is made
-
-    def test_extra_flags_per_engine(self) -> None:
-        family = pd_family("f", MODEL, "NixlPushConnector", n_prefill=2, prefill_args=[("--a",)], decode_args=("--b",))
-        assert [s.extra_args for s in family.specs] == [("--a",), (), ("--b",)]
-
-    @pytest.mark.parametrize(
-        ("kwargs", "fragment"), [({"n_prefill": 0}, "at least one"), ({"prefill_args": [(), ()]}, "2 prefill_args")]
-    )
-    def test_impossible_families_are_refused(self, kwargs: dict[str, object], fragment: str) -> None:
-        with pytest.raises(ValueError, match=fragment):
-            pd_family("f", MODEL, "NixlPushConnector", **kwargs)  # type: ignore[arg-type]

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from router.cli import load_serve_settings
-from stack.engines import EngineSpec, pd_family, resolve_ports
+from stack.engines import EngineSpec, resolve_ports
+from stack.family import pd_family
 from stack.routers import Router, RouterSpec, router_argv, router_env, router_process, router_spec
 
 MODEL = Path("/models/tiny")
