@@ -28,6 +28,8 @@ class RouterSpec:
 
     `mode` None leaves the mode to the router (its default or the config file's). `flags` are further
     `serve` flags, passed verbatim after the ones this spec names (a later flag wins in the router's parser).
+    `runner` is what goes between the interpreter and `router serve`: `-m` by default; a wrapper module that
+    runs the module named after it fits too, e.g. `("-m", "loadtest.profiled", "/tmp/router.prof")`.
     """
 
     name: str = "router"
@@ -40,6 +42,7 @@ class RouterSpec:
     host: str = LOOPBACK
     ready_path: str = "/ready"
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    runner: tuple[str, ...] = ("-m",)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -62,6 +65,7 @@ def router_spec(
     config: Path | None = None,
     ready_path: str = "/ready",
     env: Mapping[str, str] | None = None,
+    runner: tuple[str, ...] = ("-m",),
 ) -> RouterSpec:
     """A RouterSpec whose workers may be given as engine specs: a prefill as its `prefill_arg()` SPEC
     (URL plus NIXL identity), a decode as its URL; strings are passed as they are."""
@@ -75,6 +79,7 @@ def router_spec(
         flags=flags,
         ready_path=ready_path,
         env=dict(env or {}),
+        runner=runner,
     )
 
 
@@ -82,7 +87,7 @@ def router_argv(spec: RouterSpec, python: str = sys.executable) -> tuple[str, ..
     """The exact command for a spec whose port is resolved."""
     if spec.port == 0:
         raise ValueError(f"router {spec.name!r}: resolve the port before building the command")
-    argv = [python, "-m", "router", "serve", "--host", spec.host, "--port", str(spec.port)]
+    argv = [python, *spec.runner, "router", "serve", "--host", spec.host, "--port", str(spec.port)]
     if spec.config is not None:
         argv += ["--config", str(spec.config)]
     if spec.mode is not None:

@@ -127,3 +127,8 @@ def test_a_router_handle_picks_a_free_port_once_and_keeps_a_given_one() -> None:
     assert "41234" in picked.spec.argv
     given = Router(RouterSpec(port=8000), log_dir=Path("/logs"), pick_port=lambda: 1, base_env={})
     assert given.port == 8000
+
+
+def test_a_wrapper_module_may_run_the_router() -> None:
+    spec = router_spec(9, "push", [], [], runner=("-m", "loadtest.profiled", "/tmp/r.prof"))
+    assert router_argv(spec, python="py")[:6] == ("py", "-m", "loadtest.profiled", "/tmp/r.prof", "router", "serve")
