@@ -13,6 +13,7 @@ Holds the machine's vLLM lock throughout (benchkit.vllm_lock). Every row records
 source, to show the KV arrived by transfer.
 """
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,12 @@ class CpuPlan:
     repeats: int = 2  # >= 2: the second takes the fronts in reverse order
     vrouter: bool = True  # vllm-router fronts, when its binary is found
     probe_words: int = 1500  # the concurrency probe's prompt (< the engines' 2048-token context)
+    max_point_s: float = 0.0  # > 0: at most qps x this many requests at a point (keeps light points short)
+
+    def n_for(self, qps: float) -> int:
+        if self.max_point_s <= 0:
+            return self.requests
+        return max(3, min(self.requests, math.ceil(qps * self.max_point_s)))
 
 
 # The stack's pinned engines prefill a 1024-token prompt in ~0.15 s, so P saturates near 6 req/s on an idle box.
@@ -164,7 +171,7 @@ def _point(
     point = Point(
         labels,
         front.base,
-        plan.requests,
+        plan.n_for(qps),
         seed=3000 + index,  # the same arrivals for every front and repeat of a point
         warmup=plan.warmup,
         tokenizer="server",
