@@ -1,152 +1,21 @@
-"""Discovery sources driven without sockets: DNS through a fake resolver, Kubernetes through httpx.MockTransport."""
+"""The Kubernetes source driven without sockets through httpx.MockTransport: LIST then WATCH, 410, failures,
+backoff, and the in-cluster defaults."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from router.discovery.base import StaticSource
 from router.discovery.build import build_source
-from router.discovery.dns import DnsSource, LookupFailed
 from router.discovery.kubernetes import KubeApi, KubernetesSource
-from router.discovery.settings import DnsConfig, KubernetesConfig, StaticConfig, in_cluster_api_url
-from router.domain import Role, WorkerSpec
+from router.discovery.settings import KubernetesConfig, in_cluster_api_url
+from router.domain import Role
 from router.errors import ConfigError
-from router.metrics import Metrics
-from router.pool import Pool
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.calls: list[tuple[Role, list[str]]] = []
-
-    def set_members(self, role: Role, specs: Sequence[WorkerSpec]) -> None:
-        self.calls.append((role, [s.url for s in specs]))
-
-    @property
-    def urls(self) -> list[list[str]]:
-        return [urls for _, urls in self.calls]
-
-
-class Stop(BaseException):
-    """Ends a source's loop in a test. Not an Exception: the sources survive every Exception."""
-
-
-class Sleeps:
-    """Records the delays asked for; ends the source's loop on the `rounds`-th sleep."""
-
-    def __init__(self, rounds: int) -> None:
-        self.rounds = rounds
-        self.delays: list[float] = []
-
-    async def __call__(self, delay: float) -> None:
-        self.delays.append(delay)
-        if len(self.delays) >= self.rounds:
-            raise Stop
-
-
-class ScriptedResolver:
-    def __init__(self, *answers: frozenset[str] | Exception) -> None:
-        self.answers = list(answers)
-
-    async def addresses(self, name: str) -> frozenset[str]:
-        answer = self.answers.pop(0)
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
-
-
-async def test_dns_source_publishes_changes_only_and_keeps_the_last_set_when_lookups_fail() -> None:
-    resolver = ScriptedResolver(
-        frozenset({"10.0.0.2", "10.0.0.1"}),
-        frozenset({"10.0.0.1", "10.0.0.2"}),
-        LookupFailed("SERVFAIL"),
-        frozenset({"10.0.0.1"}),
-        frozenset(),
-        frozenset({"fd00::1"}),
-    )
-    errors: list[tuple[Role, str]] = []
-    sleeps = Sleeps(rounds=6)
-    source = DnsSource(
-        Role.DECODE,
-        "d.test",
-        8000,
-        interval=3.0,
-        timeout=1.0,
-        resolver=resolver,
-        on_error=lambda role, reason: errors.append((role, reason)),
-        sleep=sleeps,
-    )
-    sink = Sink()
-    with pytest.raises(Stop):
-        await source.run(sink)
-    assert sink.urls == [
-        ["http://10.0.0.1:8000", "http://10.0.0.2:8000"],
-        ["http://10.0.0.1:8000"],  # the failed lookup in between changed nothing
-        [],  # no records: an empty pool
-        ["http://[fd00::1]:8000"],
-    ]
-    assert all(role is Role.DECODE for role, _ in sink.calls)
-    assert errors == [(Role.DECODE, "SERVFAIL")] and source.errors == 1
-    assert sleeps.delays == [3.0] * 6
-
-
-async def test_dns_source_counts_a_resolver_that_hangs_past_its_deadline() -> None:
-    class Hangs:
-        async def addresses(self, name: str) -> frozenset[str]:
-            await asyncio.Event().wait()
-            raise AssertionError("unreachable")
-
-    source = DnsSource(Role.PREFILL, "p.test", 1, interval=1.0, timeout=0.01, resolver=Hangs(), sleep=Sleeps(1))
-    sink = Sink()
-    with pytest.raises(Stop):
-        await source.run(sink)
-    assert source.errors == 1 and sink.calls == []
-
-
-async def test_dns_source_survives_an_unexpected_error_and_keeps_the_last_set() -> None:
-    resolver = ScriptedResolver(
-        frozenset({"10.0.0.1"}),
-        ValueError("a resolver bug"),
-        frozenset({"not-an-address"}),  # a resolver that answers nonsense
-        frozenset({"10.0.0.2"}),
-    )
-    errors: list[tuple[Role, str]] = []
-    source = DnsSource(
-        Role.DECODE,
-        "d.test",
-        8000,
-        interval=1.0,
-        timeout=1.0,
-        resolver=resolver,
-        on_error=lambda role, reason: errors.append((role, reason)),
-        sleep=Sleeps(rounds=4),
-    )
-    sink = Sink()
-    with pytest.raises(Stop):
-        await source.run(sink)
-    assert sink.urls == [["http://10.0.0.1:8000"], ["http://10.0.0.2:8000"]]
-    assert [reason.split(":")[0] for _, reason in errors] == ["ValueError", "ValueError"] and source.errors == 2
-
-
-async def test_static_source_publishes_once_and_runs_until_cancelled() -> None:
-    spec = WorkerSpec("http://10.0.0.1:1", Role.DECODE)
-    source = build_source(StaticConfig(Role.DECODE, (spec,)))
-    assert isinstance(source, StaticSource)
-    sink = Sink()
-    task = asyncio.create_task(source.run(sink))
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
-    assert sink.calls == [(Role.DECODE, ["http://10.0.0.1:1"])] and not task.done()
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+from tests.unit.router.discovery.support import Sink, Sleeps, Stop
 
 
 def pod(name: str, ip: str, ready: bool = True, rv: str = "1") -> dict[str, Any]:
@@ -288,6 +157,15 @@ async def test_a_list_that_works_while_watch_is_forbidden_does_not_spin() -> Non
     assert sleeps.delays == [0.2, 0.4, 0.8, 1.6]
 
 
+async def test_watches_that_end_at_once_with_nothing_are_not_reopened_in_a_spin() -> None:
+    pod_list = {"metadata": {"resourceVersion": "10"}, "items": []}
+    api = FakeApi(lists=[httpx.Response(200, json=pod_list)], watches=[httpx.Response(200) for _ in range(3)])
+    sleeps = Sleeps(rounds=99)
+    with pytest.raises(Stop):
+        await kube_source(api, sleeps).run(Sink())
+    assert sleeps.delays == [0.2, 0.4, 0.8]
+
+
 def test_in_cluster_settings_come_from_the_environment_and_the_service_account(tmp_path: Path) -> None:
     assert (
         in_cluster_api_url({"KUBERNETES_SERVICE_HOST": "10.96.0.1", "KUBERNETES_SERVICE_PORT": "443"})
@@ -308,29 +186,3 @@ def test_in_cluster_settings_come_from_the_environment_and_the_service_account(t
         env={"KUBERNETES_SERVICE_HOST": "10.96.0.1"},
     )
     assert isinstance(source, KubernetesSource) and source.namespace == "llm"
-
-
-def test_a_dns_config_builds_a_dns_source_with_the_given_nameserver() -> None:
-    source = build_source(DnsConfig(Role.PREFILL, "p.test", 8100, nameserver="127.0.0.1", nameserver_port=5353))
-    assert isinstance(source, DnsSource) and (source.name, source.port) == ("p.test", 8100)
-
-
-async def test_the_routers_pool_is_a_membership_sink() -> None:
-    pool = Pool(
-        [WorkerSpec("http://10.9.9.9:8000", Role.DECODE), WorkerSpec("http://10.0.0.5:8100", Role.PREFILL)], Metrics()
-    )
-    resolver = ScriptedResolver(frozenset({"10.0.0.1", "10.0.0.2"}))
-    source = DnsSource(Role.DECODE, "d.test", 8000, interval=1.0, timeout=1.0, resolver=resolver, sleep=Sleeps(1))
-    with pytest.raises(Stop):
-        await source.run(pool)
-    assert [s.url for s in pool.members(Role.DECODE)] == ["http://10.0.0.1:8000", "http://10.0.0.2:8000"]
-    assert [s.url for s in pool.members(Role.PREFILL)] == ["http://10.0.0.5:8100"]  # the other role is untouched
-
-
-async def test_watches_that_end_at_once_with_nothing_are_not_reopened_in_a_spin() -> None:
-    pod_list = {"metadata": {"resourceVersion": "10"}, "items": []}
-    api = FakeApi(lists=[httpx.Response(200, json=pod_list)], watches=[httpx.Response(200) for _ in range(3)])
-    sleeps = Sleeps(rounds=99)
-    with pytest.raises(Stop):
-        await kube_source(api, sleeps).run(Sink())
-    assert sleeps.delays == [0.2, 0.4, 0.8]
