@@ -28,9 +28,11 @@ def url(value: Any, where: str, *, schemes: tuple[str, ...] = SCHEMES) -> str:
     text = value.strip()
     try:
         parts = urlsplit(text)
-        parts.port  # noqa: B018 - raises ValueError for a port that is not a number or out of range
+        port_number = parts.port  # raises ValueError for a port that is not a number or out of range
     except ValueError as exc:
         raise ConfigError(f"{where}: {shown_url(text)} is not a valid URL ({exc})") from None
+    if port_number == 0:
+        raise ConfigError(f"{where}: {shown_url(text)} has port 0")
     wanted = " or ".join(schemes)
     if parts.scheme not in schemes or not parts.hostname:
         raise ConfigError(f"{where}: {shown_url(text)} is not a base URL ({wanted}://host:port)")

@@ -36,6 +36,7 @@ def test_urls_are_http_or_https_base_urls(given: str, expected: str) -> None:
         ("http://h:1#frag", "without a path"),
         ("http://h:99999", "not a valid URL"),
         ("http://h:port", "not a valid URL"),
+        ("http://h:0", "port 0"),
         ("http://user:pw@h:1", "must not carry credentials"),
         ("http://token@h:1", "must not carry credentials"),
         ("http://user:p@ss@h:1", "must not carry credentials"),
