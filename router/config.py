@@ -1,4 +1,9 @@
-"""Router settings: defaults, a YAML file, environment and flags merged (flags win), then validated. Pure."""
+"""Router settings: defaults, a YAML file, environment and flags merged (flags win), then validated. Pure, except
+`with_environment`, which resolves what only the running process knows (Kubernetes in-cluster defaults).
+
+Where things live: the value checks (one rule per kind of value) in router/values.py, the worker specs (SPEC
+strings, typed fields) in router/specs.py, the `discovery:` block in router/discovery/settings.py, each policy's
+and decider's options in its own factory (router/policy.py, router/decider.py)."""
 
 from __future__ import annotations
 
