@@ -137,6 +137,8 @@ def serve(argv: list[str]) -> int:
         log_level=settings.log_level,
         access_log=False,
         log_config=None,
+        loop="uvloop",  # the event loop and the HTTP parser in C: less CPU per request (router/README.md)
+        http="httptools",
         # uvicorn waits with asyncio.wait_for, which takes any number of seconds; int() made 0.9 into 0
         timeout_graceful_shutdown=settings.drain_grace,  # type: ignore[arg-type]
     )

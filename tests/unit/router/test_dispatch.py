@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import json
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, ClassVar
 
 import httpx
 import pytest
 
 from router.answer import JsonAnswer, StreamAnswer
 from router.config import build_settings
+from router.decider import Decision, Outcome, Route, Turn
 from router.dispatch import ClientRequest, Dispatcher
-from router.domain import Endpoint, Role
+from router.domain import Endpoint, Role, WorkerView
 from router.errors import NoHealthyWorker, UpstreamError, UpstreamProtocolError, UpstreamStatus, UpstreamTimeout
 from router.metrics import Metrics
 from router.pool import Pool
@@ -198,3 +201,141 @@ async def test_an_error_event_with_no_other_decode_is_a_clear_502() -> None:
     with pytest.raises(UpstreamError, match="KV load failed") as info:
         await dispatcher.handle(call_of(dispatcher))
     assert info.value.http_status == 502 and info.value.leg == "decode"
+
+
+async def test_a_prefill_ejected_while_its_leg_hangs_is_retried_at_once_with_fresh_ids() -> None:
+    kv = asyncio.Event()
+    pool_ref: list[Pool] = []
+
+    async def hung(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        # health marks p0 down while its leg is in flight (a SIGSTOPped engine: connected, silent)
+        asyncio.get_running_loop().call_soon(lambda: pool_ref[0].report("http://p0:8100", ok=False, hard=True))
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    workers = FakeWorkers({"p0": hung, "p1": prefill_ok("p1", done=kv), "d0": decode_ok(kv=kv)})
+    dispatcher, pool, timings = await make(
+        workers, prefill=[P0, "http://p1:8100,engine_id=p1,side_port=5601"], prefill_policy="round-robin"
+    )
+    pool_ref.append(pool)
+    async with asyncio.timeout(10):  # hang guard: without the race the leg waits for the 300 s prefill deadline
+        events = await relay(await dispatcher.handle(call_of(dispatcher)))
+    assert events[-1] == b"data: [DONE]\n\n"
+    (lost,), (retried,) = workers.legs("p0"), workers.legs("p1")
+    assert lost.headers["x-request-id"] != retried.headers["x-request-id"]
+    assert timings.query()[0]["attempts"] == 2 and timings.query()[0]["outcome"] == "ok"
+    assert all(v.in_flight == 0 for role in Role for v in pool.candidates(role))
+
+
+async def test_a_decode_ejected_before_its_first_byte_is_retried_on_another_decode() -> None:
+    pool_ref: list[Pool] = []
+
+    async def hung(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        asyncio.get_running_loop().call_soon(lambda: pool_ref[0].report("http://d0:8200", ok=False, hard=True))
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    workers = FakeWorkers({"p0": prefill_ok(), "d0": hung, "d1": decode_ok()})
+    dispatcher, pool, timings = await make(
+        workers, decode=["http://d0:8200", "http://d1:8200"], decode_policy="round-robin"
+    )
+    pool_ref.append(pool)
+    async with asyncio.timeout(10):  # hang guard: decode_first_byte is 120 s
+        await relay(await dispatcher.handle(call_of(dispatcher)))
+    assert len(workers.legs("d0")) == len(workers.legs("d1")) == 1
+    assert timings.query()[0]["attempts"] == 2
+
+
+async def test_a_prefill_4xx_is_relayed_not_retried() -> None:
+    never = asyncio.Event()  # decode waits for KV that a refused prefill never sends
+    workers = FakeWorkers({"p0": status(400, "prompt too long"), "p1": status(400, "no"), "d0": decode_ok(kv=never)})
+    dispatcher, _, _ = await make(workers, prefill=[P0, "http://p1:8100,engine_id=p1,side_port=5601"])
+    with pytest.raises(UpstreamStatus) as info:
+        await dispatcher.handle(call_of(dispatcher))
+    assert info.value.http_status == 400 and len(workers.legs("p0")) + len(workers.legs("p1")) == 1
+
+
+async def test_client_facing_messages_name_the_role_and_logs_keep_the_worker() -> None:
+    workers = FakeWorkers({"p0": prefill_ok(), "d0": status(500, "engine died")})
+    dispatcher, _, _ = await make(workers, retries=0)
+    with pytest.raises(UpstreamStatus) as info:
+        await dispatcher.handle(call_of(dispatcher))
+    body = info.value.to_body()["error"]["message"]
+    assert body.startswith("decode worker") and "d0:8200" not in body
+    assert "http://d0:8200" in str(info.value)
+
+
+class Recording:
+    """A decider that bypasses prefill for every request and prefers d1; it keeps what it is told."""
+
+    name: ClassVar[str] = "recording"
+    wants_answer = True
+
+    def __init__(self, route: Route = Route.BYPASS) -> None:
+        self.route = route
+        self.outcomes: list[Outcome] = []
+
+    def decide(self, turn: Turn, decode: Sequence[WorkerView], prefill: Sequence[WorkerView], now: float) -> Decision:
+        return Decision(self.route, decode="http://d1:8200")
+
+    def record(self, turn: Turn, decision: Decision, outcome: Outcome, now: float) -> None:
+        self.outcomes.append(outcome)
+
+    def forget(self, worker_id: str) -> None:
+        return None
+
+
+USAGE = {"prompt_tokens": 7, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+def answers_with_usage() -> Any:
+    async def handle(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        if not body.get("stream"):
+            return httpx.Response(200, json={"choices": [{"text": "ab"}], "usage": USAGE})
+        chunks = [
+            b'data: {"choices": [{"text": "a"}]}\n\n',
+            b'data: {"choices": [{"text": "b"}]}\n\n',
+            b"data: " + json.dumps({"choices": [], "usage": USAGE}).encode() + b"\n\n",
+            b"data: [DONE]\n\n",
+        ]
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=chunks_of(chunks))
+
+    return handle
+
+
+async def chunks_of(chunks: list[bytes]) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield chunk
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_bypass_decision_sends_the_plain_body_to_the_preferred_decode_and_learns_the_usage(
+    stream: bool,
+) -> None:
+    workers = FakeWorkers({"p0": prefill_ok(), "d0": decode_ok(), "d1": answers_with_usage()})
+    s = build_settings({"prefill": [P0], "decode": ["http://d0:8200", "http://d1:8200"]})
+    metrics, timings, decider = Metrics(), TimingLog(10), Recording()
+    pool = Pool((*s.prefill, *s.decode), metrics)
+    client = httpx.AsyncClient(transport=workers.transport())
+    await pool.probe_all(client, 1.0)
+    dispatcher = Dispatcher(s, pool, client, metrics, timings, decider=decider)
+    answer = await dispatcher.handle(call_of(dispatcher, {**BODY, "stream": stream}))
+    if stream:
+        await relay(answer)
+    assert workers.legs("p0") == [] and workers.legs("d0") == []
+    (leg,) = workers.legs("d1")
+    assert "kv_transfer_params" not in leg.body and leg.body["prompt"] == BODY["prompt"]
+    (outcome,) = decider.outcomes
+    assert (outcome.ok, outcome.decode, outcome.prefill) == (True, "http://d1:8200", None)
+    assert (outcome.prompt_tokens, outcome.cached_tokens, outcome.completion_tokens) == (7, 4, 2)
+    assert outcome.answer == "ab"
+    assert timings.query()[0]["mode"] == "bypass"
+    assert metrics.decisions.labels("bypass")._value.get() == 1
+
+
+async def test_without_a_decider_the_mode_routes_and_decisions_are_counted() -> None:
+    workers = FakeWorkers({"p0": prefill_ok(), "d0": decode_ok()})
+    dispatcher, _, _ = await make(workers)
+    await relay(await dispatcher.handle(call_of(dispatcher)))
+    assert len(workers.legs("p0")) == 1 and "kv_transfer_params" in workers.legs("d0")[0].body
+    assert dispatcher._metrics.decisions.labels("push")._value.get() == 1

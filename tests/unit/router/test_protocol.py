@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -68,7 +68,7 @@ def test_shaping_never_mutates_the_client_body() -> None:
     before = repr(COMPLETION)
     protocol.prefill_body(COMPLETION, Endpoint.COMPLETIONS, "t")
     protocol.push_decode_body(COMPLETION, IDENTITY, protocol.PairingIds("r", "t"))
-    protocol.pull_decode_body(COMPLETION, {"a": [1]})
+    protocol.pull_decode_body(COMPLETION, {"remote_block_ids": [[1]]})
     assert repr(COMPLETION) == before
 
 
@@ -90,14 +90,19 @@ def test_push_decode_leg_is_the_client_request_plus_the_prefill_identity() -> No
 
 
 def test_pull_decode_leg_carries_prefill_params_verbatim() -> None:
-    params = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]], "remote_engine_id": "e"}
+    params: protocol.KvTransferParams = {
+        "do_remote_prefill": True,
+        "remote_block_ids": [[1, 2]],
+        "remote_engine_id": "e",
+    }
     out = protocol.pull_decode_body(CHAT, params)
     assert out["kv_transfer_params"] == params
     assert out["kv_transfer_params"] is not params
 
 
 def test_identity_is_read_from_a_prefill_answer() -> None:
-    params = {"remote_engine_id": "e1", "remote_host": "h", "remote_port": 5601, "tp_size": 4, "pp_size": None}
+    stated = {"remote_engine_id": "e1", "remote_host": "h", "remote_port": 5601, "tp_size": 4, "pp_size": None}
+    params = cast(protocol.KvTransferParams, stated)  # as a worker may send it: pp_size null
     assert protocol.identity_from(params) == NixlIdentity("e1", "h", 5601, 4, 1)
     assert protocol.identity_from({"remote_engine_id": "e1"}) is None
     assert protocol.kv_params_of({"kv_transfer_params": params}) == params
@@ -144,3 +149,46 @@ def test_valid_requests_give_selection_facts() -> None:
     parts = [{"type": "text", "text": "y" * 40}]
     info = protocol.parse_request(Endpoint.CHAT, {"model": "m", "messages": [{"role": "user", "content": parts}]})
     assert info.prompt_tokens == 10
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"t": NaN}',
+        b'{"t": Infinity}',
+        b'{"t": -Infinity}',
+        b'{"p": "\\ud800"}',
+        b'{"p": "\\udfff x"}',
+        b'{"n": 1e999}',
+        b'{"x": ' + b"[" * 65 + b"]" * 65 + b"}",
+        b"[" * 100_000 + b"]" * 100_000,
+    ],
+)
+def test_hostile_json_is_a_bad_request(raw: bytes) -> None:
+    with pytest.raises(BadRequest):
+        protocol.decode_body(raw, max_depth=64)
+
+
+def test_json_nested_up_to_the_limit_and_brackets_in_strings_are_fine() -> None:
+    deep = protocol.decode_body(b'{"x": ' + b"[" * 63 + b"]" * 63 + b"}", max_depth=64)["x"]
+    for _ in range(62):
+        (deep,) = deep
+    assert deep == []
+    assert protocol.decode_body(b'{"p": "' + b"[" * 500 + b'"}', max_depth=64) == {"p": "[" * 500}
+
+
+@pytest.mark.parametrize(
+    ("given", "kept"),
+    [
+        ("client-7", True),
+        ("A-z0.9_:" * 16, True),
+        ("r" * 129, False),
+        ("has space", False),
+        ("é", False),
+        (None, False),
+    ],
+)
+def test_a_client_request_id_is_kept_only_when_short_and_plain(given: str | None, kept: bool) -> None:
+    out = protocol.client_request_id(given, 128)
+    assert (out == given) is kept
+    assert protocol.client_request_id(given, 128) != out or kept  # a replacement is fresh each time

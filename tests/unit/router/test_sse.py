@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from router.errors import UpstreamTimeout
-from router.sse import EventFramer, error_event, error_of
+from router.sse import EventFramer, EventTooLarge, RelayCheck, error_event, error_of
 
 DONE = b"data: [DONE]\n\n"
 
@@ -58,3 +59,33 @@ def test_error_of_finds_in_band_errors_only() -> None:
     assert error_of(b'data: {"choices": [{"text": "error"}]}\n\n') is None
     assert error_of(b'data: {"choices": [], "error": null}\n\n') is None
     assert error_of(DONE) is None and error_of(b": ping\n\n") is None
+
+
+def test_an_event_over_the_bound_fails_framing_whatever_the_chunking() -> None:
+    framer = EventFramer(max_event_bytes=1000)
+    assert framer.feed(b"data: ok\n\n" + b"x" * 600) == [b"data: ok\n\n"]
+    with pytest.raises(EventTooLarge):
+        framer.feed(b"y" * 600)
+
+
+def test_many_events_in_one_chunk_and_separators_split_across_chunks() -> None:
+    stream = b"".join(f"data: {i}\n\n".encode() for i in range(2000))
+    framer = EventFramer(max_event_bytes=64)
+    out = framer.feed(stream[:7]) + framer.feed(stream[7:9]) + framer.feed(stream[9:])
+    assert len(out) == 2000 and b"".join(out) == stream
+
+
+def test_the_relay_check_bounds_the_open_event_across_chunks() -> None:
+    check = RelayCheck(max_event_bytes=100)
+    check.feed(b"data: " + b"a" * 80 + b"\n")
+    check.feed(b"\ndata: " + b"b" * 80)  # the separator straddles the two chunks: the first event ended
+    with pytest.raises(EventTooLarge):
+        check.feed(b"b" * 30)
+
+
+def test_the_relay_check_keeps_the_last_usage() -> None:
+    check = RelayCheck(max_event_bytes=2**20)
+    check.feed(b'data: {"choices": [{"text": "a"}], "usage": null}\n\n')
+    assert check.usage() is None
+    check.feed(b'data: {"choices": [], "usage": {"prompt_tokens": 3}}\n\ndata: [DONE]\n\n')
+    assert check.usage() == {"prompt_tokens": 3}
