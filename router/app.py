@@ -185,9 +185,10 @@ class HotPath:
         return protocol.parse_request(endpoint, body), body
 
     def _count(self, endpoint: Endpoint, error: RouterError, *, errors: bool) -> None:
+        metrics = self._metrics
         if errors:
-            self._metrics.errors.labels(error.kind).inc()
-        self._metrics.requests.labels(str(endpoint), self._mode, error.kind).inc()
+            metrics.child(metrics.errors, error.kind).inc()
+        metrics.child(metrics.requests, str(endpoint), self._mode, error.kind).inc()
 
     async def _watched(self, receive: Receive, send: Send, request: ClientRequest) -> None:
         """Dispatch and relay; if the client leaves meanwhile, this task is cancelled (closing both legs)."""

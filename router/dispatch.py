@@ -128,7 +128,7 @@ class Dispatcher:
                     if last or not error.may_retry or not others:
                         raise
                     logger.warning("request %s: retrying with fresh ids after: %s", request.record.request_id, error)
-                    self._metrics.retries.labels(str(error.leg)).inc()
+                    self._metrics.child(self._metrics.retries, str(error.leg)).inc()
                     continue
                 if isinstance(answer, JsonAnswer):
                     self._tell(turn, decision, request.record, ok=True, answer=answer.content)
@@ -136,7 +136,7 @@ class Dispatcher:
                 return answer
             raise AssertionError("unreachable: the attempt loop returns or raises")
         except RouterError as error:
-            self._metrics.errors.labels(error.kind).inc()
+            self._metrics.child(self._metrics.errors, error.kind).inc()
             self._finish(request.record, error.kind)
             raise
         except asyncio.CancelledError:
@@ -162,7 +162,7 @@ class Dispatcher:
     ) -> Answer:
         rec, info = request.record, request.info
         decode = self._select(Role.DECODE, info, decodes, decision.decode)
-        self._metrics.decisions.labels(str(decision.route)).inc()
+        self._metrics.child(self._metrics.decisions, str(decision.route)).inc()
         ids = protocol.mint_ids()
         if decision.route in (Route.BYPASS, Route.FALLBACK):
             rec.mode = DECODE_ONLY if decision.route is Route.FALLBACK else BYPASS
@@ -255,7 +255,7 @@ class Dispatcher:
                 raise
         rec.prefill_done = self._clock()
         self._pool.report(wid, ok=True)
-        self._metrics.leg.labels("prefill", rec.mode).observe(rec.prefill_done - rec.prefill_sent)
+        self._metrics.child(self._metrics.leg, "prefill", rec.mode).observe(rec.prefill_done - rec.prefill_sent)
         return self._check_prefill_answer(worker, answer)
 
     def _check_prefill_answer(self, worker: WorkerState, answer: dict[str, Any]) -> protocol.KvTransferParams:
@@ -355,10 +355,10 @@ class Dispatcher:
         if rec.decode_worker is not None:
             self._pool.report(rec.decode_worker, ok=True)
         if rec.ttft is not None:
-            self._metrics.ttft.labels(rec.endpoint, mode).observe(rec.ttft)
-            self._metrics.decode_ttft.labels(mode, rec.decode_worker or "").observe(rec.ttft)
+            self._metrics.child(self._metrics.ttft, rec.endpoint, mode).observe(rec.ttft)
+            self._metrics.child(self._metrics.decode_ttft, mode, rec.decode_worker or "").observe(rec.ttft)
         if rec.handoff is not None:
-            self._metrics.handoff.labels(mode).observe(max(0.0, rec.handoff))
+            self._metrics.child(self._metrics.handoff, mode).observe(max(0.0, rec.handoff))
 
     def _passive_check(self, error: UpstreamError) -> None:
         """Feeds a leg's failure to the worker's health, unless the client's request was at fault."""
@@ -419,10 +419,10 @@ class Dispatcher:
         if leftover is not None and outcome != "ok":
             leftover.cancel()
         mode = rec.mode
-        self._metrics.requests.labels(rec.endpoint, mode, outcome).inc()
-        self._metrics.e2e.labels(rec.endpoint, mode).observe(rec.t_end - rec.t_start)
+        self._metrics.child(self._metrics.requests, rec.endpoint, mode, outcome).inc()
+        self._metrics.child(self._metrics.e2e, rec.endpoint, mode).observe(rec.t_end - rec.t_start)
         if rec.decode_first_byte is not None and rec.decode_sent is not None:
-            self._metrics.leg.labels("decode", mode).observe(rec.t_end - rec.decode_sent)
+            self._metrics.child(self._metrics.leg, "decode", mode).observe(rec.t_end - rec.decode_sent)
         self._timings.add(rec)
         if logger.isEnabledFor(logging.INFO):
             data = rec.to_json()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -13,6 +15,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.requests = Counter(
             "kvpush_requests",
@@ -99,6 +102,15 @@ class Metrics:
             ["loop"],
             registry=r,
         )
+
+    def child(self, metric: Counter | Histogram, *labels: str) -> Any:
+        """`metric.labels(*labels)`, bound once: the hot path looks children up in a dict, not through
+        prometheus_client's locked label resolution (labels are bounded, so the dict is too)."""
+        key = (id(metric), labels)
+        bound = self._children.get(key)
+        if bound is None:
+            bound = self._children[key] = metric.labels(*labels)
+        return bound
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

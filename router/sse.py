@@ -38,6 +38,8 @@ class EventFramer:
 
     def feed(self, chunk: bytes) -> list[bytes]:
         buffer = self._buffer
+        if not buffer and chunk.endswith(b"\n\n") and chunk.find(b"\n\n") == len(chunk) - 2 and b"\r" not in chunk:
+            return [chunk]  # the common case: exactly one whole LF-framed event
         buffer += chunk
         events: list[bytes] = []
         start = 0
