@@ -186,3 +186,18 @@ def test_the_default_health_settings_mark_a_hung_worker_down_within_3_s() -> Non
     s, policy = Settings(), HealthPolicy()
     assert s.health_interval + policy.probe_timeouts * s.timeouts.health <= 3.0
     assert policy.probe_timeouts >= 2, "one slow answer alone must not cost a busy worker its legs"
+
+
+async def test_probe_rounds_start_at_a_fixed_rate_so_a_hung_worker_does_not_slow_the_others() -> None:
+    pool = healthy_pool(P0, D0)
+    delays: list[float] = []
+
+    async def sleep(delay: float) -> None:
+        delays.append(delay)
+        raise asyncio.CancelledError
+
+    async with Workers(p0=["hang"]).client() as client:
+        with pytest.raises(asyncio.CancelledError):
+            await pool.run_health(client, 10.0, 0.05, sleep=sleep)
+    # the round took at least the two 0.05 s timeouts; the pause after it is shortened by what the round took
+    assert len(delays) == 1 and 0.0 <= delays[0] <= 10.0 - 2 * 0.05
