@@ -45,6 +45,8 @@ class AffinityOptions:
     max_sessions: int = 100_000
     chunk_chars: int = 256  # completions: one link per this many prompt characters
     chars_per_token: float = 4.0  # the first guess, replaced by what the engines report
+    block_tokens: int = 16  # the engines' KV block size (--block-size; vLLM's CPU backend defaults to 128):
+    # a prefix cache holds whole blocks only
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> AffinityOptions:
@@ -70,7 +72,7 @@ class AffinityOptions:
         for name in ("bypass_max_uncached_tokens", "bypass_min_cached_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"decider session-affinity: {name} must be >= 0")
-        for name in ("overload_in_flight_gap", "overload_engine_waiting", "max_links_per_worker"):
+        for name in ("overload_in_flight_gap", "overload_engine_waiting", "max_links_per_worker", "block_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"decider session-affinity: {name} must be >= 1")
         if self.max_sessions < 1 or self.chunk_chars < 1:
@@ -119,17 +121,17 @@ class SessionAffinity:
     def decide(self, turn: Turn, decode: Sequence[WorkerView], prefill: Sequence[WorkerView], now: float) -> Decision:
         key = conversation_key(turn.info.endpoint, turn.body, turn.headers, self.options.chunk_chars)
         held = self._pick_decode(key, self._usable(decode), now)
-        uncached = self._uncached(key.chain, held)
         o = self.options
-        if held is not None and held.tokens >= o.bypass_min_cached_tokens and uncached <= o.bypass_max_uncached_tokens:
+        cached = (held.tokens // o.block_tokens) * o.block_tokens if held is not None else 0  # whole blocks only
+        uncached = self._uncached(key.chain, held) + (held.tokens - cached if held is not None else 0)
+        if held is not None and cached >= o.bypass_min_cached_tokens and uncached <= o.bypass_max_uncached_tokens:
             return self._count(
-                Decision(Route.BYPASS, held.worker, None, held.tokens, "decode holds all but a short suffix"),
+                Decision(Route.BYPASS, held.worker, None, cached, "decode holds all but a short suffix"),
                 key,
                 uncached,
             )
         route = Route.PUSH if turn.mode is Mode.PUSH else Route.PULL
         warm = self._longest(self.prefill_index, key.chain, self._usable(prefill), now)
-        cached = held.tokens if held is not None else 0
         reason = "session or prefix on decode" if held is not None else "no affinity"
         return self._count(
             Decision(route, held.worker if held else None, warm.worker if warm else None, cached, reason),

@@ -97,7 +97,8 @@ def test_through_the_router_with_the_decider(engines: PushPair, tmp_path: Path) 
     block = block_size(d)
     headers = {"X-Session-ID": f"mt-{uuid.uuid4().hex}"}
     config = tmp_path / "decider.yaml"
-    config.write_text("decider:\n  name: session-affinity\n  bypass_max_uncached_tokens: 256\n", encoding="utf-8")
+    options = f"  bypass_max_uncached_tokens: 256\n  block_tokens: {block}\n"
+    config.write_text(f"decider:\n  name: session-affinity\n{options}", encoding="utf-8")
     with router("push", [engines.prefill_arg()], [d], "--config", str(config)) as url:
 
         def turn(messages: list[dict[str, str]]) -> tuple[str, int, dict[str, float]]:

@@ -104,3 +104,22 @@ def test_send_turn_records_an_http_error() -> None:
 
     rec = asyncio.run(go())
     assert not rec.ok and rec.error == "HTTP 503: busy"
+
+
+def test_the_suite_plans_fit_the_issue_and_its_engines() -> None:
+    from pathlib import Path
+
+    from loadtest import suite_multiturn as suite
+
+    shape = suite.FULL.shape()
+    assert (shape.turns, shape.message_tokens, shape.answer_tokens) == ((6, 10), (50, 500), (32, 128))
+    assert suite.SMOKE.sessions < suite.FULL.sessions
+    specs = suite.engine_specs(suite.FULL, Path("/m"))
+    assert [s.role for s in specs] == ["prefill", "decode", "decode"]
+    assert all(suite.DETAILS in s.extra_args and s.connector == "NixlPushConnector" for s in specs)
+    assert suite.FULL.turns_max * (suite.FULL.message_max + suite.FULL.answer_max) <= specs[0].max_model_len
+    plan = suite.MultiTurnPlan(sessions=1, session_rate=1.0, decider_options=(("bypass_max_uncached_tokens", 128),))
+    assert suite.decider_yaml(plan) == "decider:\n  name: session-affinity\n  bypass_max_uncached_tokens: 128\n"
+    assert suite.decider_yaml(plan, 128).endswith("  block_tokens: 128\n")
+    pinned = suite.MultiTurnPlan(sessions=1, session_rate=1.0, decider_options=(("block_tokens", 16),))
+    assert suite.decider_yaml(pinned, 128).endswith("  block_tokens: 16\n")

@@ -68,7 +68,7 @@ def served(
     prompt_tokens: int = 400,
     cached: int | None = None,
     answer: str | None = ANSWER,
-    completion_tokens: int = 90,
+    completion_tokens: int = 96,
     ok: bool = True,
     now: float = 1.0,
 ) -> None:
@@ -140,7 +140,7 @@ def test_a_short_next_turn_bypasses_prefill_on_the_decode_that_holds_the_history
     decision = decider.decide(second(SHORT), DECODES, PREFILLS, 2.0)
     assert decision.route is Route.BYPASS
     assert (decision.decode, decision.prefill) == ("d2", None)
-    assert decision.predicted_cached_tokens == 400 + 90  # turn 1's prompt and answer, as usage reported them
+    assert decision.predicted_cached_tokens == 400 + 96  # turn 1's prompt and answer, as usage reported them
 
 
 def test_a_long_next_turn_is_pushed_to_the_same_decode_and_the_warm_prefill() -> None:
@@ -149,7 +149,15 @@ def test_a_long_next_turn_is_pushed_to_the_same_decode_and_the_warm_prefill() ->
     decision = decider.decide(second(LONG), DECODES, PREFILLS, 2.0)
     assert decision.route is Route.PUSH
     assert (decision.decode, decision.prefill) == ("d2", "p2")
-    assert decision.predicted_cached_tokens == 490
+    assert decision.predicted_cached_tokens == 496
+
+
+def test_only_whole_blocks_count_as_cached() -> None:
+    decider = SessionAffinity(AffinityOptions(block_tokens=128))
+    first_turn(decider)  # decode holds 400 + 96 tokens: three whole blocks of 128
+    decision = decider.decide(second(SHORT), DECODES, PREFILLS, 2.0)
+    assert (decision.route, decision.predicted_cached_tokens) == (Route.BYPASS, 384)
+    assert decision.state.predicted_uncached > 496 - 384  # the partial block is recomputed too
 
 
 def test_the_threshold_is_an_option() -> None:
@@ -263,10 +271,10 @@ def test_a_bypassed_turn_is_recorded_on_decode_only() -> None:
     first_turn(decider)
     t2 = second(SHORT)
     decision = decider.decide(t2, DECODES, PREFILLS, 2.0)
-    served(decider, t2, decision, prefill=None, prompt_tokens=520, cached=480, now=3.0)
+    served(decider, t2, decision, prefill=None, prompt_tokens=528, cached=480, now=3.0)
     t3 = turn(*t2.body["messages"], {"role": "assistant", "content": ANSWER}, SHORT)
     third = decider.decide(t3, DECODES, PREFILLS, 4.0)
-    assert (third.route, third.decode, third.predicted_cached_tokens) == (Route.BYPASS, "d1", 520 + 90)
+    assert (third.route, third.decode, third.predicted_cached_tokens) == (Route.BYPASS, "d1", 528 + 96)
     assert stats(decider).index_links["prefill"] == 3  # turn 1's links only
 
 
@@ -284,7 +292,7 @@ def test_completions_turns_bypass_too() -> None:
     t2 = turn(SYSTEM, QUESTION, {"content": ANSWER}, SHORT, endpoint=Endpoint.COMPLETIONS)
     decision = decider.decide(t2, DECODES, PREFILLS, 2.0)
     assert (decision.route, decision.decode) == (Route.BYPASS, "d2")
-    assert 400 < decision.predicted_cached_tokens <= 490  # whole chunks only
+    assert 400 < decision.predicted_cached_tokens <= 496  # whole chunks only
 
 
 def test_stats_count_decisions_index_and_prediction_accuracy() -> None:
@@ -293,16 +301,16 @@ def test_stats_count_decisions_index_and_prediction_accuracy() -> None:
     t2 = second(SHORT, session="s")
     decision = decider.decide(t2, DECODES, PREFILLS, 2.0)
     plan_uncached = decision.state.predicted_uncached
-    served(decider, t2, decision, prefill=None, prompt_tokens=490 + plan_uncached, cached=490, now=3.0)
+    served(decider, t2, decision, prefill=None, prompt_tokens=496 + plan_uncached, cached=496, now=3.0)
     t3 = second(SHORT, session="s")
     far = decider.decide(t3, DECODES, PREFILLS, 4.0)
-    served(decider, t3, far, prefill=None, prompt_tokens=490 + 10 * plan_uncached, cached=490, now=5.0)
+    served(decider, t3, far, prefill=None, prompt_tokens=496 + 10 * plan_uncached, cached=496, now=5.0)
     s = stats(decider)
     assert s.decisions["push"] == 1 and s.decisions["bypass"] == 2 and s.decisions["fallback"] == 0
     assert s.sessions == 1 and s.index_links["decode"] > 0
     assert s.checked_bypasses == 2 and s.accurate_bypasses == 1
-    assert s.predicted_cached_tokens == 490 + (490 + plan_uncached)  # t3 repeats t2: all of t2's prompt is held
-    assert s.actual_cached_tokens == 2 * 490
+    assert s.predicted_cached_tokens == 496 + (496 + plan_uncached) // 16 * 16  # t3 repeats t2: t2's prompt is held
+    assert s.actual_cached_tokens == 2 * 496
     assert s.evictions["decode/capacity"] == 0 and "sessions/forgotten" in s.evictions
 
 
@@ -341,8 +349,8 @@ def test_answers_stop_being_credited_when_bypasses_find_them_uncached() -> None:
         first_turn(decider, now=float(i))
         t2 = second(SHORT)
         decision = decider.decide(t2, DECODES, PREFILLS, i + 0.5)
-        assert decision.route is Route.BYPASS and decision.predicted_cached_tokens >= 490
-        served(decider, t2, decision, prefill=None, prompt_tokens=520, cached=200, now=i + 0.6)
+        assert decision.route is Route.BYPASS and decision.predicted_cached_tokens >= 496
+        served(decider, t2, decision, prefill=None, prompt_tokens=528, cached=200, now=i + 0.6)
     assert not decider.answers_trusted and not stats(decider).answers_trusted
     fresh = SessionAffinity()
     fresh.answers_trusted = False
@@ -356,5 +364,5 @@ def test_accurate_bypasses_keep_answers_credited() -> None:
         first_turn(decider, now=float(i))
         t2 = second(SHORT)
         decision = decider.decide(t2, DECODES, PREFILLS, i + 0.5)
-        served(decider, t2, decision, prefill=None, prompt_tokens=520, cached=480, now=i + 0.6)
+        served(decider, t2, decision, prefill=None, prompt_tokens=528, cached=480, now=i + 0.6)
     assert decider.answers_trusted
