@@ -361,7 +361,7 @@ def _load(base_url: str, client: httpx.Client) -> float:
 
 
 def concurrency_probe(
-    front: str, p_url: str, d_url: str, prompt_words: int = 1500, polls: int = 2000
+    front: str, p_url: str, d_url: str, prompt_tokens: int = 1500, polls: int = 2000
 ) -> dict[str, Any]:
     """Does `front` send D's leg while P is still prefilling? Seen from the engines, not from the front.
 
@@ -374,19 +374,24 @@ def concurrency_probe(
     out: dict[str, Any] = {}
     with httpx.Client(timeout=120.0) as c:
         model = c.get(front.rstrip("/") + "/v1/models").json()["data"][0]["id"]
+        sample = "hello " * 100
+        count = c.post(p_url.rstrip("/") + "/tokenize", json={"model": model, "prompt": sample}).json()["count"]
+        words = max(int(prompt_tokens * 100 / max(int(count), 1)) - 8, 16)
 
-        def body(tag: str, words: int, max_tokens: int) -> dict[str, Any]:
-            return {"model": model, "prompt": f"{tag} " + "hello " * words, "max_tokens": max_tokens}
+        def body(tag: str, n: int, max_tokens: int) -> dict[str, Any]:
+            return {"model": model, "prompt": f"{tag} " + "hello " * n, "max_tokens": max_tokens}
 
         for i in range(2):
             c.post(front.rstrip("/") + "/v1/completions", json=body(f"warm{i}-{time.time_ns()}", 16, 2))
         t = time.monotonic()
-        c.post(p_url.rstrip("/") + "/v1/completions", json=body(f"direct-{time.time_ns()}", prompt_words, 1))
+        r = c.post(p_url.rstrip("/") + "/v1/completions", json=body(f"direct-{time.time_ns()}", words, 1))
         out["p_prefill_ms"] = 1000 * (time.monotonic() - t)
+        if r.status_code != 200:
+            return out | {"concurrent": False, "error": f"direct prefill: {r.status_code} {r.text[:200]}"}
 
     def send() -> None:
         with httpx.Client(timeout=120.0) as c:
-            r = c.post(front.rstrip("/") + "/v1/completions", json=body(f"probe-{time.time_ns()}", prompt_words, 2))
+            r = c.post(front.rstrip("/") + "/v1/completions", json=body(f"probe-{time.time_ns()}", words, 2))
             out["status"] = r.status_code
 
     worker = threading.Thread(target=send, daemon=True)
@@ -401,5 +406,5 @@ def concurrency_probe(
                 break
     worker.join(timeout=120.0)
     seen = out.get("d_seen_ms")
-    out["concurrent"] = seen is not None and seen < 0.5 * out["p_prefill_ms"]
+    out["concurrent"] = out.get("status") == 200 and seen is not None and seen < 0.5 * out["p_prefill_ms"]
     return out

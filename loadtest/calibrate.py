@@ -19,9 +19,10 @@ from typing import Any
 import yaml
 
 from loadtest.arrivals import ArrivalSpec, schedule
-from loadtest.sim import pair
+from loadtest.sim import costs, pair
 from loadtest.sim.profile import PROFILE_DIR, Profile, from_mapping
 
+MAX_RHO = 0.97  # fits that overload P are refused: their mean TTFT grows with the run's length, not a steady state
 APRIORI = "qwen3-32b-h200"
 CALIBRATED = "qwen3-32b-h200-calibrated"
 PROMPT, OUTPUT, QPS = 16384, 256, 8.0
@@ -55,11 +56,11 @@ KNOBS = (
 
 @dataclass(frozen=True)
 class Plan:
-    n: int = 200
-    seeds: tuple[int, ...] = (1000, 1001)
-    coarse: int = 9  # grid points per knob in the first pass
-    fine: int = 7  # and in each refinement pass around the best point
-    passes: int = 2
+    n: int = 300
+    seeds: tuple[int, ...] = (1000, 1001, 1002)
+    coarse: int = 7  # grid points per knob in the first pass
+    fine: int = 5  # and in each refinement pass around the best point
+    passes: int = 3
 
 
 SMOKE_PLAN = Plan(n=30, seeds=(1000,), coarse=3, fine=3, passes=1)
@@ -100,6 +101,11 @@ def error(stats: pair.Stats, target: Row) -> float:
     )
 
 
+def p_utilisation(profile: Profile, qps: float = QPS) -> float:
+    """P's busy share at `qps` from the prefill alone (>= 1: P cannot keep up, queues grow without bound)."""
+    return qps * costs.prefill_time(profile, PROMPT)
+
+
 def _grid(lo: float, hi: float, n: int) -> list[float]:
     return [lo + (hi - lo) * i / (n - 1) for i in range(n)] if n > 1 else [(lo + hi) / 2]
 
@@ -114,20 +120,26 @@ class Fit:
     predicted: dict[str, pair.Stats]  # every mode on the calibrated profile at QPS
     apriori_predicted: dict[str, pair.Stats]  # and on the a-priori one
     bounded: list[str]  # knobs whose fitted value sits on a bound of its range
+    rho: float  # P's utilisation from prefill alone at the fitted values
+    refused: int  # grid points refused because they overload P (rho >= MAX_RHO)
 
 
 def fit(doc: Mapping[str, Any], plan: Plan, knobs: Sequence[Knob] = KNOBS) -> Fit:
     """Grid search on the knobs, refined around the best point; then predict every mode at the best point."""
     ranges = {f"{k.section}.{k.key}": (k.lo, k.hi) for k in knobs}
     best: tuple[float, dict[str, float], pair.Stats | None] = (math.inf, {}, None)
-    evals = 0
+    evals = refused = 0
     spans = dict(ranges)
     for n in [plan.coarse] + [plan.fine] * plan.passes:
         names = list(spans)
         axes = [_grid(*spans[name], n) for name in names]
         for combo in _product(axes):
             values = dict(zip(names, combo, strict=True))
-            stats = measure(from_mapping(with_values(doc, values)), "pull", plan)
+            profile = from_mapping(with_values(doc, values))
+            if p_utilisation(profile) >= MAX_RHO:
+                refused += 1
+                continue
+            stats = measure(profile, "pull", plan)
             evals += 1
             err = error(stats, SEED_PULL)
             if err < best[0]:
@@ -138,7 +150,8 @@ def fit(doc: Mapping[str, Any], plan: Plan, knobs: Sequence[Knob] = KNOBS) -> Fi
             a, b = ranges[name]
             spans[name] = (max(a, best[1][name] - step), min(b, best[1][name] + step))
     err, values, pull_stats = best
-    assert pull_stats is not None
+    if pull_stats is None:
+        raise ValueError("every grid point overloads P; widen the knobs' ranges")
     calibrated = from_mapping(with_values(doc, values))
     apriori = from_mapping(dict(doc))
     eps = 1e-9
@@ -153,6 +166,8 @@ def fit(doc: Mapping[str, Any], plan: Plan, knobs: Sequence[Knob] = KNOBS) -> Fi
         bounded=[
             name for name, v in values.items() if abs(v - ranges[name][0]) < eps or abs(v - ranges[name][1]) < eps
         ],
+        rho=p_utilisation(calibrated),
+        refused=refused,
     )
 
 
@@ -199,6 +214,9 @@ def to_json(f: Fit) -> dict[str, Any]:
         "bounded": f.bounded,
         "error": f.error,
         "evaluations": f.evaluations,
+        "rho": f.rho,
+        "max_rho": MAX_RHO,
+        "refused": f.refused,
         "pull": asdict(f.pull),
         "predicted": {m: asdict(s) for m, s in f.predicted.items()},
         "apriori_predicted": {m: asdict(s) for m, s in f.apriori_predicted.items()},
@@ -209,6 +227,42 @@ def to_json(f: Fit) -> dict[str, Any]:
     }
 
 
+def mfu_for(doc: Mapping[str, Any], values: Mapping[str, float], rho: float) -> float:
+    """The `efficiency.mfu` at which P's prefill alone takes `rho` of its time at QPS (bisection)."""
+    lo, hi = 0.05, 4.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if p_utilisation(from_mapping(with_values(doc, {**values, "efficiency.mfu": mid}))) > rho:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+SCAN_RHO = (0.5, 0.8, 0.9, 0.94, 0.96, 0.965)
+
+
+def scan(doc: Mapping[str, Any], values: Mapping[str, float], plan: Plan) -> list[dict[str, float]]:
+    """Pull and upstream push side by side as P nears saturation (the fitted setup cost kept): does any P load
+    give the seed's pull/push ratio (3.2x)?"""
+    out = []
+    for rho in SCAN_RHO:
+        mfu = mfu_for(doc, values, rho)
+        profile = from_mapping(with_values(doc, {**values, "efficiency.mfu": mfu}))
+        pull, push = measure(profile, "pull", plan), measure(profile, "upstream-push", plan)
+        out.append(
+            {
+                "rho": rho,
+                "mfu": mfu,
+                "pull_ttft_ms": pull.ttft_mean_ms,
+                "push_ttft_ms": push.ttft_mean_ms,
+                "pull_tpot_ms": pull.tpot_mean_ms,
+                "push_tpot_ms": push.tpot_mean_ms,
+            }
+        )
+    return out
+
+
 def write_files(plan: Plan, results_dir: Path, profile_dir: Path = PROFILE_DIR) -> dict[str, Any]:
     """Fit, write the calibrated profile next to the a-priori one and calibration.json into results_dir."""
     text = (profile_dir / f"{APRIORI}.yaml").read_text(encoding="utf-8")
@@ -216,6 +270,7 @@ def write_files(plan: Plan, results_dir: Path, profile_dir: Path = PROFILE_DIR) 
     result = fit(doc, plan)
     (profile_dir / f"{CALIBRATED}.yaml").write_text(calibrated_yaml(text, result.values, result.error), "utf-8")
     data = to_json(result)
+    data["scan"] = scan(doc, result.values, plan)
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "calibration.json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     return data

@@ -25,8 +25,13 @@ def _what_if(row: Row) -> bool:
 
 
 def latest(rows: Sequence[Row], suite: str) -> list[Row]:
-    """Rows of the newest run_id of a suite (run ids are UTC stamps, so they sort by time); what-ifs excluded."""
-    mine = [r for r in rows if r.get("suite") == suite and r.get("run_id") and not _what_if(r)]
+    """Rows of the newest run_id of a suite (run ids are UTC stamps, so they sort by time); what-ifs and
+    profiling runs (overhead with cprofile: the profiled router is slowed) excluded."""
+    mine = [
+        r
+        for r in rows
+        if r.get("suite") == suite and r.get("run_id") and not _what_if(r) and not r.get("profiling_run")
+    ]
     if not mine:
         return []
     newest = max(str(r["run_id"]) for r in mine)

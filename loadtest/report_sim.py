@@ -91,7 +91,10 @@ def calibration_section(path: Path | None) -> list[str]:
     out = [
         f"Fitted on the virtual-time pair (loadtest/sim/pair.py: the simulator's engine, costs and WRITE timing "
         f"without processes), {d['prompt']}-token prompts, {d['output']} output tokens, {d['qps']:g} QPS, "
-        f"{d['evaluations']} evaluations. Only the pull row was fitted; FITTED: {fitted}. Profile: "
+        f"{d['evaluations']} evaluations ({d.get('refused', 0)} grid points refused because P's prefill alone would "
+        f"exceed {100 * d.get('max_rho', 1.0):.0f} % of its time: no steady state, the mean TTFT would grow with the "
+        f"run's length). P's utilisation at the fit: {100 * d.get('rho', float('nan')):.0f} %. "
+        f"Only the pull row was fitted; FITTED: {fitted}. Profile: "
         "`loadtest/profiles/qwen3-32b-h200-calibrated.yaml` (the a-priori one is unchanged). An `mfu` above 1.0 is "
         "more compute than the H200's BF16 dense peak: the seed's P must have run FP8 or computed fewer prompt "
         "tokens than 16k (prefix hits); with BF16 at mfu <= 1, one P cannot prefill 8 x 16k tokens per second.",
@@ -117,6 +120,21 @@ def calibration_section(path: Path | None) -> list[str]:
             f"| model {m}, a-priori | {s['ttft_mean_ms']:.0f} | {s['ttft_p50_ms']:.0f} | {s['tpot_mean_ms']:.2f} "
             f"| {s['handoff_p50_ms']:.0f} | - | - |"
         )
+    if d.get("scan"):
+        out += [
+            "",
+            "P's load scanned (mfu set so that P's prefill alone takes the given share of its time; the fitted setup "
+            "cost kept): pull and upstream push TTFT mean (ms) and their ratio. The seed's ratio is "
+            f"{tp['ttft_mean_ms'] / tq['ttft_mean_ms']:.1f}x.",
+            "",
+            "| P utilisation | mfu | pull TTFT | push TTFT | pull / push | pull TPOT | push TPOT |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for x in d["scan"]:
+            out.append(
+                f"| {100 * x['rho']:.1f} % | {x['mfu']:.3f} | {x['pull_ttft_ms']:.0f} | {x['push_ttft_ms']:.0f} "
+                f"| {x['pull_ttft_ms'] / x['push_ttft_ms']:.2f} | {x['pull_tpot_ms']:.2f} | {x['push_tpot_ms']:.2f} |"
+            )
     seed_gap = tp["ttft_mean_ms"] - tq["ttft_mean_ms"]
     model_gap = d["pull"]["ttft_mean_ms"] - push["ttft_mean_ms"]
     missing_s = (seed_gap - model_gap) / 1000

@@ -62,7 +62,7 @@ class CpuPlan:
     warmup: int
     repeats: int = 2  # >= 2: the second takes the fronts in reverse order
     vrouter: bool = True  # vllm-router fronts, when its binary is found
-    probe_words: int = 1500  # the concurrency probe's prompt (< the engines' 2048-token context)
+    probe_tokens: int = 1500  # the concurrency probe's prompt (< the engines' 2048-token context)
     max_point_s: float = 0.0  # > 0: at most qps x this many requests at a point (keeps light points short)
 
     def n_for(self, qps: float) -> int:
@@ -144,7 +144,7 @@ def run(plan: CpuPlan, run_dir: Path, summary: Path, progress: bool, run_id: str
 
 
 def _probe(front: Front, plan: CpuPlan) -> dict[str, Any]:
-    result = concurrency_probe(front.base, front.p.url, front.d.url, prompt_words=plan.probe_words)
+    result = concurrency_probe(front.base, front.p.url, front.d.url, prompt_tokens=plan.probe_tokens)
     state = "concurrent" if result.get("concurrent") else "NOT concurrent"
     print(f"cpu-vllm: {front.router} on {front.family.label}: legs {state} ({result})")
     return result

@@ -139,8 +139,10 @@ def _point(
     progress: bool,
 ) -> dict[str, Any]:
     extra: dict[str, Any] = {"run_id": run_id, "profile": PROFILE, "repeat": rep, "order": order}
-    if plan.cprofile and front.router == "kvpush" and front.mode == "push":
-        extra["profiled"] = True
+    if plan.cprofile:
+        extra["profiling_run"] = True  # the report keeps such runs out of the overhead tables
+        if front.router == "kvpush" and front.mode == "push":
+            extra["profiled"] = True
     labels = RowLabels("overhead", front.router, front.mode, "sim", None, conc, plan.input_len, plan.output_len, extra)
     point = kit.Point(
         labels,

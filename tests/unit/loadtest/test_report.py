@@ -65,3 +65,9 @@ def test_what_if_runs_stay_out_of_the_headline() -> None:
     assert latest_what_if(rows) == probe
     text = render(rows)
     assert text.index("| 100.0 / 100.0 |") < text.index("### What-if") < text.index("| 999.0 / 999.0 |")
+
+
+def test_profiling_runs_stay_out_of_the_overhead_tables() -> None:
+    full = [row("overhead", "kvpush", "push", "r1", 2.0, concurrency=1, qps=None)]
+    prof = [row("overhead", "kvpush", "push", "r2", 9.0, concurrency=1, qps=None, profiling_run=True)]
+    assert latest(full + prof, "overhead") == full
