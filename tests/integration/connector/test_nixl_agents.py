@@ -162,3 +162,48 @@ def test_prefill_failure_is_notified(agents):
     assert "d-f" in r["failed"]
     assert time.monotonic() - t0 < 2
     assert d.call("sha", [15]) == zero_sha(1)
+
+
+def _payload(backend: Any, layout: Any) -> Any:
+    from connector.metadata import PROTOCOL_VERSION, HandshakePayload
+
+    return HandshakePayload(PROTOCOL_VERSION, "it", "x", backend.agent_name, backend.agent_metadata(), layout)
+
+
+def _notices_within(backend: Any, sender: Any, seconds: float) -> list[tuple[str, bytes]]:
+    end, got = time.monotonic() + seconds, []
+    while not got and time.monotonic() < end:
+        sender.poll_notices()  # progresses the sender's UCX worker too
+        got = backend.poll_notices()
+        time.sleep(0.01)
+    return got
+
+
+def test_a_peer_restarted_under_the_same_agent_name_is_reloaded() -> None:
+    """G8 on real NIXL: new metadata under a known name replaces the stale agent (it used to be
+    kept, so every notice went to the dead incarnation)."""
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    import numpy as np
+
+    from connector.metadata import KVLayout, Region
+    from connector.transfer import NixlBackend
+
+    arrays = [np.zeros(BLOCKS * BLOCK_LEN, np.uint8) for _ in range(3)]
+    layouts = [KVLayout("DRAM", 0, 16, (Region(a.ctypes.data, BLOCK_LEN, BLOCKS),)) for a in arrays]
+    d = NixlBackend("kvpush-reload-d", layouts[0])
+    first = NixlBackend("kvpush-reload-p", layouts[1])
+    d.add_peer(_payload(first, layouts[1]))
+    first.add_peer(_payload(d, layouts[0]))
+    d.send_notice("kvpush-reload-p", b"to-first")
+    assert _notices_within(first, d, 5) == [("kvpush-reload-d", b"to-first")]
+    first.close()
+    del first
+    second = NixlBackend("kvpush-reload-p", layouts[2])  # same name, new incarnation
+    try:
+        d.add_peer(_payload(second, layouts[2]))
+        second.add_peer(_payload(d, layouts[0]))
+        d.send_notice("kvpush-reload-p", b"to-second")
+        assert _notices_within(second, d, 5) == [("kvpush-reload-d", b"to-second")]
+    finally:
+        second.close()
+        d.close()
