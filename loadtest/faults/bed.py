@@ -1,0 +1,219 @@
+"""The processes a fault row runs against: a router and its workers (vLLM engines or hostile stand-ins), with
+what the matrix reads from each (router gauges, engine running requests and KV usage) and the faults it can
+inject into a worker (SIGSTOP, SIGCONT, SIGKILL on its process group)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from loadtest import promtext
+from stack.procs import ManagedProcess, ProcessSpec, free_port
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE = Path(os.environ.get("KVPUSH_TEST_CACHE", REPO / ".cache" / "kvpush"))
+LOGS = CACHE / "faults-logs"
+STANDIN_MODULE = "tests.integration.router.hostile_workers"  # run as a command, never imported here
+KVPUSH_CONNECTOR = ("KvpushConnector", "connector.plugin")
+
+
+@dataclass
+class EngineState:
+    """One worker after a row: None where the worker does not say (a stand-in has no KV; a dead one nothing)."""
+
+    alive: bool
+    running: float | None
+    kv_usage: float | None
+
+    @property
+    def idle(self) -> bool:
+        return not self.alive or ((self.running or 0.0) == 0.0 and (self.kv_usage or 0.0) == 0.0)
+
+
+@dataclass
+class Worker:
+    role: str
+    name: str
+    url: str
+    handle: ManagedProcess
+    kind: str  # "vllm" or "standin"
+    router_arg: str  # the router's --prefill SPEC or --decode URL
+    killed: bool = False
+
+    @property
+    def pid(self) -> int:
+        pid = self.handle.pid
+        if pid is None:
+            raise RuntimeError(f"{self.name} is not started")
+        return pid
+
+    def signal(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, sig)
+
+    def hang(self) -> None:
+        self.signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        self.killed = True
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGKILL)
+
+    def state(self, client: httpx.Client) -> EngineState:
+        if self.killed or self.handle.exit_code() is not None:
+            return EngineState(False, None, None)
+        try:
+            if self.kind == "standin":
+                stats = client.get(f"{self.url}/stats", timeout=5.0).json()
+                return EngineState(True, float(stats["running"]), None)
+            samples = promtext.parse(client.get(f"{self.url}/metrics", timeout=5.0).text)
+        except httpx.HTTPError:
+            return EngineState(True, None, None)  # alive but not answering (hung)
+        running = promtext.total(samples, "vllm:num_requests_running") + promtext.total(
+            samples, "vllm:num_requests_waiting"
+        )
+        return EngineState(True, running, promtext.total(samples, "vllm:kv_cache_usage_perc"))
+
+
+@dataclass
+class RouterProc:
+    handle: ManagedProcess
+    url: str
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def gauges(self, client: httpx.Client) -> dict[str, float]:
+        samples = promtext.parse(client.get(f"{self.url}/metrics", timeout=5.0).text)
+        return {
+            "in_flight": promtext.total(samples, "kvpush_in_flight"),
+            "queued": promtext.total(samples, "kvpush_admission_queued"),
+            "worker_in_flight": promtext.total(samples, "kvpush_worker_in_flight"),
+        }
+
+    def ready(self, client: httpx.Client) -> bool:
+        try:
+            return client.get(f"{self.url}/ready", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+@dataclass
+class Bed:
+    router: RouterProc
+    prefills: list[Worker]
+    decodes: list[Worker]
+    started: list[ManagedProcess] = field(default_factory=list)
+
+    @property
+    def workers(self) -> list[Worker]:
+        return [*self.prefills, *self.decodes]
+
+    def of(self, role: str) -> list[Worker]:
+        return self.prefills if role == "prefill" else self.decodes
+
+
+def _start(name: str, argv: Sequence[str], port: int, ready: str, started: list[ManagedProcess]) -> ManagedProcess:
+    handle = ManagedProcess(
+        ProcessSpec(
+            name=name,
+            argv=tuple(argv),
+            env=dict(os.environ),
+            log_path=LOGS / f"{name}.log",
+            ready_url=f"http://127.0.0.1:{port}{ready}",
+            cwd=REPO,
+        )
+    )
+    started.append(handle)
+    handle.start()
+    handle.wait_healthy(60.0)
+    return handle
+
+
+def start_router(
+    prefill_args: Sequence[str], decode_args: Sequence[str], config: Mapping[str, Any], started: list[ManagedProcess]
+) -> RouterProc:
+    """A real router process with settings from a YAML file (defaults unless `config` says otherwise)."""
+    port = free_port()
+    settings = {"prefill": list(prefill_args), "decode": list(decode_args), **config}
+    LOGS.mkdir(parents=True, exist_ok=True)
+    path = LOGS / f"router-{port}.yaml"
+    path.write_text(yaml.safe_dump(settings))
+    argv = [sys.executable, "-m", "router", "serve", "--port", str(port), "--config", str(path)]
+    handle = _start(f"router-{port}", argv, port, "/ready", started)
+    return RouterProc(handle, f"http://127.0.0.1:{port}", dict(config))
+
+
+def start_standin(
+    role: str, name: str, behaviour: str, kv_dir: Path, started: list[ManagedProcess], **flags: object
+) -> Worker:
+    port = free_port()
+    argv = [sys.executable, "-m", STANDIN_MODULE, "--port", str(port), "--behaviour", behaviour]
+    argv += ["--engine-id", name, "--kv-dir", str(kv_dir)]
+    for key, value in flags.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    handle = _start(f"standin-{name}-{port}", argv, port, "/health", started)
+    url = f"http://127.0.0.1:{port}"
+    arg = f"{url},engine_id={name},side_port=5600" if role == "prefill" else url
+    return Worker(role, name, url, handle, "standin", arg)
+
+
+@contextlib.contextmanager
+def standin_bed(
+    prefills: Sequence[str], decodes: Sequence[str], config: Mapping[str, Any], kv_dir: Path, **flags: object
+) -> Iterator[Bed]:
+    """Stand-ins with the given behaviours (the first of a role is the faulty one) behind a router."""
+    started: list[ManagedProcess] = []
+    try:
+        p = [start_standin("prefill", f"p{i}", b, kv_dir, started, **flags) for i, b in enumerate(prefills)]
+        d = [start_standin("decode", f"d{i}", b, kv_dir, started, **flags) for i, b in enumerate(decodes)]
+        router = start_router([w.router_arg for w in p], [w.router_arg for w in d], config, started)
+        yield Bed(router, p, d, started)
+    finally:
+        stop_all(started)
+
+
+@contextlib.contextmanager
+def vllm_bed(config: Mapping[str, Any]) -> Iterator[Bed]:
+    """Two prefill engines (core 0) and one decode engine (core 1) on our push connector, behind a router."""
+    from stack.engines import Fleet
+    from stack.family import pd_family, start_family
+    from stack.tiny_model import build
+
+    model = build(CACHE / "models" / "tiny", "tiny")
+    family = pd_family("faults", model, KVPUSH_CONNECTOR[0], module=KVPUSH_CONNECTOR[1], n_prefill=2)
+    started: list[ManagedProcess] = []
+    with Fleet(LOGS) as fleet:
+        engines = start_family(fleet, family, 420.0)
+        try:
+            p = [
+                Worker("prefill", e.engine_spec.name, e.url, e, "vllm", e.engine_spec.prefill_arg())
+                for e in engines.prefills
+            ]
+            d = Worker("decode", engines.decode.engine_spec.name, engines.decode.url, engines.decode, "vllm", "")
+            d.router_arg = d.url
+            router = start_router([w.router_arg for w in p], [d.url], config, started)
+            yield Bed(router, p, [d], started)
+        finally:
+            for worker in (*p, d):
+                worker.resume()
+            stop_all(started)
+
+
+def stop_all(started: list[ManagedProcess]) -> None:
+    while started:
+        handle = started.pop()
+        with contextlib.suppress(ProcessLookupError):
+            if handle.pid is not None:
+                os.killpg(handle.pid, signal.SIGCONT)
+        handle.stop(10.0)

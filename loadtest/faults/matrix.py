@@ -1,0 +1,166 @@
+"""Runs the rows, checks each bed settles clean afterwards, and writes matrix.json and the README table."""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loadtest.faults.bed import REPO, Bed, standin_bed, vllm_bed
+from loadtest.faults.rows import Row, selected
+from loadtest.faults.scenarios import SCENARIOS, Outcome
+
+logger = logging.getLogger("kvpush.faults")
+SETTLE_S = 75.0  # longest wait for a bed to settle after a row (a prefill's unclaimed KV lease is 30 s)
+OUT = REPO / "bench" / "faults"
+# Settings each bed's router runs with: defaults, except the admission bound for the burst row and, for the
+# never-reading prefill, a short prefill deadline (the default 300 s would make the row take 5 minutes).
+VLLM_CONFIG: dict[str, Any] = {"max_in_flight": 8, "admission_queue": 8, "admission_wait": 2.0}
+STANDIN_CONFIG: dict[str, dict[str, Any]] = {"never-read": {"timeouts": {"prefill": 5.0}}}
+
+
+@dataclass
+class After:
+    """What the bed shows once the row is over (after waiting up to SETTLE_S for it to settle)."""
+
+    settled: bool
+    settle_s: float
+    router: dict[str, float]
+    engines: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+@dataclass
+class RowResult:
+    row: dict[str, Any]
+    outcome: dict[str, Any]
+    after: dict[str, Any]
+    clean: bool  # nothing stuck, no counter held, no KV block in use, every client served or clearly refused
+    within_deadline: bool
+
+
+def observe(bed: Bed, timeout: float = SETTLE_S) -> After:
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    with httpx.Client() as http:
+        while True:
+            gauges = bed.router.gauges(http)
+            states = {w.name: w.state(http) for w in bed.workers}
+            quiet = all(v == 0 for v in gauges.values()) and all(s.idle for s in states.values())
+            if quiet or time.monotonic() > deadline:
+                engines = {name: asdict(s) for name, s in states.items()}
+                return After(quiet, round(time.monotonic() - t0, 2), gauges, engines)
+            time.sleep(0.25)
+
+
+def run_row(bed: Bed, row: Row) -> RowResult:
+    logger.info("fault row: %s", row.name)
+    try:
+        outcome = SCENARIOS[row.fault](bed, row)
+    except Exception as exc:  # a row that breaks is a result, and the rest still run
+        logger.exception("fault row %s failed to run", row.name)
+        outcome = Outcome(f"row failed to run: {type(exc).__name__}: {exc}", False, float("inf"))
+    after = observe(bed)
+    return RowResult(
+        row=asdict(row),
+        outcome={**asdict(outcome), "fault_to_outcome_s": round(outcome.fault_to_outcome_s, 2)},
+        after=asdict(after),
+        clean=after.settled and outcome.acceptable,
+        within_deadline=outcome.fault_to_outcome_s <= row.deadline_s,
+    )
+
+
+def run(rows: Iterable[Row], progress: Callable[[RowResult], None] = lambda _: None) -> list[RowResult]:
+    rows = list(rows)
+    results: dict[str, RowResult] = {}
+    with tempfile.TemporaryDirectory(prefix="kvpush-faults-") as kv:
+        for row in (r for r in rows if r.bed == "standin"):
+            faulty, ok = [row.fault, "ok"], ["ok"]
+            prefills, decodes = (faulty, ok) if row.target == "prefill" else (ok, faulty)
+            with standin_bed(prefills, decodes, STANDIN_CONFIG.get(row.fault, {}), Path(kv)) as bed:
+                results[row.name] = run_row(bed, row)
+                progress(results[row.name])
+    on_vllm = [r for r in rows if r.bed == "vllm"]
+    if on_vllm:
+        with vllm_bed(VLLM_CONFIG) as bed:
+            for row in on_vllm:
+                results[row.name] = run_row(bed, row)
+                progress(results[row.name])
+    return [results[r.name] for r in rows if r.name in results]
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write(results: list[RowResult], out: Path, short: bool) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"commit": _commit(), "short": short, "host": platform.node(), "when": time.strftime("%Y-%m-%d %H:%M")}
+    (out / "matrix.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in results]}, indent=2))
+    (out / "README.md").write_text(readme(results, meta))
+
+
+def _engines(engines: Mapping[str, Mapping[str, Any]]) -> str:
+    parts = []
+    for name, s in engines.items():
+        if not s["alive"]:
+            parts.append(f"{name}: dead")
+            continue
+        kv = "" if s["kv_usage"] is None else f", kv {s['kv_usage']:.0%}"
+        running = "?" if s["running"] is None else f"{s['running']:g}"
+        parts.append(f"{name}: {running} running{kv}")
+    return "; ".join(parts)
+
+
+def readme(results: list[RowResult], meta: Mapping[str, Any]) -> str:
+    lines = [
+        "# Fault matrix",
+        "",
+        "Written by `python -m loadtest.faults` (`make faults`; `--short` is the form `make test` runs as",
+        "tests/integration/faults/test_fault_matrix.py). Each row injects one fault into a live stack and records",
+        "what the clients got, the time from the fault to their last outcome (for a client that leaves: until the",
+        "router released the request), and afterwards (waiting up to "
+        f"{SETTLE_S:g} s) the router's gauges and every engine's",
+        "running + waiting requests and KV usage. *Clean*: every client was served or got a clear OpenAI-style",
+        "error, and nothing is left running, held or in use. Bed `vllm`: two prefill and one decode vLLM CPU",
+        "engines (tiny model, our push connector) behind a router with default settings except",
+        f"`{json.dumps(VLLM_CONFIG)}`; bed `standin`: tests/integration/router/hostile_workers.py processes"
+        " (the first worker of the faulty role misbehaves), router defaults except "
+        f"`{json.dumps(STANDIN_CONFIG)}`.",
+        "",
+        f"Run: commit `{meta['commit']}`, {meta['when']} UTC, {'short' if meta['short'] else 'full'} form, on a",
+        "shared 2-core machine (times are indicative).",
+        "",
+        "| fault | bed | what | client outcome | fault → outcome (s) | deadline (s) | router after "
+        "(in flight / queued / legs) | engines after | clean |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        row, outcome, after = r.row, r.outcome, r.after
+        router = after["router"]
+        gauges = f"{router['in_flight']:g} / {router['queued']:g} / {router['worker_in_flight']:g}"
+        seconds = outcome["fault_to_outcome_s"]
+        time_cell = f"{seconds:.2f}" + ("" if r.within_deadline else " (over)")
+        lines.append(
+            f"| {row['name']} | {row['bed']} | {row['what']} | {outcome['summary']} | {time_cell} | "
+            f"{row['deadline_s']:g} | {gauges} | {_engines(after['engines'])} | {'yes' if r.clean else '**no**'} |"
+        )
+    lines += ["", f"{sum(r.clean for r in results)} of {len(results)} rows clean."]
+    return "\n".join(lines) + "\n"
+
+
+def rows_for(short: bool) -> tuple[Row, ...]:
+    return selected(short)

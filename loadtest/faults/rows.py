@@ -1,0 +1,78 @@
+"""The rows of the fault matrix: which fault, on what, on which bed. Pure data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Bed = Literal["vllm", "standin"]
+Target = Literal["prefill", "decode", "client", "router"]
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    target: Target
+    fault: str  # the scenario that injects it (scenarios.SCENARIOS)
+    bed: Bed
+    deadline_s: float  # the longest fault-to-outcome time the row may show with default settings
+    what: str  # one line for the table
+    short: bool = True  # part of `--short` (make test)
+
+
+# Order matters on the vLLM bed: the killed engines come last (nothing restarts them).
+ROWS: tuple[Row, ...] = (
+    Row("prefill 5xx", "prefill", "status500", "standin", 5.0, "one of two prefills answers 500 to every leg"),
+    Row("decode 5xx", "decode", "status500", "standin", 5.0, "one of two decodes answers 500 to every leg"),
+    Row(
+        "prefill slow to read",
+        "prefill",
+        "slow-read",
+        "standin",
+        30.0,
+        "a prefill reads a 64 KiB body at 10 KiB/s",
+        short=False,
+    ),
+    Row(
+        "decode slow to read",
+        "decode",
+        "slow-read",
+        "standin",
+        30.0,
+        "a decode reads a 64 KiB body at 10 KiB/s",
+        short=False,
+    ),
+    Row("prefill never reads", "prefill", "never-read", "standin", 10.0, "a prefill never reads an 8 MiB body"),
+    Row("client leaves before first byte", "client", "leave-before-first-byte", "vllm", 5.0, "socket closed at once"),
+    Row("client leaves mid-stream", "client", "leave-mid-stream", "vllm", 5.0, "socket closed after 3 events"),
+    Row("client leaves mid-upload", "client", "leave-mid-upload", "vllm", 5.0, "10 KiB of a 1 MiB body, then closed"),
+    Row(
+        "slow reader",
+        "client",
+        "slow-reader",
+        "vllm",
+        60.0,
+        "reads 512 B every 0.2 s with a 4 KiB receive buffer",
+        short=False,
+    ),
+    Row(
+        "burst over admission", "client", "burst", "vllm", 30.0, "48 at once with max_in_flight 8, queue 8", short=False
+    ),
+    Row(
+        "lost registration",
+        "decode",
+        "lost-registration",
+        "vllm",
+        130.0,
+        "decode cannot reach prefill's side port",
+        short=False,
+    ),
+    Row("prefill hung", "prefill", "hang", "vllm", 5.0, "SIGSTOP on one of two prefills, requests in flight"),
+    Row("decode hung", "decode", "hang", "vllm", 5.0, "SIGSTOP on the only decode before its first byte"),
+    Row("prefill killed", "prefill", "kill", "vllm", 5.0, "SIGKILL on one of two prefills, requests in flight"),
+    Row("decode killed", "decode", "kill", "vllm", 5.0, "SIGKILL on the only decode, streams in flight", short=False),
+)
+
+
+def selected(short: bool) -> tuple[Row, ...]:
+    return tuple(row for row in ROWS if row.short or not short)

