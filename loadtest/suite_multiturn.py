@@ -300,6 +300,9 @@ def plot_ttft_by_turn(rows: list[dict[str, Any]], path: Path) -> Path | None:
             ax.plot(
                 xs, [by[str(x)][stat] for x in xs], style, color=f"C{i}", marker="o", label=f"{row['front']} {stat}"
             )
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("turn")
     ax.set_ylabel("TTFT (ms)")
     ax.set_title("multiturn: TTFT by turn (same sessions, prefix caches reset per front)")
