@@ -45,6 +45,7 @@ IO = {
     "connector.transfer_thread": "the transfer thread",
     "connector.handshake": "the side-channel sockets",
     "connector.memory_backend": "an in-memory transfer backend with a lock",
+    "connector.gpu_check": "a command: spawns two processes that run NIXL transfers",
 }
 # The connector's pure halves also stay out of threads and sockets (they run on the engine's own thread).
 EXTRA = {"connector": ("threading", "socket")}
