@@ -75,9 +75,12 @@ def with_values(doc: Mapping[str, Any], values: Mapping[str, float]) -> dict[str
     return out
 
 
-def measure(profile: Profile, mode: str, plan: Plan, qps: float = QPS) -> pair.Stats:
+def measure(profile: Profile, mode: str, plan: Plan, qps: float = QPS, pull_serial_s: float = 0.0) -> pair.Stats:
     """Mean over the plan's arrival seeds of one mode's stats at `qps` (TTFT/TPOT means and p50s averaged)."""
-    runs = [pair.run(profile, mode, schedule(ArrivalSpec(qps, 1.0, s), plan.n), PROMPT, OUTPUT) for s in plan.seeds]
+    runs = [
+        pair.run(profile, mode, schedule(ArrivalSpec(qps, 1.0, s), plan.n), PROMPT, OUTPUT, pull_serial_s=pull_serial_s)
+        for s in plan.seeds
+    ]
     k = len(runs)
     return pair.Stats(
         mode=mode,
@@ -263,6 +266,37 @@ def scan(doc: Mapping[str, Any], values: Mapping[str, float], plan: Plan) -> lis
     return out
 
 
+def missing_mechanism(
+    doc: Mapping[str, Any], scanned: list[dict[str, float]], values: Mapping[str, float], plan: Plan
+) -> dict[str, float] | None:
+    """A what-if, not a fit of the profile: at the scanned P load whose upstream push TTFT is nearest the seed's
+    push row, the pull-only serial stage on D (`pull_serial_s`) that brings pull's TTFT to the seed's pull row."""
+    if not scanned:
+        return None
+    near = min(scanned, key=lambda x: abs(math.log(x["push_ttft_ms"] / SEED_PUSH.ttft_mean_ms)))
+    profile = from_mapping(with_values(doc, {**values, "efficiency.mfu": near["mfu"]}))
+    lo, hi = 0.0, 1.0 / QPS  # beyond 1/QPS the stage itself saturates
+    best: pair.Stats | None = None
+    for _ in range(12):
+        mid = (lo + hi) / 2
+        stats = measure(profile, "pull", plan, pull_serial_s=mid)
+        if stats.ttft_mean_ms > SEED_PULL.ttft_mean_ms:
+            hi = mid
+        else:
+            lo = mid
+        best = stats
+    assert best is not None
+    return {
+        "rho": near["rho"],
+        "mfu": near["mfu"],
+        "push_ttft_ms": near["push_ttft_ms"],
+        "push_tpot_ms": near["push_tpot_ms"],
+        "pull_serial_s": (lo + hi) / 2,
+        "pull_ttft_ms": best.ttft_mean_ms,
+        "pull_tpot_ms": best.tpot_mean_ms,
+    }
+
+
 def write_files(plan: Plan, results_dir: Path, profile_dir: Path = PROFILE_DIR) -> dict[str, Any]:
     """Fit, write the calibrated profile next to the a-priori one and calibration.json into results_dir."""
     text = (profile_dir / f"{APRIORI}.yaml").read_text(encoding="utf-8")
@@ -271,6 +305,7 @@ def write_files(plan: Plan, results_dir: Path, profile_dir: Path = PROFILE_DIR) 
     (profile_dir / f"{CALIBRATED}.yaml").write_text(calibrated_yaml(text, result.values, result.error), "utf-8")
     data = to_json(result)
     data["scan"] = scan(doc, result.values, plan)
+    data["what_if_mechanism"] = missing_mechanism(doc, data["scan"], result.values, plan)
     results_dir.mkdir(parents=True, exist_ok=True)
     (results_dir / "calibration.json").write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     return data

@@ -222,8 +222,26 @@ def render(rows: Sequence[Row], results_dir: Path | None = None) -> str:
         *report_overhead.overhead_section(over, results_dir),
         "",
         *extra_sections(rows, results_dir),
+        *REPRODUCE,
     ]
     return "\n".join(lines)
+
+
+REPRODUCE = [
+    "## Reproduce",
+    "",
+    "Each command appends rows to bench/results/summary.json and regenerates this file; wrap runs that start "
+    "engines in `flock /tmp/kvpush-vllm.lock nice -n 10 ...` on a shared box. Sizes are `--set FIELD=VALUE` "
+    "fields of the suite's plan (loadtest/README.md).",
+    "",
+    "```",
+    "kvpush bench --suite cpu-vllm --set qps=1,3,4.5,6,8 --set requests=30 --set max_point_s=30 --set repeats=2",
+    "kvpush bench --suite overhead                      # 3 repeats of 1/64/256 concurrency, 5 fronts",
+    "kvpush bench --suite overhead --set cprofile=true --set repeats=1 --set levels=1:300,64:1500   # profile",
+    "kvpush bench --suite seed-sim                      # 4 stacks + calibration",
+    "python -m loadtest calibrate                       # calibration alone (virtual time, minutes)",
+    "```",
+]
 
 
 def extra_sections(rows: Sequence[Row], results_dir: Path | None) -> list[str]:

@@ -77,6 +77,14 @@ def mdl_service_s(wait_s: float, rate: float) -> float:
     return (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a)
 
 
+def near_pull(d: dict[str, Any], w: dict[str, Any]) -> float:
+    """The scanned pull TTFT at the what-if's P load (without the serial stage)."""
+    for x in d.get("scan") or []:
+        if abs(float(x["rho"]) - float(w["rho"])) < 1e-9:
+            return float(x["pull_ttft_ms"])
+    return float("nan")
+
+
 def calibration_section(path: Path | None) -> list[str]:
     if path is None or not path.exists():
         return ["No calibration yet (`python -m loadtest calibrate`, also run by the full seed-sim suite)."]
@@ -145,16 +153,41 @@ def calibration_section(path: Path | None) -> list[str]:
         f"({push['ttft_mean_ms'] / tq['ttft_mean_ms']:.2f}x), TPOT {push['tpot_mean_ms']:.2f} vs "
         f"{tq['tpot_mean_ms']:.1f} ms ({push['tpot_mean_ms'] / tq['tpot_mean_ms']:.2f}x).",
     ]
+    near = min(d.get("scan") or [{}], key=lambda x: abs(math.log(x.get("push_ttft_ms", 1.0) / tq["ttft_mean_ms"])))
+    if near:
+        out += [
+            "",
+            f"Nearest the seed's push row in the scan: P at {100 * near['rho']:.0f} % (mfu {near['mfu']:.2f}) gives "
+            f"upstream push {near['push_ttft_ms']:.0f} ms / {near['push_tpot_ms']:.2f} ms "
+            f"(seed {tq['ttft_mean_ms']:.0f} / {tq['tpot_mean_ms']:.1f}), "
+            f"but pull {near['pull_ttft_ms']:.0f} ms (seed {tp['ttft_mean_ms']:.0f}): "
+            "the model's push row can match the seed's, its pull row then cannot.",
+        ]
     if abs(push["ttft_mean_ms"] / tq["ttft_mean_ms"] - 1) > 0.25:
         out += [
             "",
             f"**The model cannot reproduce both rows.** The seed's pull-push TTFT gap is {seed_gap:.0f} ms; the "
             f"calibrated model's is {model_gap:.0f} ms. In the model, pull pays only D's API time, descriptor setup "
             "on D's engine loop (which also raises TPOT, so the TPOT target caps it) and one step boundary; push "
-            "shares P's queue with pull. The mechanism it lacks is a **pull-only wait that does not slow D's "
-            f"decode steps**, about {missing_s * 1000:.0f} ms per request at {d['qps']:g} QPS: e.g. a serial "
-            "pull-only stage (READ posting or completion on one thread, or D admitting remote-KV requests one at "
-            f"a time) with ~{service * 1000:.0f} ms of service per 16k request (M/D/1 estimate), which would queue "
-            "near saturation while push's WRITEs, posted by P, bypass it.",
+            "shares P's queue with pull. The mechanism it lacks is a **pull-only, load-dependent wait that does "
+            f"not slow D's decode steps**, about {missing_s * 1000:.0f} ms per request at {d['qps']:g} QPS (an "
+            f"M/D/1 queue with Poisson input would need ~{service * 1000:.0f} ms of serial service per request; "
+            "the what-if below shows that P's smoothed output makes a plain serial stage queue far less).",
+        ]
+    w = d.get("what_if_mechanism")
+    if w:
+        worst = max(abs(w["pull_ttft_ms"] / tp["ttft_mean_ms"] - 1), abs(w["push_ttft_ms"] / tq["ttft_mean_ms"] - 1))
+        out += [
+            "",
+            f"What-if check of that mechanism (not part of any profile): at P {100 * w['rho']:.0f} % busy (push "
+            f"{w['push_ttft_ms']:.0f} ms), a pull-only serial stage on D before each READ of "
+            f"{1000 * w['pull_serial_s']:.0f} ms per 16k request brings the model's pull to "
+            f"{w['pull_ttft_ms']:.0f} ms TTFT / {w['pull_tpot_ms']:.2f} ms TPOT (seed {tp['ttft_mean_ms']:.0f} / "
+            f"{tp['tpot_mean_ms']:.1f}), both rows within {100 * worst:.0f} % on TTFT: a serial stage at its own "
+            f"saturation (1/QPS = {1000 / float(d['qps']):.0f} ms per request) adds only "
+            f"{w['pull_ttft_ms'] - near_pull(d, w):.0f} ms. So the seed's pull wait needs more than one serial stage: "
+            "e.g. READs of 16k prompts that each take longer than 1/QPS with only a few in flight, or D admitting "
+            "remote-KV requests in bursts. Measuring vLLM's pull path on a GPU pair for such a wait is the next "
+            "step; the simulator does not model it.",
         ]
     return out

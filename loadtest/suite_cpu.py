@@ -72,9 +72,9 @@ class CpuPlan:
 
 
 # The stack's pinned engines prefill a 1024-token prompt in ~0.15 s, so P saturates near 6 req/s on an idle box.
-# 6 fronts x 6 points x 2 repeats x 40 requests = 2,880 requests: about 50 minutes on 2 idle cores. The lead's
-# 20-minute run: --set qps=0.5,3,6 --set requests=30 (see bench/README.md).
-FULL = CpuPlan(1024, 64, (0.5, 1.5, 3.0, 4.5, 6.0, 8.0), requests=40, warmup=2)
+# Wall time ~ 2 min boot (six engines) + fronts x repeats x sum over points of (n / qps + ~2 s): here
+# 6 x 2 x ~113 s, about 25 minutes on 2 idle cores. The lead's 20-minute run is in bench/README.md.
+FULL = CpuPlan(1024, 64, (0.5, 1.5, 3.0, 4.5, 6.0, 8.0), requests=40, warmup=2, max_point_s=40.0)
 SMOKE = CpuPlan(256, 8, (1.0,), requests=3, warmup=0)
 
 

@@ -106,6 +106,8 @@ class Pair:
     _legs: dict[Req, Req] = field(default_factory=dict)  # P leg -> D leg, and D leg -> P leg
     _plans: dict[Req, WritePlan] = field(default_factory=dict)  # P leg -> its WRITE plan (push)
     _contact: bool = False
+    pull_serial_s: float = 0.0  # what-if, not in any profile: a pull-only serial stage on D before each READ
+    reader: Fifo = field(default_factory=Fifo)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -193,7 +195,8 @@ class Pair:
                 self.clock.at(now + self.profile.notify_s, self._registration(p_leg, plan))
             elif isinstance(ev, StartPull):
                 p_leg = self._legs.pop(ev.req)
-                done = self.link.reserve(now, self._contact_s() + costs.transfer_time(self.profile, p_leg.prompt))
+                start = self.reader.reserve(now, self.pull_serial_s)
+                done = self.link.reserve(start, self._contact_s() + costs.transfer_time(self.profile, p_leg.prompt))
                 self.clock.at(done, self._read_done(p_leg, ev.req))
             elif isinstance(ev, Token):
                 out = self.outcomes[ev.req.rid]
@@ -239,9 +242,19 @@ def _p50(xs: list[float]) -> float:
     return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
-def run(profile: Profile, mode: str, arrivals: Sequence[float], prompt: int, output_len: int, warmup: int = 2) -> Stats:
-    """Send one request per arrival time (seconds) through a fresh pair in `mode`; score all but the first `warmup`."""
-    pair = Pair(profile, mode, output_len)
+def run(
+    profile: Profile,
+    mode: str,
+    arrivals: Sequence[float],
+    prompt: int,
+    output_len: int,
+    warmup: int = 2,
+    pull_serial_s: float = 0.0,
+) -> Stats:
+    """Send one request per arrival time (seconds) through a fresh pair in `mode`; score all but the first `warmup`.
+
+    `pull_serial_s` adds a pull-only serial stage on D (a what-if mechanism, see calibrate.missing_mechanism)."""
+    pair = Pair(profile, mode, output_len, pull_serial_s=pull_serial_s)
     for i, t in enumerate(arrivals):
         pair.arrive(f"r{i}", t, prompt)
     pair.clock.run()

@@ -70,3 +70,13 @@ def test_run_scores_after_warmup_and_rejects_unknown_modes() -> None:
     assert s.n == 3 and s.unfinished == 0 and s.ttft_mean_ms > 0 and s.tpot_mean_ms > 0
     with pytest.raises(ValueError):
         pair.Pair(QWEN, "nope", 4)
+
+
+def test_a_pull_only_serial_stage_queues_pull_and_leaves_push_alone() -> None:
+    arrivals = [0.0, 0.0, 0.0, 0.0]
+    base = pair.run(QWEN, "pull", arrivals, 2048, 4, warmup=0)
+    slow = pair.run(QWEN, "pull", arrivals, 2048, 4, warmup=0, pull_serial_s=0.5)
+    push = pair.run(QWEN, "kvpush-push", arrivals, 2048, 4, warmup=0, pull_serial_s=0.5)
+    same = pair.run(QWEN, "kvpush-push", arrivals, 2048, 4, warmup=0)
+    assert slow.ttft_mean_ms > base.ttft_mean_ms + 500  # four READs behind one another: 0.5, 1.0, 1.5, 2.0 s
+    assert push.ttft_mean_ms == same.ttft_mean_ms
