@@ -120,8 +120,9 @@ def profile_lines(path: Path | None) -> list[str]:
         ]
     data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
     out = [
-        f"cProfile of the kvpush push router over {data['requests']} requests of the overhead load (self time per "
-        "category; cProfile slows Python code several-fold, so read the shares):",
+        f"cProfile of the kvpush push router (commit {str(data.get('git_commit', '?'))[:12]}, run "
+        f"{data.get('run_id', '?')}) over {data['requests']} requests of the overhead load, warm-up included (self "
+        "time per category; cProfile slows Python code several-fold, so read the shares):",
         "",
         "| category | ms / request (profiled) | share |",
         "|---|---|---|",

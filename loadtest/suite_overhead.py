@@ -19,7 +19,8 @@ from typing import Any
 
 from loadtest import benchkit as kit
 from loadtest import profiling
-from loadtest.results import RowLabels
+from loadtest.job import REPO
+from loadtest.results import RowLabels, git_commit
 from stack.engines import Fleet
 from stack.procs import ManagedProcess, free_port
 
@@ -111,6 +112,7 @@ def run(plan: OverheadPlan, run_dir: Path, summary: Path, progress: bool, run_id
     if prof_out is not None and prof_out.exists():
         done = plan.repeats * sum(n + min(2 * c, 200) for c, n in plan.levels)  # warm-up requests included
         data = profiling.breakdown(prof_out, requests=done)
+        data["git_commit"], data["run_id"] = git_commit(REPO), run_id
         profiling.write(data, summary.parent / "router-profile.json")
         print(f"overhead: router profile of {done} requests -> {summary.parent / 'router-profile.json'}")
     return rows

@@ -39,7 +39,7 @@ def test_seed_sim_smoke_push_and_pull_through_the_router(tmp_path: Path) -> None
         assert r["kv_external_frac"] == 1.0  # decode got all its prompt tokens by (simulated) transfer
     for name in ("seed-sim.png", "seed-sim-ttft-cdf.png", "seed-sim-handoff-cdf.png", "README.md"):
         assert (tmp_path / name).stat().st_size > 0
-    assert "pull/push TTFT mean" in (tmp_path / "README.md").read_text()
+    assert "ours / upstream TTFT mean" in (tmp_path / "README.md").read_text()
 
 
 @needs_router
