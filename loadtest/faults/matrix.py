@@ -20,7 +20,7 @@ from loadtest.faults.rows import Row, selected
 from loadtest.faults.scenarios import SCENARIOS, Outcome
 
 logger = logging.getLogger("kvpush.faults")
-SETTLE_S = 75.0  # longest wait for a bed to settle after a row (a prefill's unclaimed KV lease is 30 s)
+SETTLE_S = 150.0  # longest wait for a bed to settle (the connector's leases: 30 s on P, kv_timeout_s 120 s on D)
 OUT = REPO / "bench" / "faults"
 # Settings each bed's router runs with: defaults, except the admission bound for the burst row and, for the
 # never-reading prefill, a short prefill deadline (the default 300 s would make the row take 5 minutes).
@@ -119,7 +119,7 @@ def _engines(engines: Mapping[str, Mapping[str, Any]]) -> str:
         if not s["alive"]:
             parts.append(f"{name}: dead")
             continue
-        kv = "" if s["kv_usage"] is None else f", kv {s['kv_usage']:.0%}"
+        kv = "" if s["kv_usage"] is None else f", kv {s['kv_usage']:.2%}"
         running = "?" if s["running"] is None else f"{s['running']:g}"
         parts.append(f"{name}: {running} running{kv}")
     return "; ".join(parts)
@@ -158,7 +158,14 @@ def readme(results: list[RowResult], meta: Mapping[str, Any]) -> str:
             f"| {row['name']} | {row['bed']} | {row['what']} | {outcome['summary']} | {time_cell} | "
             f"{row['deadline_s']:g} | {gauges} | {_engines(after['engines'])} | {'yes' if r.clean else '**no**'} |"
         )
-    lines += ["", f"{sum(r.clean for r in results)} of {len(results)} rows clean."]
+    notes = [f"- {r.row['name']}: {r.outcome['note']}" for r in results if r.outcome.get("note")]
+    unsettled = [
+        f"- {r.row['name']}: did not settle within {SETTLE_S:g} s (values above are at the deadline)"
+        for r in results
+        if not r.after["settled"]
+    ]
+    lines += ["", f"{sum(r.clean for r in results)} of {len(results)} rows clean.", ""]
+    lines += ["Notes:", *notes, *unsettled] if notes or unsettled else []
     return "\n".join(lines) + "\n"
 
 

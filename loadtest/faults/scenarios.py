@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from loadtest import promtext
 from loadtest.faults import client
 from loadtest.faults.bed import Bed, RouterProc, Worker, start_router
 from loadtest.faults.rows import Row
@@ -83,7 +84,7 @@ def hang(bed: Bed, row: Row) -> Outcome:
         t_fault = time.monotonic()
         futures = _clients(bed.router.url, 3, lambda: client.body(max_tokens=16))
     else:
-        futures = _clients(bed.router.url, 3, lambda: client.body(max_tokens=16, words=400))
+        futures = _clients(bed.router.url, 3, lambda: client.body(max_tokens=16, words=120))
         _wait_running(victim)
         victim.hang()
         t_fault = time.monotonic()
@@ -99,7 +100,7 @@ def hang(bed: Bed, row: Row) -> Outcome:
 def kill(bed: Bed, row: Row) -> Outcome:
     victim = bed.of(row.target)[-1]
     tokens = 200 if row.target == "decode" else 16
-    futures = _clients(bed.router.url, 3, lambda: client.body(max_tokens=tokens, words=400))
+    futures = _clients(bed.router.url, 3, lambda: client.body(max_tokens=tokens, words=120))
     _wait_running(victim)
     if row.target == "decode":
         time.sleep(0.5)  # let the streams start
@@ -150,14 +151,29 @@ def lost_registration(bed: Bed, row: Row) -> Outcome:
     ]
     front = start_router(wrong, [w.url for w in bed.decodes], bed.router.config, bed.started)
     try:
+        before = _prompt_sources(bed.decodes[0])
         t_fault = time.monotonic()
         results = [client.request(front.url, client.body(max_tokens=16))]
-        outcome = _outcome(results, t_fault)
         _released(bed, t_fault, front)
-        return outcome
+        after = _prompt_sources(bed.decodes[0])
+        moved = {k: after[k] - before[k] for k in after}
+        note = ", ".join(f"{k} +{v:g}" for k, v in moved.items() if v) or "no prompt tokens counted"
+        return _outcome(results, t_fault, f"decode's prompt tokens: {note}")
     finally:
         bed.started.remove(front.handle)
         front.handle.stop(10.0)
+
+
+def _prompt_sources(worker: Worker) -> dict[str, float]:
+    """vLLM's count of prompt tokens by where they came from (transferred KV, computed, prefix cache)."""
+    if worker.kind != "vllm":
+        return {}
+    with httpx.Client() as http:
+        samples = promtext.parse(http.get(f"{worker.url}/metrics", timeout=5.0).text)
+    return {
+        source: promtext.total(samples, "vllm:prompt_tokens_by_source_total", source=source)
+        for source in ("external_kv_transfer", "local_compute", "local_cache_hit")
+    }
 
 
 def _await_ready(bed: Bed, timeout: float = 60.0) -> None:
