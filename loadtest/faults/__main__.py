@@ -18,6 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--row", action="append", default=[], help="only the named row(s)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would bury the rows
     rows = [r for r in rows_for(a.short) if (a.bed is None or r.bed == a.bed) and (not a.row or r.name in a.row)]
 
     def progress(result: RowResult) -> None:
