@@ -60,3 +60,23 @@ def test_the_vllm_lock_is_not_taken_twice_under_an_ancestor_that_holds_it(tmp_pa
     assert not benchkit.lock_held_by_ancestor(lock)
     with benchkit.vllm_lock(lock):  # nobody holds it: taken here
         assert lock.exists()
+
+
+def test_a_child_of_flock_sees_the_lock_as_held_and_does_not_take_it_again(tmp_path: Path) -> None:
+    """`flock FILE python ...` (the team's wrapper) must not deadlock a suite that takes the same lock."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("flock") is None:
+        pytest.skip("no flock(1)")
+    lock = tmp_path / "l.lock"
+    code = (
+        "import sys; from pathlib import Path; from loadtest import benchkit as b; p = Path(sys.argv[1]); "
+        "held = b.lock_held_by_ancestor(p)\nwith b.vllm_lock(p): print(held)"
+    )
+    out = subprocess.run(
+        ["flock", str(lock), sys.executable, "-c", code, str(lock)], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
