@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from connector.metadata import HandshakePayload, PeerAddress, ProtocolError
 
@@ -269,3 +270,78 @@ class PeerLink:
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
             self._sock.close()
+
+
+# --------------------------------------------------------------------------------------------
+# The seam: how the transfer thread opens side channels (TCP here; an in-process fake in tests)
+# --------------------------------------------------------------------------------------------
+
+
+class Server(Protocol):
+    @property
+    def port(self) -> int: ...
+    def close(self) -> None: ...
+
+
+class Link(Protocol):
+    def start(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class SideChannel(Protocol):
+    """Opens the listening end and the links to prefills; the callbacks are those of
+    ``SideChannelServer`` and ``PeerLink`` and run on the side channel's own threads."""
+
+    def serve(
+        self,
+        host: str,
+        port: int,
+        local_payload: Callable[[], HandshakePayload],
+        on_peer: Callable[[HandshakePayload], None],
+        on_lost: Callable[[str], None],
+        expect_hash: str,
+        liveness: Liveness,
+        clock: Callable[[], float],
+    ) -> Server: ...
+
+    def connect(
+        self,
+        peer: PeerAddress,
+        local_payload: Callable[[], HandshakePayload],
+        on_ready: Callable[[HandshakePayload, float], None],
+        on_lost: Callable[[str], None],
+        expect_hash: str,
+        timeout_s: float,
+        liveness: Liveness,
+        clock: Callable[[], float],
+    ) -> Link: ...
+
+
+class TcpSideChannel:
+    """The real side channel: ``SideChannelServer`` and ``PeerLink`` over TCP."""
+
+    def serve(
+        self,
+        host: str,
+        port: int,
+        local_payload: Callable[[], HandshakePayload],
+        on_peer: Callable[[HandshakePayload], None],
+        on_lost: Callable[[str], None],
+        expect_hash: str,
+        liveness: Liveness,
+        clock: Callable[[], float],
+    ) -> Server:
+        return SideChannelServer(host, port, local_payload, on_peer, on_lost, expect_hash, liveness, clock)
+
+    def connect(
+        self,
+        peer: PeerAddress,
+        local_payload: Callable[[], HandshakePayload],
+        on_ready: Callable[[HandshakePayload, float], None],
+        on_lost: Callable[[str], None],
+        expect_hash: str,
+        timeout_s: float,
+        liveness: Liveness,
+        clock: Callable[[], float],
+    ) -> Link:
+        return PeerLink(peer, local_payload, on_ready, on_lost, expect_hash, timeout_s, liveness, clock)

@@ -106,6 +106,37 @@ class DecodeLeg:
             raise ProtocolError(f"decode leg kv_transfer_params incomplete: {exc!r}") from exc
 
 
+@dataclass(frozen=True)
+class PrefillAnswer:
+    """What a finished prefill leg answers in its ``kv_transfer_params`` (upstream's push protocol):
+    who holds the KV and how to reach it. ``to_params()`` is the wire form; the router reads it with
+    ``router.protocol.identity_from`` (tests/unit/test_wire_contract.py holds both ends to it)."""
+
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_request_id: str
+    remote_block_ids: tuple[int, ...]
+    remote_num_tokens: int
+    transfer_id: str | None
+
+    def to_params(self) -> dict[str, Any]:
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": list(self.remote_block_ids),
+            "remote_engine_id": self.remote_engine_id,
+            "remote_request_id": self.remote_request_id,
+            "remote_host": self.remote_host,
+            "remote_port": self.remote_port,
+            "tp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": self.remote_num_tokens,
+            "transfer_mode": "push",
+            "transfer_id": self.transfer_id,
+        }
+
+
 # --------------------------------------------------------------------------------------------
 # Notices (NIXL notifications)
 # --------------------------------------------------------------------------------------------
@@ -358,6 +389,10 @@ class StepPlan:
     cancel_unallocated: list[CancelUnallocated] = field(default_factory=list)
     finished: list[PrefillFinished] = field(default_factory=list)
     failed: list[PrefillFailed] = field(default_factory=list)
+    # P: prompts whose last token this step computes; posted from the end-of-step hook (G10)
+    completing: list[PrefillFinished] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.register or self.cancel or self.cancel_unallocated or self.finished or self.failed)
+        return not (
+            self.register or self.cancel or self.cancel_unallocated or self.finished or self.failed or self.completing
+        )

@@ -21,9 +21,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.v1.request import RequestStatus
 
-from connector.scheduler import KvpushMetadata, SchedulerHalf
+from connector.kvcache import REQUESTED_LAYOUT, check_parallelism, side_channel_port
+from connector.metadata import StepPlan
+from connector.scheduler import Ending, SchedulerHalf
 from connector.stats import KvpushPromMetrics, KvpushStats
+from connector.transfer_thread import Options
 from connector.worker import WorkerHalf
 
 if TYPE_CHECKING:
@@ -38,22 +42,43 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-def _side_channel() -> tuple[str, int]:
+_ENDINGS = {
+    RequestStatus.FINISHED_STOPPED: Ending.OK,
+    RequestStatus.FINISHED_LENGTH_CAPPED: Ending.OK,
+    RequestStatus.FINISHED_ERROR: Ending.ERROR,
+}
+
+
+class KvpushMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """The step plan, as the metadata object vLLM carries from scheduler to workers."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+def _side_channel(dp_rank: int) -> tuple[str, int]:
+    """Host and port of this engine's side channel: the base port plus the data-parallel rank."""
     host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
-    return host, int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))
+    return host, side_channel_port(int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")), dp_rank)
 
 
 class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vllm is untyped for mypy here
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        if vllm_config.parallel_config.tensor_parallel_size != 1:
-            raise NotImplementedError("KvpushConnector supports tensor_parallel_size=1 only")
+        parallel = vllm_config.parallel_config
+        check_parallelism(
+            tensor_parallel_size=parallel.tensor_parallel_size,
+            pipeline_parallel_size=parallel.pipeline_parallel_size,
+            decode_context_parallel_size=getattr(parallel, "decode_context_parallel_size", 1),
+        )
         engine_id = str(vllm_config.kv_transfer_config.engine_id)
-        host, port = _side_channel()
+        host, port = _side_channel(int(getattr(parallel, "data_parallel_rank", 0) or 0))
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerHalf(vllm_config, engine_id, host, port)
+            options = Options.from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
+            block_size = int(vllm_config.cache_config.block_size)
+            self._scheduler = SchedulerHalf(engine_id, host, port, block_size, options.early_write)
         else:
             self._worker = WorkerHalf(vllm_config, engine_id, host, port)
             self._worker.set_num_blocks(kv_cache_config.num_blocks)
@@ -70,15 +95,18 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vllm is unty
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output)
+        return KvpushMetadata(self._scheduler.build_connector_meta(scheduler_output))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
-        self._scheduler.update_connector_output(connector_output)
+        self._scheduler.update_connector_output(
+            connector_output.finished_recving or (), connector_output.finished_sending or ()
+        )
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return self._scheduler.request_finished(request, block_ids)
+        ending = _ENDINGS.get(request.status, Ending.ABORTED)
+        return self._scheduler.request_finished(request, block_ids, ending)
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_push_work()
@@ -99,10 +127,13 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vllm is unty
         return None  # KV arrives before the request is scheduled at all
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # prefill's blocks are pushed whole after the request finished
+        return None  # prefill's blocks are pushed whole, from the end of the step that computed them
 
     def wait_for_save(self) -> None:
-        return None
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KvpushMetadata):
+            self._worker.end_of_step(meta.plan)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
@@ -120,6 +151,10 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vllm is unty
             self._worker.shutdown()
 
     # ---- class hooks --------------------------------------------------------------------
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        return REQUESTED_LAYOUT  # layer-compact, block-compact pages (connector.kvcache)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

@@ -65,6 +65,35 @@ from connector.metadata import (
 )
 
 
+class Tally(enum.StrEnum):
+    """Every event counter of the connector (one name per event; ``connector.stats`` maps each to a
+    Prometheus series, and a unit test checks that none is left out)."""
+
+    AGENTS_REMOVED = "agents_removed"
+    BAD_NOTICES = "bad_notices"
+    CANCELLED = "cancelled"
+    CONFLICT = "conflict"
+    DUPLICATE = "duplicate"
+    EXPIRED = "expired"
+    FAILED = "failed"
+    FAILED_NOTICES = "failed_notices"
+    LATE_PREFILL = "late_prefill"
+    MISMATCH = "mismatch"
+    PEER_LOST = "peer_lost"
+    PREFILL_FAILED = "prefill_failed"
+    QUARANTINE_EXPIRED = "quarantine_expired"
+    QUARANTINED = "quarantined"
+    RECEIVED = "received"
+    RELEASE_REFUSED = "release_refused"
+    RELEASED = "released"
+    STALE = "stale"
+    THREAD_ERRORS = "thread_errors"
+    UNKNOWN_NOTICES = "unknown_notices"
+    WRITE_FAILED = "write_failed"
+    WRITE_RELEASED = "write_released"
+    WRITTEN = "written"
+
+
 @dataclass(frozen=True)
 class Timeouts:
     """Every lease of the protocol, in seconds."""
@@ -236,7 +265,7 @@ class PrefillRendezvous:
             entry.request_id, entry.blocks, entry.num_tokens = request_id, blocks, num_tokens
             return self._write_or_refuse(key, entry, now)
         # Cancelled, failed, done or already holding blocks: never pair a second prefill.
-        self.counters["late_prefill" if entry.state in P_TERMINAL else "duplicate"] += 1
+        self.counters[Tally.LATE_PREFILL if entry.state in P_TERMINAL else Tally.DUPLICATE] += 1
         return [Release(request_id)]
 
     def on_prefill_failed(self, key: str, reason: str, now: float) -> list[Action]:
@@ -247,16 +276,16 @@ class PrefillRendezvous:
         if entry.state is PState.AWAIT_PREFILL:
             assert entry.registration is not None
             self._finish(key, entry, PState.DONE, now)
-            self.counters["prefill_failed"] += 1
+            self.counters[Tally.PREFILL_FAILED] += 1
             return [self._fail(entry.registration, f"prefill failed: {reason}")]
-        self.counters["duplicate"] += 1
+        self.counters[Tally.DUPLICATE] += 1
         return []
 
     def on_registration(self, reg: Registration, now: float) -> list[Action]:
         entry = self.entries.get(reg.key)
         if entry is None:
             if now >= reg.write_deadline:
-                self.counters["expired"] += 1
+                self.counters[Tally.EXPIRED] += 1
                 self._add(reg.key, PEntry(PState.DONE, now + self.timeouts.lease_s, registration=reg))
                 return [self._fail(reg, "registration arrived after its write deadline")]
             self._add(reg.key, PEntry(PState.AWAIT_PREFILL, reg.write_deadline, registration=reg))
@@ -267,7 +296,7 @@ class PrefillRendezvous:
         if entry.state is PState.FAILED:
             entry.registration = reg
             self._finish(reg.key, entry, PState.DONE, now)
-            self.counters["prefill_failed"] += 1
+            self.counters[Tally.PREFILL_FAILED] += 1
             return [self._fail(reg, "prefill failed")]
         return self._repeated_registration(entry, reg)
 
@@ -279,36 +308,36 @@ class PrefillRendezvous:
                 cancel.key,
                 PEntry(PState.CANCELLED, now + self.timeouts.lease_s, cancelled_d_request=cancel.d_request_id),
             )
-            self.counters["cancelled"] += 1
+            self.counters[Tally.CANCELLED] += 1
             return [ack]
         reg = entry.registration
         if reg is not None and reg.d_request_id != cancel.d_request_id:
             # Not the registration we would write to: nothing for it can land.
-            self.counters["stale"] += 1
+            self.counters[Tally.STALE] += 1
             return [ack]
         if entry.state in (PState.WRITING, PState.RELEASING):
             entry.cancel_pending = True  # answered once the WRITE is over (ack or Failure)
             return []
         if entry.state in P_TERMINAL:
-            self.counters["duplicate"] += entry.state is PState.CANCELLED
+            self.counters[Tally.DUPLICATE] += entry.state is PState.CANCELLED
             return [ack]
         # AWAIT_REGISTRATION or AWAIT_PREFILL: drop it, refuse any later pairing of this key.
         actions: list[Action] = [Release(entry.request_id)] if entry.request_id else []
         self._finish(cancel.key, entry, PState.CANCELLED, now)
         entry.cancelled_d_request = cancel.d_request_id
-        self.counters["cancelled"] += 1
+        self.counters[Tally.CANCELLED] += 1
         return [*actions, ack]
 
     def on_write_done(self, key: str, now: float) -> list[Action]:
         """The WRITE completed (its ``Done`` travels with the data) and its handle is released."""
         entry = self.entries.get(key)
         if entry is None or entry.state is not PState.WRITING:
-            self.counters["stale"] += 1
+            self.counters[Tally.STALE] += 1
             return []
         reg = entry.registration
         assert reg is not None and entry.request_id is not None
         actions: list[Action] = [Release(entry.request_id)]
-        self.counters["written"] += 1
+        self.counters[Tally.WRITTEN] += 1
         if entry.cancel_pending:
             actions.append(Send(reg.d_engine_id, CancelAck(key, reg.d_request_id)))
         self._finish(key, entry, PState.DONE, now)
@@ -318,11 +347,11 @@ class PrefillRendezvous:
         """A WRITE that failed or was abandoned is released: nothing of it can land any more."""
         entry = self.entries.get(key)
         if entry is None or entry.state not in (PState.WRITING, PState.RELEASING):
-            self.counters["stale"] += 1
+            self.counters[Tally.STALE] += 1
             return []
         reg = entry.registration
         assert reg is not None and entry.request_id is not None
-        self.counters["write_failed" if entry.state is PState.WRITING else "write_released"] += 1
+        self.counters[Tally.WRITE_FAILED if entry.state is PState.WRITING else Tally.WRITE_RELEASED] += 1
         actions: list[Action] = [Release(entry.request_id), self._fail(reg, "WRITE failed")]
         self._finish(key, entry, PState.DONE, now)
         return actions
@@ -332,17 +361,17 @@ class PrefillRendezvous:
         blocks, tell D to fail the request now and hold its blocks until its hold deadline."""
         entry = self.entries.get(key)
         if entry is None or entry.state not in (PState.WRITING, PState.RELEASING):
-            self.counters["stale"] += 1
+            self.counters[Tally.STALE] += 1
             return []
         reg = entry.registration
         assert reg is not None
         if entry.state is PState.WRITING:
-            self.counters["write_failed"] += 1
+            self.counters[Tally.WRITE_FAILED] += 1
         self._enter_releasing(key, entry, reg)
         if entry.quarantine_told:
             return []
         entry.quarantine_told = True
-        self.counters["quarantined"] += 1
+        self.counters[Tally.QUARANTINED] += 1
         return [self._fail(reg, "WRITE failed and could not be released", quarantine=True)]
 
     def on_peer_lost(self, engine_id: str, now: float) -> list[Action]:
@@ -351,7 +380,7 @@ class PrefillRendezvous:
             reg = entry.registration
             if entry.state is PState.AWAIT_PREFILL and reg is not None and reg.d_engine_id == engine_id:
                 self._finish(key, entry, PState.DONE, now)
-                self.counters["peer_lost"] += 1
+                self.counters[Tally.PEER_LOST] += 1
         return []
 
     def expire(self, now: float) -> list[Action]:
@@ -370,17 +399,17 @@ class PrefillRendezvous:
         reg = entry.registration
         if entry.state is PState.WRITING:
             assert reg is not None
-            self.counters["expired"] += 1
+            self.counters[Tally.EXPIRED] += 1
             self._enter_releasing(key, entry, reg)
             return [AbandonWrite(key)]  # answered with on_write_released / on_write_stuck
         actions: list[Action] = []
         if entry.state is PState.RELEASING:
             assert reg is not None
-            self.counters["quarantine_expired"] += 1
+            self.counters[Tally.QUARANTINE_EXPIRED] += 1
             if not entry.quarantine_told:
                 actions.append(self._fail(reg, "WRITE could not be released", quarantine=True))
         else:
-            self.counters["expired"] += 1
+            self.counters[Tally.EXPIRED] += 1
             if reg is not None:
                 actions.append(self._fail(reg, f"expired in {entry.state.value}"))
         if entry.request_id is not None:
@@ -400,10 +429,10 @@ class PrefillRendezvous:
         assert reg is not None and request_id is not None
         refusal = self._mismatch(reg, entry)
         if refusal is None and now >= reg.write_deadline:
-            self.counters["expired"] += 1
+            self.counters[Tally.EXPIRED] += 1
             refusal = "write deadline passed"
         elif refusal is not None:
-            self.counters["mismatch"] += 1
+            self.counters[Tally.MISMATCH] += 1
         if refusal is not None:
             self._finish(key, entry, PState.DONE, now)
             return [Release(request_id), self._fail(reg, refusal)]
@@ -429,10 +458,10 @@ class PrefillRendezvous:
             entry.cancelled_d_request == reg.d_request_id
         )
         if same:
-            self.counters["duplicate"] += 1
+            self.counters[Tally.DUPLICATE] += 1
             return []
         # Another decode request claims a key that is taken: tell it at once.
-        self.counters["conflict"] += 1
+        self.counters[Tally.CONFLICT] += 1
         return [self._fail(reg, "pairing key already used by another decode request")]
 
     def _add(self, key: str, entry: PEntry) -> None:
@@ -514,7 +543,7 @@ class DecodeRendezvous:
         num_tokens: int = 0,
     ) -> list[Action]:
         if request_id in self.entries:
-            self.counters["duplicate"] += 1
+            self.counters[Tally.DUPLICATE] += 1
             return []
         entry = DEntry(DState.PENDING_SEND, 0.0, key, peer, block_ids, num_tokens)
         self._put(request_id, entry, now + self.timeouts.connect_timeout_s)
@@ -525,9 +554,9 @@ class DecodeRendezvous:
     def on_abort_unallocated(self, request_id: str, key: str, peer: PeerAddress, now: float) -> list[Action]:
         """vLLM finished a decode request before it allocated blocks: P may hold blocks for it."""
         if request_id in self.entries:
-            self.counters["duplicate"] += 1
+            self.counters[Tally.DUPLICATE] += 1
             return []
-        self.counters["cancelled"] += 1
+        self.counters[Tally.CANCELLED] += 1
         if peer.engine_id in self.peers:
             return [Send(peer.engine_id, Cancel(key, request_id, self.engine_id))]
         entry = DEntry(DState.PENDING_CANCEL, 0.0, key, peer, ())
@@ -557,12 +586,12 @@ class DecodeRendezvous:
             if entry.peer.engine_id != engine_id:
                 continue
             if entry.state is DState.PENDING_SEND:
-                self.counters["peer_lost"] += 1
+                self.counters[Tally.PEER_LOST] += 1
                 actions.append(self._leave(request_id, ok=False))  # P never saw the blocks
             elif entry.state is DState.PENDING_CANCEL:
                 del self.entries[request_id]
             elif entry.state is DState.AWAITING_KV:
-                self.counters["peer_lost"] += 1
+                self.counters[Tally.PEER_LOST] += 1
                 entry.state = DState.QUARANTINED
                 actions.append(Failed(request_id))
         return actions
@@ -570,30 +599,30 @@ class DecodeRendezvous:
     def on_notice(self, notice: Notice, now: float) -> list[Action]:
         entry = self.entries.get(notice.d_request_id)
         if entry is None or entry.key != notice.key or entry.state in (DState.PENDING_SEND, DState.PENDING_CANCEL):
-            self.counters["stale"] += 1
+            self.counters[Tally.STALE] += 1
             return []
         if isinstance(notice, Done):
             return self._on_done(notice.d_request_id, entry)
         if isinstance(notice, Failure):
             return self._on_failure(notice.d_request_id, entry, notice.quarantine)
         if isinstance(notice, CancelAck) and entry.state is DState.CANCELLING:
-            self.counters["released"] += 1
+            self.counters[Tally.RELEASED] += 1
             return [self._leave(notice.d_request_id, ok=False)]
-        self.counters["stale"] += 1
+        self.counters[Tally.STALE] += 1
         return []
 
     def on_abort(self, request_id: str, now: float) -> list[Action]:
         """vLLM finished the request while it waited for KV: free its blocks only when safe."""
         entry = self.entries.get(request_id)
         if entry is None:
-            self.counters["stale"] += 1
+            self.counters[Tally.STALE] += 1
             return []
         if entry.state is DState.PENDING_SEND:
             return [self._leave(request_id, ok=False)]  # P never learnt our block ids
         if entry.state is DState.AWAITING_KV:
             entry.state = DState.CANCELLING  # keeps the hold deadline set at send time
             return [Send(entry.peer.engine_id, Cancel(entry.key, request_id, self.engine_id))]
-        self.counters["duplicate"] += 1
+        self.counters[Tally.DUPLICATE] += 1
         return []
 
     def expire(self, now: float) -> list[Action]:
@@ -603,7 +632,7 @@ class DecodeRendezvous:
             if entry.state is DState.PENDING_CANCEL:
                 del self.entries[request_id]
                 continue
-            self.counters["expired"] += 1
+            self.counters[Tally.EXPIRED] += 1
             if entry.state is DState.QUARANTINED:
                 del self.entries[request_id]
                 actions.append(Freed(request_id))
@@ -615,10 +644,10 @@ class DecodeRendezvous:
 
     def _on_done(self, request_id: str, entry: DEntry) -> list[Action]:
         if entry.state is DState.QUARANTINED:
-            self.counters["stale"] += 1  # already failed; the hold deadline frees it
+            self.counters[Tally.STALE] += 1  # already failed; the hold deadline frees it
             return []
         ok = entry.state is DState.AWAITING_KV
-        self.counters["received" if ok else "released"] += 1
+        self.counters[Tally.RECEIVED if ok else Tally.RELEASED] += 1
         return [self._leave(request_id, ok=ok)]
 
     def _on_failure(self, request_id: str, entry: DEntry, quarantine: bool) -> list[Action]:
@@ -626,12 +655,12 @@ class DecodeRendezvous:
             if quarantine:
                 return []
             del self.entries[request_id]  # P released the WRITE: nothing can land any more
-            self.counters["released"] += 1
+            self.counters[Tally.RELEASED] += 1
             return [Freed(request_id)]
         if not quarantine:
-            self.counters["failed" if entry.state is DState.AWAITING_KV else "released"] += 1
+            self.counters[Tally.FAILED if entry.state is DState.AWAITING_KV else Tally.RELEASED] += 1
             return [self._leave(request_id, ok=False)]
-        self.counters["quarantined"] += 1
+        self.counters[Tally.QUARANTINED] += 1
         if entry.state is DState.CANCELLING:
             return []  # vLLM finished it already; the hold deadline frees it
         entry.state = DState.QUARANTINED

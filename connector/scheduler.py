@@ -1,32 +1,41 @@
 """Scheduler-side half: turns vLLM scheduler hooks into a ``StepPlan`` for the worker half.
 
 Runs in the EngineCore process, on the scheduler's thread; holds no lock and starts no thread.
-It never talks to the peer: everything it decides rides to the worker in ``KvpushMetadata``.
+It never talks to the peer: everything it decides rides to the worker in the step's metadata.
+It imports nothing from vLLM: ``connector.plugin`` translates vLLM's types (request status, the
+metadata class) and passes vLLM's objects, which this module reads only through the small
+protocols below.
 
 Bookkeeping (all keyed by vLLM request id):
 
 * ``_awaiting`` (decode): registered, not yet reported received. If vLLM finishes such a request
   (abort, client gone), vLLM itself keeps its blocks until the worker reports it received; we
   add a cancel to the plan, and the worker reports it only once prefill cannot write any more.
-  No cancel for ``FINISHED_ERROR``: that is vLLM failing a receive we reported failed in this very
-  step (its ``finished_recving`` frees the blocks right after); any other error just waits for
-  the transfer's own end (Done, Failure, peer lost or deadline), blocks still held.
+  No cancel for ``Ending.ERROR``: that is vLLM failing a receive we reported failed (its
+  ``finished_recving`` frees the blocks, at once or at the quarantine's hold deadline); any other
+  error just waits for the transfer's own end (Done, Failure, link loss or deadline), blocks held.
 * ``_cancelling`` (decode): the finished subset of ``_awaiting``; keeps the engine stepping.
+* ``_p_legs`` (prefill): prefill legs seen in scheduling: pairing key and prompt length.
+* ``_completing`` (prefill, guarantee G10): legs whose last prompt token was scheduled in a step;
+  the plan of that step carries ``PrefillFinished`` in ``completing`` and the worker posts the WRITE
+  at the end of that very step (``wait_for_save``), not one step later from ``request_finished``.
+  Their blocks stay held until the worker reports them sent, whatever ``request_finished`` says.
 * ``_held`` (prefill): blocks kept for a transfer until the worker reports them sent.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
-from typing import TYPE_CHECKING, Any
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-from vllm.v1.request import RequestStatus
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from connector.metadata import (
     CancelUnallocated,
     DecodeLeg,
     PeerAddress,
+    PrefillAnswer,
     PrefillFailed,
     PrefillFinished,
     PrefillLeg,
@@ -36,37 +45,63 @@ from connector.metadata import (
     pairing_key,
 )
 
-if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.outputs import KVConnectorOutput
-    from vllm.v1.request import Request
-
 logger = logging.getLogger(__name__)
 
-_PREFILL_OK = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+class Ending(enum.Enum):
+    """How vLLM finished a request, as far as this half cares (``plugin`` maps vLLM's status)."""
+
+    OK = "ok"  # stopped or length-capped: the prompt's KV is complete
+    ERROR = "error"  # FINISHED_ERROR (e.g. a receive this connector reported failed)
+    ABORTED = "aborted"  # aborted, ignored or anything else without complete KV
 
 
-class KvpushMetadata(KVConnectorMetadata):  # type: ignore[misc]
-    """The step plan, as the metadata object vLLM carries from scheduler to workers."""
+class RequestView(Protocol):
+    """What this half reads of a vLLM ``Request``."""
 
-    def __init__(self, plan: StepPlan) -> None:
-        self.plan = plan
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None: ...
+    @property
+    def prompt_token_ids(self) -> Sequence[int] | None: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+    @property
+    def sampling_params(self) -> Any: ...
+
+
+class BlocksView(Protocol):
+    def get_unhashed_block_ids(self) -> list[int]: ...
+
+
+@dataclass
+class _PLeg:
+    key: str
+    prompt_len: int
+    early: bool  # one-token leg: eligible for the WRITE in its completing step
+    blocks: list[int]
 
 
 class SchedulerHalf:
-    def __init__(self, vllm_config: VllmConfig, engine_id: str, side_host: str, side_port: int) -> None:
+    def __init__(
+        self, engine_id: str, side_host: str, side_port: int, block_size: int = 0, early_write: bool = True
+    ) -> None:
         self.engine_id = engine_id
         self.side_host, self.side_port = side_host, side_port
+        self._block_size = block_size
+        self._early_write = early_write
         self._plan = StepPlan()
         self._awaiting: set[str] = set()
         self._cancelling: set[str] = set()
+        self._p_legs: dict[str, _PLeg] = {}
+        self._completing: set[str] = set()
         self._held: set[str] = set()
 
-    # ---- decode side ---------------------------------------------------------------------
+    # ---- decode side (and prefill legs seen while scheduling) ----------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: RequestView, num_computed_tokens: int) -> tuple[int, bool]:
+        self._note_prefill_leg(request)
         try:
             leg = DecodeLeg.parse(request.kv_transfer_params)
         except ProtocolError:
@@ -77,7 +112,7 @@ class SchedulerHalf:
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: RequestView, blocks: BlocksView, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         leg = DecodeLeg.parse(params) if num_external_tokens > 0 else None
         if leg is None or params is None:
@@ -88,6 +123,7 @@ class SchedulerHalf:
             )
         key = pairing_key(leg.transfer_id, request.request_id)
         peer = PeerAddress(leg.remote_engine_id, leg.remote_host, leg.remote_port)
+        # Only the blocks without a local prefix-cache hit: prefill writes exactly these (tail-aligned).
         block_ids = tuple(blocks.get_unhashed_block_ids())
         num_tokens = len(request.prompt_token_ids or ())
         self._plan.register.append(RegisterOrder(request.request_id, key, peer, block_ids, num_tokens))
@@ -96,51 +132,113 @@ class SchedulerHalf:
 
     # ---- both sides ----------------------------------------------------------------------
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvpushMetadata:
+    def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
+        if self._p_legs and scheduler_output is not None:
+            self._find_completing(scheduler_output)
         plan, self._plan = self._plan, StepPlan()
-        return KvpushMetadata(plan)
+        return plan
 
-    def update_connector_output(self, output: KVConnectorOutput) -> None:
-        for request_id in output.finished_recving or ():
+    def update_connector_output(self, finished_recving: Iterable[str], finished_sending: Iterable[str]) -> None:
+        for request_id in finished_recving:
             self._awaiting.discard(request_id)
             self._cancelling.discard(request_id)
-        for request_id in output.finished_sending or ():
+        for request_id in finished_sending:
             self._held.discard(request_id)
+            self._completing.discard(request_id)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: RequestView, block_ids: list[int], ending: Ending
+    ) -> tuple[bool, dict[str, Any] | None]:
         request_id = request.request_id
         if request_id in self._awaiting:
             self._cancelling.add(request_id)
-            if request.status != RequestStatus.FINISHED_ERROR:
+            if ending is not Ending.ERROR:
                 self._plan.cancel.append(request_id)
             return False, None  # vLLM holds the blocks until we report the request received
         self._cancel_unallocated(request)
+        p_leg = self._p_legs.pop(request_id, None)
         leg = PrefillLeg.parse(request.kv_transfer_params)
         if leg is None:
             return False, None
-        key = pairing_key(leg.transfer_id, request_id)
-        if request.status not in _PREFILL_OK or not block_ids:
-            self._plan.failed.append(PrefillFailed(request_id, key, str(request.status.name)))
+        answer = self._answer(request, block_ids, leg.transfer_id)
+        if request_id in self._completing:
+            # The WRITE was ordered in the completing step: hold the blocks until Release (G10).
+            return True, answer.to_params() if ending is Ending.OK else None
+        key = p_leg.key if p_leg is not None else pairing_key(leg.transfer_id, request_id)
+        if ending is not Ending.OK or not block_ids:
+            self._plan.failed.append(PrefillFailed(request_id, key, ending.name))
             return False, None
         num_tokens = len(request.prompt_token_ids or ())
         self._plan.finished.append(PrefillFinished(request_id, key, tuple(block_ids), num_tokens))
         self._held.add(request_id)
-        return True, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_block_ids": list(block_ids),
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": request_id,
-            "remote_host": self.side_host,
-            "remote_port": self.side_port,
-            "tp_size": 1,
-            "pp_size": 1,
-            "remote_num_tokens": request.num_computed_tokens,
-            "transfer_mode": "push",
-            "transfer_id": leg.transfer_id,
-        }
+        return True, answer.to_params()
 
-    def _cancel_unallocated(self, request: Request) -> None:
+    def has_pending_push_work(self) -> bool:
+        return bool(self._held or self._cancelling or not self._plan.is_empty())
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _answer(self, request: RequestView, block_ids: list[int], transfer_id: str | None) -> PrefillAnswer:
+        return PrefillAnswer(
+            remote_engine_id=self.engine_id,
+            remote_host=self.side_host,
+            remote_port=self.side_port,
+            remote_request_id=request.request_id,
+            remote_block_ids=tuple(block_ids),
+            remote_num_tokens=request.num_computed_tokens,
+            transfer_id=transfer_id,
+        )
+
+    def _note_prefill_leg(self, request: RequestView) -> None:
+        if request.request_id in self._p_legs:
+            return
+        leg = PrefillLeg.parse(request.kv_transfer_params)
+        if leg is None:
+            return
+        params = request.sampling_params
+        one_token = getattr(params, "max_tokens", None) == 1
+        key = pairing_key(leg.transfer_id, request.request_id)
+        self._p_legs[request.request_id] = _PLeg(key, len(request.prompt_token_ids or ()), one_token, [])
+
+    def _find_completing(self, out: Any) -> None:
+        """Prefill legs whose last prompt token is computed in this step: order their WRITE now.
+
+        Only one-token legs (the router's P leg) qualify: they finish in this step's output, so
+        vLLM learns they finished before it can read a ``finished_sending`` for them.
+        GPU note: with async scheduling a request could be preempted between this step and its
+        finish; that path must fence the WRITE before the blocks are freed (not reachable on CPU,
+        where async scheduling is off, nor for one-token legs, which finish in this step).
+        """
+        scheduled: dict[str, int] = out.num_scheduled_tokens
+        for new in out.scheduled_new_reqs:
+            leg = self._p_legs.get(new.req_id)
+            if leg is not None:
+                leg.blocks = list(new.block_ids[0]) if new.block_ids else []
+                self._maybe_complete(new.req_id, leg, new.num_computed_tokens, scheduled)
+        cached = out.scheduled_cached_reqs
+        for i, request_id in enumerate(cached.req_ids):
+            leg = self._p_legs.get(request_id)
+            if leg is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if new_blocks is not None:
+                fresh = list(new_blocks[0])
+                leg.blocks = fresh if request_id in cached.resumed_req_ids else leg.blocks + fresh
+            self._maybe_complete(request_id, leg, cached.num_computed_tokens[i], scheduled)
+
+    def _maybe_complete(self, request_id: str, leg: _PLeg, num_computed: int, scheduled: dict[str, int]) -> None:
+        if not (self._early_write and leg.early) or request_id in self._completing:
+            return
+        if num_computed + scheduled.get(request_id, 0) < leg.prompt_len or not leg.blocks:
+            return
+        blocks = leg.blocks
+        if self._block_size:
+            blocks = blocks[: -(-leg.prompt_len // self._block_size)]
+        self._plan.completing.append(PrefillFinished(request_id, leg.key, tuple(blocks), leg.prompt_len))
+        self._completing.add(request_id)
+        self._held.add(request_id)
+
+    def _cancel_unallocated(self, request: RequestView) -> None:
         """A decode leg finished before it allocated blocks (``do_remote_prefill`` still set): P may
         hold blocks for it until its lease ends, so tell P (guarantee G5: nothing held for long)."""
         try:
@@ -152,6 +250,3 @@ class SchedulerHalf:
         key = pairing_key(leg.transfer_id, request.request_id)
         peer = PeerAddress(leg.remote_engine_id, leg.remote_host, leg.remote_port)
         self._plan.cancel_unallocated.append(CancelUnallocated(request.request_id, key, peer))
-
-    def has_pending_push_work(self) -> bool:
-        return bool(self._held or self._cancelling or not self._plan.is_empty())

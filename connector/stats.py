@@ -10,20 +10,29 @@ from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from connector.rendezvous import Tally
 from connector.transfer_thread import TransferRecord
 
 _SERIES = ("transfer_duration", "bytes_transferred", "num_descriptors")
 
-# Prometheus counter (without "vllm:kvpush_" and "_total") -> rendezvous / thread counter names.
-COUNTERS: dict[str, tuple[str, ...]] = {
-    "completed_transfers": ("written", "received"),
-    "failed_transfers": ("write_failed", "failed", "peer_lost", "prefill_failed", "mismatch", "thread_errors"),
-    "quarantined": ("quarantined", "quarantine_expired", "release_refused"),
-    "expired": ("expired",),
-    "failed_notifications": ("failed_notices", "bad_notices"),
-    "ignored_notices": ("duplicate", "stale", "conflict", "unknown_notices", "late_prefill"),
-    "cancelled": ("cancelled", "released", "write_released"),
-    "agents_removed": ("agents_removed",),
+# Prometheus counter (without "vllm:kvpush_" and "_total") -> the connector's event counters it sums.
+# Every ``Tally`` member belongs to exactly one series (tests/unit/connector/test_stats.py checks it).
+COUNTERS: dict[str, tuple[Tally, ...]] = {
+    "completed_transfers": (Tally.WRITTEN, Tally.RECEIVED),
+    "failed_transfers": (
+        Tally.WRITE_FAILED,
+        Tally.FAILED,
+        Tally.PEER_LOST,
+        Tally.PREFILL_FAILED,
+        Tally.MISMATCH,
+        Tally.THREAD_ERRORS,
+    ),
+    "quarantined": (Tally.QUARANTINED, Tally.QUARANTINE_EXPIRED, Tally.RELEASE_REFUSED),
+    "expired": (Tally.EXPIRED,),
+    "failed_notifications": (Tally.FAILED_NOTICES, Tally.BAD_NOTICES),
+    "ignored_notices": (Tally.DUPLICATE, Tally.STALE, Tally.CONFLICT, Tally.UNKNOWN_NOTICES, Tally.LATE_PREFILL),
+    "cancelled": (Tally.CANCELLED, Tally.RELEASED, Tally.WRITE_RELEASED),
+    "agents_removed": (Tally.AGENTS_REMOVED,),
 }
 
 

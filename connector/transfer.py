@@ -16,6 +16,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from connector.layout import descriptor_indices, pair_blocks, region_descriptors
 from connector.metadata import HandshakePayload, KVLayout
 
@@ -78,15 +81,27 @@ class TransferBackend(Protocol):
 class NixlBackend:
     """``TransferBackend`` over a NIXL agent (UCX by default), DRAM or VRAM."""
 
-    def __init__(self, name: str, layout: KVLayout, backends: tuple[str, ...] = ("UCX",)) -> None:
+    def __init__(
+        self,
+        name: str,
+        layout: KVLayout,
+        backends: tuple[str, ...] = ("UCX",),
+        registrations: npt.NDArray[np.uint64] | None = None,
+    ) -> None:
+        """``registrations``: ``(K, 3)`` rows ``(address, length, device id)`` to register with NIXL,
+        one per backing storage (``connector.kvcache.KVCaches.registrations``); without them, each
+        region is registered on its own (tests over plain arrays)."""
         from nixl._api import nixl_agent, nixl_agent_config
 
         config = nixl_agent_config(enable_prog_thread=False, backends=list(backends))
         self._agent: Any = nixl_agent(name, config)
         self._name = name
         self._layout = layout
-        regions = [(r.base, r.block_len * r.num_blocks, layout.device_id, "") for r in layout.regions]
-        self._registered = self._agent.register_memory(regions, layout.mem_type)
+        if registrations is None:
+            regions = [(r.base, r.block_len * r.num_blocks, layout.device_id, "") for r in layout.regions]
+            self._registered = self._agent.register_memory(regions, layout.mem_type)
+        else:
+            self._registered = self._agent.register_memory(registrations, layout.mem_type)
         self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", region_descriptors(layout), layout.mem_type)
         self._peers: dict[str, tuple[KVLayout, Any, bytes]] = {}  # agent name -> (layout, dlist, metadata)
         self._handles: dict[int, Any] = {}

@@ -17,7 +17,8 @@ Threading model (guarantee G6):
 * **Worker thread** (vLLM's model runner, via ``connector.worker``): only calls ``submit``,
   ``kick`` and ``collect_results`` (empties the outbox). It never waits on the owner thread, so
   the forward loop never waits on NIXL.
-* **Side-channel threads** (``connector.handshake``, started by ``start``): put ``_PeerReady`` /
+* **Side-channel threads** (``connector.handshake`` through the ``SideChannel`` seam, TCP unless a
+  test injects another; started by ``start``): put ``_PeerReady`` /
   ``_PeerLost`` / ``_AddPeer`` in the inbox. ``_AddPeer`` carries an ``Event`` the server thread
   waits on, so the handshake reply is sent only after the owner loaded the peer's agent. They read
   only ``_local_payload`` (built from bytes cached at construction, never a backend call).
@@ -41,7 +42,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, assert_never
 
-from connector.handshake import Liveness, PeerLink, SideChannelServer
+from connector.handshake import Link, Liveness, Server, SideChannel, TcpSideChannel
 from connector.metadata import (
     PROTOCOL_VERSION,
     Cancel,
@@ -73,6 +74,7 @@ from connector.rendezvous import (
     Release,
     Send,
     StartWrite,
+    Tally,
     Timeouts,
 )
 from connector.transfer import TransferBackend, TransferError, WriteTicket
@@ -101,6 +103,7 @@ class Options:
     polling: Polling = field(default_factory=Polling)
     liveness: Liveness = field(default_factory=Liveness)
     backends: tuple[str, ...] = ("UCX",)
+    early_write: bool = True  # P: order the WRITE in the step that computes the prompt's last token (G10)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> Options:
@@ -111,12 +114,15 @@ class Options:
         for group, kind in (("timeouts", Timeouts), ("polling", Polling), ("liveness", Liveness)):
             known.update({f.name: group for f in fields(kind)})
         backends = extra.pop("backends", ("UCX",))
+        early_write = extra.pop("early_write", True)
         unknown = sorted(set(extra) - set(known))
         if unknown:
             raise ValueError(
                 f"unknown kv_connector_extra_config key(s) {unknown} for KvpushConnector; "
-                f"known: {sorted([*known, 'backends'])}"
+                f"known: {sorted([*known, 'backends', 'early_write'])}"
             )
+        if not isinstance(early_write, bool):
+            raise ValueError("bad kv_connector_extra_config for KvpushConnector: early_write must be true or false")
         try:
             for key, value in extra.items():
                 groups[known[key]][key] = float(value)
@@ -125,6 +131,7 @@ class Options:
                 Polling(**groups["polling"]),
                 Liveness(**groups["liveness"]),
                 tuple(str(b) for b in backends),
+                early_write,
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"bad kv_connector_extra_config for KvpushConnector: {exc}") from exc
@@ -146,7 +153,7 @@ class _PeerReady:
 @dataclass(frozen=True)
 class _PeerLost:
     engine_id: str
-    link: PeerLink | None = None  # the link that ended (a stale one is ignored), None: the server's
+    link: Link | None = None  # the link that ended (a stale one is ignored), None: the server's
 
 
 @dataclass
@@ -210,6 +217,7 @@ class TransferThread:
         side_port: int,
         options: Options | None = None,
         clock: Callable[[], float] = time.monotonic,
+        side_channel: SideChannel | None = None,
     ) -> None:
         options = options or Options()
         self.engine_id = engine_id
@@ -228,28 +236,29 @@ class TransferThread:
         self._write_backoff = self._polling.write_poll_min_s
         self._agents: dict[str, str] = {}  # engine id -> agent name
         self._retired: set[str] = set()  # agent names to remove once no WRITE to them is in flight
-        self._links: dict[str, PeerLink] = {}
+        self._links: dict[str, Link] = {}
+        self._side_channel: SideChannel = side_channel or TcpSideChannel()
         self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue[Results] = queue.SimpleQueue()
         self._pending = Results()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._server: SideChannelServer | None = None
+        self._server: Server | None = None
         self._thread = threading.Thread(target=self._run, name="kvpush-transfer", daemon=True)
         self.side_port = side_port
         self.wakes = 0  # owner-thread turns so far (for tests and stats)
 
     def start(self) -> None:
         """Open the side channel and start the owner thread."""
-        self._server = SideChannelServer(
+        self._server = self._side_channel.serve(
             self._side_host,
             self._side_port,
             self._local_payload,
             self._add_peer_and_wait,
             self._peer_lost,
             self._compat_hash,
-            liveness=self._liveness,
-            clock=self._clock,
+            self._liveness,
+            self._clock,
         )
         self.side_port = self._server.port
         self._thread.start()
@@ -322,7 +331,7 @@ class TransferThread:
                 self._turn(now)
             except Exception:  # the loop must survive one bad turn
                 logger.exception("kvpush transfer thread turn failed")
-                self._pending.counters["thread_errors"] += 1
+                self._pending.counters[Tally.THREAD_ERRORS] += 1
             self._publish()
             self._wake.wait(self._sleep_s(self._clock()))
 
@@ -404,7 +413,7 @@ class TransferThread:
             return
         self._perform(self._decode.on_peer_ready(cmd.payload.engine_id, cmd.clock_offset, now), now)
 
-    def _on_peer_lost(self, engine_id: str, now: float, ended: PeerLink | None = None) -> None:
+    def _on_peer_lost(self, engine_id: str, now: float, ended: Link | None = None) -> None:
         if ended is not None and self._links.get(engine_id) is not ended:
             return  # an older link of that engine ended after a newer one was opened
         link = self._links.pop(engine_id, None)
@@ -429,17 +438,17 @@ class TransferThread:
         for agent in list(self._retired - busy):
             self._retired.discard(agent)
             self._backend.remove_peer(agent)
-            self._pending.counters["agents_removed"] += 1
+            self._pending.counters[Tally.AGENTS_REMOVED] += 1
 
     def _on_raw_notice(self, sender: str, raw: bytes, now: float) -> None:
         if not is_notice(raw):
-            self._pending.counters["unknown_notices"] += 1
+            self._pending.counters[Tally.UNKNOWN_NOTICES] += 1
             return
         try:
             notice = decode_notice(raw)
         except ProtocolError as exc:
             logger.warning("dropped notice from %s: %s", sender, exc)
-            self._pending.counters["bad_notices"] += 1
+            self._pending.counters[Tally.BAD_NOTICES] += 1
             return
         match notice:
             case Registration():
@@ -466,7 +475,7 @@ class TransferThread:
                 continue
             del self._writes[key]
             if not self._backend.release(w.ticket.handle):
-                self._pending.counters["release_refused"] += 1  # done: the data landed already
+                self._pending.counters[Tally.RELEASE_REFUSED] += 1  # done: the data landed already
             self._pending.records.append(TransferRecord(w.ticket.num_bytes, now - w.started, w.ticket.num_descriptors))
             self._perform(self._prefill.on_write_done(key, now), now)
 
@@ -477,7 +486,7 @@ class TransferThread:
             self._perform(self._prefill.on_write_released(key, now), now)
             return
         w.failed = True
-        self._pending.counters["release_refused"] += 1
+        self._pending.counters[Tally.RELEASE_REFUSED] += 1
         self._perform(self._prefill.on_write_stuck(key, now), now)
 
     # ---- performing actions --------------------------------------------------------------
@@ -532,7 +541,7 @@ class TransferThread:
             self._backend.send_notice(self._agents[action.engine_id], encode_notice(notice))
         except (KeyError, TransferError) as exc:
             logger.warning("%s notice to %s not sent: %r", notice.kind, action.engine_id, exc)
-            self._pending.counters["failed_notices"] += 1
+            self._pending.counters[Tally.FAILED_NOTICES] += 1
             if isinstance(notice, Registration):  # P never saw it: fail just this request
                 failure = Failure(notice.key, notice.d_request_id, "registration could not be sent")
                 self._perform(self._decode.on_notice(failure, now), now)
@@ -542,15 +551,15 @@ class TransferThread:
     def _connect(self, peer: PeerAddress) -> None:
         if peer.engine_id in self._links:
             return
-        link = PeerLink(
+        link = self._side_channel.connect(
             peer,
             self._local_payload,
-            on_ready=lambda payload, offset: self._inbox_put(_PeerReady(payload, offset)),
-            on_lost=lambda engine_id: self._inbox_put(_PeerLost(engine_id, link)),
-            expect_hash=self._compat_hash,
-            timeout_s=self._timeouts.connect_timeout_s,
-            liveness=self._liveness,
-            clock=self._clock,
+            lambda payload, offset: self._inbox_put(_PeerReady(payload, offset)),
+            lambda engine_id: self._inbox_put(_PeerLost(engine_id, link)),
+            self._compat_hash,
+            self._timeouts.connect_timeout_s,
+            self._liveness,
+            self._clock,
         )
         self._links[peer.engine_id] = link
         link.start()

@@ -1,5 +1,10 @@
 """Worker-side half: describes the paged KV cache, owns the transfer thread, relays step orders.
 
+The KV caches are described (or refused, with the reason) by ``connector.kvcache``: layout from the
+tensors' strides, memory type from their device, one NIXL registration per backing storage, and the
+fields of the compatibility hash (layout, attention backend, head geometry, kernel block size, vLLM
+version, dtypes, model).
+
 Runs in vLLM's worker process on the model runner's thread. ``start_load_kv`` only puts orders
 in the transfer thread's inbox and ``get_transfer_results`` only empties its outbox, so the forward
 loop never waits on NIXL. Threads it does not own are left where they are (no affinity changes).
@@ -13,9 +18,12 @@ import uuid
 from typing import TYPE_CHECKING
 
 import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from connector.metadata import KVLayout, Region, StepPlan, compatibility_hash
+from connector.kvcache import KVCaches, compatibility_fields, compatibility_signature, describe_kv_caches
+from connector.metadata import StepPlan, compatibility_hash
 from connector.stats import KvpushStats
 from connector.transfer import NixlBackend
 from connector.transfer_thread import CancelOrder, Options, Order, TransferThread
@@ -26,44 +34,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def layout_from_caches(kv_caches: dict[str, torch.Tensor], num_blocks: int, block_size: int, mem_type: str) -> KVLayout:
-    """One region per (layer, leading index) slice: the paged dim is the first of size ``num_blocks``;
-    everything after it must be one contiguous block. Tensors sharing memory count once."""
-    regions: list[Region] = []
-    seen: set[int] = set()
-    device_id = 0
-    for name, tensor in kv_caches.items():
-        if tensor.data_ptr() in seen:
-            continue
-        seen.add(tensor.data_ptr())
-        device_id = tensor.device.index or 0
-        dims = list(tensor.shape)
-        if num_blocks not in dims:
-            raise ValueError(f"KV cache {name} {tuple(dims)} has no dimension of {num_blocks} blocks")
-        d = dims.index(num_blocks)
-        inner = 1
-        for size in dims[d + 1 :]:
-            inner *= size
-        if tensor.stride(d) != inner or not tensor[(0,) * d].is_contiguous():
-            raise ValueError(f"KV cache {name}: blocks are not contiguous (stride {tensor.stride()})")
-        block_len = inner * tensor.element_size()
-        for lead in torch.cartesian_prod(*[torch.arange(n) for n in dims[:d]]).reshape(-1, d).tolist() if d else [[]]:
-            offset = sum(i * tensor.stride(k) for k, i in enumerate(lead)) * tensor.element_size()
-            regions.append(Region(tensor.data_ptr() + offset, block_len, num_blocks))
-    return KVLayout(mem_type, device_id, block_size, tuple(regions))
-
-
 class WorkerHalf:
     def __init__(self, vllm_config: VllmConfig, engine_id: str, side_host: str, side_port: int) -> None:
         kv_config = vllm_config.kv_transfer_config
         # Unknown keys are refused here, at engine start, with the list of known ones.
         self._options = Options.from_extra(kv_config.kv_connector_extra_config)
         self.engine_id = engine_id
+        self._vllm_config = vllm_config
         self._side_host, self._side_port = side_host, side_port
-        self._mem_type = "VRAM" if kv_config.kv_buffer_device == "cuda" else "DRAM"
+        self._kv_buffer_device = kv_config.kv_buffer_device
         self._block_size = vllm_config.cache_config.block_size
-        model = vllm_config.model_config
-        self._model_signature = f"{model.model}|{model.dtype}|{vllm_config.cache_config.cache_dtype}"
         self._num_blocks = 0
         self._thread: TransferThread | None = None
         self._stats = KvpushStats()
@@ -72,28 +52,57 @@ class WorkerHalf:
         self._num_blocks = num_blocks
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layout = layout_from_caches(kv_caches, self._num_blocks, self._block_size, self._mem_type)
+        cache_config = self._vllm_config.cache_config
+        caches = describe_kv_caches(
+            kv_caches,
+            num_blocks=self._num_blocks,
+            kv_buffer_device=self._kv_buffer_device,
+            expected_layout=getattr(cache_config, "kv_cache_layout", None),
+        )  # raises KVCacheUnsupported (a ValueError) with the reason: the engine fails at startup
+        layout = caches.layout(self._block_size)
         # Unique per incarnation: a restarted peer (same engine id, even the same pid) is a new agent.
         name = f"kvpush-{self.engine_id}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        backend = NixlBackend(name, layout, self._options.backends)
+        backend = NixlBackend(name, layout, self._options.backends, registrations=caches.registrations())
         self._thread = TransferThread(
             backend,
             engine_id=self.engine_id,
             layout=layout,
-            compat_hash=compatibility_hash(self._model_signature, layout),
+            compat_hash=compatibility_hash(self._signature(caches), layout),
             side_host=self._side_host,
             side_port=self._side_port,
             options=self._options,
         )
         self._thread.start()
         logger.info(
-            "kvpush: %d KV regions of %d blocks registered (%s); side channel on %s:%d",
+            "kvpush: %d KV regions of %d blocks (%s, %s) in %d registration(s); side channel on %s:%d",
             len(layout.regions),
             self._num_blocks,
-            self._mem_type,
+            caches.mem_type,
+            caches.geometry.layout,
+            len(caches.storages),
             self._side_host,
             self._thread.side_port,
         )
+
+    def _signature(self, caches: KVCaches) -> str:
+        config = self._vllm_config
+        model = config.model_config
+        try:
+            attn_backend = get_current_attn_backends(config)[0].get_name()
+        except (IndexError, AttributeError, ValueError):  # both sides then agree on "unknown"
+            attn_backend = "unknown"
+        fields = compatibility_fields(
+            caches,
+            model=str(model.model),
+            model_dtype=str(model.dtype),
+            cache_dtype=str(config.cache_config.cache_dtype),
+            attn_backend=str(attn_backend),
+            num_kv_heads=int(model.get_num_kv_heads(config.parallel_config)),
+            head_size=int(model.get_head_size()),
+            block_size=int(self._block_size),
+            vllm_version=str(vllm.__version__),
+        )
+        return compatibility_signature(fields)
 
     def start(self, plan: StepPlan) -> None:
         if self._thread is None or plan.is_empty():
@@ -106,6 +115,16 @@ class WorkerHalf:
             *plan.failed,
         ]
         for order in orders:
+            self._thread.submit(order)
+
+    def end_of_step(self, plan: StepPlan) -> None:
+        """``wait_for_save``: the forward of this step has computed the prompts in ``completing``;
+        their WRITE is ordered now, not one step later (G10). On CPU the forward is synchronous, so
+        the KV is in the blocks already. GPU: record a CUDA event on the forward stream here and
+        have the owner thread synchronise it before postXfer (cuda_ipc / GDR are not stream-ordered)."""
+        if self._thread is None:
+            return
+        for order in plan.completing:
             self._thread.submit(order)
 
     def transfer_results(self) -> KVConnectorTransferResults:

@@ -25,6 +25,10 @@ from tests.integration.vllm_support import LOGS, STARTUP_TIMEOUT, metric, tiny_m
 CONNECTOR = "KvpushConnector"
 MODULE = "connector.plugin"
 SETTLE = 30.0  # seconds an engine gets to reflect a finished or aborted request in its metrics
+# D's hold deadline for one registration (kv_connector_extra_config): a request failed by link loss keeps its
+# blocks (quarantine, guarantee G2) this long. Shorter than the default 120 s so a test can watch it end.
+KV_TIMEOUT_S = 45.0
+CONNECTOR_EXTRA = {"kv_timeout_s": KV_TIMEOUT_S}
 BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
@@ -74,6 +78,7 @@ def kvpush_engines(members: Sequence[Member], tag: str) -> Iterator[Engines]:
                 connector_module=MODULE,
                 engine_id=engine_id,
                 extra_args=m.extra_args,
+                connector_extra=CONNECTOR_EXTRA,
             )
         )
     with Fleet(LOGS) as fleet:

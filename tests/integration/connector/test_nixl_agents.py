@@ -95,7 +95,7 @@ class Peer:
     def wait(self, pred: Any, timeout: float = 10.0) -> dict[str, Any]:
         end = time.monotonic() + timeout
         while True:
-            r = self.call("results")
+            r: dict[str, Any] = self.call("results")
             if pred(r) or time.monotonic() > end:
                 return r
             time.sleep(0.01)
@@ -115,7 +115,7 @@ def agents() -> Iterator[tuple[Peer, Peer]]:
     p.close()
 
 
-ZERO_SHA = {}
+ZERO_SHA: dict[int, str] = {}
 
 
 def zero_sha(n: int) -> str:
@@ -123,7 +123,7 @@ def zero_sha(n: int) -> str:
 
 
 @pytest.mark.parametrize("prefill_first", [True, False], ids=["prefill-first", "registration-first"])
-def test_write_lands_with_completion(agents, prefill_first):
+def test_write_lands_with_completion(agents: tuple[Peer, Peer], prefill_first: bool) -> None:
     p, d = agents
     key, dreq, preq = f"t:w{prefill_first}", f"d-w{prefill_first}", f"p-w{prefill_first}"
     src, dst = ([1, 2, 3], [8, 9, 10]) if prefill_first else ([4, 5], [11, 12])
@@ -139,7 +139,7 @@ def test_write_lands_with_completion(agents, prefill_first):
     assert any(rec.num_bytes == len(src) * REGIONS * BLOCK_LEN for rec in rp["records"])
 
 
-def test_cancel_is_acked_and_nothing_is_written(agents):
+def test_cancel_is_acked_and_nothing_is_written(agents: tuple[Peer, Peer]) -> None:
     p, d = agents
     d.call("register", "d-c", "t:c", p.port, [13, 14])
     time.sleep(0.3)  # registration reaches P
@@ -152,7 +152,7 @@ def test_cancel_is_acked_and_nothing_is_written(agents):
     assert d.call("sha", [13, 14]) == zero_sha(2)
 
 
-def test_prefill_failure_is_notified(agents):
+def test_prefill_failure_is_notified(agents: tuple[Peer, Peer]) -> None:
     p, d = agents
     d.call("register", "d-f", "t:f", p.port, [15])
     time.sleep(0.3)
@@ -171,7 +171,8 @@ def _payload(backend: Any, layout: Any) -> Any:
 
 
 def _notices_within(backend: Any, sender: Any, seconds: float) -> list[tuple[str, bytes]]:
-    end, got = time.monotonic() + seconds, []
+    end = time.monotonic() + seconds
+    got: list[tuple[str, bytes]] = []
     while not got and time.monotonic() < end:
         sender.poll_notices()  # progresses the sender's UCX worker too
         got = backend.poll_notices()

@@ -25,10 +25,13 @@ import openai
 import pytest
 
 from tests.integration.connector.kvpush_support import (
+    KV_TIMEOUT_S,
+    SETTLE,
     Engines,
     FailingPrefill,
     Member,
     decode_params,
+    is_idle,
     kvpush_engines,
     post,
     prefill_body,
@@ -133,6 +136,30 @@ def test_output_equals_a_single_instance_and_the_prompt_came_from_prefill(
     record = timing(stack.router_url, got.headers["x-kvpush-pairing-id"])
     assert record["outcome"] == "ok" and record["attempts"] == 1
     assert record["decode_sent"] < record["prefill_done"], "push legs must overlap"
+
+
+def test_a_partial_prefix_hit_on_decode_registers_only_the_blocks_it_lacks(stack: Stack) -> None:
+    """G12 (issue 11 item 4): decode already holds the first turn's prompt in its prefix cache; for the second
+    turn it registers only the blocks it lacks and prefill writes only those, so decode counts
+    local_cache_hit + external_kv_transfer == prompt, and the answer still equals one instance's."""
+    first = request_body("completions", stream=False)
+    got = complete(stack.router_url, "completions", first)
+    assert got.status == 200, got.text
+    second = dict(first, prompt=first["prompt"] + "\n" + " ".join(f"g{i} = f{i}(2)" for i in range(40)))
+    before = kv_sources(stack.decode_url)
+    again = complete(stack.router_url, "completions", second)
+    assert again.status == 200, again.text
+    wait_for(
+        lambda: sum(kv_sources(stack.decode_url).values()) - sum(before.values()) >= again.prompt_tokens,
+        "decode counted the second prompt",
+    )
+    after = kv_sources(stack.decode_url)
+    delta = {k: after[k] - before[k] for k in after}
+    assert delta["local_cache_hit"] > 0, f"no local prefix hit on decode: {delta}"
+    assert delta["external_kv_transfer"] > 0, f"nothing transferred: {delta}"
+    assert delta["local_cache_hit"] + delta["external_kv_transfer"] == again.prompt_tokens, delta
+    assert delta["local_compute"] == 0, delta
+    assert again.text == complete(stack.p0_url, "completions", second).text
 
 
 def test_sixteen_concurrent_requests_succeed_and_each_prompt_is_transferred(stack: Stack) -> None:
@@ -403,6 +430,9 @@ def test_a_killed_prefill_fails_its_decode_request_within_seconds_and_the_router
     assert failed, f"decode answered as if the KV had arrived: {end}"
     assert end.finish_reasons != ["length"], f"decode generated a whole answer without KV: {end}"
     assert metric(decode.url, "vllm:kvpush_failed_transfers_total") >= 1
+    # (c) G2: a lost link does not prove p1's process gone, so decode keeps those blocks (quarantine) until
+    # their hold deadline (kv_timeout_s after the registration), then frees them
+    assert metric(decode.url, "vllm:kv_cache_usage_perc") > stack.engines.idle_usage[decode.url], "freed at once"
     # (b) the router: no request on p1 had sent anything to its client (decode waited for p1's KV), so each is
     # retried with fresh ids on p0; the retry pairs only with its own transfer (same text as one instance).
     assert [r.status for r in results] == [200] * 6, [r.text for r in results]
@@ -412,5 +442,10 @@ def test_a_killed_prefill_fails_its_decode_request_within_seconds_and_the_router
         assert results[i].text == complete(stack.p0_url, "completions", routed_bodies[i]).text
     assert [r.status for r in after] == [200] * 4, [r.text for r in after]
     assert workers[victim.url] is False
-    wait_idle(stack.engines, [stack.p0_url, decode.url], "p0 and decode after the prefill died")
+    wait_idle(stack.engines, [stack.p0_url], "p0 after the prefill died")
+    wait_for(
+        lambda: is_idle(stack.engines, decode.url),
+        "decode freed the quarantined blocks at their hold deadline",
+        timeout=KV_TIMEOUT_S + SETTLE,
+    )
     assert complete(decode.url, "completions", request_body("completions", stream=False)).status == 200

@@ -16,6 +16,7 @@ from connector.metadata import (
     Failure,
     HandshakePayload,
     KVLayout,
+    Notice,
     PrefillLeg,
     ProtocolError,
     Region,
@@ -40,11 +41,11 @@ LAYOUT = KVLayout("DRAM", 0, 16, (Region(4096, 1024, 8), Region(65536, 1024, 8))
 
 
 @pytest.mark.parametrize("notice", NOTICES, ids=lambda n: f"{n.kind}-{NOTICES.index(n)}")
-def test_notice_round_trip(notice):
+def test_notice_round_trip(notice: Notice) -> None:
     assert decode_notice(encode_notice(notice)) == notice
 
 
-def _raw(body):
+def _raw(body: object) -> bytes:
     return NOTICE_PREFIX + json.dumps(body).encode()
 
 
@@ -60,30 +61,30 @@ def _raw(body):
     ],
     ids=["prefix", "json", "not-object", "version", "kind", "fields"],
 )
-def test_bad_notices_are_rejected(raw):
+def test_bad_notices_are_rejected(raw: bytes) -> None:
     with pytest.raises(ProtocolError):
         decode_notice(raw)
 
 
-def test_base_request_id_strips_only_the_vllm_suffix():
+def test_base_request_id_strips_only_the_vllm_suffix() -> None:
     assert base_request_id("cmpl-abc-0-1234abcd") == "cmpl-abc-0"
     assert base_request_id("cmpl-abc-0") == "cmpl-abc-0"
     assert base_request_id("chatcmpl-x-DEADBEEF") == "chatcmpl-x-DEADBEEF"  # upper case is not vLLM's
 
 
-def test_pairing_key_prefers_transfer_id():
+def test_pairing_key_prefers_transfer_id() -> None:
     assert pairing_key("T1", "cmpl-r-0-0badf00d") == "t:T1"
     assert pairing_key(None, "cmpl-r-0-0badf00d") == pairing_key("", "cmpl-r-0-12345678") == "r:cmpl-r-0"
 
 
-def test_prefill_leg_parse():
+def test_prefill_leg_parse() -> None:
     assert PrefillLeg.parse(None) is None
     assert PrefillLeg.parse({"do_remote_prefill": True}) is None
     assert PrefillLeg.parse({"do_remote_decode": True, "transfer_id": "T"}) == PrefillLeg("T")
     assert PrefillLeg.parse({"do_remote_decode": True}) == PrefillLeg(None)
 
 
-def test_decode_leg_parse_upstream_shape():
+def test_decode_leg_parse_upstream_shape() -> None:
     params = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -100,21 +101,21 @@ def test_decode_leg_parse_upstream_shape():
     assert DecodeLeg.parse({"do_remote_decode": True}) is None
 
 
-def test_decode_leg_missing_field_is_a_protocol_error():
+def test_decode_leg_missing_field_is_a_protocol_error() -> None:
     with pytest.raises(ProtocolError, match="remote_host"):
         DecodeLeg.parse({"do_remote_prefill": True, "remote_engine_id": "p0", "remote_port": 1})
 
 
-def _payload(compat="h1"):
+def _payload(compat: str = "h1") -> HandshakePayload:
     return HandshakePayload(PROTOCOL_VERSION, compat, "p0", "agent-p0", b"\x00\xffmeta", LAYOUT, 3.5)
 
 
-def test_handshake_round_trip():
+def test_handshake_round_trip() -> None:
     p = _payload()
     assert HandshakePayload.decode(p.encode(), expect_hash="h1") == p
 
 
-def test_handshake_rejects_incompatible_peer_before_decoding_the_rest():
+def test_handshake_rejects_incompatible_peer_before_decoding_the_rest() -> None:
     raw = json.dumps({"protocol_version": PROTOCOL_VERSION, "compat_hash": "other"}).encode()
     with pytest.raises(ProtocolError, match="incompatible peer"):
         HandshakePayload.decode(raw, expect_hash="h1")
@@ -129,12 +130,12 @@ def test_handshake_rejects_incompatible_peer_before_decoding_the_rest():
     ],
     ids=["bytes", "version", "fields"],
 )
-def test_handshake_rejects_bad_payloads(raw):
+def test_handshake_rejects_bad_payloads(raw: bytes) -> None:
     with pytest.raises(ProtocolError):
         HandshakePayload.decode(raw)
 
 
-def test_compatibility_hash_covers_layout_not_addresses():
+def test_compatibility_hash_covers_layout_not_addresses() -> None:
     moved = KVLayout("DRAM", 0, 16, (Region(1, 1024, 99), Region(2, 1024, 99)))
     other = KVLayout("DRAM", 0, 32, LAYOUT.regions)
     assert compatibility_hash("m", LAYOUT) == compatibility_hash("m", moved)

@@ -79,7 +79,7 @@ P_EVENTS: dict[str, Callable[[PrefillRendezvous], list[Any]]] = {
 
 # fmt: off
 W, R, FAIL, FAILQ, ACK = "StartWrite", "Release", "Send:Failure", "Send:Failure(q)", "Send:CancelAck"
-_NO_WRITE = {"write_done": [], "write_released": [], "write_stuck": []}
+_NO_WRITE: dict[str, list[str]] = {"write_done": [], "write_released": [], "write_stuck": []}
 
 
 def _same(state: str, **rows: list[str]) -> dict[str, tuple[str | None, list[str]]]:
@@ -148,13 +148,13 @@ P_TABLE: dict[str, dict[str, tuple[str | None, list[str]]]] = {
 # fmt: on
 
 
-def test_prefill_table_is_exhaustive():
+def test_prefill_table_is_exhaustive() -> None:
     assert set(P_TABLE) == {"none", "writing_cancel", *(s.value for s in PState)}
     assert all(set(row) == set(P_EVENTS) for row in P_TABLE.values())
 
 
 @pytest.mark.parametrize(("state", "event"), [(s, e) for s in P_TABLE for e in P_EVENTS], ids=lambda v: v)
-def test_prefill_transition(state, event):
+def test_prefill_transition(state: str, event: str) -> None:
     p = p_setup(state)
     actions = P_EVENTS[event](p)
     want_state, want_kinds = P_TABLE[state][event]
@@ -163,21 +163,21 @@ def test_prefill_transition(state, event):
     assert kinds(actions) == want_kinds
 
 
-def test_prefill_finished_then_registration_writes_tail_blocks_to_that_registration():
+def test_prefill_finished_then_registration_writes_tail_blocks_to_that_registration() -> None:
     p = PrefillRendezvous(T)
     assert p.on_prefill_finished(KEY, "p1", (1, 2), 0) == []
     assert p.on_registration(REG, 1) == [StartWrite(KEY, "p1", (1, 2), REG)]
     assert p.entries[KEY].deadline == 1 + T.write_timeout_s
 
 
-def test_prefill_registration_then_finished_writes():
+def test_prefill_registration_then_finished_writes() -> None:
     p = PrefillRendezvous(T)
     assert p.on_registration(REG, 0) == []
     assert p.entries[KEY].deadline == REG.write_deadline  # D's lease bounds the wait
     assert p.on_prefill_finished(KEY, "p1", (1, 2), 3) == [StartWrite(KEY, "p1", (1, 2), REG)]
 
 
-def test_prefill_never_writes_after_the_write_deadline():
+def test_prefill_never_writes_after_the_write_deadline() -> None:
     p = PrefillRendezvous(T)
     p.on_registration(REG, 0)
     actions = p.on_prefill_finished(KEY, "p1", (1, 2), REG.write_deadline)
@@ -185,27 +185,27 @@ def test_prefill_never_writes_after_the_write_deadline():
     assert p.counters["expired"] == 1
 
 
-def test_prefill_late_registration_is_refused_and_remembered():
+def test_prefill_late_registration_is_refused_and_remembered() -> None:
     p = PrefillRendezvous(T)
     assert kinds(p.on_registration(REG, 95)) == [FAIL]
     assert p.entries[KEY].state is PState.DONE
     assert p.on_prefill_finished(KEY, "p1", (1,), 96) == [Release("p1")]
 
 
-def test_prefill_failure_reaches_a_waiting_decode_at_once():
+def test_prefill_failure_reaches_a_waiting_decode_at_once() -> None:
     p = PrefillRendezvous(T)
     p.on_registration(REG, 0)
     [send] = p.on_prefill_failed(KEY, "aborted", 1)
     assert send == Send("D", Failure(KEY, "d1", "prefill failed: aborted"))
 
 
-def test_prefill_cancel_during_write_acks_only_after_the_write():
+def test_prefill_cancel_during_write_acks_only_after_the_write() -> None:
     p = p_setup("writing")
     assert p.on_cancel(Cancel(KEY, "d1", "D"), 1) == []
     assert p.on_write_done(KEY, 2) == [Release("p1"), Send("D", CancelAck(KEY, "d1"))]
 
 
-def test_prefill_expired_blocks_are_released_and_counted():
+def test_prefill_expired_blocks_are_released_and_counted() -> None:
     p = p_setup("await_registration")
     assert p.expire(T.lease_s - 0.01) == []
     assert p.expire(T.lease_s) == [Release("p1")]
@@ -214,7 +214,7 @@ def test_prefill_expired_blocks_are_released_and_counted():
     assert p.entries == {}
 
 
-def test_prefill_abandoned_write_keeps_the_blocks_until_the_handle_is_released():
+def test_prefill_abandoned_write_keeps_the_blocks_until_the_handle_is_released() -> None:
     """G2: an abandoned WRITE frees nothing by itself; the release decides (issue 8 item 1)."""
     p = p_setup("writing")
     assert p.expire(T.write_timeout_s) == [AbandonWrite(KEY)]
@@ -222,39 +222,39 @@ def test_prefill_abandoned_write_keeps_the_blocks_until_the_handle_is_released()
     assert p.on_write_released(KEY, 6) == [Release("p1"), Send("D", Failure(KEY, "d1", "WRITE failed"))]
 
 
-def test_prefill_stuck_write_quarantines_decode_and_holds_its_blocks_until_the_hold_limit():
+def test_prefill_stuck_write_quarantines_decode_and_holds_its_blocks_until_the_hold_limit() -> None:
     """G2: a WRITE whose handle the backend will not release: D fails now and holds its blocks; P holds
     its blocks until D's hold deadline (in P's clock) has passed."""
     p = p_setup("writing")
     assert p.expire(T.write_timeout_s) == [AbandonWrite(KEY)]
     [send] = p.on_write_stuck(KEY, 6)
-    assert isinstance(send.notice, Failure) and send.notice.quarantine
+    assert isinstance(send, Send) and isinstance(send.notice, Failure) and send.notice.quarantine
     hold_limit = REG.write_deadline + T.write_grace_s
     assert p.expire(hold_limit - 0.01) == []
     assert p.expire(hold_limit) == [Release("p1")]
     assert p.counters["quarantine_expired"] == 1
 
 
-def test_prefill_refuses_a_registration_with_more_blocks_than_it_holds():
+def test_prefill_refuses_a_registration_with_more_blocks_than_it_holds() -> None:
     """G9: decode registering more blocks than prefill holds gets a clear failure, nothing written."""
     p = PrefillRendezvous(T)
     p.on_prefill_finished(KEY, "p1", (1,), 0, num_tokens=16)
     reg = Registration(KEY, "d1", "D", (7, 8), write_deadline=90.0, num_tokens=32)
     [release, send] = p.on_registration(reg, 1)
-    assert release == Release("p1")
+    assert release == Release("p1") and isinstance(send, Send)
     assert isinstance(send.notice, Failure) and "registered 2 blocks" in send.notice.reason
     assert p.counters["mismatch"] == 1
 
 
-def test_prefill_refuses_a_registration_for_another_prompt_length():
+def test_prefill_refuses_a_registration_for_another_prompt_length() -> None:
     p = PrefillRendezvous(T)
     p.on_registration(Registration(KEY, "d1", "D", (7,), write_deadline=90.0, num_tokens=20), 0)
     [release, send] = p.on_prefill_finished(KEY, "p1", (1, 2), 1, num_tokens=30)
-    assert release == Release("p1") and isinstance(send.notice, Failure)
+    assert release == Release("p1") and isinstance(send, Send) and isinstance(send.notice, Failure)
     assert "20 tokens" in send.notice.reason
 
 
-def test_deadlines_are_a_heap_not_a_scan():
+def test_deadlines_are_a_heap_not_a_scan() -> None:
     """G5 at O(log n): expiring one due entry does not visit the thousands that are not due."""
     p = PrefillRendezvous(T)
     for i in range(2000):
@@ -346,13 +346,13 @@ D_TABLE: dict[str, dict[str, tuple[str | None, list[str]]]] = {
 # fmt: on
 
 
-def test_decode_table_is_exhaustive():
+def test_decode_table_is_exhaustive() -> None:
     assert set(D_TABLE) == {"none", *(s.value for s in DState)}
     assert all(set(row) == set(D_EVENTS) for row in D_TABLE.values())
 
 
 @pytest.mark.parametrize(("state", "event"), [(s, e) for s in D_TABLE for e in D_EVENTS], ids=lambda v: v)
-def test_decode_transition(state, event):
+def test_decode_transition(state: str, event: str) -> None:
     d = d_setup(state)
     actions = D_EVENTS[event](d)
     want_state, want_kinds = D_TABLE[state][event]
@@ -361,21 +361,21 @@ def test_decode_transition(state, event):
     assert kinds(actions) == want_kinds
 
 
-def test_decode_registration_carries_deadline_in_prefill_clock():
+def test_decode_registration_carries_deadline_in_prefill_clock() -> None:
     d = DecodeRendezvous(T, "D")
     assert d.on_register("d1", KEY, PEER, (7, 8), 0) == [Connect(PEER)]
     [send] = d.on_peer_ready("P", clock_offset=1000.0, now=2)
     assert send == Send("P", Registration(KEY, "d1", "D", (7, 8), 2 + 100 - 10 + 1000.0, 0))
 
 
-def test_decode_received_ok_only_when_kv_arrived_while_waiting():
+def test_decode_received_ok_only_when_kv_arrived_while_waiting() -> None:
     d = d_setup("awaiting_kv")
     assert d.on_notice(Done(KEY, "d1"), 1) == [Received("d1", ok=True)]
     d = d_setup("cancelling")
     assert d.on_notice(Done(KEY, "d1"), 1) == [Received("d1", ok=False)]
 
 
-def test_decode_link_loss_fails_at_once_but_frees_only_at_the_hold_deadline():
+def test_decode_link_loss_fails_at_once_but_frees_only_at_the_hold_deadline() -> None:
     """G2/G3: a closed or silent link is not proof P's process is gone: fail now, free at the deadline."""
     d = d_setup("awaiting_kv")
     assert d.on_peer_lost("P", 5) == [Failed("d1")]
@@ -383,13 +383,13 @@ def test_decode_link_loss_fails_at_once_but_frees_only_at_the_hold_deadline():
     assert d.expire(T.kv_timeout_s) == [Freed("d1")]
 
 
-def test_decode_quarantine_ends_early_when_prefill_released_the_write():
+def test_decode_quarantine_ends_early_when_prefill_released_the_write() -> None:
     d = d_setup("quarantined")
     assert d.on_notice(Failure(KEY, "d1", "WRITE failed"), 3) == [Freed("d1")]
     assert d.entries == {}
 
 
-def test_decode_aborted_before_allocation_cancels_at_once_when_connected():
+def test_decode_aborted_before_allocation_cancels_at_once_when_connected() -> None:
     """G5: P releases the blocks it holds for a decode request that never allocated."""
     d = DecodeRendezvous(T, "D")
     d.on_register("d0", "t:other", PEER, (1,), 0)
@@ -398,7 +398,7 @@ def test_decode_aborted_before_allocation_cancels_at_once_when_connected():
     assert "d1" not in d.entries
 
 
-def test_decode_cancelling_keeps_the_hold_deadline_of_the_send():
+def test_decode_cancelling_keeps_the_hold_deadline_of_the_send() -> None:
     d = d_setup("awaiting_kv")
     d.on_abort("d1", 50)
     assert d.expire(T.kv_timeout_s - 0.01) == []
@@ -406,6 +406,6 @@ def test_decode_cancelling_keeps_the_hold_deadline_of_the_send():
     assert d.counters["expired"] == 1
 
 
-def test_timeouts_must_nest():
+def test_timeouts_must_nest() -> None:
     with pytest.raises(ValueError):
         Timeouts(write_timeout_s=10, write_grace_s=5)

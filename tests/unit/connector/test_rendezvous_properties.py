@@ -231,7 +231,7 @@ OPS = st.tuples(
 
 @settings(max_examples=1500, deadline=None)
 @given(st.lists(OPS, max_size=60))
-def test_random_interleavings_keep_the_guarantees(ops):
+def test_random_interleavings_keep_the_guarantees(ops: list[tuple[str, int, bool, float]]) -> None:
     w = World()
     for op in ops:
         w.op(*op)
@@ -245,7 +245,9 @@ def test_random_interleavings_keep_the_guarantees(ops):
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(OPS, max_size=60))
-def test_without_aborts_or_failures_every_transfer_that_meets_in_time_succeeds(ops):
+def test_without_aborts_or_failures_every_transfer_that_meets_in_time_succeeds(
+    ops: list[tuple[str, int, bool, float]],
+) -> None:
     w = World()
     ok_ops = [op for op in ops if op[0] not in ("p_fail", "d_abort", "write_fails", "tick")]
     for op in ok_ops:

@@ -1,20 +1,19 @@
-"""SchedulerHalf: vLLM's scheduler hooks in, step plans and block holds out (requests are stand-ins)."""
+"""SchedulerHalf: vLLM's scheduler hooks in, step plans and block holds out (requests are stand-ins).
+
+The half imports nothing from vLLM, so these tests run without it. Guarantee numbers: connector/README.md.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-pytest.importorskip("vllm", reason="the scheduler half imports vLLM's connector base")
-
-from vllm.v1.request import RequestStatus
-
-from connector.metadata import PeerAddress, StepPlan
-from connector.scheduler import SchedulerHalf
+from connector.metadata import PeerAddress, PrefillFinished, StepPlan
+from connector.scheduler import Ending, SchedulerHalf
 
 
 @dataclass
@@ -22,8 +21,8 @@ class Req:
     request_id: str
     kv_transfer_params: dict[str, Any] | None
     prompt_token_ids: list[int] = field(default_factory=lambda: list(range(40)))
-    status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    sampling_params: Any = field(default_factory=lambda: SimpleNamespace(max_tokens=1))
 
 
 class Blocks:
@@ -47,23 +46,22 @@ def d_params(tid: str = "xfer-1") -> dict[str, Any]:
     }
 
 
-def half() -> SchedulerHalf:
-    return SchedulerHalf(None, "p0", "127.0.0.1", 5600)
+def half(early_write: bool = True) -> SchedulerHalf:
+    return SchedulerHalf("p0", "127.0.0.1", 5600, block_size=16, early_write=early_write)
 
 
-def plan(h: SchedulerHalf) -> StepPlan:
-    return h.build_connector_meta(None).plan
+def plan(h: SchedulerHalf, out: Any = None) -> StepPlan:
+    return h.build_connector_meta(out)
 
 
-def output(recv: Iterable[str] = (), sent: Iterable[str] = ()) -> Any:
-    return SimpleNamespace(finished_recving=set(recv), finished_sending=set(sent))
+def report(h: SchedulerHalf, recv: Iterable[str] = (), sent: Iterable[str] = ()) -> None:
+    h.update_connector_output(set(recv), set(sent))
 
 
 def registered(h: SchedulerHalf, rid: str = "d-1") -> Req:
     req = Req(rid, d_params())
     assert h.get_num_new_matched_tokens(req, 0) == (40, True)
     h.update_state_after_alloc(req, Blocks([3, 4, 5]), 40)
-    req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
     return req
 
 
@@ -75,7 +73,7 @@ def test_a_decode_leg_asks_for_the_whole_prompt_and_registers_its_new_blocks() -
     assert order.peer == PeerAddress("p0", "127.0.0.1", 5600)
     assert h.get_num_new_matched_tokens(req, 0) == (0, False), "a rescheduled request must not register again"
     assert h.has_pending_push_work() is False
-    h.update_connector_output(output(recv={"d-1"}))
+    report(h, recv={"d-1"})
     assert plan(h).is_empty()
 
 
@@ -88,11 +86,10 @@ def test_an_aborted_waiting_request_is_cancelled_and_held_until_reported() -> No
     h = half()
     req = registered(h)
     plan(h)
-    req.status = RequestStatus.FINISHED_ABORTED
-    assert h.request_finished(req, [3, 4, 5]) == (False, None)
+    assert h.request_finished(req, [3, 4, 5], Ending.ABORTED) == (False, None)
     assert plan(h).cancel == ["d-1"]
     assert h.has_pending_push_work(), "the engine must keep stepping until the connector releases the blocks"
-    h.update_connector_output(output(recv={"d-1"}))
+    report(h, recv={"d-1"})
     assert not h.has_pending_push_work()
 
 
@@ -101,54 +98,48 @@ def test_a_failed_receive_is_not_cancelled_back_to_the_prefill() -> None:
     h = half()
     req = registered(h)
     plan(h)
-    req.status = RequestStatus.FINISHED_ERROR
-    assert h.request_finished(req, [3, 4, 5]) == (False, None)
+    assert h.request_finished(req, [3, 4, 5], Ending.ERROR) == (False, None)
     assert plan(h).is_empty()
-    h.update_connector_output(output(recv={"d-1"}))
+    report(h, recv={"d-1"})
     assert not h.has_pending_push_work()
 
 
 def test_a_finished_prefill_holds_its_blocks_and_answers_push_params() -> None:
     h = half()
-    req = Req(
-        "p-1",
-        {"do_remote_decode": True, "transfer_id": "xfer-9"},
-        status=RequestStatus.FINISHED_LENGTH_CAPPED,
-        num_computed_tokens=40,
-    )
-    delay, params = h.request_finished(req, [7, 8, 9])
+    req = Req("p-1", {"do_remote_decode": True, "transfer_id": "xfer-9"}, num_computed_tokens=40)
+    delay, params = h.request_finished(req, [7, 8, 9], Ending.OK)
     assert delay is True and params is not None
     assert params["transfer_mode"] == "push" and params["transfer_id"] == "xfer-9"
     assert (params["remote_engine_id"], params["remote_port"], params["remote_block_ids"]) == ("p0", 5600, [7, 8, 9])
     (finished,) = plan(h).finished
     assert (finished.key, finished.block_ids) == ("t:xfer-9", (7, 8, 9))
     assert h.has_pending_push_work()
-    h.update_connector_output(output(sent={"p-1"}))
+    report(h, sent={"p-1"})
     assert not h.has_pending_push_work()
 
 
-@pytest.mark.parametrize("status", [RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR])
-def test_a_prefill_that_ends_without_kv_tells_its_decode_and_holds_nothing(status: RequestStatus) -> None:
+@pytest.mark.parametrize("ending", [Ending.ABORTED, Ending.ERROR])
+def test_a_prefill_that_ends_without_kv_tells_its_decode_and_holds_nothing(ending: Ending) -> None:
     h = half()
-    req = Req("p-2", {"do_remote_decode": True, "transfer_id": "xfer-2"}, status=status)
-    assert h.request_finished(req, [1]) == (False, None)
+    req = Req("p-2", {"do_remote_decode": True, "transfer_id": "xfer-2"})
+    assert h.request_finished(req, [1], ending) == (False, None)
     (failed,) = plan(h).failed
-    assert failed.key == "t:xfer-2" and failed.reason == status.name
+    assert failed.key == "t:xfer-2" and failed.reason == ending.name
     assert not h.has_pending_push_work()
 
 
 def test_a_plain_request_is_left_to_vllm() -> None:
-    req = Req("x", None, status=RequestStatus.FINISHED_STOPPED)
+    req = Req("x", None)
     h = half()
-    assert h.request_finished(req, [1, 2]) == (False, None)
+    assert h.request_finished(req, [1, 2], Ending.OK) == (False, None)
     assert plan(h).is_empty()
 
 
 def test_a_decode_request_finished_before_allocation_cancels_its_prefill() -> None:
     """G5: the prefill may hold finished blocks for it; a Cancel frees them before the lease ends."""
     h = half()
-    req = Req("d-9", d_params("xfer-9"), status=RequestStatus.FINISHED_ABORTED)
-    assert h.request_finished(req, []) == (False, None)
+    req = Req("d-9", d_params("xfer-9"))
+    assert h.request_finished(req, [], Ending.ABORTED) == (False, None)
     (order,) = plan(h).cancel_unallocated
     assert (order.request_id, order.key, order.peer) == ("d-9", "t:xfer-9", PeerAddress("p0", "127.0.0.1", 5600))
     assert not h.has_pending_push_work(), "vLLM holds no blocks for it"
@@ -159,3 +150,74 @@ def test_a_registration_carries_the_prompt_length() -> None:
     registered(h)
     (order,) = plan(h).register
     assert order.num_tokens == 40
+
+
+# ---- issue 8 item 3: the WRITE is ordered in the step that computes the prompt's last token (G10) ----
+
+
+def new_req(rid: str, blocks: list[int], computed: int = 0) -> Any:
+    return SimpleNamespace(req_id=rid, block_ids=(blocks,), num_computed_tokens=computed)
+
+
+def step(new: Sequence[Any] = (), cached: Sequence[tuple[str, list[int] | None, int]] = (), **scheduled: int) -> Any:
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[c[0] for c in cached],
+            new_block_ids=[None if c[1] is None else (c[1],) for c in cached],
+            num_computed_tokens=[c[2] for c in cached],
+            resumed_req_ids=set(),
+        ),
+        num_scheduled_tokens={k.replace("_", "-"): v for k, v in scheduled.items()},
+    )
+
+
+def p_req(rid: str = "p-1", prompt: int = 40) -> Req:
+    return Req(rid, {"do_remote_decode": True, "transfer_id": "x1"}, prompt_token_ids=list(range(prompt)))
+
+
+def test_a_one_step_prefill_orders_its_write_in_the_step_that_computes_it() -> None:
+    h = half()
+    req = p_req()
+    assert h.get_num_new_matched_tokens(req, 0) == (0, False)
+    p = plan(h, step([new_req("p-1", [7, 8, 9])], p_1=40))
+    assert p.completing == [PrefillFinished("p-1", "t:x1", (7, 8, 9), 40)]
+    assert h.has_pending_push_work()
+    req.num_computed_tokens = 40
+    delay, params = h.request_finished(req, [7, 8, 9], Ending.OK)
+    assert delay is True and params is not None and params["remote_block_ids"] == [7, 8, 9]
+    assert plan(h).is_empty(), "no second order from request_finished"
+    report(h, sent={"p-1"})
+    assert not h.has_pending_push_work()
+
+
+def test_a_chunked_prefill_orders_its_write_in_its_last_chunk_with_every_block() -> None:
+    h = half()
+    h.get_num_new_matched_tokens(p_req(prompt=40), 0)
+    assert plan(h, step([new_req("p-1", [1])], p_1=16)).completing == []
+    assert plan(h, step(cached=[("p-1", [2], 16)], p_1=16)).completing == []
+    (order,) = plan(h, step(cached=[("p-1", [3], 32)], p_1=8)).completing
+    assert order.block_ids == (1, 2, 3) and order.num_tokens == 40
+
+
+def test_blocks_stay_held_until_release_whatever_request_finished_is_told() -> None:
+    """An abort after the completing step: the WRITE may be in flight, so vLLM must keep the blocks."""
+    h = half()
+    req = p_req()
+    h.get_num_new_matched_tokens(req, 0)
+    plan(h, step([new_req("p-1", [7, 8, 9])], p_1=40))
+    assert h.request_finished(req, [7, 8, 9], Ending.ABORTED) == (True, None)
+    assert plan(h).failed == [], "the decode may still get valid KV"
+    assert h.has_pending_push_work()
+    report(h, sent={"p-1"})
+    assert not h.has_pending_push_work()
+
+
+def test_without_early_write_or_for_longer_legs_the_order_waits_for_request_finished() -> None:
+    for h, req in ((half(early_write=False), p_req()), (half(), p_req())):
+        if h._early_write:
+            req.sampling_params = SimpleNamespace(max_tokens=4)
+        h.get_num_new_matched_tokens(req, 0)
+        assert plan(h, step([new_req("p-1", [7, 8, 9])], p_1=40)).completing == []
+        h.request_finished(req, [7, 8, 9], Ending.OK)
+        assert [o.block_ids for o in plan(h).finished] == [(7, 8, 9)]

@@ -1,7 +1,9 @@
 """Two transfer threads (prefill and decode) over the in-memory backend, with injected faults.
 
-The side channel is real (loopback, ephemeral port); the data path is ``MemoryBackend``. Guarantee
-numbers (G2, G3, ...) are those of connector/README.md.
+No sockets: the side channel is ``LoopbackSideChannel`` (in process, same exchange and checks), the data
+path is ``MemoryBackend``. The TCP side channel has its own tests on real processes
+(tests/integration/connector/test_side_channel.py). Guarantee numbers (G2, G3, ...) are those of
+connector/README.md.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from connector.metadata import (
 )
 from connector.rendezvous import Timeouts
 from connector.transfer_thread import CancelOrder, Options, Polling, Results, TransferThread
+from tests.unit.connector.side_channel_fake import LoopbackSideChannel
 
 BLOCKS, BLOCK_LEN = 8, 64
 FAST = Timeouts(lease_s=2, kv_timeout_s=3, write_grace_s=1, write_timeout_s=0.5, connect_timeout_s=2)
@@ -51,6 +54,9 @@ class Side:
 OPTIONS = Options(timeouts=FAST, liveness=Liveness(heartbeat_s=0.2, dead_after_s=0.8))
 
 
+CHANNEL = LoopbackSideChannel()
+
+
 def make_side(
     fabric: MemoryFabric, engine: str, seed: int | None, compat: str = "c1", options: Options = OPTIONS
 ) -> Side:
@@ -71,6 +77,7 @@ def make_side(
         side_host="127.0.0.1",
         side_port=0,
         options=options,
+        side_channel=CHANNEL,
     )
     thread.start()
     return Side(thread, backend, kv, Results())
@@ -104,7 +111,7 @@ def sha(data: bytes) -> str:
 
 
 @pytest.mark.parametrize("prefill_first", [True, False])
-def test_either_order_moves_the_blocks(pair, prefill_first):
+def test_either_order_moves_the_blocks(pair: tuple[Side, Side], prefill_first: bool) -> None:
     p, d = pair
     if prefill_first:
         p.thread.submit(PrefillFinished("p1", "t:1", (1, 2)))
@@ -122,7 +129,7 @@ def test_either_order_moves_the_blocks(pair, prefill_first):
     assert record.num_bytes == 2 * 2 * BLOCK_LEN and record.num_descriptors == 4
 
 
-def test_tail_blocks_are_aligned_when_decode_registers_fewer(pair):
+def test_tail_blocks_are_aligned_when_decode_registers_fewer(pair: tuple[Side, Side]) -> None:
     p, d = pair
     register(p, d, blocks=(7,))
     p.thread.submit(PrefillFinished("p1", "t:1", (1, 2, 3)))
@@ -130,10 +137,10 @@ def test_tail_blocks_are_aligned_when_decode_registers_fewer(pair):
     assert d.block(7) == p.block(3)
 
 
-def test_cancel_before_prefill_finishes_releases_decode_and_never_writes(pair):
+def test_cancel_before_prefill_finishes_releases_decode_and_never_writes(pair: tuple[Side, Side]) -> None:
     p, d = pair
     register(p, d)
-    wait_for(lambda: p.thread._prefill.entries)  # registration reached P
+    wait_for(lambda: bool(p.thread._prefill.entries))  # registration reached P
     d.thread.submit(CancelOrder("d1"))
     wait_for(lambda: "d1" in d.collect().received)
     assert d.results.failed == {"d1"}
@@ -144,17 +151,17 @@ def test_cancel_before_prefill_finishes_releases_decode_and_never_writes(pair):
     assert p.results.records == []
 
 
-def test_prefill_failure_reaches_decode_at_once(pair):
+def test_prefill_failure_reaches_decode_at_once(pair: tuple[Side, Side]) -> None:
     p, d = pair
     register(p, d)
-    wait_for(lambda: p.thread._prefill.entries)
+    wait_for(lambda: bool(p.thread._prefill.entries))
     t0 = time.monotonic()
     p.thread.submit(PrefillFailed("p1", "t:1", "aborted"))
     wait_for(lambda: "d1" in d.collect().failed, timeout=1.0)
     assert time.monotonic() - t0 < 0.5
 
 
-def test_prefill_failure_before_registration_is_remembered(pair):
+def test_prefill_failure_before_registration_is_remembered(pair: tuple[Side, Side]) -> None:
     p, d = pair
     p.thread.submit(PrefillFailed("p1", "t:1", "aborted"))
     time.sleep(0.05)
@@ -162,7 +169,7 @@ def test_prefill_failure_before_registration_is_remembered(pair):
     wait_for(lambda: "d1" in d.collect().failed, timeout=1.0)
 
 
-def test_write_failure_is_told_to_decode(pair):
+def test_write_failure_is_told_to_decode(pair: tuple[Side, Side]) -> None:
     p, d = pair
     p.backend.fail_writes = True
     p.thread.submit(PrefillFinished("p1", "t:1", (1, 2)))
@@ -171,16 +178,16 @@ def test_write_failure_is_told_to_decode(pair):
     assert p.results.counters["write_failed"] == 1
 
 
-def test_prefill_gone_fails_waiting_decode_requests(pair):
+def test_prefill_gone_fails_waiting_decode_requests(pair: tuple[Side, Side]) -> None:
     p, d = pair
     register(p, d)
-    wait_for(lambda: p.thread._prefill.entries)
+    wait_for(lambda: bool(p.thread._prefill.entries))
     p.thread.close()  # drops its side-channel links like a process exit
     wait_for(lambda: "d1" in d.collect().failed, timeout=2.0)
     assert d.results.counters["peer_lost"] == 1
 
 
-def test_unmatched_state_expires(pair):
+def test_unmatched_state_expires(pair: tuple[Side, Side]) -> None:
     p, d = pair
     p.thread.submit(PrefillFinished("p1", "t:1", (1, 2)))
     register(p, d, req="d9", key="t:other")
@@ -190,7 +197,7 @@ def test_unmatched_state_expires(pair):
     wait_for(lambda: not p.thread._prefill.entries and not d.thread._decode.entries, timeout=FAST.lease_s + 1)
 
 
-def test_incompatible_peer_is_refused():
+def test_incompatible_peer_is_refused() -> None:
     fabric = MemoryFabric()
     p, d = make_side(fabric, "P", seed=1, compat="c1"), make_side(fabric, "D", seed=None, compat="c2")
     try:
@@ -202,7 +209,7 @@ def test_incompatible_peer_is_refused():
         p.thread.close()
 
 
-def test_many_transfers_concurrently(pair):
+def test_many_transfers_concurrently(pair: tuple[Side, Side]) -> None:
     p, d = pair
     for i in range(4):
         register(p, d, req=f"d{i}", key=f"t:{i}", blocks=(4 + i,))
@@ -271,9 +278,8 @@ def test_a_link_reset_while_both_live_fails_decode_at_once_but_keeps_its_blocks(
     """G2/G3: a closed side channel is not proof that prefill died: fail now, free at the hold deadline."""
     p, d = pair
     register(p, d)
-    wait_for(lambda: p.thread._prefill.entries)
-    assert p.thread._server is not None
-    p.thread._server.close()  # both processes live; only the links go
+    wait_for(lambda: bool(p.thread._prefill.entries))
+    CHANNEL.reset(p.thread.side_port)  # both processes live; only the links go
     t0 = time.monotonic()
     wait_for(lambda: "d1" in d.collect().failed, timeout=2.0)
     assert time.monotonic() - t0 < 1.5
@@ -295,7 +301,7 @@ def test_decode_aborted_before_allocation_cancels_and_prefill_frees_at_once(pair
     """G5: P holds the finished blocks only until decode's Cancel, not for its whole lease."""
     p, d = pair
     p.thread.submit(PrefillFinished("p1", "t:1", (1, 2)))
-    wait_for(lambda: p.thread._prefill.entries)
+    wait_for(lambda: bool(p.thread._prefill.entries))
     peer = PeerAddress("P", "127.0.0.1", p.thread.side_port)
     d.thread.submit(CancelUnallocated("d1", "t:1", peer))
     wait_for(lambda: "p1" in p.collect().released, timeout=FAST.lease_s / 2)
