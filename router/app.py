@@ -94,7 +94,7 @@ class RouterApp(FastAPI):
                 return
             too_big = self._hot.header_limits(scope["headers"])
             if too_big is not None:
-                await _send_error(send, too_big, None)
+                await _send_error(send, too_big, protocol.client_request_id(None, 0))
                 return
         await super().__call__(scope, receive, send)
 
@@ -118,19 +118,22 @@ class HotPath:
 
     async def serve(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
         headers: list[tuple[bytes, bytes]] = scope["headers"]
+        too_big = self.header_limits(headers)
+        if too_big is not None:  # before anything is copied out of them
+            self._count(endpoint, too_big, errors=True)
+            await _send_error(send, too_big, protocol.client_request_id(None, 0))
+            return
         authorization = client_id = length = None
+        max_id = self._limits.max_request_id_chars
         for name, value in headers:
             if name == b"authorization":
                 authorization = value.decode("latin-1")
             elif name == _REQUEST_ID:
-                client_id = value.decode("latin-1")
+                client_id = value.decode("latin-1") if len(value) <= max_id else None
             elif name == b"content-length":
                 length = value
-        request_id = protocol.client_request_id(client_id, self._limits.max_request_id_chars)
+        request_id = protocol.client_request_id(client_id, max_id)
         try:
-            too_big = self.header_limits(headers)
-            if too_big is not None:
-                raise too_big
             auth.check_client(authorization, self._keys)
             raw = await self._body(receive, length)
             info, body = self._parse(endpoint, raw)
@@ -265,8 +268,8 @@ def _extra_headers(error: RouterError) -> dict[str, str]:
         return {"retry-after": str(error.retry_after)}
     if isinstance(error, Unauthorized):
         return {"www-authenticate": "Bearer"}
-    if isinstance(error, PayloadTooLarge | RequestTimeout):
-        return {"connection": "close"}
+    if isinstance(error, PayloadTooLarge | RequestTimeout | HeadersTooLarge):
+        return {"connection": "close"}  # what the client still sends is not read: drop the connection
     return {}
 
 

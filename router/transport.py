@@ -16,11 +16,14 @@ connection (the worker sees the client leave and aborts the request); one read t
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from typing import Protocol
+from typing import Protocol, cast
 
 import aiohttp
 import httpx
+from aiohttp.client_proto import ResponseHandler
 
 
 class LegResponse(Protocol):
@@ -94,6 +97,18 @@ class _AiohttpLeg:
             self._response.close()
 
 
+class _AbortingHandler(ResponseHandler):
+    """aiohttp's connection protocol, except that closing a connection aborts it. A plain close waits for the
+    write buffer to drain first, so a leg cancelled while a worker never reads its large body kept its socket
+    (and the buffered body) forever; a released keep-alive connection is never closed, so nothing else changes."""
+
+    def close(self) -> None:
+        transport = self.transport
+        if transport is not None:
+            transport.abort()
+        super().close()
+
+
 class AiohttpLegs:
     """The production leg transport: one aiohttp session (made in the running loop on first use), its pool
     sized by `max_connections` and kept alive `keepalive` s (under uvicorn's 5 s default, so an idle pooled
@@ -114,6 +129,9 @@ class AiohttpLegs:
                 use_dns_cache=True,
                 ttl_dns_cache=10,
             )
+            # aiohttp has no option for this; its connector builds protocols with `_factory` (aiohttp 3.x)
+            factory = functools.partial(_AbortingHandler, loop=asyncio.get_running_loop())
+            connector._factory = cast("functools.partial[ResponseHandler]", factory)
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 auto_decompress=False,
