@@ -25,6 +25,16 @@ commands:
 `kvpush <command> --help` describes each command's options."""
 
 
+_LIMIT_FLAGS = {  # limits: what one client request may hold (router/README.md)
+    "max_body_bytes": "largest request body, bytes (413 beyond; default 16 MiB)",
+    "max_header_bytes": "largest sum of header names and values, bytes (431 beyond; default 32 KiB)",
+    "max_headers": "most request headers (431 beyond; default 100)",
+    "max_request_id_chars": "longest x-request-id kept (longer ones are replaced; default 128)",
+    "max_event_bytes": "largest upstream SSE event, bytes (default 8 MiB)",
+    "max_json_depth": "deepest nesting of a request's JSON (400 beyond; default 64)",
+}
+
+
 def serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvpush serve", description="Run the kvpush router.")
     p.add_argument("--config", type=Path, help="YAML settings file (flags and KVPUSH_* variables override it)")
@@ -46,8 +56,12 @@ def serve_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=SECONDS",
-        help="a deadline: connect, prefill, decode_first_byte, decode_total, stream_idle, health",
+        help="a deadline: connect, prefill, decode_first_byte, decode_total, stream_idle, health, client_body, "
+        "client_write_stall",
     )
+    p.add_argument("--decider", help="the P/D decider (default none: the mode decides, the policies pick the workers)")
+    for name, what in _LIMIT_FLAGS.items():
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, dest=name, metavar="N", help=what)
     p.add_argument("--health-interval", type=float, help="seconds between health probes (default 2)")
     p.add_argument(
         "--fallback",
@@ -111,6 +125,8 @@ def load_serve_settings(argv: list[str], env: dict[str, str]) -> Settings:
         "scrape_interval": args.scrape_interval,
         "api_keys": args.api_keys,
         "log_format": args.log_format,
+        "decider": args.decider,
+        "limits": {k: v for k in _LIMIT_FLAGS if (v := getattr(args, k)) is not None} or None,
     }
     env_layer: dict[str, Any] = from_env(env)
     return build_settings(file_layer, env_layer, flags)

@@ -364,9 +364,14 @@ class Dispatcher:
         """Feeds a leg's failure to the worker's health, unless the client's request was at fault."""
         if isinstance(error, UpstreamStatus) and error.client_fault:
             return
-        if isinstance(error, _WorkerLost):
-            return  # health already knows
-        self._pool.report(error.worker, ok=False, hard=error.kind == "connect", reason=str(error))
+        if not isinstance(error, _WorkerLost):  # health already knows about a lost worker
+            self._pool.report(error.worker, ok=False, hard=error.kind == "connect", reason=str(error))
+        try:
+            usable = self._pool.get(error.worker).healthy
+        except KeyError:
+            usable = False  # it left the pool
+        if not usable:
+            self._decider.forget(error.worker)  # what it held (its prefix cache) is not to be counted on
 
     def _tell(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 
@@ -10,6 +11,7 @@ import pytest
 
 from router.app import create_app
 from router.config import build_settings
+from router.pool import Pool
 from tests.unit.router.fake_workers import FakeWorkers, decode_ok, prefill_ok
 
 SETTINGS = {"prefill": ["http://p0:8100,engine_id=p0,side_port=5600"], "decode": ["http://d0:8200"]}
@@ -82,3 +84,30 @@ async def test_not_ready_when_a_pool_is_down() -> None:
         failed = await c.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
         assert failed.status_code == 503
         assert "no healthy decode worker" in json.loads(failed.content)["error"]["message"]
+
+
+async def test_a_dead_background_loop_turns_ready_to_503_and_is_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def ends_at_once(self: Pool, *args: object, **kwargs: object) -> None:
+        return None  # a health loop that returns has died: ejected workers would never come back
+
+    monkeypatch.setattr(Pool, "run_health", ends_at_once)
+    workers = FakeWorkers({"p0": prefill_ok(), "d0": decode_ok()})
+    app = create_app(build_settings(SETTINGS), transport=workers.transport())
+    transport = httpx.ASGITransport(app=app)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://r") as c:
+        for _ in range(100):  # hang guard: the supervisor sees the loop end within a few loop turns
+            if (await c.get("/ready")).status_code == 503:
+                break
+            await asyncio.sleep(0.01)
+        assert (await c.get("/ready")).status_code == 503
+        assert 'kvpush_loop_errors_total{loop="health"} 1.0' in (await c.get("/metrics")).text
+
+
+async def test_models_and_timings_need_the_key_when_keys_are_set() -> None:
+    workers = FakeWorkers({"p0": prefill_ok(), "d0": decode_ok()})
+    app = create_app(build_settings({**SETTINGS, "api_keys": ["k" * 16]}), transport=workers.transport())
+    transport = httpx.ASGITransport(app=app)
+    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://r") as c:
+        for path in ("/v1/models", "/debug/timings"):
+            assert (await c.get(path)).status_code == 401
+            assert (await c.get(path, headers={"authorization": "Bearer " + "k" * 16})).status_code == 200
