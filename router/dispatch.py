@@ -419,6 +419,8 @@ class Dispatcher:
         prefill_leg.add_done_callback(_log_late_failure)
 
     def _finish(self, rec: RequestRecord, outcome: str) -> None:
+        if rec.t_end is not None:
+            return  # finished already (a stream that opened as the request was given up closed first)
         rec.outcome, rec.t_end = outcome, self._clock()
         leftover = self._background.get(rec.pairing_id or "")
         if leftover is not None and outcome != "ok":
