@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
+from typing import Any
 
 import httpx
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from router.app import create_app
 from router.config import build_settings
 from router.pool import Pool
-from tests.unit.router.fake_workers import FakeWorkers, decode_ok, prefill_ok
+from tests.unit.router.fake_workers import FakeWorkers, decode_ok, hang, prefill_ok
 
 SETTINGS = {"prefill": ["http://p0:8100,engine_id=p0,side_port=5600"], "decode": ["http://d0:8200"]}
 
@@ -111,3 +112,31 @@ async def test_models_and_timings_need_the_key_when_keys_are_set() -> None:
         for path in ("/v1/models", "/debug/timings"):
             assert (await c.get(path)).status_code == 401
             assert (await c.get(path, headers={"authorization": "Bearer " + "k" * 16})).status_code == 200
+
+
+async def test_a_client_leaving_before_the_first_byte_closes_both_legs_and_frees_everything() -> None:
+    closed = asyncio.Event()
+    workers = FakeWorkers({"p0": hang(closed), "d0": hang()})
+    app = create_app(build_settings(SETTINGS), transport=workers.transport())
+    body = json.dumps({"model": "tiny", "prompt": "hi", "stream": True}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    sent: list[MutableMapping[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop()
+        await asyncio.sleep(0.05)  # the legs are in flight by now
+        return {"type": "http.disconnect"}
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b""}
+    async with app.router.lifespan_context(app):
+        async with asyncio.timeout(10):  # hang guard
+            await app(scope, receive, send)
+        service = app.state.service
+        assert sent == [] and closed.is_set()
+        assert service.admission.in_flight == 0
+        assert all(w["in_flight"] == 0 for w in service.pool.snapshot())
+        assert service.timings.query()[0]["outcome"] == "client_gone"
