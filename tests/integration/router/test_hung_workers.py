@@ -168,7 +168,8 @@ def test_a_worker_that_never_reads_a_large_request_has_its_connection_closed(kv_
             lambda: (
                 f"the router closed its leg connections to the never-reading prefill (holds "
                 f"{sockets_to(r.pid, prefill.port)}; asyncio's transport.close() waits forever for an unsent body: "
-                "a leg given up mid-upload must abort() its connection)"
+                "a leg given up mid-upload must abort() its connection: e.g. keep conn.transport from a "
+                "TCPConnector.connect override and call transport.abort(); checked to free all 3 of 3 sockets)"
             ),
             timeout=10.0,
         )
