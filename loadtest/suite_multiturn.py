@@ -230,10 +230,25 @@ def run(plan: MultiTurnPlan, run_dir: Path, summary: Path, progress: bool, run_i
             multiturn.write_turns(run_dir / f"multiturn-{front}" / "turns.jsonl", turns)
             write_jsonl(run_dir / f"multiturn-{front}" / "requests.jsonl", [t.rec for t in turns])
             baseline = baseline if baseline is not None else turns
-            rows.append(_row(plan, front, turns, duration, before, after, baseline, run_id, run_dir))
+            row = _row(plan, front, turns, duration, before, after, baseline, run_id, run_dir)
+            row["routes"] = None if front == "vllm-router" else routes(base)
+            rows.append(row)
     append_rows(summary, rows)
     plot_ttft_by_turn(rows, summary.parent / "multiturn-ttft-by-turn.png")
     return rows
+
+
+def routes(router_url: str) -> dict[str, int]:
+    """How the kvpush router served the run's requests (its /debug/timings records by mode: push, bypass, ...)."""
+    try:
+        records = httpx.get(f"{router_url}/debug/timings", timeout=30).raise_for_status().json()["requests"]
+    except (httpx.HTTPError, KeyError, ValueError) as error:
+        print(f"multiturn: no route counts from {router_url}: {error}")
+        return {}
+    out: dict[str, int] = {}
+    for record in records:
+        out[str(record.get("mode"))] = out.get(str(record.get("mode")), 0) + 1
+    return out
 
 
 def _row(
@@ -318,8 +333,8 @@ def section(rows: list[dict[str, Any]], results_dir: Path | None) -> list[str]:
     """The multiturn part of bench/README.md: one line per front, then the issue's targets."""
     out = [
         "| front | turns ok/failed | TTFT p50 turn 1 (ms) | TTFT p50 turns >= 2 (ms) | TPOT p50 (ms) | decode local hit"
-        " / compute / transfer (tokens) | local hits / ideal reuse | answers = first front |",
-        "|---|---|---|---|---|---|---|---|",
+        " / compute / transfer (tokens) | local hits / ideal reuse | answers = first front | routes |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     by_front: dict[str, dict[str, Any]] = {}
     for row in rows:
@@ -333,7 +348,7 @@ def section(rows: list[dict[str, Any]], results_dir: Path | None) -> list[str]:
             f"| {_p50(row, 'ttft_ms_turn2plus')} | {_p50(row, 'tpot_ms_all')} "
             f"| {src.get('local_cache_hit', 0):.0f} / {src.get('local_compute', 0):.0f} "
             f"/ {src.get('external_kv_transfer', 0):.0f} | {'-' if frac is None else f'{frac:.0%}'} "
-            f"| {equal[0]}/{equal[1]} |"
+            f"| {equal[0]}/{equal[1]} | {_routes(row.get('routes'))} |"
         )
     ours = _later_p50(by_front.get("kvpush-decider"))
     for other, target in (("vllm-router", 0.5), ("kvpush", 0.6)):
@@ -344,6 +359,10 @@ def section(rows: list[dict[str, Any]], results_dir: Path | None) -> list[str]:
     if results_dir is not None and (results_dir / "multiturn-ttft-by-turn.png").exists():
         out += ["", "![multiturn TTFT by turn](results/multiturn-ttft-by-turn.png)"]
     return out
+
+
+def _routes(counts: Any) -> str:
+    return "-" if not counts else ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
 
 
 def _p50(row: dict[str, Any], key: str) -> str:
