@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import io
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Protocol, cast
 
 import aiohttp
 import httpx
 from aiohttp.client_proto import ResponseHandler
+
+_LARGE_BODY = 2**20
 
 
 class LegResponse(Protocol):
@@ -142,8 +145,10 @@ class AiohttpLegs:
         return self._session
 
     async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> LegResponse:
+        # past aiohttp's 1 MiB mark a body is written in chunks that wait for the socket (and no warning)
+        data: bytes | io.BytesIO = body if len(body) <= _LARGE_BODY else io.BytesIO(body)
         try:
-            response = await self._get_session().post(url, data=body, headers=headers, allow_redirects=False)
+            response = await self._get_session().post(url, data=data, headers=headers, allow_redirects=False)
         except aiohttp.ClientError as exc:
             raise _client_error(exc, "sending the request") from exc
         return _AiohttpLeg(response)

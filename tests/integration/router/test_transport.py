@@ -1,8 +1,12 @@
-"""The aiohttp-backed httpx transport against a real server: errors map to httpx's, short reads drop the
-connection (the server sees the client leave), whole reads keep it."""
+"""The aiohttp seams against real servers (the httpx transport for probes, AiohttpLegs for the legs): errors map
+to httpx's, short reads drop the connection (the server sees the client leave), whole reads keep it, legs have no
+read timeout of their own, and a leg given up mid-upload drops its connection."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -10,8 +14,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from router.transport import AiohttpTransport
+from router.transport import AiohttpLegs, AiohttpTransport
 from stack.procs import ManagedProcess, ProcessSpec, free_port
+from tests.integration.router.hostile_workers import sockets_to
 from tests.integration.vllm_support import LOGS, REPO
 
 pytestmark = pytest.mark.integration
@@ -93,3 +98,70 @@ async def test_errors_are_httpx_errors(worker: str) -> None:
     async with client(read=0.05) as c:
         with pytest.raises(httpx.ReadTimeout):
             await c.post(f"{worker}/v1/completions", json={"model": "tiny", "prompt": "x"})
+
+
+async def test_legs_stream_whole_answers_and_are_seen_leaving(worker: str) -> None:
+    legs = AiohttpLegs(max_connections=8, connect_timeout=5.0)
+    try:
+        body = json.dumps({"model": "tiny", "prompt": "x", "stream": True}).encode()
+        response = await legs.post(f"{worker}/v1/completions", body, {"content-type": "application/json"})
+        assert response.status == 200 and response.content_type.startswith("text/event-stream")
+        chunks = response.chunks()
+        assert (await anext(chunks)).startswith(b"data: ")
+        await chunks.aclose()
+        await response.aclose()  # cut short: the worker sees the client leave
+        async with client() as c:
+            deadline = time.monotonic() + 10
+            while await running(worker, c) != 0:
+                assert time.monotonic() < deadline, "the server never saw the leg leave"
+        whole = json.dumps({"model": "tiny", "prompt": "x", "kv_transfer_params": {"do_remote_decode": True}})
+        for _ in range(3):  # read to its end: the connection goes back to the pool
+            answer = await legs.post(f"{worker}/v1/completions", whole.encode(), {"content-type": "application/json"})
+            assert json.loads(await answer.read())["kv_transfer_params"]["transfer_mode"] == "push"
+        with pytest.raises(httpx.ConnectError):
+            await legs.post(f"http://127.0.0.1:{free_port()}/v1/completions", b"{}", {})
+    finally:
+        await legs.aclose()
+
+
+async def test_legs_have_no_read_timeout_of_their_own(worker: str) -> None:
+    """A leg's own deadline is the only one: a 5 s stream (50 events, 0.1 s apart) is read whole."""
+    legs = AiohttpLegs(max_connections=8, connect_timeout=0.5)
+    try:
+        body = json.dumps({"model": "tiny", "prompt": "x", "stream": True}).encode()
+        response = await legs.post(f"{worker}/v1/completions", body, {"content-type": "application/json"})
+        data = b"".join([chunk async for chunk in response.chunks()])
+        await response.aclose()
+        assert data.count(b"data: ") == 51  # 50 tokens and [DONE]
+    finally:
+        await legs.aclose()
+
+
+async def test_a_leg_given_up_while_the_worker_never_reads_its_body_drops_the_connection() -> None:
+    """A plain close waits for the write buffer to drain first: the socket (and the buffered body) would stay
+    for as long as the worker does not read."""
+    finished = asyncio.Event()
+
+    async def never_reads(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await finished.wait()
+        writer.close()
+
+    server = await asyncio.start_server(never_reads, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    legs = AiohttpLegs(max_connections=8, connect_timeout=5.0)
+
+    def ours() -> int:
+        return sockets_to(os.getpid(), port)  # our side only: remote port == the server's
+
+    try:
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.5):  # the leg's deadline
+                await legs.post(f"http://127.0.0.1:{port}/v1/completions", b"x" * (16 * 2**20), {})
+        deadline = time.monotonic() + 5.0  # hang guard, not a speed assertion
+        while ours() > 0:
+            assert time.monotonic() < deadline, f"the leg's connection is still open ({ours()} socket)"
+            await asyncio.sleep(0.05)
+    finally:
+        finished.set()
+        await legs.aclose()
+        server.close()
