@@ -1,28 +1,26 @@
 """A real vLLM CPU prefill engine with the NIXL push connector (kv_producer), as the prefill pool runs it: every
 vllm:* series the dashboard and alerts query is on its /metrics, with the labels they use.
 
-Starts one engine (about 30 s on the test box) under /tmp/kvpush-vllm.lock, sends it a plain request and a
+Starts one engine (about 30 s on the test box) under /tmp/kvpush-vllm.lock (taken here unless a parent such as
+`flock /tmp/kvpush-vllm.lock pytest ...` holds it already), sends it a plain request and a
 prefill-leg request, scrapes, stops it.
 """
 
 from __future__ import annotations
 
-import fcntl
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
+from loadtest.benchkit import vllm_lock
 from stack.engines import EngineSpec, Fleet
 from tests.integration.support import LOGS, STARTUP_TIMEOUT, VLLM, require_vllm, tiny_model
 from tests.integration.vllm_support import prompt_text
 from tests.unit.deploy import promql
 
 pytestmark = VLLM
-
-LOCK = Path("/tmp/kvpush-vllm.lock")
 
 
 @pytest.fixture(scope="module")
@@ -38,30 +36,28 @@ def vllm_metrics() -> Iterator[str]:
         kv_role="kv_producer",
         engine_id="deploy-p0",
     )
-    with open(LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        with Fleet(LOGS) as fleet:
-            (engine,) = fleet.start_all([spec])
-            fleet.wait_all_healthy(STARTUP_TIMEOUT)
-            with httpx.Client(base_url=engine.url, timeout=120.0) as client:
-                body = {"model": "tiny", "prompt": prompt_text(20), "max_tokens": 3, "temperature": 0}
-                plain = client.post("/v1/completions", json=body)
-                assert plain.status_code == 200, plain.text
-                leg = client.post(
-                    "/v1/completions",
-                    headers={"X-Request-Id": f"deploy-{uuid.uuid4().hex}"},
-                    json={
-                        **body,
-                        "prompt": prompt_text(20),
-                        "max_tokens": 1,
-                        "stream": False,
-                        "kv_transfer_params": {"do_remote_decode": True, "transfer_id": f"xfer-{uuid.uuid4().hex}"},
-                    },
-                )
-                assert leg.status_code == 200, leg.text
-                params = leg.json().get("kv_transfer_params") or {}
-                assert params.get("remote_engine_id") == "deploy-p0", f"push connector not active: {leg.text}"
-                yield client.get("/metrics").text
+    with vllm_lock(), Fleet(LOGS) as fleet:
+        (engine,) = fleet.start_all([spec])
+        fleet.wait_all_healthy(STARTUP_TIMEOUT)
+        with httpx.Client(base_url=engine.url, timeout=120.0) as client:
+            body = {"model": "tiny", "prompt": prompt_text(20), "max_tokens": 3, "temperature": 0}
+            plain = client.post("/v1/completions", json=body)
+            assert plain.status_code == 200, plain.text
+            leg = client.post(
+                "/v1/completions",
+                headers={"X-Request-Id": f"deploy-{uuid.uuid4().hex}"},
+                json={
+                    **body,
+                    "prompt": prompt_text(20),
+                    "max_tokens": 1,
+                    "stream": False,
+                    "kv_transfer_params": {"do_remote_decode": True, "transfer_id": f"xfer-{uuid.uuid4().hex}"},
+                },
+            )
+            assert leg.status_code == 200, leg.text
+            params = leg.json().get("kv_transfer_params") or {}
+            assert params.get("remote_engine_id") == "deploy-p0", f"push connector not active: {leg.text}"
+            yield client.get("/metrics").text
 
 
 def test_every_vllm_series_the_dashboard_and_alerts_query_is_exported(vllm_metrics: str) -> None:
