@@ -88,15 +88,13 @@ class StreamAnswer:
 
     async def events(self) -> AsyncGenerator[bytes, None]:
         """The first events, then the upstream bytes as they come; a broken stream ends with an error event."""
-        for event in self._first:
-            self._observe(event)
-            yield event
-        rest = self._framer.flush()  # the start of the next event, read with the first
+        # the first read as one chunk, as it arrived: its whole events and the start of the next one
+        rest = self._framer.flush()
+        first = b"".join(self._first) + rest
+        self._check.feed(first)
+        self._observe(first)
+        yield first
         try:
-            if rest:
-                self._check.feed(rest)
-                self._observe(rest)
-                yield rest
             async for chunk in self._chunks:
                 self._check.feed(chunk)
                 self._observe(chunk)

@@ -38,8 +38,14 @@ class EventFramer:
 
     def feed(self, chunk: bytes) -> list[bytes]:
         buffer = self._buffer
-        if not buffer and chunk.endswith(b"\n\n") and chunk.find(b"\n\n") == len(chunk) - 2 and b"\r" not in chunk:
-            return [chunk]  # the common case: exactly one whole LF-framed event
+        if not buffer and b"\r" not in chunk:  # the common case, LF-framed events: one split, no scanning state
+            *whole, rest = chunk.split(b"\n\n")
+            if len(rest) > self._max:
+                raise EventTooLarge(f"an event grew past {self._max} bytes without ending")
+            buffer += rest
+            self._hit = dict.fromkeys(_SEPARATORS, -1)
+            self._searched = dict.fromkeys(_SEPARATORS, 0)
+            return [event + b"\n\n" for event in whole]
         buffer += chunk
         events: list[bytes] = []
         start = 0

@@ -339,3 +339,22 @@ async def test_without_a_decider_the_mode_routes_and_decisions_are_counted() -> 
     await relay(await dispatcher.handle(call_of(dispatcher)))
     assert len(workers.legs("p0")) == 1 and "kv_transfer_params" in workers.legs("d0")[0].body
     assert dispatcher._metrics.decisions.labels("push")._value.get() == 1
+
+
+async def test_a_whole_stream_in_one_chunk_is_relayed_as_it_came_and_its_usage_learned() -> None:
+    stream = b'data: {"choices": [{"text": "ab"}]}\n\ndata: {"choices": [], "usage": {"prompt_tokens": 7}}\n\n'
+    stream += b"data: [DONE]\n\n"
+
+    async def at_once(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=chunks_of([stream]))
+
+    workers = FakeWorkers({"p0": prefill_ok(), "d1": at_once})
+    s = build_settings({"prefill": [P0], "decode": ["http://d1:8200"]})
+    metrics, decider = Metrics(), Recording()
+    pool = Pool((*s.prefill, *s.decode), metrics)
+    client = httpx.AsyncClient(transport=workers.transport())
+    await pool.probe_all(client, 1.0)
+    dispatcher = Dispatcher(s, pool, client, metrics, TimingLog(10), decider=decider)
+    assert await relay(await dispatcher.handle(call_of(dispatcher))) == [stream]
+    (outcome,) = decider.outcomes
+    assert outcome.prompt_tokens == 7 and outcome.answer == "ab"
