@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from connector.metadata import CancelAck, Done, Failure, Notice, PeerAddress, Registration
 from connector.rendezvous import (
+    P_TERMINAL,
     AbandonWrite,
     Action,
     Connect,
@@ -235,8 +236,10 @@ def test_random_interleavings_keep_the_guarantees(ops: list[tuple[str, int, bool
     w = World()
     for op in ops:
         w.op(*op)
+        assert w.p.live == sum(e.state not in P_TERMINAL for e in w.p.entries.values()), "live counter drifted"
     w.quiesce()
     assert w.p.entries == {} and w.d.entries == {}, "state kept forever"
+    assert w.p.live == 0 and w.p.next_deadline() is None and w.d.next_deadline() is None
     assert all(c == 1 for c in w.released.values()), w.released
     assert set(w.released) == w.finished_ok, "held prefill blocks never released"
     assert all(c == 1 for c in w.received.values()), w.received
