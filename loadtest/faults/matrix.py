@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import platform
 import subprocess
 import tempfile
@@ -36,6 +37,7 @@ class After:
     settle_s: float
     router: dict[str, float]
     engines: dict[str, dict[str, Any]] = field(default_factory=dict)
+    engines_at_once: dict[str, dict[str, Any]] = field(default_factory=dict)  # the first look, right after
 
 
 @dataclass
@@ -50,14 +52,16 @@ class RowResult:
 def observe(bed: Bed, timeout: float = SETTLE_S) -> After:
     t0 = time.monotonic()
     deadline = t0 + timeout
+    first: dict[str, dict[str, Any]] | None = None
     with httpx.Client() as http:
         while True:
             gauges = bed.router.gauges(http)
             states = {w.name: w.state(http) for w in bed.workers}
+            first = first or {name: asdict(s) for name, s in states.items()}
             quiet = all(v == 0 for v in gauges.values()) and all(s.idle for s in states.values())
             if quiet or time.monotonic() > deadline:
                 engines = {name: asdict(s) for name, s in states.items()}
-                return After(quiet, round(time.monotonic() - t0, 2), gauges, engines)
+                return After(quiet, round(time.monotonic() - t0, 2), gauges, engines, first)
             time.sleep(0.25)
 
 
@@ -98,6 +102,8 @@ def run(rows: Iterable[Row], progress: Callable[[RowResult], None] = lambda _: N
 
 
 def _commit() -> str:
+    if os.environ.get("KVPUSH_COMMIT"):
+        return os.environ["KVPUSH_COMMIT"]
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
@@ -145,8 +151,8 @@ def readme(results: list[RowResult], meta: Mapping[str, Any]) -> str:
         "shared 2-core machine (times are indicative).",
         "",
         "| fault | bed | what | client outcome | fault → outcome (s) | deadline (s) | router after "
-        "(in flight / queued / legs) | engines after | clean |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "(in flight / queued / legs) | engines after | settled after (s) | clean |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         row, outcome, after = r.row, r.outcome, r.after
@@ -156,16 +162,23 @@ def readme(results: list[RowResult], meta: Mapping[str, Any]) -> str:
         time_cell = f"{seconds:.2f}" + ("" if r.within_deadline else " (over)")
         lines.append(
             f"| {row['name']} | {row['bed']} | {row['what']} | {outcome['summary']} | {time_cell} | "
-            f"{row['deadline_s']:g} | {gauges} | {_engines(after['engines'])} | {'yes' if r.clean else '**no**'} |"
+            f"{row['deadline_s']:g} | {gauges} | {_engines(after['engines'])} | {after['settle_s']:g} | "
+            f"{'yes' if r.clean else '**no**'} |"
         )
     notes = [f"- {r.row['name']}: {r.outcome['note']}" for r in results if r.outcome.get("note")]
+    slow = [
+        f"- {r.row['name']}: took {r.after['settle_s']:g} s to settle; right after the outcome: "
+        f"{_engines(r.after.get('engines_at_once') or {}) or '(not recorded)'}"
+        for r in results
+        if r.after["settled"] and r.after["settle_s"] > 10
+    ]
     unsettled = [
         f"- {r.row['name']}: did not settle within {SETTLE_S:g} s (values above are at the deadline)"
         for r in results
         if not r.after["settled"]
     ]
     lines += ["", f"{sum(r.clean for r in results)} of {len(results)} rows clean.", ""]
-    lines += ["Notes:", *notes, *unsettled] if notes or unsettled else []
+    lines += ["Notes:", *notes, *slow, *unsettled] if notes or slow or unsettled else []
     return "\n".join(lines) + "\n"
 
 

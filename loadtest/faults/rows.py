@@ -64,7 +64,7 @@ ROWS: tuple[Row, ...] = (
         "lost-registration",
         "vllm",
         130.0,
-        "decode cannot reach prefill's side port",
+        "decode registers with a wrong engine id and side port",
         short=False,
     ),
     Row("prefill hung", "prefill", "hang", "vllm", 5.0, "SIGSTOP on one of two prefills, requests in flight"),

@@ -144,11 +144,10 @@ def burst(bed: Bed, row: Row) -> Outcome:
 
 
 def lost_registration(bed: Bed, row: Row) -> Outcome:
-    """A second router names the prefills with a side port nobody listens on: decode's registration is lost."""
-    wrong = [
-        f"{w.url},engine_id={w.router_arg.split('engine_id=')[1].split(',')[0]},side_port={free_port()}"
-        for w in bed.prefills
-    ]
+    """A second router names the prefills with an engine id and side port they do not have: decode registers
+    for KV with a peer that is not there, and the prefill's finished KV waits for a registration that never
+    comes. (A wrong side port alone was not enough on our connector: the KV still arrived.)"""
+    wrong = [f"{w.url},engine_id=lost-{i},side_port={free_port()}" for i, w in enumerate(bed.prefills)]
     front = start_router(wrong, [w.url for w in bed.decodes], bed.router.config, bed.started)
     try:
         before = _prompt_sources(bed.decodes[0])
