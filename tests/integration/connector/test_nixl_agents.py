@@ -208,3 +208,32 @@ def test_a_peer_restarted_under_the_same_agent_name_is_reloaded() -> None:
     finally:
         second.close()
         d.close()
+
+
+def test_a_frozen_prefill_fails_the_waiting_decode_request_within_the_liveness_bound() -> None:
+    """G2 + G3 on real processes: prefill is SIGSTOPped while decode waits for its KV; decode reports the
+    request failed within the heartbeat bound, and keeps its blocks (quarantine: the frozen process could
+    still post a WRITE when it resumes) instead of reporting them free."""
+    import signal
+
+    from connector.handshake import Liveness
+
+    ctx = mp.get_context("spawn")
+    p, d = Peer(ctx, "P", seed=3), Peer(ctx, "D", seed=None)
+    try:
+        d.call("register", "d-z", "t:z", p.port, [3])
+        time.sleep(0.5)  # the registration reached P, which holds it (no prefill yet)
+        assert p.proc.pid is not None
+        os.kill(p.proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        # within the liveness bound (+3 s of slack on a loaded box), before its 8 s KV deadline could end it
+        r = d.wait(lambda r: "d-z" in r["failed"], timeout=Liveness().bound_s + 3)
+        assert "d-z" in r["failed"], "decode never noticed the frozen prefill"
+        print(f"decode failed the request {time.monotonic() - t0:.2f} s after SIGSTOP")
+        assert "d-z" not in r["received"], "blocks reported free on a lost link"
+        os.kill(p.proc.pid, signal.SIGCONT)
+    finally:
+        if p.proc.pid is not None and p.proc.is_alive():
+            os.kill(p.proc.pid, signal.SIGCONT)
+        d.close()
+        p.close()
