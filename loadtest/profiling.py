@@ -48,7 +48,8 @@ BY_FILE: tuple[tuple[str, tuple[str, ...]], ...] = (
         "HTTP server (uvicorn, ASGI, FastAPI)",
         ("uvicorn", "h11", "httptools", "starlette", "fastapi", "pydantic", "router/app.py", "router/asgi"),
     ),
-    ("tasks + event loop", ("asyncio/", "uvloop", "selectors.py", "contextvars")),
+    ("tasks + event loop", ("asyncio/", "uvloop", "selectors.py", "contextvars", "_weakrefset.py")),
+    ("copies (deepcopy, dataclass asdict)", ("/copy.py", "/dataclasses.py")),
     ("profiler switch", ("loadtest/profiled.py",)),
 )
 BY_BUILTIN: tuple[tuple[str, tuple[str, ...]], ...] = (
