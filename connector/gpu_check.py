@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import inspect
 import json
 import multiprocessing as mp
 import os
@@ -172,7 +171,11 @@ class _Peer:
         self.timings: dict[str, float] = {}
         t = time.perf_counter()
         if self.device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(self.device))
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"--device {self.device}: torch {torch.__version__} sees no CUDA GPU")
+            index = torch.device(self.device).index
+            torch.cuda.set_device(0 if index is None else index)
+            self.device = f"cuda:{torch.cuda.current_device()}"
         caches, self.raw = vllm_like_caches(cfg, self.device)
         if role == "P":
             gen = torch.Generator(device=self.raw.device).manual_seed(cfg.seed)
@@ -189,13 +192,8 @@ class _Peer:
         ]
         t = time.perf_counter()
         name = f"kvpush-gpucheck-{role}-{os.getpid()}"
-        factory: Any = NixlBackend
-        if "registrations" in inspect.signature(NixlBackend).parameters:  # one registration per storage
-            self.backend = factory(name, self.layout, cfg.backends, registrations=self.kv.registrations())
-            self.registrations = len(self.kv.storages)
-        else:  # transfer.py registers each region
-            self.backend = NixlBackend(name, self.layout, cfg.backends)
-            self.registrations = len(self.layout.regions)
+        self.backend = NixlBackend(name, self.layout, cfg.backends, registrations=self.kv.registrations())
+        self.registrations = len(self.kv.storages)  # one per backing storage, not one per layer
         self.timings["backend_s"] = time.perf_counter() - t
 
     def _sync(self) -> None:
