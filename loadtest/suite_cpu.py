@@ -129,9 +129,11 @@ def run(plan: CpuPlan, run_dir: Path, summary: Path, progress: bool, run_id: str
     with vllm_lock(), Fleet(logs) as fleet:
         engines: dict[str, tuple[Engine, Engine]] = {}
         for family in FAMILIES:
+            # one pair at a time: a pair's ports are picked only once the previous pair has bound all of its own
+            # (six engines started at once let vLLM's internal ZMQ ports take an HTTP port picked for another)
             p, d = fleet.start_all(pair_specs(family, model))
             engines[family.label] = (p, d)
-        fleet.wait_all_healthy(timeout=900.0)
+            fleet.wait_all_healthy(timeout=600.0)
         fronts = [f for fam in FAMILIES for f in _fronts(fleet, fam, *engines[fam.label], logs, plan.vrouter)]
         probes = {(f.router, f.family.label): _probe(f, plan) for f in fronts if f.family.mode == "push"}
         for i, qps in enumerate(plan.qps):
