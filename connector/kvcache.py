@@ -95,7 +95,12 @@ def check_parallelism(
 
 def side_channel_port(base_port: int, dp_rank: int) -> int:
     """The side-channel port of data-parallel rank ``dp_rank``: ``base_port + dp_rank`` (as upstream),
-    so DP ranks on one host do not collide. The router/launcher must use the same rule."""
+    so DP ranks on one host do not collide. The router/launcher must use the same rule.
+
+    Pass vLLM's ``parallel_config.data_parallel_index``, not ``data_parallel_rank``: vLLM 0.32 runs
+    the DP ranks of a dense (non-MoE) model as independent engines and resets their
+    ``data_parallel_rank`` to 0 (``reconfigure_for_independent_dp_rank``); only the index keeps
+    the rank."""
     if dp_rank < 0:
         raise ValueError(f"data-parallel rank must be >= 0, got {dp_rank}")
     port = base_port + dp_rank
