@@ -37,7 +37,6 @@ BY_FILE: tuple[tuple[str, tuple[str, ...]], ...] = (
             "router/pool.py",
             "router/admission.py",
             "router/policy.py",
-            "router/loadaware.py",
             "router/decider",
             "router/service.py",
             "router/domain.py",

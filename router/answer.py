@@ -46,7 +46,10 @@ class StreamEnd:
 @dataclass
 class _Collected:
     framer: EventFramer
-    parts: list[str] = field(default_factory=list)
+    parts: list[str | None] = field(default_factory=list)  # None: a chunk carried output its text lacks
+
+    def text(self) -> str | None:
+        return None if any(part is None for part in self.parts) else "".join(p for p in self.parts if p)
 
 
 class StreamAnswer:
@@ -67,7 +70,7 @@ class StreamAnswer:
         worker: str,
         cleanup: contextlib.AsyncExitStack,
         on_close: Callable[[StreamEnd], None],
-        collect_text: Callable[[Any], str] | None = None,
+        collect_text: Callable[[Any], str | None] | None = None,
     ) -> None:
         self._response = response
         self._first = first
@@ -165,7 +168,7 @@ class StreamAnswer:
             logger.debug("closing the decode stream: %s", exc)
         finally:
             await self._cleanup.aclose()
-            text = None if self._collect is None else "".join(self._collect[0].parts)
+            text = None if self._collect is None else self._collect[0].text()
             self._on_close(StreamEnd(self._outcome, self._check.usage(), text))
 
 

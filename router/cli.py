@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from router.config import Settings, build_settings, from_env
+from router.config import Settings, build_settings, from_env, with_environment
 from router.errors import ConfigError
 
 USAGE = """kvpush <command> [options]
@@ -21,6 +21,7 @@ commands:
   load    run the load generator against an OpenAI endpoint
   sim     run the engine simulator (a fake vLLM prefill or decode worker)
   bench   run the benchmark suites
+  calibrate  fit the seed-sim profile's unmeasured numbers to the seed's pull row
 
 `kvpush <command> --help` describes each command's options."""
 
@@ -134,7 +135,7 @@ def load_serve_settings(argv: list[str], env: dict[str, str]) -> Settings:
 
 def serve(argv: list[str]) -> int:
     try:
-        settings = load_serve_settings(argv, dict(os.environ))
+        settings = with_environment(load_serve_settings(argv, dict(os.environ)), os.environ)
     except ConfigError as exc:
         print(f"kvpush serve: configuration error: {exc}", file=sys.stderr)
         return 2
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         from stack.local import main as stack_main
 
         return stack_main(rest)
-    if command in ("load", "bench", "sim"):
+    if command in ("load", "bench", "sim", "calibrate"):
         from loadtest.cli import main as load_main
 
         return load_main([{"load": "run"}.get(command, command), *rest])

@@ -122,7 +122,15 @@ class NoDecider:
 
 
 DeciderFactory = Callable[[Mapping[str, Any]], Decider]  # takes the decider's own settings block
-REGISTRY: dict[str, DeciderFactory] = {NoDecider.name: lambda _options: NoDecider()}
+
+
+def _no_decider(options: Mapping[str, Any]) -> Decider:
+    if options:
+        raise ConfigError(f"decider 'none' takes no options, got {sorted(options)}")
+    return NoDecider()
+
+
+REGISTRY: dict[str, DeciderFactory] = {NoDecider.name: _no_decider}
 
 
 def _session_affinity(options: Mapping[str, Any]) -> Decider:

@@ -89,8 +89,8 @@ class Dispatcher:
         self._decider: Decider = decider or NoDecider()
         self._learns = not isinstance(self._decider, NoDecider)  # NoDecider.record does nothing: skip the parse
         self._policies: dict[Role, Policy] = {
-            Role.PREFILL: make_policy(settings.prefill_policy),
-            Role.DECODE: make_policy(settings.decode_policy),
+            Role.PREFILL: make_policy(settings.prefill_policy, settings.prefill_policy_options),
+            Role.DECODE: make_policy(settings.decode_policy, settings.decode_policy_options),
         }
         self._background: dict[str, asyncio.Task[Any]] = {}  # pairing id → prefill leg still running
         self._json_headers = {"content-type": "application/json"}

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from router.decider import DeciderStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -103,6 +108,10 @@ class Metrics:
             registry=r,
         )
 
+    def watch_decider(self, stats: Callable[[], DeciderStats | None]) -> None:
+        """Exports a decider's index figures, read at scrape time (nothing for the "none" decider)."""
+        self.registry.register(_DeciderCollector(stats))
+
     def child(self, metric: Counter | Histogram, *labels: str) -> Any:
         """`metric.labels(*labels)`, bound once: the hot path looks children up in a dict, not through
         prometheus_client's locked label resolution (labels are bounded, so the dict is too)."""
@@ -114,3 +123,54 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class _DeciderCollector(Collector):
+    """kvpush_decider_*: the P/D decider's prefix index, sessions and the accuracy of its bypass predictions."""
+
+    def __init__(self, stats: Callable[[], DeciderStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        if s is None:
+            return
+        links = GaugeMetricFamily("kvpush_decider_index_links", "Prefix-index links held, by role.", labels=["role"])
+        for role, n in sorted(s.index_links.items()):
+            links.add_metric([role], n)
+        yield links
+        yield GaugeMetricFamily("kvpush_decider_sessions", "Sessions in the session table.", value=s.sessions)
+        evictions = CounterMetricFamily(
+            "kvpush_decider_evictions", "Index entries dropped, by table and cause.", labels=["table", "cause"]
+        )
+        for key, n in sorted(s.evictions.items()):
+            table, _, cause = key.partition("/")
+            evictions.add_metric([table, cause], n)
+        yield evictions
+        for name, help_text, value in (
+            (
+                "kvpush_bypass_predicted_cached_tokens",
+                "Cached tokens predicted by checked bypasses.",
+                s.predicted_cached_tokens,
+            ),
+            (
+                "kvpush_bypass_actual_cached_tokens",
+                "Cached tokens the engine reported for them.",
+                s.actual_cached_tokens,
+            ),
+            ("kvpush_bypass_checked", "Bypass decisions whose usage reported cached tokens.", s.checked_bypasses),
+            (
+                "kvpush_bypass_accurate",
+                "Checked bypasses predicted within 20 % of the actual uncached tokens.",
+                s.accurate_bypasses,
+            ),
+        ):
+            yield CounterMetricFamily(name, help_text, value=value)
+        yield GaugeMetricFamily(
+            "kvpush_decider_tokens_per_char", "Learned prompt tokens per character.", value=s.tokens_per_char
+        )
+        yield GaugeMetricFamily(
+            "kvpush_decider_answers_trusted",
+            "1 while relayed answers are credited as cached.",
+            value=1.0 if s.answers_trusted else 0.0,
+        )

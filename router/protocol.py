@@ -220,8 +220,14 @@ def usage_of(answer: Any) -> dict[str, Any] | None:
     return usage if isinstance(usage, dict) else None
 
 
-def text_of(answer: Any) -> str:
-    """The generated text of an OpenAI answer or stream chunk (completions `text`, chat `message`/`delta`)."""
+_HIDDEN_OUTPUT = ("reasoning_content", "reasoning", "tool_calls", "function_call")
+
+
+def text_of(answer: Any) -> str | None:
+    """The generated text of an OpenAI answer or stream chunk (completions `text`, chat `message`/`delta`).
+
+    None when the choice also carries output that is not in its text (reasoning, tool calls): the engine's cache
+    then holds tokens that the client never sees as text, so the text is no prefix to credit (vLLM #43094)."""
     choices = answer.get("choices") if isinstance(answer, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         return ""
@@ -230,8 +236,11 @@ def text_of(answer: Any) -> str:
         return str(choice["text"])
     for key in ("message", "delta"):
         part = choice.get(key)
-        if isinstance(part, dict) and isinstance(part.get("content"), str):
-            return str(part["content"])
+        if isinstance(part, dict):
+            if any(part.get(hidden) for hidden in _HIDDEN_OUTPUT):
+                return None
+            if isinstance(part.get("content"), str):
+                return str(part["content"])
     return ""
 
 

@@ -13,7 +13,7 @@ import httpx
 
 from router.admission import Admission
 from router.config import Settings, decode_from_mapping, prefill_from_mapping
-from router.decider import make_decider
+from router.decider import make_decider, stats_of
 from router.discovery.build import build_source
 from router.discovery.settings import parse_discovery
 from router.dispatch import Dispatcher
@@ -49,6 +49,7 @@ class Service:
         self.client = make_client(settings, transport)
         legs: LegTransport = HttpxLegs(self.client) if transport is not None else make_legs(settings)
         decider = make_decider(settings.decider, settings.decider_options)
+        self.metrics.watch_decider(lambda: stats_of(decider))
         self.dispatcher = Dispatcher(settings, self.pool, legs, self.metrics, self.timings, clock, decider)
         self.admission = Admission(
             settings.max_in_flight, settings.admission_queue, settings.admission_wait, self.metrics

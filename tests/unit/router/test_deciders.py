@@ -366,3 +366,11 @@ def test_accurate_bypasses_keep_answers_credited() -> None:
         decision = decider.decide(t2, DECODES, PREFILLS, i + 0.5)
         served(decider, t2, decision, prefill=None, prompt_tokens=528, cached=480, now=i + 0.6)
     assert decider.answers_trusted
+
+
+def test_the_none_decider_refuses_options() -> None:
+    from router.decider import make_decider
+    from router.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="takes no options"):
+        make_decider("none", {"bypass_max_uncached_tokens": 256})

@@ -358,3 +358,56 @@ async def test_a_whole_stream_in_one_chunk_is_relayed_as_it_came_and_its_usage_l
     assert await relay(await dispatcher.handle(call_of(dispatcher))) == [stream]
     (outcome,) = decider.outcomes
     assert outcome.prompt_tokens == 7 and outcome.answer == "ab"
+
+
+@pytest.mark.parametrize(("options", "expected"), [({}, "d1"), ({"kv_weight": 0}, "d0")])
+async def test_the_decode_policys_options_from_the_settings_steer_the_pick(
+    options: dict[str, Any], expected: str
+) -> None:
+    from router.domain import EngineLoad
+
+    workers = FakeWorkers({"p0": prefill_ok(), "d0": decode_ok(), "d1": decode_ok()})
+    s = build_settings(
+        {"prefill": [P0], "decode": ["http://d0:8200", "http://d1:8200"]},
+        {"policy": {"decode": {"name": "load-aware", **options}}},
+    )
+    metrics, timings = Metrics(), TimingLog(100)
+    pool = Pool((*s.prefill, *s.decode), metrics)
+    client = httpx.AsyncClient(transport=workers.transport())
+    await pool.probe_all(client, 1.0)
+    # d0: idle engine but half its KV in use (score 2 with the default kv_weight 4, 0 with kv_weight 0);
+    # d1: one request running and no KV in use (score 1 either way)
+    pool.set_load("http://d0:8200", EngineLoad(running=0, waiting=0, kv_usage=0.5))
+    pool.set_load("http://d1:8200", EngineLoad(running=1, waiting=0, kv_usage=0.0))
+    dispatcher = Dispatcher(s, pool, client, metrics, timings)
+    await relay(await dispatcher.handle(call_of(dispatcher)))
+    assert [name for name in ("d0", "d1") if workers.legs(name)] == [expected]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_answer_with_reasoning_is_not_credited_as_text(stream: bool) -> None:
+    # the engine cached the reasoning tokens too, which the client never sends back as text (vLLM #43094)
+    async def reasons(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        if not body.get("stream"):
+            message = {"role": "assistant", "content": "ab", "reasoning_content": "think"}
+            return httpx.Response(200, json={"choices": [{"message": message}], "usage": USAGE})
+        chunks = [
+            b'data: {"choices": [{"delta": {"reasoning_content": "think"}}]}\n\n',
+            b'data: {"choices": [{"delta": {"content": "ab"}}]}\n\n',
+            b"data: [DONE]\n\n",
+        ]
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=chunks_of(chunks))
+
+    workers = FakeWorkers({"p0": prefill_ok(), "d1": reasons})
+    s = build_settings({"prefill": [P0], "decode": ["http://d1:8200"]})
+    metrics, decider = Metrics(), Recording()
+    pool = Pool((*s.prefill, *s.decode), metrics)
+    client = httpx.AsyncClient(transport=workers.transport())
+    await pool.probe_all(client, 1.0)
+    dispatcher = Dispatcher(s, pool, client, metrics, TimingLog(10), decider=decider)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": stream}
+    answer = await dispatcher.handle(call_of(dispatcher, body, Endpoint.CHAT))
+    if stream:
+        await relay(answer)
+    (outcome,) = decider.outcomes
+    assert outcome.ok and outcome.answer is None
