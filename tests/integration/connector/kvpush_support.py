@@ -70,9 +70,9 @@ def kvpush_engines(members: Sequence[Member], tag: str) -> Iterator[Engines]:
         specs.append(
             EngineSpec(
                 name=name,
-                role=m.role,
+                role=m.role,  # type: ignore[arg-type]  # "prefill" or "decode"
                 model=model,
-                core=1 if m.role == "decode" else 0,  # type: ignore[arg-type]
+                core=1 if m.role == "decode" else 0,
                 side_port=free_port(),
                 connector=CONNECTOR,
                 connector_module=MODULE,
@@ -112,13 +112,17 @@ def is_idle(engines: Engines, url: str) -> bool:
     return not any(now[name] for name in BUSY) and now["vllm:kv_cache_usage_perc"] <= engines.idle_usage[url]
 
 
+def _idle_message(engines: Engines, what: str, url: str) -> str:
+    return f"{what}: {url} idle (now {load(url)}, idle KV usage {engines.idle_usage[url]})"
+
+
 def wait_idle(engines: Engines, urls: Sequence[str], what: str) -> None:
     """Every engine in `urls` runs nothing, queues nothing and holds no more KV blocks than when idle."""
     for url in urls:
         wait_for(
             partial(is_idle, engines, url),
-            lambda u=url: f"{what}: {u} idle (now {load(u)}, idle KV usage {engines.idle_usage[u]})",
-        )  # type: ignore[misc]
+            partial(_idle_message, engines, what, url),
+        )
 
 
 def decode_params(engines: Engines, prefill: int, request_id: str, transfer_id: str) -> dict[str, Any]:

@@ -258,5 +258,8 @@ def test_load_aware_selection_reads_scraped_engine_load() -> None:
         wait_for(lambda: all(w["load"] is not None for w in ready(r.url).json()["workers"]), "every worker scraped")
         assert [stream(r.url)[0] for _ in range(4)] == [200] * 4
         d2.handle.stop(5.0)
-        text = lambda: httpx.get(f"{r.url}/metrics", timeout=5).text  # noqa: E731
+
+        def text() -> str:
+            return httpx.get(f"{r.url}/metrics", timeout=5).text
+
         wait_for(lambda: 'kvpush_scrape_errors_total{role="decode"}' in text(), "a failed scrape is counted")

@@ -1,4 +1,5 @@
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -32,7 +33,7 @@ def desk(t: FakeTime, released: list[Req]) -> HandoffDesk:
 
 
 def test_push_registration_waits_for_prefill_then_writes() -> None:
-    t, released = FakeTime(), []
+    t, released = FakeTime(), list[Any]()
 
     async def go() -> float:
         d = desk(t, released)
@@ -59,7 +60,7 @@ def test_link_is_fifo() -> None:
 
 
 def test_reads_pay_the_handshake_once_per_peer() -> None:
-    t, released = FakeTime(), []
+    t, released = FakeTime(), list[Any]()
 
     async def go() -> list[float]:
         d = desk(t, released)

@@ -18,7 +18,11 @@ async def hold(admission: Admission, release: asyncio.Event, entered: list[int],
 
 
 async def test_requests_beyond_limit_and_queue_are_refused_at_once() -> None:
-    admission, release, entered = Admission(limit=2, queue=1, max_wait=30, metrics=Metrics()), asyncio.Event(), []
+    admission, release, entered = (
+        Admission(limit=2, queue=1, max_wait=30, metrics=Metrics()),
+        asyncio.Event(),
+        list[int](),
+    )
     tasks = [asyncio.create_task(hold(admission, release, entered, i)) for i in range(3)]
     await asyncio.sleep(0)
     assert entered == [0, 1] and admission.in_flight == 2
