@@ -212,6 +212,7 @@ def engine_argv(spec: EngineSpec, python: str = sys.executable) -> tuple[str, ..
         "float32",
         "--max-model-len",
         str(spec.max_model_len),
+        "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens: what the decider checks
     ]
     config = kv_transfer_config(spec)
     if config is not None:

@@ -121,6 +121,7 @@ class TestCommand:
             "float32",
             "--max-model-len",
             "2048",
+            "--enable-prompt-tokens-details",
         )
 
     def test_connector_engine_carries_the_kv_transfer_config_then_extra_args(self) -> None:
@@ -220,3 +221,7 @@ class TestPrefillArg:
         assert worker.url == "http://127.0.0.1:8100"
         assert worker.identity is not None
         assert (worker.identity.engine_id, worker.identity.host, worker.identity.port) == ("p-id", "127.0.0.1", 5600)
+
+
+def test_every_engine_reports_its_cached_prompt_tokens() -> None:
+    assert "--enable-prompt-tokens-details" in engine_argv(spec())
