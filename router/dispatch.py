@@ -458,8 +458,11 @@ class Dispatcher:
 
 
 class _WorkerLost(UpstreamError):
-    """The leg's worker was ejected, drained or removed before the leg answered (retryable elsewhere)."""
+    """The leg's worker was ejected, drained or removed before the leg answered (retryable elsewhere). With no
+    other worker to retry on, the client gets a 503: the service is unavailable, the request itself was fine."""
 
+    status = 503
+    type = "service_unavailable"
     kind = "worker_lost"
 
 

@@ -411,3 +411,21 @@ async def test_an_answer_with_reasoning_is_not_credited_as_text(stream: bool) ->
         await relay(answer)
     (outcome,) = decider.outcomes
     assert outcome.ok and outcome.answer is None
+
+
+async def test_the_only_decode_ejected_before_its_first_byte_is_a_503() -> None:
+    pool_ref: list[Pool] = []
+
+    async def hung(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        asyncio.get_running_loop().call_soon(lambda: pool_ref[0].report("http://d0:8200", ok=False, hard=True))
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    workers = FakeWorkers({"p0": prefill_ok(), "d0": hung})
+    dispatcher, pool, _ = await make(workers)
+    pool_ref.append(pool)
+    with pytest.raises(UpstreamError) as info:
+        async with asyncio.timeout(10):  # hang guard: decode_first_byte is 120 s
+            await dispatcher.handle(call_of(dispatcher))
+    assert info.value.http_status == 503 and info.value.leg == "decode"
+    assert info.value.to_body()["error"]["type"] == "service_unavailable"
