@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
 )
 from vllm.v1.request import RequestStatus
 
@@ -56,6 +57,24 @@ class KvpushMetadata(KVConnectorMetadata):  # type: ignore[misc]
         self.plan = plan
 
 
+class KvpushWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """Worker -> scheduler, per step: the receives the worker quarantined in this step (reported
+    failed and finished so vLLM fails them now; the scheduler half withholds the finish)."""
+
+    def __init__(self, quarantined: frozenset[str]) -> None:
+        self.quarantined = quarantined
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        theirs = other.quarantined if isinstance(other, KvpushWorkerMeta) else frozenset()
+        return KvpushWorkerMeta(self.quarantined | theirs)
+
+
+def _dp_index(parallel: Any) -> int:
+    """This engine's data-parallel index: vLLM 0.32 resets ``data_parallel_rank`` to 0 for dense-model
+    DP ranks and keeps the real one in ``data_parallel_index`` (``connector.kvcache.side_channel_port``)."""
+    return int(getattr(parallel, "data_parallel_index", getattr(parallel, "data_parallel_rank", 0)) or 0)
+
+
 def _side_channel(dp_rank: int) -> tuple[str, int]:
     """Host and port of this engine's side channel: the base port plus the data-parallel rank."""
     host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
@@ -72,7 +91,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vllm is unty
             decode_context_parallel_size=getattr(parallel, "decode_context_parallel_size", 1),
         )
         engine_id = str(vllm_config.kv_transfer_config.engine_id)
-        host, port = _side_channel(int(getattr(parallel, "data_parallel_rank", 0) or 0))
+        host, port = _side_channel(_dp_index(parallel))
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -99,9 +118,14 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vllm is unty
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
-        self._scheduler.update_connector_output(
-            connector_output.finished_recving or (), connector_output.finished_sending or ()
+        meta = connector_output.kv_connector_worker_meta
+        quarantined = meta.quarantined if isinstance(meta, KvpushWorkerMeta) else frozenset()
+        withheld = self._scheduler.update_connector_output(
+            connector_output.finished_recving or (), connector_output.finished_sending or (), quarantined
         )
+        if withheld and connector_output.finished_recving:
+            # vLLM reads finished_recving after this hook: a quarantined request's blocks stay held.
+            connector_output.finished_recving.difference_update(withheld)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
@@ -142,6 +166,12 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vllm is unty
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)
         return r.finished_sending or None, r.finished_recving or None
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._worker is None:
+            return None
+        quarantined = self._worker.take_quarantined()
+        return KvpushWorkerMeta(quarantined) if quarantined else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return self._worker.take_stats() if self._worker is not None else None

@@ -14,6 +14,9 @@ Bookkeeping (all keyed by vLLM request id):
   No cancel for ``Ending.ERROR``: that is vLLM failing a receive we reported failed (its
   ``finished_recving`` frees the blocks, at once or at the quarantine's hold deadline); any other
   error just waits for the transfer's own end (Done, Failure, link loss or deadline), blocks held.
+  A quarantined receive is reported failed and finished at once (so vLLM fails the request now);
+  ``update_connector_output`` withholds that finish from vLLM and keeps the id here until the
+  worker's second finish at the hold deadline, so vLLM frees the blocks only then.
 * ``_cancelling`` (decode): the finished subset of ``_awaiting``; keeps the engine stepping.
 * ``_p_legs`` (prefill): prefill legs seen in scheduling: pairing key and prompt length.
 * ``_completing`` (prefill, guarantee G10): legs whose last prompt token was scheduled in a step;
@@ -138,13 +141,28 @@ class SchedulerHalf:
         plan, self._plan = self._plan, StepPlan()
         return plan
 
-    def update_connector_output(self, finished_recving: Iterable[str], finished_sending: Iterable[str]) -> None:
+    def update_connector_output(
+        self, finished_recving: Iterable[str], finished_sending: Iterable[str], quarantined: Iterable[str] = ()
+    ) -> set[str]:
+        """Apply the workers' reports; return the ids ``plugin`` must strip from vLLM's ``finished_recving``.
+
+        ``quarantined``: receives the worker reported failed and finished in this step only so that vLLM
+        passes the failure on now (its output aggregator holds a failure back until the finish). Their
+        blocks stay held (withheld from vLLM's finish, request kept in ``_awaiting``) until the worker
+        reports them finished again without quarantine: at the hold deadline (G2, G3).
+        """
+        held_back = set(quarantined)
+        withheld: set[str] = set()
         for request_id in finished_recving:
+            if request_id in held_back:
+                withheld.add(request_id)
+                continue
             self._awaiting.discard(request_id)
             self._cancelling.discard(request_id)
         for request_id in finished_sending:
             self._held.discard(request_id)
             self._completing.discard(request_id)
+        return withheld
 
     def request_finished(
         self, request: RequestView, block_ids: list[int], ending: Ending

@@ -47,6 +47,7 @@ class WorkerHalf:
         self._num_blocks = 0
         self._thread: TransferThread | None = None
         self._stats = KvpushStats()
+        self._quarantined: set[str] = set()
 
     def set_num_blocks(self, num_blocks: int) -> None:
         self._num_blocks = num_blocks
@@ -134,9 +135,19 @@ class WorkerHalf:
         r = self._thread.collect_results()
         if r.records or r.counters:
             self._stats.record(r.records, r.counters)
+        # A quarantine (failed now, blocks held to the hold deadline) is reported finished too: vLLM's
+        # output aggregator passes a failure on only with a finish. The scheduler half withholds that
+        # finish (it learns the ids from ``take_quarantined``) and frees at the later ``Freed``.
+        quarantined = r.failed - r.received
+        self._quarantined |= quarantined
         return KVConnectorTransferResults(
-            finished_sending=r.released, finished_recving=r.received, failed_recving=r.failed
+            finished_sending=r.released, finished_recving=r.received | quarantined, failed_recving=r.failed
         )
+
+    def take_quarantined(self) -> frozenset[str]:
+        """The receives quarantined since the last call (sent to the scheduler half in this step)."""
+        ids, self._quarantined = frozenset(self._quarantined), set()
+        return ids
 
     def take_stats(self) -> KvpushStats | None:
         if self._stats.is_empty():

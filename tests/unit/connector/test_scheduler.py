@@ -221,3 +221,43 @@ def test_without_early_write_or_for_longer_legs_the_order_waits_for_request_fini
         assert plan(h, step([new_req("p-1", [7, 8, 9])], p_1=40)).completing == []
         h.request_finished(req, [7, 8, 9], Ending.OK)
         assert [o.block_ids for o in plan(h).finished] == [(7, 8, 9)]
+
+
+# ---- a quarantined receive: vLLM fails the request now, the blocks stay held (G2, G3) ---------------------
+
+
+def test_a_quarantined_receive_is_withheld_from_vllm_until_its_hold_deadline() -> None:
+    """The worker reports a quarantine failed *and* finished (vLLM's output aggregator passes a failure on
+    only with a finish); vLLM fails the request (request_finished with ERROR), then reads finished_recving.
+    The half must withhold that finish, or vLLM frees blocks a WRITE may still land in."""
+    h = half()
+    req = registered(h)
+    plan(h)
+    assert h.request_finished(req, [3, 4, 5], Ending.ERROR) == (False, None)
+    withheld = h.update_connector_output({"d-1"}, set(), quarantined={"d-1"})
+    assert withheld == {"d-1"}, "vLLM would free the quarantined blocks now"
+    assert plan(h).is_empty(), "no cancel: the prefill is gone or failed"
+    assert h.has_pending_push_work(), "the engine must keep stepping until the hold deadline"
+    assert h.update_connector_output({"d-1"}, set()) == set(), "the deadline's finish frees the blocks"
+    assert not h.has_pending_push_work()
+
+
+def test_a_quarantine_before_vllm_finishes_the_request_is_withheld_too() -> None:
+    """kv_load_failure_policy=recompute: vLLM does not finish the request; it must still wait for the deadline."""
+    h = half()
+    req = registered(h)
+    plan(h)
+    assert h.update_connector_output({"d-1"}, set(), quarantined={"d-1"}) == {"d-1"}
+    assert h.request_finished(req, [3, 4, 5], Ending.ABORTED) == (False, None), "still held"
+    assert plan(h).cancel == ["d-1"]
+    assert h.update_connector_output({"d-1"}, set()) == set()
+    assert not h.has_pending_push_work()
+
+
+def test_a_plain_failure_or_a_finish_is_passed_to_vllm_at_once() -> None:
+    h = half()
+    registered(h, "d-1")
+    registered(h, "d-2")
+    plan(h)
+    assert h.update_connector_output({"d-1", "d-2"}, set(), quarantined={"other"}) == set()
+    assert not h.has_pending_push_work()

@@ -1,0 +1,113 @@
+"""connector.plugin: the quarantine through vLLM's own worker-output aggregator, and the DP side-channel index.
+
+A quarantined receive must reach vLLM's scheduler as a failure in the step it happens (vLLM 0.32's
+``KVOutputAggregator`` passes ``failed_recving`` only with ``finished_recving``), while the finish is
+withheld so vLLM keeps the blocks until the hold deadline (G2, G3). Guarantee numbers: connector/README.md.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="connector.plugin is the class vLLM loads")
+
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+from connector.plugin import KvpushConnector, KvpushWorkerMeta, _dp_index
+from connector.scheduler import Ending, SchedulerHalf
+from connector.transfer_thread import Results
+from connector.worker import WorkerHalf
+
+
+class _Thread:
+    """Stands in for the transfer thread: hands out the results queued by the test."""
+
+    def __init__(self) -> None:
+        self.queued = Results()
+
+    def kick(self) -> None:
+        return None
+
+    def collect_results(self) -> Results:
+        r, self.queued = self.queued, Results()
+        return r
+
+
+def _worker() -> tuple[KvpushConnector, _Thread]:
+    worker = WorkerHalf.__new__(WorkerHalf)  # the test needs no KV caches, only the result relay
+    thread = _Thread()
+    worker._thread = thread  # type: ignore[assignment]
+    worker._stats = SimpleNamespace(record=lambda *a: None)  # type: ignore[assignment]
+    worker._quarantined = set()
+    conn = KvpushConnector.__new__(KvpushConnector)
+    conn._worker, conn._scheduler = worker, None
+    return conn, thread
+
+
+def _scheduler(request_id: str) -> KvpushConnector:
+    half = SchedulerHalf("d", "127.0.0.1", 5600)
+    half._awaiting.add(request_id)  # registered in an earlier step
+    conn = KvpushConnector.__new__(KvpushConnector)
+    conn._worker, conn._scheduler = None, half
+    return conn
+
+
+def _step(worker: KvpushConnector, aggregator: KVOutputAggregator) -> KVConnectorOutput:
+    """One engine step as vLLM's model runner and MultiprocExecutor produce it."""
+    r = worker.get_transfer_results(set())
+    out = ModelRunnerOutput(req_ids=[], req_id_to_index={})
+    out.kv_connector_output = KVConnectorOutput(
+        finished_sending=r.finished_sending or None,
+        finished_recving=r.finished_recving or None,
+        failed_recving=r.failed_recving,
+        kv_connector_worker_meta=worker.build_connector_worker_meta(),
+    )
+    merged = aggregator.aggregate([out])
+    assert merged is not None and merged.kv_connector_output is not None
+    kv_output: KVConnectorOutput = merged.kv_connector_output
+    return kv_output
+
+
+def test_a_quarantine_fails_the_request_now_and_frees_its_blocks_only_at_the_hold_deadline() -> None:
+    worker, thread = _worker()
+    sched = _scheduler("d-1")
+    aggregator = KVOutputAggregator(expected_finished_count=1)
+    thread.queued.failed.add("d-1")  # link lost: Failed (quarantine)
+    out = _step(worker, aggregator)
+    assert out.failed_recving == {"d-1"}, "vLLM must fail the request in this step"
+    assert sched._scheduler is not None
+    sched._scheduler.request_finished(SimpleNamespace(request_id="d-1", kv_transfer_params=None), [], Ending.ERROR)
+    sched.update_connector_output(out)
+    assert not out.finished_recving, "vLLM would free the quarantined blocks now"
+    assert sched.has_pending_push_work()
+    assert not _step(worker, aggregator).finished_recving, "nothing until the deadline"
+    thread.queued.received.add("d-1")  # hold deadline: Freed
+    out = _step(worker, aggregator)
+    assert out.failed_recving == set()
+    sched.update_connector_output(out)
+    assert out.finished_recving == {"d-1"}, "the deadline's finish frees the blocks"
+    assert not sched.has_pending_push_work()
+
+
+def test_a_plain_failure_is_failed_and_freed_in_one_step() -> None:
+    worker, thread = _worker()
+    sched = _scheduler("d-2")
+    thread.queued.received.add("d-2")
+    thread.queued.failed.add("d-2")  # Received(ok=False): P released its handle, nothing can land
+    out = _step(worker, KVOutputAggregator(expected_finished_count=1))
+    sched.update_connector_output(out)
+    assert (out.failed_recving, out.finished_recving) == ({"d-2"}, {"d-2"})
+
+
+def test_worker_metadata_aggregates_as_a_union() -> None:
+    merged = KvpushWorkerMeta(frozenset({"a"})).aggregate(KvpushWorkerMeta(frozenset({"b"})))
+    assert isinstance(merged, KvpushWorkerMeta) and merged.quarantined == {"a", "b"}
+
+
+def test_the_side_channel_index_is_the_data_parallel_index_not_the_reset_rank() -> None:
+    """vLLM 0.32 resets data_parallel_rank to 0 for dense-model DP ranks (connector.kvcache.side_channel_port)."""
+    assert _dp_index(SimpleNamespace(data_parallel_index=3, data_parallel_rank=0)) == 3
+    assert _dp_index(SimpleNamespace(data_parallel_rank=2)) == 2
