@@ -356,16 +356,6 @@ def test_decode_disconnect_before_prefill_is_cancelled_and_leaks_nothing(stack: 
 # ---- the kill (last) ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "issue 8 item 1 open: a lost link quarantines decode's blocks and reports failed_recving at once, but vLLM "
-        "0.32's MultiprocExecutor (used even at world_size=1) aggregates outputs with KVOutputAggregator, which "
-        "passes failed_recving only together with finished_recving; so the request fails only at its hold deadline "
-        "(43.7 s with kv_timeout_s=45, bound 20 s). Fix: report failed+finished at once and keep the blocks by "
-        "stripping the id from finished_recving in update_connector_output (signalled via kv_connector_worker_meta)"
-    ),
-)
 def test_a_killed_prefill_fails_its_decode_request_within_seconds_and_the_router_routes_around_it(
     stack: Stack,
 ) -> None:
