@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, assert_never
 
+from connector.decode_rendezvous import DecodeRendezvous
 from connector.handshake import Link, Liveness, Server, SideChannel, TcpSideChannel
 from connector.metadata import (
     PROTOCOL_VERSION,
@@ -66,7 +67,6 @@ from connector.rendezvous import (
     AbandonWrite,
     Action,
     Connect,
-    DecodeRendezvous,
     Failed,
     Freed,
     PrefillRendezvous,

@@ -7,12 +7,11 @@ from typing import Any
 
 import pytest
 
+from connector.decode_rendezvous import DecodeRendezvous, DState
 from connector.metadata import Cancel, CancelAck, Done, Failure, PeerAddress, Registration
 from connector.rendezvous import (
     AbandonWrite,
     Connect,
-    DecodeRendezvous,
-    DState,
     Failed,
     Freed,
     PrefillRendezvous,

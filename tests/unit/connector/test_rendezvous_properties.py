@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from connector.decode_rendezvous import DecodeRendezvous
 from connector.metadata import CancelAck, Done, Failure, Notice, PeerAddress, Registration
 from connector.rendezvous import (
     P_TERMINAL,
     AbandonWrite,
     Action,
     Connect,
-    DecodeRendezvous,
     Failed,
     Freed,
     PrefillRendezvous,
