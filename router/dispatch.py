@@ -470,21 +470,21 @@ class _WorkerLost(UpstreamError):
 async def _unless_lost(tracked: Tracked, leg: Role) -> AsyncIterator[None]:
     """Runs the block unless the leg's worker is lost first; then the block is cancelled and _WorkerLost raised.
 
-    One waiter task per leg: asyncio.Event has no callbacks of its own."""
+    The loss cancels the task only while it is suspended inside the block (the listener is called synchronously
+    and removed on the way out), so a cancellation can never land on whatever the task does next."""
     task = asyncio.current_task()
     assert task is not None
-    lost, fired = tracked.lost, False
-    if lost.is_set():
+    if tracked.is_lost:
         raise _WorkerLost(f"was out of rotation ({tracked.reason})", leg=leg, worker=tracked.worker_id)
+    fired = False
 
-    def fire(waiter: asyncio.Future[Any]) -> None:
+    def fire() -> None:
         nonlocal fired
-        if not waiter.cancelled():
+        if asyncio.current_task() is not task:  # the task itself marking its own worker: it is not waiting
             fired = True
             task.cancel()
 
-    waiter = asyncio.ensure_future(lost.wait())
-    waiter.add_done_callback(fire)
+    tracked.listen(fire)
     try:
         yield
     except asyncio.CancelledError:
@@ -493,9 +493,11 @@ async def _unless_lost(tracked: Tracked, leg: Role) -> AsyncIterator[None]:
                 f"was taken out of rotation before it answered ({tracked.loss})", leg=leg, worker=tracked.worker_id
             ) from None
         raise
+    else:
+        if fired:  # the block swallowed the cancellation and finished: the request goes on, uncancelled
+            task.uncancel()
     finally:
-        waiter.remove_done_callback(fire)
-        waiter.cancel()
+        tracked.listen(None)
 
 
 def _json_or_none(raw: bytes) -> Any:

@@ -32,18 +32,30 @@ class Loss(enum.StrEnum):
 
 @dataclass(eq=False)
 class Tracked:
-    """One leg in flight on a worker. `lost` is set at once when that worker goes down (probe or passive
-    ejection), is drained or leaves the pool while the leg runs (or already had when the leg began)."""
+    """One leg in flight on a worker. It is lost at once when that worker goes down (probe or passive
+    ejection), is drained or leaves the pool while the leg runs (or already had when the leg began).
+
+    The leg's listener, if any, is called synchronously from `mark_lost`: no task per leg, and no gap in which a
+    loss could land on a leg that has already finished."""
 
     worker_id: str
-    lost: asyncio.Event = field(default_factory=asyncio.Event)
     loss: Loss | None = None
     reason: str = ""  # for logs: what the probe or the failure said
+    _listener: Callable[[], None] | None = field(default=None, repr=False)
+
+    @property
+    def is_lost(self) -> bool:
+        return self.loss is not None
+
+    def listen(self, listener: Callable[[], None] | None) -> None:
+        """At most one listener; None stops listening."""
+        self._listener = listener
 
     def mark_lost(self, loss: Loss, reason: str) -> None:
-        if not self.lost.is_set():
+        if self.loss is None:
             self.loss, self.reason = loss, reason
-            self.lost.set()
+            if self._listener is not None:
+                self._listener()
 
 
 @dataclass
@@ -178,8 +190,8 @@ class Pool:
 
     @contextmanager
     def track(self, worker_id: str, tokens: int) -> Iterator[Tracked]:
-        """Counts one leg as in flight on the worker for the duration of the block. The leg's `lost` event is
-        set when the worker goes down, is drained or leaves while the leg runs."""
+        """Counts one leg as in flight on the worker for the duration of the block. The leg is marked lost
+        when the worker goes down, is drained or leaves while the leg runs."""
         state = self._workers[worker_id]  # held: the worker may leave the pool while the leg runs
         leg = Tracked(worker_id)
         state.in_flight += 1

@@ -13,11 +13,11 @@ import pytest
 from router.answer import JsonAnswer, StreamAnswer
 from router.config import build_settings
 from router.decider import Decision, Outcome, Route, Turn
-from router.dispatch import ClientRequest, Dispatcher
+from router.dispatch import ClientRequest, Dispatcher, _unless_lost
 from router.domain import Endpoint, Role, WorkerView
 from router.errors import NoHealthyWorker, UpstreamError, UpstreamProtocolError, UpstreamStatus, UpstreamTimeout
 from router.metrics import Metrics
-from router.pool import Pool
+from router.pool import Loss, Pool, Tracked
 from router.protocol import parse_request
 from router.timings import TimingLog
 from tests.unit.router.fake_workers import FakeWorkers, decode_error_event, decode_ok, hang, prefill_ok, status
@@ -429,3 +429,36 @@ async def test_the_only_decode_ejected_before_its_first_byte_is_a_503() -> None:
             await dispatcher.handle(call_of(dispatcher))
     assert info.value.http_status == 503 and info.value.leg == "decode"
     assert info.value.to_body()["error"]["type"] == "service_unavailable"
+
+
+async def test_a_worker_lost_as_its_leg_answers_never_cancels_what_the_request_does_next() -> None:
+    """The race behind a plain-text 500 on real vLLM: a prefill killed under load is marked lost (by another leg's
+    passive check) in the same loop turn as this leg's own answer or error arrives. The loss may fail this leg, but
+    it must not leak a cancellation into the retry or the decode leg that follows."""
+    tracked = Tracked("p0")
+    answered: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def leg() -> str:
+        try:
+            async with _unless_lost(tracked, Role.PREFILL):
+                got = await answered
+        except UpstreamError as lost:
+            got = lost.kind
+        for _ in range(3):  # what follows the leg: the retry loop, the decode leg
+            await asyncio.sleep(0)
+        return got
+
+    task = asyncio.create_task(leg())
+    await asyncio.sleep(0)  # the leg now waits for its answer
+    tracked.mark_lost(Loss.DOWN, "passive health: connection reset")
+    if not answered.done():
+        answered.set_result("ok")
+    assert await task in ("ok", "worker_lost")
+
+
+async def test_a_loss_marked_by_the_leg_itself_inside_the_block_does_not_cancel_it() -> None:
+    tracked = Tracked("p0")
+    async with _unless_lost(tracked, Role.PREFILL):
+        tracked.mark_lost(Loss.DOWN, "its own passive check")
+    await asyncio.sleep(0)
+    assert tracked.is_lost and asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]

@@ -71,12 +71,12 @@ def test_ready_without_prefill_when_the_fallback_serves_decode_alone() -> None:
 def test_a_leg_is_told_at_once_when_its_worker_is_ejected() -> None:
     pool = healthy_pool(P0, P1, D0)
     with pool.track(P0.id, 10) as leg, pool.track(P1.id, 10) as other:
-        assert not leg.lost.is_set()
+        assert not leg.is_lost
         pool.report(P0.id, ok=False, hard=False, reason="HTTP 500")
-        assert not leg.lost.is_set(), "one soft failure does not eject"
+        assert not leg.is_lost, "one soft failure does not eject"
         pool.report(P0.id, ok=False, hard=True, reason="connection refused")
-        assert leg.lost.is_set() and leg.loss is Loss.DOWN and "connection refused" in leg.reason
-        assert not other.lost.is_set(), "only legs on the ejected worker"
+        assert leg.is_lost and leg.loss is Loss.DOWN and "connection refused" in leg.reason
+        assert not other.is_lost, "only legs on the ejected worker"
 
 
 def test_a_leg_is_told_when_its_worker_is_drained_or_leaves() -> None:
@@ -86,7 +86,7 @@ def test_a_leg_is_told_when_its_worker_is_drained_or_leaves() -> None:
         pool.set_members(Role.PREFILL, [P0])
         assert (drained.loss, removed.loss) == (Loss.DRAINED, Loss.REMOVED)
         pool.remove(D0.id)
-        assert decode.loss is Loss.REMOVED and decode.lost.is_set()
+        assert decode.loss is Loss.REMOVED and decode.is_lost
     assert pool.get(P0.id).legs == set()
 
 
@@ -94,7 +94,7 @@ def test_a_leg_begun_on_a_worker_that_is_no_longer_usable_is_lost_from_the_start
     pool = healthy_pool(P0, D0)
     pool.report(P0.id, ok=False, hard=True, reason="refused")
     with pool.track(P0.id, 1) as leg:
-        assert leg.lost.is_set() and leg.loss is Loss.DOWN
+        assert leg.is_lost and leg.loss is Loss.DOWN
     pool.drain(D0.id)
     with pool.track(D0.id, 1) as leg:
         assert leg.loss is Loss.DRAINED
@@ -105,7 +105,7 @@ def test_a_finished_leg_is_not_told_later() -> None:
     with pool.track(P0.id, 1) as leg:
         pass
     pool.report(P0.id, ok=False, hard=True, reason="refused")
-    assert not leg.lost.is_set()
+    assert not leg.is_lost
 
 
 # ------------------------------------------------------------------------------------------------ active probes
@@ -141,7 +141,7 @@ async def test_a_hung_worker_is_marked_down_by_two_probe_timeouts_and_its_legs_a
     async with workers.client() as client:
         with pool.track(P0.id, 100) as leg:
             await pool.probe_all(client, timeout=0.05)
-            assert leg.lost.is_set() and leg.loss is Loss.DOWN and "no answer within" in leg.reason
+            assert leg.is_lost and leg.loss is Loss.DOWN and "no answer within" in leg.reason
     assert workers.probes["p0"] == 2, "the first timeout was confirmed by a second probe at once"
     assert [v.id for v in pool.candidates(Role.PREFILL)] == [P1.id]
 
@@ -152,7 +152,7 @@ async def test_one_slow_probe_does_not_take_a_busy_worker_down() -> None:
     async with workers.client() as client:
         with pool.track(P0.id, 100_000) as leg:  # a long prefill in flight
             await pool.probe_all(client, timeout=0.05)
-            assert not leg.lost.is_set()
+            assert not leg.is_lost
     assert workers.probes["p0"] == 2 and pool.get(P0.id).healthy
 
 
