@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from router.config import Settings, build_settings, from_env, with_environment
+from router.config import LEG_CLIENTS, Settings, build_settings, from_env, with_environment
 from router.errors import ConfigError
 
 USAGE = """kvpush <command> [options]
@@ -83,6 +83,11 @@ def serve_parser() -> argparse.ArgumentParser:
         metavar="KEY",
         help="a client Bearer key (repeatable; prefer KVPUSH_API_KEYS: flags show in `ps`)",
     )
+    p.add_argument(
+        "--leg-client",
+        choices=LEG_CLIENTS,
+        help=f"the HTTP client of the legs to workers (default {Settings.leg_client}; router/README.md)",
+    )
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--log-format", choices=["json", "text"], help="json lines (default) or plain text")
     return p
@@ -127,6 +132,7 @@ def load_serve_settings(argv: list[str], env: dict[str, str]) -> Settings:
         "api_keys": args.api_keys,
         "log_format": args.log_format,
         "decider": args.decider,
+        "leg_client": args.leg_client,
         "limits": {k: v for k in _LIMIT_FLAGS if (v := getattr(args, k)) is not None} or None,
     }
     env_layer: dict[str, Any] = from_env(env)

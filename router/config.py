@@ -19,6 +19,7 @@ from router.policy import make_policy
 from router.specs import decode_from_mapping, parse_decode_url, parse_prefill_spec, prefill_from_mapping, workers
 
 __all__ = [  # the worker builders live in router.specs; config is where callers find every setting
+    "LEG_CLIENTS",
     "Limits",
     "Settings",
     "Timeouts",
@@ -30,6 +31,9 @@ __all__ = [  # the worker builders live in router.specs; config is where callers
     "prefill_from_mapping",
     "with_environment",
 ]
+
+
+LEG_CLIENTS = ("aiohttp", "http1")  # the legs' HTTP client (router/transport.py legs_for)
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,7 @@ class Settings:
     retries: int = 1  # extra attempts with fresh ids when nothing was sent to the client yet
     fallback: Fallback = Fallback.NONE  # DECODE_ONLY: with no healthy prefill, decode computes the prompt itself
     max_connections: int = 1024
+    leg_client: str = "aiohttp"  # the legs' HTTP client, one of LEG_CLIENTS (router/README.md "profile")
     max_in_flight: int = 512  # admission: client requests in flight at once
     admission_queue: int = 64  # admission: requests that may wait for a slot; beyond it, 429
     admission_wait: float = 5.0  # admission: longest wait for a slot
@@ -112,6 +117,7 @@ _ENV = {  # environment variable → setting
     "KVPUSH_API_KEYS": "api_keys",
     "KVPUSH_ADMIN_KEY": "admin_key",
     "KVPUSH_DECIDER": "decider",
+    "KVPUSH_LEG_CLIENT": "leg_client",
 }
 _TIMEOUT_NAMES = {f.name for f in fields(Timeouts)}
 _LIMIT_NAMES = {f.name for f in fields(Limits)}
@@ -232,6 +238,13 @@ def _fallback(value: Any) -> Fallback:
         raise ConfigError(f"fallback: expected 'none' or 'decode-only', got {value!r}") from None
 
 
+def _leg_client(value: Any) -> str:
+    name = str(value).lower()
+    if isinstance(value, str) and name in LEG_CLIENTS:
+        return name
+    raise ConfigError(f"leg_client: expected one of {', '.join(LEG_CLIENTS)}, got {value!r}")
+
+
 def _validate(raw: dict[str, Any], timeouts_raw: dict[str, Any], limits_raw: dict[str, Any]) -> Settings:
     unknown = set(timeouts_raw) - _TIMEOUT_NAMES
     if unknown:
@@ -270,6 +283,7 @@ def _validate(raw: dict[str, Any], timeouts_raw: dict[str, Any], limits_raw: dic
         retries=count("retries", 0, 5),
         fallback=_fallback(get("fallback")),
         max_connections=count("max_connections", 1),
+        leg_client=_leg_client(get("leg_client")),
         max_in_flight=count("max_in_flight", 1),
         admission_queue=count("admission_queue", 0),
         admission_wait=secs("admission_wait"),

@@ -1,6 +1,6 @@
-"""The aiohttp seams against real servers (the httpx transport for probes, AiohttpLegs for the legs): errors map
-to httpx's, short reads drop the connection (the server sees the client leave), whole reads keep it, legs have no
-read timeout of their own, and a leg given up mid-upload drops its connection."""
+"""The seams against real servers (the httpx transport for probes; both leg clients, AiohttpLegs and Http1Legs,
+for the legs): errors map to httpx's, short reads drop the connection (the server sees the client leave), whole
+reads keep it, legs have no read timeout of their own, and a leg given up mid-upload drops its connection."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from router.transport import AiohttpLegs, AiohttpTransport
+from router.config import LEG_CLIENTS
+from router.transport import AiohttpTransport, LegTransport, legs_for
 from stack.procs import ManagedProcess, ProcessSpec, free_port
 from tests.integration.router.hostile_workers import sockets_to
 from tests.integration.vllm_support import LOGS, REPO
@@ -50,6 +51,15 @@ def worker() -> Iterator[str]:
     proc.wait_healthy(30)
     yield f"http://127.0.0.1:{port}"
     proc.stop(5)
+
+
+@pytest.fixture(params=LEG_CLIENTS)
+def leg_client(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def make_legs(leg_client: str, connect_timeout: float = 5.0) -> LegTransport:
+    return legs_for(leg_client, max_connections=8, connect_timeout=connect_timeout)
 
 
 def client(read: float = 10.0) -> httpx.AsyncClient:
@@ -100,8 +110,8 @@ async def test_errors_are_httpx_errors(worker: str) -> None:
             await c.post(f"{worker}/v1/completions", json={"model": "tiny", "prompt": "x"})
 
 
-async def test_legs_stream_whole_answers_and_are_seen_leaving(worker: str) -> None:
-    legs = AiohttpLegs(max_connections=8, connect_timeout=5.0)
+async def test_legs_stream_whole_answers_and_are_seen_leaving(worker: str, leg_client: str) -> None:
+    legs = make_legs(leg_client)
     try:
         body = json.dumps({"model": "tiny", "prompt": "x", "stream": True}).encode()
         response = await legs.post(f"{worker}/v1/completions", body, {"content-type": "application/json"})
@@ -124,9 +134,9 @@ async def test_legs_stream_whole_answers_and_are_seen_leaving(worker: str) -> No
         await legs.aclose()
 
 
-async def test_legs_have_no_read_timeout_of_their_own(worker: str) -> None:
+async def test_legs_have_no_read_timeout_of_their_own(worker: str, leg_client: str) -> None:
     """A leg's own deadline is the only one: a 5 s stream (50 events, 0.1 s apart) is read whole."""
-    legs = AiohttpLegs(max_connections=8, connect_timeout=0.5)
+    legs = make_legs(leg_client, connect_timeout=0.5)
     try:
         body = json.dumps({"model": "tiny", "prompt": "x", "stream": True}).encode()
         response = await legs.post(f"{worker}/v1/completions", body, {"content-type": "application/json"})
@@ -137,7 +147,7 @@ async def test_legs_have_no_read_timeout_of_their_own(worker: str) -> None:
         await legs.aclose()
 
 
-async def test_a_leg_given_up_while_the_worker_never_reads_its_body_drops_the_connection() -> None:
+async def test_a_leg_given_up_while_the_worker_never_reads_its_body_drops_the_connection(leg_client: str) -> None:
     """A plain close waits for the write buffer to drain first: the socket (and the buffered body) would stay
     for as long as the worker does not read."""
     finished = asyncio.Event()
@@ -148,7 +158,7 @@ async def test_a_leg_given_up_while_the_worker_never_reads_its_body_drops_the_co
 
     server = await asyncio.start_server(never_reads, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    legs = AiohttpLegs(max_connections=8, connect_timeout=5.0)
+    legs = make_legs(leg_client)
 
     def ours() -> int:
         return sockets_to(os.getpid(), port)  # our side only: remote port == the server's
@@ -165,3 +175,32 @@ async def test_a_leg_given_up_while_the_worker_never_reads_its_body_drops_the_co
         finished.set()
         await legs.aclose()
         server.close()
+
+
+async def test_legs_read_whole_keep_one_connection_and_one_cut_short_is_not_reused(
+    worker: str, leg_client: str
+) -> None:
+    """Sequential whole answers share one pooled connection; a stream closed before its end leaves the pool."""
+    legs = make_legs(leg_client)
+    port = int(worker.rsplit(":", 1)[1])
+    whole = json.dumps({"model": "tiny", "prompt": "x", "kv_transfer_params": {"do_remote_decode": True}}).encode()
+    try:
+        for _ in range(4):
+            answer = await legs.post(f"{worker}/v1/completions", whole, {"content-type": "application/json"})
+            assert json.loads(await answer.read())["kv_transfer_params"]["transfer_mode"] == "push"
+        assert sockets_to(os.getpid(), port) == 1
+        body = json.dumps({"model": "tiny", "prompt": "x", "stream": True}).encode()
+        response = await legs.post(f"{worker}/v1/completions", body, {"content-type": "application/json"})
+        chunks = response.chunks()
+        assert (await anext(chunks)).startswith(b"data: ")
+        await chunks.aclose()
+        await response.aclose()
+        deadline = time.monotonic() + 5.0  # hang guard, not a speed assertion
+        while sockets_to(os.getpid(), port) > 0:
+            assert time.monotonic() < deadline, "the connection of a stream cut short stayed open"
+            await asyncio.sleep(0.05)
+        answer = await legs.post(f"{worker}/v1/completions", whole, {"content-type": "application/json"})
+        assert json.loads(await answer.read())["kv_transfer_params"]["transfer_mode"] == "push"
+        assert sockets_to(os.getpid(), port) == 1
+    finally:
+        await legs.aclose()

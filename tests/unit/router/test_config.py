@@ -10,7 +10,9 @@ import pytest
 from router import decider
 from router.cli import load_serve_settings
 from router.config import (
+    LEG_CLIENTS,
     Limits,
+    Settings,
     Timeouts,
     build_settings,
     decode_from_mapping,
@@ -24,6 +26,7 @@ from router.decider import NoDecider
 from router.discovery.settings import Discovery, DnsConfig, KubernetesConfig
 from router.domain import Fallback, Mode, NixlIdentity, Role, WorkerSpec
 from router.errors import ConfigError
+from router.transport import legs_for
 
 MIN = {"prefill": ["http://p:8100"], "decode": ["http://d:8200"]}
 
@@ -275,3 +278,27 @@ def test_policies_take_their_options_from_the_policy_block() -> None:
 def test_bad_policy_settings_are_refused_at_startup(layer: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         build_settings(MIN, layer)
+
+
+def test_the_leg_client_comes_from_the_file_the_environment_or_the_flag(tmp_path: Path) -> None:
+    config = tmp_path / "router.yaml"
+    config.write_text("prefill: [http://p:8100]\ndecode: [http://d:8200]\nleg_client: http1\n")
+    assert build_settings(MIN).leg_client == Settings.leg_client and Settings.leg_client in LEG_CLIENTS
+    assert load_serve_settings(["--config", str(config)], {}).leg_client == "http1"
+    assert load_serve_settings(["--config", str(config)], {"KVPUSH_LEG_CLIENT": "aiohttp"}).leg_client == "aiohttp"
+    flags = ["--config", str(config), "--leg-client", "aiohttp"]
+    assert load_serve_settings(flags, {"KVPUSH_LEG_CLIENT": "http1"}).leg_client == "aiohttp"
+
+
+@pytest.mark.parametrize("value", ["httpx", "", 1, True, ["http1"]])
+def test_an_unknown_leg_client_is_refused(value: Any) -> None:
+    with pytest.raises(ConfigError, match="leg_client: expected one of aiohttp, http1"):
+        build_settings(MIN, {"leg_client": value})
+
+
+def test_every_leg_client_makes_a_leg_transport() -> None:
+    for name in LEG_CLIENTS:
+        legs = legs_for(name, max_connections=2, connect_timeout=1.0)
+        assert type(legs).__name__ == {"aiohttp": "AiohttpLegs", "http1": "Http1Legs"}[name]
+    with pytest.raises(ValueError, match="unknown leg client"):
+        legs_for("httpx", max_connections=2, connect_timeout=1.0)
