@@ -24,6 +24,8 @@ CACHE = Path(os.environ.get("KVPUSH_TEST_CACHE", REPO / ".cache" / "kvpush"))
 LOGS = CACHE / "faults-logs"
 STANDIN_MODULE = "tests.integration.router.hostile_workers"  # run as a command, never imported here
 KVPUSH_CONNECTOR = ("KvpushConnector", "connector.plugin")
+# D holds a quarantined or unfed registration this long (default 120 s): rows settle in seconds, not minutes.
+KV_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -191,7 +193,14 @@ def vllm_bed(config: Mapping[str, Any]) -> Iterator[Bed]:
     from stack.tiny_model import build
 
     model = build(CACHE / "models" / "tiny", "tiny")
-    family = pd_family("faults", model, KVPUSH_CONNECTOR[0], module=KVPUSH_CONNECTOR[1], n_prefill=2)
+    family = pd_family(
+        "faults",
+        model,
+        KVPUSH_CONNECTOR[0],
+        module=KVPUSH_CONNECTOR[1],
+        n_prefill=2,
+        connector_extra={"kv_timeout_s": KV_TIMEOUT_S},
+    )
     started: list[ManagedProcess] = []
     with Fleet(LOGS) as fleet:
         engines = start_family(fleet, family, 420.0)

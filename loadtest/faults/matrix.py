@@ -16,12 +16,12 @@ from typing import Any
 
 import httpx
 
-from loadtest.faults.bed import REPO, Bed, standin_bed, vllm_bed
+from loadtest.faults.bed import KV_TIMEOUT_S, REPO, Bed, standin_bed, vllm_bed
 from loadtest.faults.rows import Row, selected
 from loadtest.faults.scenarios import SCENARIOS, Outcome
 
 logger = logging.getLogger("kvpush.faults")
-SETTLE_S = 150.0  # longest wait for a bed to settle (the connector's leases: 30 s on P, kv_timeout_s 120 s on D)
+SETTLE_S = 90.0  # longest wait for a bed to settle (leases: 30 s on P, the bed's kv_timeout_s 30 s on D)
 OUT = REPO / "bench" / "faults"
 # Settings each bed's router runs with: defaults, except the admission bound for the burst row and, for the
 # never-reading prefill, a short prefill deadline (the default 300 s would make the row take 5 minutes).
@@ -142,7 +142,8 @@ def readme(results: list[RowResult], meta: Mapping[str, Any]) -> str:
         f"{SETTLE_S:g} s) the router's gauges and every engine's",
         "running + waiting requests and KV usage. *Clean*: every client was served or got a clear OpenAI-style",
         "error, and nothing is left running, held or in use. Bed `vllm`: two prefill and one decode vLLM CPU",
-        "engines (tiny model, our push connector) behind a router with default settings except",
+        f"engines (tiny model, our push connector with `kv_timeout_s` {KV_TIMEOUT_S:g} s, default 120) behind a"
+        " router with default settings except",
         f"`{json.dumps(VLLM_CONFIG)}`; bed `standin`: tests/integration/router/hostile_workers.py processes"
         " (the first worker of the faulty role misbehaves), router defaults except "
         f"`{json.dumps(STANDIN_CONFIG)}`.",

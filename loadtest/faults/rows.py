@@ -63,7 +63,7 @@ ROWS: tuple[Row, ...] = (
         "decode",
         "lost-registration",
         "vllm",
-        130.0,
+        40.0,  # the bed's kv_timeout_s (30 s) and a margin
         "decode registers with a wrong engine id and side port",
         short=False,
     ),
