@@ -21,6 +21,7 @@ from loadtest.job import REPO, Job, execute
 from loadtest.results import RowLabels, append_rows, build_row, git_commit
 from loadtest.runner import LoadConfig
 from stack.procs import LOOPBACK, ManagedProcess, ProcessSpec
+from stack.routers import Router, router_spec
 
 VROUTER_VERSION = "0.1.17"
 
@@ -66,26 +67,9 @@ def router_proc(
 
     `cprofile_to`: run it under loadtest.profiled (SIGUSR1 starts cProfile, SIGUSR2 writes that file).
     """
-    head = ("-m", "loadtest.profiled", str(cprofile_to)) if cprofile_to else ("-m",)
-    argv = (
-        sys.executable,
-        *head,
-        "router",
-        "serve",
-        "--host",
-        LOOPBACK,
-        "--port",
-        str(port),
-        "--mode",
-        mode,
-        "--prefill",
-        prefill,
-        "--decode",
-        decode,
-        "--log-level",
-        "warning",
-    )
-    return ManagedProcess(ProcessSpec(name, argv, _env(), log_dir / f"{name}.log", f"{url(port)}/ready", REPO))
+    runner = ("-m", "loadtest.profiled", str(cprofile_to)) if cprofile_to else ("-m",)
+    spec = router_spec(port, mode, [prefill], [decode], "--log-level", "warning", name=name, runner=runner)
+    return Router(spec, log_dir=log_dir)
 
 
 def vrouter_binary() -> str | None:

@@ -29,7 +29,8 @@ from loadtest.benchkit import (
     vrouter_proc,
 )
 from loadtest.results import RowLabels
-from stack.engines import Engine, EngineSpec, Fleet
+from stack.engines import Engine, Fleet
+from stack.family import PdFamily, pd_family, start_family
 from stack.local import StackOptions, ensure_model
 from stack.procs import free_port
 
@@ -87,28 +88,16 @@ class Front:
     d: Engine
 
 
-def pair_specs(family: Family, model: Path) -> tuple[EngineSpec, EngineSpec]:
-    name, c, m = family.label, family.connector, family.module
-    p = EngineSpec(
-        name=f"vllm-{name}-p",
-        role="prefill",
-        model=model,
-        core=0,
-        connector=c,
-        connector_module=m,
-        engine_id=f"kvpush-bench-{name}-p",
-    )
-    d = EngineSpec(name=f"vllm-{name}-d", role="decode", model=model, core=1, connector=c, connector_module=m)
-    return p, d
+def pair_family(family: Family, model: Path) -> PdFamily:
+    """One prefill (core 0, engine id `vllm-{label}-p0`) and one decode (core 1) on the family's connector."""
+    return pd_family(f"vllm-{family.label}", model, family.connector, module=family.module)
 
 
 def _fronts(fleet: Fleet, family: Family, p: Engine, d: Engine, logs: Path, vrouter: bool) -> list[Front]:
     """kvpush and (when found) vllm-router in front of one pair, started and ready."""
     mode, tag = family.mode, family.label
-    side = p.engine_spec.side_port
-    p_spec = f"{p.url},engine_id={p.engine_spec.engine_id},side_port={side}"
     port = free_port()
-    proc = fleet.start(router_proc(f"router-{tag}", port, mode, p_spec, d.url, logs))
+    proc = fleet.start(router_proc(f"router-{tag}", port, mode, p.engine_spec.prefill_arg(), d.url, logs))
     proc.wait_healthy(timeout=60.0)
     out = [Front("kvpush", family, url(port), p, d)]
     binary = vrouter_binary() if vrouter else None
@@ -131,9 +120,8 @@ def run(plan: CpuPlan, run_dir: Path, summary: Path, progress: bool, run_id: str
         for family in FAMILIES:
             # one pair at a time: a pair's ports are picked only once the previous pair has bound all of its own
             # (six engines started at once let vLLM's internal ZMQ ports take an HTTP port picked for another)
-            p, d = fleet.start_all(pair_specs(family, model))
-            engines[family.label] = (p, d)
-            fleet.wait_all_healthy(timeout=600.0)
+            pair = start_family(fleet, pair_family(family, model), timeout=600.0)
+            engines[family.label] = (pair.prefills[0], pair.decode)
         fronts = [f for fam in FAMILIES for f in _fronts(fleet, fam, *engines[fam.label], logs, plan.vrouter)]
         probes = {(f.router, f.family.label): _probe(f, plan) for f in fronts if f.family.mode == "push"}
         for i, qps in enumerate(plan.qps):

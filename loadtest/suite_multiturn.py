@@ -18,7 +18,6 @@ first front's (greedy: all must). A PNG of TTFT p50 by turn goes next to summary
 from __future__ import annotations
 
 import asyncio
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -32,8 +31,10 @@ from loadtest.records import write_jsonl
 from loadtest.results import RowLabels, append_rows, build_row, git_commit
 from loadtest.stats import summarize
 from stack.engines import Engine, EngineSpec, Fleet
+from stack.family import PdFamily, pd_family, start_family
 from stack.local import StackOptions, ensure_model
 from stack.procs import LOOPBACK, ManagedProcess, ProcessSpec, free_port
+from stack.routers import Router, router_spec
 
 DETAILS = "--enable-prompt-tokens-details"
 CONNECTORS = {"upstream-push": ("NixlPushConnector", None), "kvpush-push": ("KvpushConnector", "connector.plugin")}
@@ -90,20 +91,17 @@ SMOKE = MultiTurnPlan(
 )
 
 
-def engine_specs(plan: MultiTurnPlan, model: Path) -> list[EngineSpec]:
+def engine_family(plan: MultiTurnPlan, model: Path) -> PdFamily:
+    """mt-p0 on core 0, mt-d0 and mt-d1 sharing core 1, all on the plan's connector."""
     connector, module = CONNECTORS[plan.connector]
-    common: dict[str, Any] = {
-        "model": model,
-        "connector": connector,
-        "connector_module": module,
-        "extra_args": (DETAILS,),
-        "max_model_len": plan.max_model_len,
-    }
-    return [
-        EngineSpec(name="mt-p", role="prefill", core=0, engine_id="kvpush-mt-p", **common),
-        EngineSpec(name="mt-d1", role="decode", core=1, **common),
-        EngineSpec(name="mt-d2", role="decode", core=1, **common),
-    ]
+    return pd_family(
+        "mt", model, connector, module=module, n_decode=2, extra_args=(DETAILS,), max_model_len=plan.max_model_len
+    )
+
+
+def engine_specs(plan: MultiTurnPlan, model: Path) -> list[EngineSpec]:
+    """The family's specs in start order (prefill first)."""
+    return list(engine_family(plan, model).specs)
 
 
 def _env() -> dict[str, str]:
@@ -135,13 +133,8 @@ def block_size(engine_url: str) -> int | None:
 def kvpush_proc(
     name: str, port: int, prefill: str, decodes: list[str], logs: Path, config: Path | None
 ) -> ManagedProcess:
-    argv = [sys.executable, "-m", "router", "serve", "--host", LOOPBACK, "--port", str(port), "--mode", "push"]
-    argv += ["--prefill", prefill, "--log-level", "warning"]
-    for d in decodes:
-        argv += ["--decode", d]
-    if config is not None:
-        argv += ["--config", str(config)]
-    return ManagedProcess(ProcessSpec(name, tuple(argv), _env(), logs / f"{name}.log", f"{url(port)}/ready", REPO))
+    spec = router_spec(port, "push", [prefill], decodes, "--log-level", "warning", name=name, config=config)
+    return Router(spec, log_dir=logs)
 
 
 def vrouter_push_proc(
@@ -184,8 +177,7 @@ def decode_sources(decodes: list[Engine]) -> dict[str, float]:
 def _start_front(
     front: str, plan: MultiTurnPlan, fleet: Fleet, p: Engine, decodes: list[str], logs: Path, run_dir: Path
 ) -> str | None:
-    spec = p.engine_spec
-    prefill = f"{p.url},engine_id={spec.engine_id},side_port={spec.side_port}"
+    prefill = p.engine_spec.prefill_arg()
     port = free_port()
     if front == "vllm-router":
         binary = vrouter_binary()
@@ -212,9 +204,8 @@ def run(plan: MultiTurnPlan, run_dir: Path, summary: Path, progress: bool, run_i
     rows: list[dict[str, Any]] = []
     baseline: list[multiturn.TurnRecord] | None = None
     with vllm_lock(), Fleet(logs, base_env=_env() | {"VLLM_SERVER_DEV_MODE": "1"}) as fleet:
-        engines = fleet.start_all(engine_specs(plan, model))
-        fleet.wait_all_healthy(timeout=600.0)
-        p, decodes = engines[0], engines[1:]
+        family = start_family(fleet, engine_family(plan, model), timeout=600.0)
+        engines, p, decodes = list(family.members), family.prefills[0], list(family.decodes)
         ratio = words_per_token(p.url)
         for front in FRONTS:
             base = _start_front(front, plan, fleet, p, [d.url for d in decodes], logs, run_dir)

@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from stack.procs import ManagedProcess, ProcessSpec, free_port
-from tests.integration.vllm_support import LOGS, REPO, wait_for
+from stack.routers import Router, router_spec
+from tests.integration.support import LOGS, REPO, wait_for
 
 pytestmark = pytest.mark.integration
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "stream": True}
@@ -68,12 +69,22 @@ def router(
     prefills: list[Proc], decodes: list[Proc], *flags: str, env: dict[str, str] | None = None, ready: str = "/health"
 ) -> Proc:
     port = free_port()
-    argv = [sys.executable, "-m", "router", "serve", "--port", str(port), "--health-interval", "0.3"]
-    for p in prefills:
-        argv += ["--prefill", f"{p.url},engine_id=fake,side_port=5600"]
-    for d in decodes:
-        argv += ["--decode", d.url]
-    return start(f"router-ops-{port}", [*argv, *flags], port, ready, env)
+    spec = router_spec(
+        port,
+        None,
+        [f"{p.url},engine_id=fake,side_port=5600" for p in prefills],
+        [d.url for d in decodes],
+        "--health-interval",
+        "0.3",
+        *flags,
+        name=f"router-ops-{port}",
+        ready_path=ready,
+        env=env,
+    )
+    handle = Router(spec, log_dir=LOGS)
+    handle.start()
+    handle.wait_healthy(30.0)
+    return Proc(handle, handle.url, handle.port)
 
 
 @contextlib.contextmanager
