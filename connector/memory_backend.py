@@ -159,7 +159,8 @@ class MemoryBackend:
             return "PROC"
         if not w.notified:
             w.notified = True
-            self.fabric.agents[w.peer].inbox.append((self._name, w.notice))
+            if w.notice:  # an empty notice (a partial WRITE) is not delivered, as with NIXL
+                self.fabric.agents[w.peer].inbox.append((self._name, w.notice))
         return "DONE"
 
     def _progress(self, handle: int, w: _Write) -> None:

@@ -373,11 +373,33 @@ class PrefillFinished:
 
 @dataclass(frozen=True)
 class PrefillFailed:
-    """P: the prefill of ``request_id`` ended without KV (abort, error); tell its decode."""
+    """P: the prefill of ``request_id`` ended without KV (abort, error); tell its decode.
+    ``held``: vLLM keeps its blocks for us (a partial WRITE may read them, G14) until they are released."""
 
     request_id: str
     key: str
     reason: str
+    held: bool = False
+
+
+@dataclass(frozen=True)
+class PrefillProgress:
+    """P, progressive push (G14): a step of the chunked prefill of ``request_id`` ended; ``block_ids`` are
+    the prompt's full blocks computed so far (a prefix of its ``total_blocks``)."""
+
+    request_id: str
+    key: str
+    block_ids: tuple[int, ...]
+    total_blocks: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class PrefillRestarted:
+    """P: vLLM preempted ``request_id`` after partial WRITEs: from now on only the final WRITE, of every block."""
+
+    request_id: str
+    key: str
 
 
 @dataclass
@@ -391,8 +413,18 @@ class StepPlan:
     failed: list[PrefillFailed] = field(default_factory=list)
     # P: prompts whose last token this step computes; posted from the end-of-step hook (G10)
     completing: list[PrefillFinished] = field(default_factory=list)
+    # P: full blocks of chunked prefills computed by this step; posted from the end-of-step hook (G14)
+    progress: list[PrefillProgress] = field(default_factory=list)
+    restarted: list[PrefillRestarted] = field(default_factory=list)  # P: preempted legs (step start)
 
     def is_empty(self) -> bool:
         return not (
-            self.register or self.cancel or self.cancel_unallocated or self.finished or self.failed or self.completing
+            self.register
+            or self.cancel
+            or self.cancel_unallocated
+            or self.finished
+            or self.failed
+            or self.completing
+            or self.progress
+            or self.restarted
         )

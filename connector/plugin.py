@@ -97,7 +97,9 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vllm is unty
         if role == KVConnectorRole.SCHEDULER:
             options = Options.from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
             block_size = int(vllm_config.cache_config.block_size)
-            self._scheduler = SchedulerHalf(engine_id, host, port, block_size, options.early_write)
+            self._scheduler = SchedulerHalf(
+                engine_id, host, port, block_size, options.early_write, progressive=options.progressive
+            )
         else:
             self._worker = WorkerHalf(vllm_config, engine_id, host, port)
             self._worker.set_num_blocks(kv_cache_config.num_blocks)

@@ -10,11 +10,17 @@ Prefill side, per pairing key (``PrefillRendezvous``)::
 
     (none) --finished--> AWAIT_REGISTRATION --registration--> WRITING --write done--> DONE
     (none) --registration--> AWAIT_PREFILL --finished--> WRITING
+    AWAIT_PREFILL --progress (new full blocks; progressive push, G14)--> PUSHING: a partial WRITE, no Done
+    PUSHING --progress--> PUSHING (the blocks join the next WRITE: one WRITE in flight per key)
+    PUSHING --write done--> AWAIT_PREFILL (or PUSHING again with the blocks that became ready meanwhile)
+    PUSHING --finished / failed (blocks now held)--> FLUSHING --write done--> WRITING (the final WRITE of
+        the blocks not yet written, with Done) or DONE (prefill failed: D told Failure, blocks released)
+    AWAIT_PREFILL / PUSHING --restarted (P preempted)--> no more partial WRITEs; the final WRITE writes all
     AWAIT_* --registration/finished that do not fit (more blocks than held, other prompt)--> DONE (refused)
     (none) --failed--> FAILED (tombstone: a late registration is answered with a Failure)
     (none) / AWAIT_* --cancel--> CANCELLED (tombstone: acked; a late registration/finish is refused)
-    WRITING --cancel--> WRITING(cancel pending): the ack waits until the WRITE is over
-    WRITING --write failed (ERR) or deadline (abandoned)--> the handle must be released first:
+    WRITING / PUSHING / FLUSHING --cancel--> cancel pending: the ack waits until the WRITE is over
+    WRITING / PUSHING / FLUSHING --write failed (ERR) or deadline (abandoned)--> the handle must be released first:
         released at once            --> DONE (blocks released, D told Failure: it may free)
         release refused (stuck)     --> RELEASING (blocks held, D told Failure(quarantine): it
                                         reports the request failed now and frees at its hold deadline)
@@ -50,161 +56,44 @@ blocks. P never posts a WRITE after the registration's ``write_deadline``, which
 from __future__ import annotations
 
 import enum
-import heapq
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from connector.metadata import (
-    Cancel,
-    CancelAck,
-    Failure,
-    Notice,
-    PeerAddress,
-    Registration,
+from connector.actions import (
+    AbandonWrite,
+    Action,
+    Connect,
+    Deadlines,
+    Failed,
+    Freed,
+    Received,
+    Release,
+    Send,
+    StartWrite,
+    Tally,
+    Timeouts,
 )
+from connector.metadata import Cancel, CancelAck, Done, Failure, PrefillProgress, Registration
 
-
-class Tally(enum.StrEnum):
-    """Every event counter of the connector (one name per event; ``connector.stats`` maps each to a
-    Prometheus series, and a unit test checks that none is left out)."""
-
-    AGENTS_REMOVED = "agents_removed"
-    BAD_NOTICES = "bad_notices"
-    CANCELLED = "cancelled"
-    CONFLICT = "conflict"
-    DUPLICATE = "duplicate"
-    EXPIRED = "expired"
-    FAILED = "failed"
-    FAILED_NOTICES = "failed_notices"
-    LATE_PREFILL = "late_prefill"
-    MISMATCH = "mismatch"
-    PEER_LOST = "peer_lost"
-    PREFILL_FAILED = "prefill_failed"
-    QUARANTINE_EXPIRED = "quarantine_expired"
-    QUARANTINED = "quarantined"
-    RECEIVED = "received"
-    RELEASE_REFUSED = "release_refused"
-    RELEASED = "released"
-    STALE = "stale"
-    THREAD_ERRORS = "thread_errors"
-    UNKNOWN_NOTICES = "unknown_notices"
-    WRITE_FAILED = "write_failed"
-    WRITE_RELEASED = "write_released"
-    WRITTEN = "written"
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    """Every lease of the protocol, in seconds."""
-
-    lease_s: float = 30.0  # P: finished blocks wait this long for a registration; tombstones live this long
-    kv_timeout_s: float = 120.0  # D: how long a registered request waits for its KV
-    write_grace_s: float = 10.0  # D: P's last WRITE may start this long before D's hold deadline
-    write_timeout_s: float = 5.0  # P: a WRITE still running after this is abandoned (< write_grace_s)
-    connect_timeout_s: float = 10.0  # D: handshake with P must finish within this
-
-    def __post_init__(self) -> None:
-        if not 0 < self.write_timeout_s < self.write_grace_s < self.kv_timeout_s:
-            raise ValueError("need 0 < write_timeout_s < write_grace_s < kv_timeout_s")
-
-
-# --------------------------------------------------------------------------------------------
-# Actions (what the caller must do)
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StartWrite:
-    """P: WRITE ``local_blocks`` (tail-aligned) into the registration's blocks, notice ``Done``."""
-
-    key: str
-    request_id: str
-    local_blocks: tuple[int, ...]
-    registration: Registration
-
-
-@dataclass(frozen=True)
-class AbandonWrite:
-    """P: release the WRITE of ``key`` still in flight (it ran past ``write_timeout_s``), then
-    report ``on_write_released`` or ``on_write_stuck``."""
-
-    key: str
-
-
-@dataclass(frozen=True)
-class Send:
-    """Send ``notice`` to the agent of engine ``engine_id``."""
-
-    engine_id: str
-    notice: Notice
-
-
-@dataclass(frozen=True)
-class Release:
-    """P: the blocks of prefill ``request_id`` may be freed (report it finished sending)."""
-
-    request_id: str
-
-
-@dataclass(frozen=True)
-class Received:
-    """D: request ``request_id`` leaves the wait (report it finished receiving; ``ok`` = KV valid)."""
-
-    request_id: str
-    ok: bool
-
-
-@dataclass(frozen=True)
-class Failed:
-    """D: report request ``request_id`` failed now; its blocks stay held (quarantine)."""
-
-    request_id: str
-
-
-@dataclass(frozen=True)
-class Freed:
-    """D: the quarantine of ``request_id`` is over (report it finished receiving; failure already told)."""
-
-    request_id: str
-
-
-@dataclass(frozen=True)
-class Connect:
-    """D: open the side channel to ``peer`` and report ``peer_ready`` or ``peer_lost``."""
-
-    peer: PeerAddress
-
-
-Action = StartWrite | AbandonWrite | Send | Release | Received | Failed | Freed | Connect
-
-
-class Deadlines:
-    """A min-heap of ``(deadline, seq, key)`` with lazy deletion: an item counts only while the
-    entry it names still has that deadline."""
-
-    def __init__(self, current: Callable[[str], float | None]) -> None:
-        self._heap: list[tuple[float, int, str]] = []
-        self._seq = 0
-        self._current = current
-
-    def push(self, key: str, deadline: float) -> None:
-        self._seq += 1
-        heapq.heappush(self._heap, (deadline, self._seq, key))
-
-    def due(self, now: float) -> list[str]:
-        keys: dict[str, None] = {}
-        while self._heap and self._heap[0][0] <= now:
-            deadline, _, key = heapq.heappop(self._heap)
-            if self._current(key) == deadline:
-                keys[key] = None
-        return list(keys)
-
-    def next(self) -> float | None:
-        while self._heap and self._current(self._heap[0][2]) != self._heap[0][0]:
-            heapq.heappop(self._heap)
-        return self._heap[0][0] if self._heap else None
-
+__all__ = [
+    "P_TERMINAL",
+    "AbandonWrite",
+    "Action",
+    "Connect",
+    "Deadlines",
+    "Failed",
+    "Freed",
+    "PEntry",
+    "PState",
+    "PrefillRendezvous",
+    "Received",
+    "Release",
+    "Send",
+    "StartWrite",
+    "Tally",
+    "Timeouts",
+    "progress_span",
+]
 
 # --------------------------------------------------------------------------------------------
 # Prefill side
@@ -213,8 +102,10 @@ class Deadlines:
 
 class PState(enum.Enum):
     AWAIT_REGISTRATION = "await_registration"  # prefill done, blocks held, D not heard of
-    AWAIT_PREFILL = "await_prefill"  # registration held, prefill still running
-    WRITING = "writing"  # WRITE posted, not yet DONE
+    AWAIT_PREFILL = "await_prefill"  # registration held, prefill still running, no WRITE in flight
+    PUSHING = "pushing"  # progressive: a partial WRITE in flight, prefill still running
+    FLUSHING = "flushing"  # progressive: a partial WRITE in flight, prefill over (its blocks held)
+    WRITING = "writing"  # the final WRITE posted, not yet DONE
     RELEASING = "releasing"  # WRITE failed or abandoned, handle not yet released: blocks held
     DONE = "done"  # tombstone: transfer over (written, failed or expired)
     FAILED = "failed"  # tombstone: prefill ended without KV before D registered
@@ -222,6 +113,7 @@ class PState(enum.Enum):
 
 
 P_TERMINAL = frozenset({PState.DONE, PState.FAILED, PState.CANCELLED})
+_IN_FLIGHT = frozenset({PState.PUSHING, PState.FLUSHING, PState.WRITING})  # a WRITE of the key is posted
 
 
 @dataclass
@@ -231,10 +123,33 @@ class PEntry:
     request_id: str | None = None  # P's vLLM request whose blocks we hold (while held)
     blocks: tuple[int, ...] = ()
     registration: Registration | None = None
-    cancel_pending: bool = False  # a Cancel arrived while WRITING / RELEASING
+    cancel_pending: bool = False  # a Cancel arrived while a WRITE was in flight
     cancelled_d_request: str | None = None
     num_tokens: int = 0  # P's prompt length (0 = not known)
     quarantine_told: bool = False  # RELEASING: D already holds its blocks until its deadline
+    # Progressive push (G14): P's first ``written`` prompt blocks are on D; the partial WRITE in flight
+    # covers blocks [written, posting); ``ready`` are the prompt's full blocks computed so far.
+    progressive: bool = True  # False after a refusal or a preemption: only the final WRITE, of everything
+    prefilling: str | None = None  # the running prefill request the partial WRITEs read from
+    ready: tuple[int, ...] = ()
+    total_blocks: int = 0
+    written: int = 0
+    posting: int = 0
+    prefill_failure: str | None = None  # FLUSHING: the prefill ended without KV
+    writes: int = 0  # WRITEs posted for this key
+
+
+def progress_span(
+    ready: tuple[int, ...], total: int, remote: tuple[int, ...], start: int, stop: int
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """P's prompt blocks ``ready[start:stop]`` paired with D's registered blocks (tails aligned over the
+    prompt's ``total`` blocks: D registers only the blocks it lacks, the last ``len(remote)``); the
+    blocks D already holds are skipped. Both tuples empty: nothing of that span goes to D."""
+    offset = total - len(remote)
+    lo = max(start, offset)
+    if stop <= lo:
+        return (), ()
+    return ready[lo:stop], remote[lo - offset : stop - offset]
 
 
 class PrefillRendezvous:
@@ -252,6 +167,29 @@ class PrefillRendezvous:
 
     # ---- events ------------------------------------------------------------------------
 
+    def on_prefill_progress(self, progress: PrefillProgress, now: float) -> list[Action]:
+        """A step of a chunked prefill ended: ``progress.block_ids`` are the prompt's full blocks computed
+        so far (a prefix of its ``total_blocks``). Registered and nothing in flight: WRITE the new ones
+        now (no Done); a WRITE in flight: they join the next one. Not registered yet: nothing (a
+        registration that comes later gets everything computed by then in one WRITE, then per step)."""
+        entry = self.entries.get(progress.key)
+        if entry is None or entry.state not in (PState.AWAIT_PREFILL, PState.PUSHING) or not entry.progressive:
+            return []
+        key = progress.key
+        entry.prefilling, entry.ready = progress.request_id, progress.block_ids
+        entry.total_blocks, entry.num_tokens = progress.total_blocks, progress.num_tokens
+        return self._push_ready(key, entry, now) if entry.state is PState.AWAIT_PREFILL else []
+
+    def on_prefill_restarted(self, key: str, now: float) -> list[Action]:
+        """P's request was preempted: its recomputed KV is not bitwise the same, so no more partial
+        WRITEs; the final WRITE writes every block again, after any WRITE in flight is over."""
+        entry = self.entries.get(key)
+        if entry is not None and entry.state in (PState.AWAIT_PREFILL, PState.PUSHING):
+            entry.progressive = False
+            entry.written = entry.posting = 0
+            entry.ready = ()
+        return []
+
     def on_prefill_finished(
         self, key: str, request_id: str, blocks: tuple[int, ...], now: float, num_tokens: int = 0
     ) -> list[Action]:
@@ -260,26 +198,41 @@ class PrefillRendezvous:
             self._add(key, PEntry(PState.AWAIT_REGISTRATION, now + self.timeouts.lease_s, request_id, blocks))
             self.entries[key].num_tokens = num_tokens
             return []
-        if entry.state is PState.AWAIT_PREFILL:
+        if entry.state in (PState.AWAIT_PREFILL, PState.PUSHING):
             assert entry.registration is not None
             entry.request_id, entry.blocks, entry.num_tokens = request_id, blocks, num_tokens
+            if entry.state is PState.PUSHING:
+                entry.state = PState.FLUSHING  # the final WRITE waits for the partial one in flight
+                return []
             return self._write_or_refuse(key, entry, now)
+        if entry.state is PState.RELEASING and entry.request_id is None:
+            entry.request_id, entry.blocks = request_id, blocks  # a stuck partial WRITE reads them
+            return []
         # Cancelled, failed, done or already holding blocks: never pair a second prefill.
         self.counters[Tally.LATE_PREFILL if entry.state in P_TERMINAL else Tally.DUPLICATE] += 1
         return [Release(request_id)]
 
-    def on_prefill_failed(self, key: str, reason: str, now: float) -> list[Action]:
+    def on_prefill_failed(self, key: str, reason: str, now: float, held: str | None = None) -> list[Action]:
+        """The prefill ended without KV. ``held``: its request, whose blocks vLLM keeps for us (a
+        progressive leg: a partial WRITE may read them); released once no WRITE of the key is in flight."""
+        release: list[Action] = [Release(held)] if held is not None else []
         entry = self.entries.get(key)
         if entry is None:
             self._add(key, PEntry(PState.FAILED, now + self.timeouts.lease_s))
-            return []
+            return release
         if entry.state is PState.AWAIT_PREFILL:
             assert entry.registration is not None
             self._finish(key, entry, PState.DONE, now)
             self.counters[Tally.PREFILL_FAILED] += 1
-            return [self._fail(entry.registration, f"prefill failed: {reason}")]
+            return [*release, self._fail(entry.registration, f"prefill failed: {reason}")]
+        if entry.state is PState.PUSHING or (entry.state is PState.RELEASING and entry.request_id is None):
+            entry.request_id = held
+            entry.prefill_failure = reason
+            entry.state = PState.FLUSHING if entry.state is PState.PUSHING else entry.state
+            return []
+        # A second end for the key: only the blocks of another request than the one held here are freed.
         self.counters[Tally.DUPLICATE] += 1
-        return []
+        return release if held != entry.request_id else []
 
     def on_registration(self, reg: Registration, now: float) -> list[Action]:
         entry = self.entries.get(reg.key)
@@ -315,27 +268,26 @@ class PrefillRendezvous:
             # Not the registration we would write to: nothing for it can land.
             self.counters[Tally.STALE] += 1
             return [ack]
-        if entry.state in (PState.WRITING, PState.RELEASING):
+        if entry.state in _IN_FLIGHT or entry.state is PState.RELEASING:
             entry.cancel_pending = True  # answered once the WRITE is over (ack or Failure)
             return []
         if entry.state in P_TERMINAL:
             self.counters[Tally.DUPLICATE] += entry.state is PState.CANCELLED
             return [ack]
-        # AWAIT_REGISTRATION or AWAIT_PREFILL: drop it, refuse any later pairing of this key.
-        actions: list[Action] = [Release(entry.request_id)] if entry.request_id else []
-        self._finish(cancel.key, entry, PState.CANCELLED, now)
-        entry.cancelled_d_request = cancel.d_request_id
-        self.counters[Tally.CANCELLED] += 1
-        return [*actions, ack]
+        # AWAIT_REGISTRATION or AWAIT_PREFILL: nothing in flight; drop it, refuse any later pairing.
+        return [*self._cancel_now(cancel.key, entry, cancel.d_request_id, now), ack]
 
     def on_write_done(self, key: str, now: float) -> list[Action]:
-        """The WRITE completed (its ``Done`` travels with the data) and its handle is released."""
+        """The WRITE completed (a final one's ``Done`` travels with the data) and its handle is released."""
         entry = self.entries.get(key)
-        if entry is None or entry.state is not PState.WRITING:
+        if entry is None or entry.state not in _IN_FLIGHT:
             self.counters[Tally.STALE] += 1
             return []
         reg = entry.registration
-        assert reg is not None and entry.request_id is not None
+        assert reg is not None
+        if entry.state is not PState.WRITING:
+            return self._partial_done(key, entry, reg, now)
+        assert entry.request_id is not None
         actions: list[Action] = [Release(entry.request_id)]
         self.counters[Tally.WRITTEN] += 1
         if entry.cancel_pending:
@@ -346,13 +298,14 @@ class PrefillRendezvous:
     def on_write_released(self, key: str, now: float) -> list[Action]:
         """A WRITE that failed or was abandoned is released: nothing of it can land any more."""
         entry = self.entries.get(key)
-        if entry is None or entry.state not in (PState.WRITING, PState.RELEASING):
+        if entry is None or entry.state not in (*_IN_FLIGHT, PState.RELEASING):
             self.counters[Tally.STALE] += 1
             return []
         reg = entry.registration
-        assert reg is not None and entry.request_id is not None
-        self.counters[Tally.WRITE_FAILED if entry.state is PState.WRITING else Tally.WRITE_RELEASED] += 1
-        actions: list[Action] = [Release(entry.request_id), self._fail(reg, "WRITE failed")]
+        assert reg is not None
+        self.counters[Tally.WRITE_FAILED if entry.state is not PState.RELEASING else Tally.WRITE_RELEASED] += 1
+        actions: list[Action] = [Release(entry.request_id)] if entry.request_id is not None else []
+        actions.append(self._fail(reg, "WRITE failed"))
         self._finish(key, entry, PState.DONE, now)
         return actions
 
@@ -360,12 +313,12 @@ class PrefillRendezvous:
         """A WRITE failed or was abandoned and the backend refused to release its handle: keep the
         blocks, tell D to fail the request now and hold its blocks until its hold deadline."""
         entry = self.entries.get(key)
-        if entry is None or entry.state not in (PState.WRITING, PState.RELEASING):
+        if entry is None or entry.state not in (*_IN_FLIGHT, PState.RELEASING):
             self.counters[Tally.STALE] += 1
             return []
         reg = entry.registration
         assert reg is not None
-        if entry.state is PState.WRITING:
+        if entry.state is not PState.RELEASING:
             self.counters[Tally.WRITE_FAILED] += 1
         self._enter_releasing(key, entry, reg)
         if entry.quarantine_told:
@@ -395,9 +348,57 @@ class PrefillRendezvous:
 
     # ---- helpers -----------------------------------------------------------------------
 
+    def _partial_done(self, key: str, entry: PEntry, reg: Registration, now: float) -> list[Action]:
+        """A partial WRITE (PUSHING / FLUSHING) completed: nothing of the key is in flight now."""
+        entry.written = entry.posting
+        if entry.cancel_pending:
+            return [
+                *self._cancel_now(key, entry, reg.d_request_id, now),
+                Send(reg.d_engine_id, CancelAck(key, reg.d_request_id)),
+            ]
+        if entry.state is PState.PUSHING:
+            entry.state = PState.AWAIT_PREFILL
+            self._set_deadline(key, entry, reg.write_deadline)
+            return self._push_ready(key, entry, now)
+        if entry.prefill_failure is not None:  # FLUSHING after a failed prefill
+            actions: list[Action] = [Release(entry.request_id)] if entry.request_id is not None else []
+            self.counters[Tally.PREFILL_FAILED] += 1
+            self._finish(key, entry, PState.DONE, now)
+            return [*actions, self._fail(reg, f"prefill failed: {entry.prefill_failure}")]
+        return self._write_or_refuse(key, entry, now)
+
+    def _cancel_now(self, key: str, entry: PEntry, d_request_id: str, now: float) -> list[Action]:
+        actions: list[Action] = [Release(entry.request_id)] if entry.request_id else []
+        self._finish(key, entry, PState.CANCELLED, now)
+        entry.cancelled_d_request = d_request_id
+        self.counters[Tally.CANCELLED] += 1
+        return actions
+
+    def _push_ready(self, key: str, entry: PEntry, now: float) -> list[Action]:
+        """AWAIT_PREFILL, progressive: post one partial WRITE of the full blocks not yet written."""
+        reg = entry.registration
+        assert reg is not None and entry.prefilling is not None
+        stop = len(entry.ready)
+        if not entry.progressive or stop <= entry.written:
+            return []
+        fits = len(reg.block_ids) <= entry.total_blocks and (
+            not (reg.num_tokens and entry.num_tokens) or reg.num_tokens == entry.num_tokens
+        )
+        if not fits or now >= reg.write_deadline:
+            entry.progressive = False  # the final step refuses it (or the deadline ends it), as without
+            return []
+        local, remote = progress_span(entry.ready, entry.total_blocks, reg.block_ids, entry.written, stop)
+        if not local:  # all of it already on D (its own prefix hit)
+            entry.written = stop
+            return []
+        entry.posting, entry.state = stop, PState.PUSHING
+        entry.writes += 1
+        self._set_deadline(key, entry, now + self.timeouts.write_timeout_s)
+        return [StartWrite(key, entry.prefilling, local, reg, remote, final=False, ordinal=entry.writes)]
+
     def _expire_live(self, key: str, entry: PEntry, now: float) -> list[Action]:
         reg = entry.registration
-        if entry.state is PState.WRITING:
+        if entry.state in _IN_FLIGHT:
             assert reg is not None
             self.counters[Tally.EXPIRED] += 1
             self._enter_releasing(key, entry, reg)
@@ -425,6 +426,7 @@ class PrefillRendezvous:
         self._set_deadline(key, entry, reg.write_deadline + self.timeouts.write_grace_s)
 
     def _write_or_refuse(self, key: str, entry: PEntry, now: float) -> list[Action]:
+        """The final WRITE: every block not yet written (all of them without progressive push), with Done."""
         reg, request_id = entry.registration, entry.request_id
         assert reg is not None and request_id is not None
         refusal = self._mismatch(reg, entry)
@@ -436,9 +438,18 @@ class PrefillRendezvous:
         if refusal is not None:
             self._finish(key, entry, PState.DONE, now)
             return [Release(request_id), self._fail(reg, refusal)]
+        remote: tuple[int, ...] | None = None
+        local = entry.blocks
+        if entry.written:
+            local, remote = progress_span(entry.blocks, len(entry.blocks), reg.block_ids, entry.written, len(local))
+            if not local:  # every block already landed: Done alone (nothing is in flight)
+                self.counters[Tally.WRITTEN] += 1
+                self._finish(key, entry, PState.DONE, now)
+                return [Release(request_id), Send(reg.d_engine_id, Done(key, reg.d_request_id))]
         entry.state = PState.WRITING
+        entry.writes += 1
         self._set_deadline(key, entry, now + self.timeouts.write_timeout_s)
-        return [StartWrite(key, request_id, entry.blocks, reg)]
+        return [StartWrite(key, request_id, local, reg, remote, final=True, ordinal=entry.writes)]
 
     @staticmethod
     def _mismatch(reg: Registration, entry: PEntry) -> str | None:
@@ -476,6 +487,7 @@ class PrefillRendezvous:
         entry.request_id = None
         entry.blocks = ()
         entry.cancel_pending = False
+        entry.ready = ()
 
     def _set_deadline(self, key: str, entry: PEntry, deadline: float) -> None:
         entry.deadline = deadline
@@ -488,6 +500,3 @@ class PrefillRendezvous:
     @staticmethod
     def _fail(reg: Registration, reason: str, quarantine: bool = False) -> Send:
         return Send(reg.d_engine_id, Failure(reg.key, reg.d_request_id, reason, quarantine))
-
-
-# --------------------------------------------------------------------------------------------

@@ -23,6 +23,12 @@ Bookkeeping (all keyed by vLLM request id):
   the plan of that step carries ``PrefillFinished`` in ``completing`` and the worker posts the WRITE
   at the end of that very step (``wait_for_save``), not one step later from ``request_finished``.
   Their blocks stay held until the worker reports them sent, whatever ``request_finished`` says.
+* ``_progressing`` (prefill, guarantee G14, progressive push): chunked legs that ordered a WRITE of the
+  full blocks of a step (``PrefillProgress`` in that step's ``progress``, posted from its
+  ``wait_for_save``). A partial WRITE may read their blocks, so whatever ends them (abort, error)
+  keeps the blocks held (``PrefillFailed(held=True)``) until the worker reports them sent, which it
+  does once no WRITE of the transfer is in flight. A leg that vLLM preempted and resumed orders
+  ``PrefillRestarted`` and no more partial WRITEs: the final WRITE writes every block again.
 * ``_held`` (prefill): blocks kept for a transfer until the worker reports them sent.
 """
 
@@ -42,6 +48,8 @@ from connector.metadata import (
     PrefillFailed,
     PrefillFinished,
     PrefillLeg,
+    PrefillProgress,
+    PrefillRestarted,
     ProtocolError,
     RegisterOrder,
     StepPlan,
@@ -84,11 +92,20 @@ class _PLeg:
     prompt_len: int
     early: bool  # one-token leg: eligible for the WRITE in its completing step
     blocks: list[int]
+    full_sent: int = 0  # progressive: full blocks already ordered written (G14)
+    progressive: bool = True  # False once preempted: only the final WRITE
 
 
 class SchedulerHalf:
     def __init__(
-        self, engine_id: str, side_host: str, side_port: int, block_size: int = 0, early_write: bool = True
+        self,
+        engine_id: str,
+        side_host: str,
+        side_port: int,
+        block_size: int = 0,
+        early_write: bool = True,
+        *,
+        progressive: bool = False,
     ) -> None:
         self.engine_id = engine_id
         self.side_host, self.side_port = side_host, side_port
@@ -99,6 +116,8 @@ class SchedulerHalf:
         self._cancelling: set[str] = set()
         self._p_legs: dict[str, _PLeg] = {}
         self._completing: set[str] = set()
+        self._progressive = progressive and early_write and block_size > 0
+        self._progressing: set[str] = set()
         self._held: set[str] = set()
 
     # ---- decode side (and prefill legs seen while scheduling) ----------------------------
@@ -162,6 +181,7 @@ class SchedulerHalf:
         for request_id in finished_sending:
             self._held.discard(request_id)
             self._completing.discard(request_id)
+            self._progressing.discard(request_id)
         return withheld
 
     def request_finished(
@@ -183,6 +203,11 @@ class SchedulerHalf:
             # The WRITE was ordered in the completing step: hold the blocks until Release (G10).
             return True, answer.to_params() if ending is Ending.OK else None
         key = p_leg.key if p_leg is not None else pairing_key(leg.transfer_id, request_id)
+        if ending is not Ending.OK and request_id in self._progressing:
+            # A partial WRITE may read these blocks: held until the worker reports them sent (G14).
+            self._plan.failed.append(PrefillFailed(request_id, key, ending.name, held=True))
+            self._held.add(request_id)
+            return True, None
         if ending is not Ending.OK or not block_ids:
             self._plan.failed.append(PrefillFailed(request_id, key, ending.name))
             return False, None
@@ -239,15 +264,23 @@ class SchedulerHalf:
             if leg is None:
                 continue
             new_blocks = cached.new_block_ids[i]
+            resumed = request_id in cached.resumed_req_ids
+            if resumed and leg.full_sent:  # preempted after partial WRITEs: recomputed KV, final WRITE only
+                self._plan.restarted.append(PrefillRestarted(request_id, leg.key))
+            if resumed:
+                leg.progressive, leg.full_sent = False, 0
             if new_blocks is not None:
                 fresh = list(new_blocks[0])
-                leg.blocks = fresh if request_id in cached.resumed_req_ids else leg.blocks + fresh
+                leg.blocks = fresh if resumed else leg.blocks + fresh
             self._maybe_complete(request_id, leg, cached.num_computed_tokens[i], scheduled)
 
     def _maybe_complete(self, request_id: str, leg: _PLeg, num_computed: int, scheduled: dict[str, int]) -> None:
         if not (self._early_write and leg.early) or request_id in self._completing:
             return
-        if num_computed + scheduled.get(request_id, 0) < leg.prompt_len or not leg.blocks:
+        computed = num_computed + scheduled.get(request_id, 0)
+        if computed < leg.prompt_len or not leg.blocks:
+            if self._progressive and leg.progressive:
+                self._progress(request_id, leg, computed)
             return
         blocks = leg.blocks
         if self._block_size:
@@ -255,6 +288,19 @@ class SchedulerHalf:
         self._plan.completing.append(PrefillFinished(request_id, leg.key, tuple(blocks), leg.prompt_len))
         self._completing.add(request_id)
         self._held.add(request_id)
+
+    def _progress(self, request_id: str, leg: _PLeg, computed: int) -> None:
+        """A step of a chunked prefill leg: order the WRITE of the full blocks it completed (G14). Only
+        full blocks: the partial last block goes with the final WRITE (the completing step's)."""
+        full = min(computed // self._block_size, len(leg.blocks))
+        if full <= leg.full_sent:
+            return
+        total = -(-leg.prompt_len // self._block_size)
+        self._plan.progress.append(
+            PrefillProgress(request_id, leg.key, tuple(leg.blocks[:full]), total, leg.prompt_len)
+        )
+        leg.full_sent = full
+        self._progressing.add(request_id)
 
     def _cancel_unallocated(self, request: RequestView) -> None:
         """A decode leg finished before it allocated blocks (``do_remote_prefill`` still set): P may

@@ -33,6 +33,8 @@ COUNTERS: dict[str, tuple[Tally, ...]] = {
     "ignored_notices": (Tally.DUPLICATE, Tally.STALE, Tally.CONFLICT, Tally.UNKNOWN_NOTICES, Tally.LATE_PREFILL),
     "cancelled": (Tally.CANCELLED, Tally.RELEASED, Tally.WRITE_RELEASED),
     "agents_removed": (Tally.AGENTS_REMOVED,),
+    "writes_posted": (Tally.WRITES_POSTED,),  # every WRITE; > completed transfers: progressive push (G14)
+    "partial_writes": (Tally.PARTIAL_WRITES,),  # WRITEs without Done (a step of a chunked prefill)
 }
 
 

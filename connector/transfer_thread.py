@@ -56,6 +56,8 @@ from connector.metadata import (
     PeerAddress,
     PrefillFailed,
     PrefillFinished,
+    PrefillProgress,
+    PrefillRestarted,
     ProtocolError,
     RegisterOrder,
     Registration,
@@ -104,6 +106,11 @@ class Options:
     liveness: Liveness = field(default_factory=Liveness)
     backends: tuple[str, ...] = ("UCX",)
     early_write: bool = True  # P: order the WRITE in the step that computes the prompt's last token (G10)
+    progressive: bool = False  # P: WRITE each step's full blocks of a chunked prefill at its end (G14)
+
+    def __post_init__(self) -> None:
+        if self.progressive and not self.early_write:
+            raise ValueError("progressive push needs early_write (its final WRITE is the completing step's)")
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> Options:
@@ -114,15 +121,16 @@ class Options:
         for group, kind in (("timeouts", Timeouts), ("polling", Polling), ("liveness", Liveness)):
             known.update({f.name: group for f in fields(kind)})
         backends = extra.pop("backends", ("UCX",))
-        early_write = extra.pop("early_write", True)
+        switches = {name: extra.pop(name, getattr(cls, name)) for name in _SWITCHES}
         unknown = sorted(set(extra) - set(known))
         if unknown:
             raise ValueError(
                 f"unknown kv_connector_extra_config key(s) {unknown} for KvpushConnector; "
-                f"known: {sorted([*known, 'backends', 'early_write'])}"
+                f"known: {sorted([*known, 'backends', *_SWITCHES])}"
             )
-        if not isinstance(early_write, bool):
-            raise ValueError("bad kv_connector_extra_config for KvpushConnector: early_write must be true or false")
+        for name, value in switches.items():
+            if not isinstance(value, bool):
+                raise ValueError(f"bad kv_connector_extra_config for KvpushConnector: {name} must be true or false")
         try:
             for key, value in extra.items():
                 groups[known[key]][key] = float(value)
@@ -131,10 +139,14 @@ class Options:
                 Polling(**groups["polling"]),
                 Liveness(**groups["liveness"]),
                 tuple(str(b) for b in backends),
-                early_write,
+                switches["early_write"],
+                switches["progressive"],
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"bad kv_connector_extra_config for KvpushConnector: {exc}") from exc
+
+
+_SWITCHES = ("early_write", "progressive")  # boolean keys of kv_connector_extra_config
 
 
 @dataclass(frozen=True)
@@ -163,7 +175,15 @@ class _AddPeer:
     error: str | None = None
 
 
-Order = RegisterOrder | PrefillFinished | PrefillFailed | CancelOrder | CancelUnallocated
+Order = (
+    RegisterOrder
+    | PrefillFinished
+    | PrefillFailed
+    | PrefillProgress
+    | PrefillRestarted
+    | CancelOrder
+    | CancelUnallocated
+)
 _Command = Order | _PeerReady | _PeerLost | _AddPeer
 
 
@@ -203,6 +223,8 @@ class _Write:
     agent: str
     started: float
     failed: bool = False  # ERR or abandoned: waiting for the backend to release the handle
+    final: bool = True  # carries Done (a partial WRITE of progressive push does not, G14)
+    ordinal: int = 1  # the how-manieth WRITE of its transfer
 
 
 class TransferThread:
@@ -390,7 +412,12 @@ class TransferThread:
                 actions = self._prefill.on_prefill_finished(cmd.key, cmd.request_id, cmd.block_ids, now, cmd.num_tokens)
                 self._perform(actions, now)
             case PrefillFailed():
-                self._perform(self._prefill.on_prefill_failed(cmd.key, cmd.reason, now), now)
+                held = cmd.request_id if cmd.held else None
+                self._perform(self._prefill.on_prefill_failed(cmd.key, cmd.reason, now, held), now)
+            case PrefillProgress():
+                self._perform(self._prefill.on_prefill_progress(cmd, now), now)
+            case PrefillRestarted():
+                self._perform(self._prefill.on_prefill_restarted(cmd.key, now), now)
             case _AddPeer():
                 try:
                     self._load_peer(cmd.payload)
@@ -477,6 +504,8 @@ class TransferThread:
             if not self._backend.release(w.ticket.handle):
                 self._pending.counters[Tally.RELEASE_REFUSED] += 1  # done: the data landed already
             self._pending.records.append(TransferRecord(w.ticket.num_bytes, now - w.started, w.ticket.num_descriptors))
+            if w.final:  # one structured line per transfer: how many WRITEs it took (G14)
+                logger.info("kvpush transfer written key=%s writes=%d", key, w.ordinal)
             self._perform(self._prefill.on_write_done(key, now), now)
 
     def _fail_write(self, key: str, w: _Write, now: float) -> None:
@@ -523,16 +552,20 @@ class TransferThread:
         reg = action.registration
         try:
             agent = self._agents[reg.d_engine_id]
-            done = encode_notice(Done(reg.key, reg.d_request_id))
+            done = encode_notice(Done(reg.key, reg.d_request_id)) if action.final else b""
+            remote = reg.block_ids if action.remote_blocks is None else action.remote_blocks
             # GPU note: with a design-A WRITE (posted in the step that computed the KV) on VRAM, the
             # forward's CUDA stream must be synchronised here (an event recorded after the forward,
             # waited on before postXfer); on CPU the forward is synchronous and the KV is in place.
-            ticket = self._backend.write(agent, action.local_blocks, reg.block_ids, done)
+            ticket = self._backend.write(agent, action.local_blocks, remote, done)
         except (KeyError, TransferError, ValueError) as exc:
             logger.warning("WRITE for %s not posted: %r", action.key, exc)
             self._perform(self._prefill.on_write_released(action.key, now), now)  # nothing can land
             return
-        self._writes[action.key] = _Write(ticket, agent, now)
+        self._pending.counters[Tally.WRITES_POSTED] += 1
+        if not action.final:
+            self._pending.counters[Tally.PARTIAL_WRITES] += 1
+        self._writes[action.key] = _Write(ticket, agent, now, final=action.final, ordinal=action.ordinal)
         self._write_backoff = self._polling.write_poll_min_s
 
     def _send(self, action: Send, now: float) -> None:

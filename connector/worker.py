@@ -112,6 +112,7 @@ class WorkerHalf:
             *plan.register,
             *(CancelOrder(r) for r in plan.cancel),
             *plan.cancel_unallocated,
+            *plan.restarted,
             *plan.finished,
             *plan.failed,
         ]
@@ -120,12 +121,14 @@ class WorkerHalf:
 
     def end_of_step(self, plan: StepPlan) -> None:
         """``wait_for_save``: the forward of this step has computed the prompts in ``completing``;
-        their WRITE is ordered now, not one step later (G10). On CPU the forward is synchronous, so
+        their WRITE is ordered now, not one step later (G10); so are the full blocks this step computed
+        of the chunked prefills in ``progress`` (G14). On CPU the forward is synchronous, so
         the KV is in the blocks already. GPU: record a CUDA event on the forward stream here and
         have the owner thread synchronise it before postXfer (cuda_ipc / GDR are not stream-ordered)."""
         if self._thread is None:
             return
-        for order in plan.completing:
+        orders: list[Order] = [*plan.progress, *plan.completing]
+        for order in orders:
             self._thread.submit(order)
 
     def transfer_results(self) -> KVConnectorTransferResults:

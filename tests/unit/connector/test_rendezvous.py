@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from connector.decode_rendezvous import DecodeRendezvous, DState
-from connector.metadata import Cancel, CancelAck, Done, Failure, PeerAddress, Registration
+from connector.metadata import Cancel, CancelAck, Done, Failure, PeerAddress, PrefillProgress, Registration
 from connector.rendezvous import (
     AbandonWrite,
     Connect,
@@ -35,10 +35,13 @@ def p_setup(name: str) -> PrefillRendezvous:
     p = PrefillRendezvous(T)
     finished = lambda: p.on_prefill_finished(KEY, "p1", (1, 2), 0)  # noqa: E731
     registered = lambda: p.on_registration(REG, 0)  # noqa: E731
+    progress = lambda: p.on_prefill_progress(PrefillProgress("p1", KEY, (1,), 2, 0), 0)  # noqa: E731
     steps: dict[str, list[Callable[[], object]]] = {
         "none": [],
         "await_registration": [finished],
         "await_prefill": [registered],
+        "pushing": [registered, progress],
+        "flushing": [registered, progress, finished],
         "writing": [finished, registered],
         "writing_cancel": [finished, registered, lambda: p.on_cancel(Cancel(KEY, "d1", "D"), 0)],
         "releasing": [finished, registered, lambda: p.on_write_stuck(KEY, 0)],
@@ -64,6 +67,9 @@ def kinds(actions: list[Any]) -> list[str]:
 P_EVENTS: dict[str, Callable[[PrefillRendezvous], list[Any]]] = {
     "finished": lambda p: p.on_prefill_finished(KEY, "p2", (3, 4), 1),
     "failed": lambda p: p.on_prefill_failed(KEY, "abort", 1),
+    "failed_held": lambda p: p.on_prefill_failed(KEY, "abort", 1, held="p2"),
+    "progress": lambda p: p.on_prefill_progress(PrefillProgress("p2", KEY, (3,), 2, 0), 1),
+    "restarted": lambda p: p.on_prefill_restarted(KEY, 1),
     "reg_same": lambda p: p.on_registration(REG, 1),
     "reg_other": lambda p: p.on_registration(REG2, 1),
     "cancel_same": lambda p: p.on_cancel(Cancel(KEY, "d1", "D"), 1),
@@ -88,12 +94,15 @@ def _same(state: str, **rows: list[str]) -> dict[str, tuple[str | None, list[str
 # state -> event -> (state after, action kinds); None = no entry
 P_TABLE: dict[str, dict[str, tuple[str | None, list[str]]]] = {
     "none": {
+        "failed_held": ("failed", [R]), "progress": (None, []), "restarted": (None, []),
         "finished": ("await_registration", []), "failed": ("failed", []), "reg_same": ("await_prefill", []),
         "reg_other": ("await_prefill", []), "cancel_same": ("cancelled", [ACK]),
         "cancel_other": ("cancelled", [ACK]), **_same(None, **_NO_WRITE),  # type: ignore[arg-type]
         "peer_lost": (None, []), "expire_early": (None, []), "expire_late": (None, []),
     },
     "await_registration": {
+        "failed_held": ("await_registration", [R]), "progress": ("await_registration", []),
+        "restarted": ("await_registration", []),
         "finished": ("await_registration", [R]), "failed": ("await_registration", []),
         "reg_same": ("writing", [W]), "reg_other": ("writing", [W]), "cancel_same": ("cancelled", [R, ACK]),
         "cancel_other": ("cancelled", [R, ACK]), **_same("await_registration", **_NO_WRITE),
@@ -101,19 +110,36 @@ P_TABLE: dict[str, dict[str, tuple[str | None, list[str]]]] = {
         "expire_early": ("await_registration", []), "expire_late": ("done", [R]),
     },
     "await_prefill": {
+        "failed_held": ("done", [R, FAIL]), "progress": ("pushing", [W]), "restarted": ("await_prefill", []),
         "finished": ("writing", [W]), "failed": ("done", [FAIL]), "reg_same": ("await_prefill", []),
         "reg_other": ("await_prefill", [FAIL]), "cancel_same": ("cancelled", [ACK]),
         "cancel_other": ("await_prefill", [ACK]), **_same("await_prefill", **_NO_WRITE),
         "peer_lost": ("done", []),
         "expire_early": ("await_prefill", []), "expire_late": ("done", [FAIL]),
     },
+    "pushing": {
+        "finished": ("flushing", []), "failed": ("flushing", []), "failed_held": ("flushing", []),
+        "progress": ("pushing", []), "restarted": ("pushing", []), "reg_same": ("pushing", []),
+        "reg_other": ("pushing", [FAIL]), "cancel_same": ("pushing", []), "cancel_other": ("pushing", [ACK]),
+        "write_done": ("await_prefill", []), "write_released": ("done", [FAIL]), "write_stuck": ("releasing", [FAILQ]),
+        "peer_lost": ("pushing", []), "expire_early": ("pushing", []), "expire_late": ("releasing", ["AbandonWrite"]),
+    },
+    "flushing": {
+        "finished": ("flushing", [R]), "failed": ("flushing", []), "failed_held": ("flushing", [R]),
+        "progress": ("flushing", []), "restarted": ("flushing", []), "reg_same": ("flushing", []),
+        "reg_other": ("flushing", [FAIL]), "cancel_same": ("flushing", []), "cancel_other": ("flushing", [ACK]),
+        "write_done": ("writing", [W]), "write_released": ("done", [R, FAIL]), "write_stuck": ("releasing", [FAILQ]),
+        "peer_lost": ("flushing", []), "expire_early": ("flushing", []), "expire_late": ("releasing", ["AbandonWrite"]),
+    },
     "writing": {
+        "failed_held": ("writing", [R]), "progress": ("writing", []), "restarted": ("writing", []),
         "finished": ("writing", [R]), "failed": ("writing", []), "reg_same": ("writing", []),
         "reg_other": ("writing", [FAIL]), "cancel_same": ("writing", []), "cancel_other": ("writing", [ACK]),
         "write_done": ("done", [R]), "write_released": ("done", [R, FAIL]), "write_stuck": ("releasing", [FAILQ]),
         "peer_lost": ("writing", []), "expire_early": ("writing", []), "expire_late": ("releasing", ["AbandonWrite"]),
     },
     "writing_cancel": {
+        "failed_held": ("writing", [R]), "progress": ("writing", []), "restarted": ("writing", []),
         "finished": ("writing", [R]), "failed": ("writing", []), "reg_same": ("writing", []),
         "reg_other": ("writing", [FAIL]), "cancel_same": ("writing", []), "cancel_other": ("writing", [ACK]),
         "write_done": ("done", [R, ACK]), "write_released": ("done", [R, FAIL]),
@@ -121,23 +147,27 @@ P_TABLE: dict[str, dict[str, tuple[str | None, list[str]]]] = {
         "peer_lost": ("writing", []), "expire_early": ("writing", []), "expire_late": ("releasing", ["AbandonWrite"]),
     },
     "releasing": {
+        "failed_held": ("releasing", [R]), "progress": ("releasing", []), "restarted": ("releasing", []),
         "finished": ("releasing", [R]), "failed": ("releasing", []), "reg_same": ("releasing", []),
         "reg_other": ("releasing", [FAIL]), "cancel_same": ("releasing", []), "cancel_other": ("releasing", [ACK]),
         "write_done": ("releasing", []), "write_released": ("done", [R, FAIL]), "write_stuck": ("releasing", []),
         "peer_lost": ("releasing", []), "expire_early": ("releasing", []), "expire_late": ("done", [R]),
     },
     "done": {
+        "failed_held": ("done", [R]), "progress": ("done", []), "restarted": ("done", []),
         "finished": ("done", [R]), "failed": ("done", []), "reg_same": ("done", []), "reg_other": ("done", [FAIL]),
         "cancel_same": ("done", [ACK]), "cancel_other": ("done", [ACK]), **_same("done", **_NO_WRITE),
         "peer_lost": ("done", []), "expire_early": ("done", []), "expire_late": (None, []),
     },
     "failed": {
+        "failed_held": ("failed", [R]), "progress": ("failed", []), "restarted": ("failed", []),
         "finished": ("failed", [R]), "failed": ("failed", []), "reg_same": ("done", [FAIL]),
         "reg_other": ("done", [FAIL]), "cancel_same": ("failed", [ACK]), "cancel_other": ("failed", [ACK]),
         **_same("failed", **_NO_WRITE), "peer_lost": ("failed", []),
         "expire_early": ("failed", []), "expire_late": (None, []),
     },
     "cancelled": {
+        "failed_held": ("cancelled", [R]), "progress": ("cancelled", []), "restarted": ("cancelled", []),
         "finished": ("cancelled", [R]), "failed": ("cancelled", []), "reg_same": ("cancelled", []),
         "reg_other": ("cancelled", [FAIL]), "cancel_same": ("cancelled", [ACK]),
         "cancel_other": ("cancelled", [ACK]), **_same("cancelled", **_NO_WRITE),

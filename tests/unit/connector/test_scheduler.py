@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from connector.metadata import PeerAddress, PrefillFinished, StepPlan
+from connector.metadata import PeerAddress, PrefillFailed, PrefillFinished, PrefillProgress, PrefillRestarted, StepPlan
 from connector.scheduler import Ending, SchedulerHalf
 
 
@@ -261,3 +261,76 @@ def test_a_plain_failure_or_a_finish_is_passed_to_vllm_at_once() -> None:
     plan(h)
     assert h.update_connector_output({"d-1", "d-2"}, set(), quarantined={"other"}) == set()
     assert not h.has_pending_push_work()
+
+
+# ---- issue 8 item 4: progressive push, each step's full blocks are ordered written at its end (G14) --------
+
+
+def progressive_half() -> SchedulerHalf:
+    return SchedulerHalf("p0", "127.0.0.1", 5600, block_size=16, early_write=True, progressive=True)
+
+
+def resumed_step(rid: str, blocks: list[int], computed: int, scheduled: int) -> Any:
+    out = step(cached=[(rid, blocks, computed)])
+    out.num_scheduled_tokens = {rid: scheduled}
+    out.scheduled_cached_reqs.resumed_req_ids = {rid}
+    return out
+
+
+def test_a_chunked_prefill_orders_each_steps_full_blocks_and_the_partial_last_block_only_at_the_end() -> None:
+    h = progressive_half()
+    h.get_num_new_matched_tokens(p_req(prompt=40), 0)
+    first = plan(h, step([new_req("p-1", [1])], p_1=16))
+    assert first.progress == [PrefillProgress("p-1", "t:x1", (1,), 3, 40)] and first.completing == []
+    second = plan(h, step(cached=[("p-1", [2], 16)], p_1=16))
+    assert [o.block_ids for o in second.progress] == [(1, 2)]
+    last = plan(h, step(cached=[("p-1", [3], 32)], p_1=8))
+    assert last.progress == [], "the partial last block goes with the final WRITE"
+    assert [o.block_ids for o in last.completing] == [(1, 2, 3)]
+
+
+def test_a_step_that_completes_no_new_block_orders_nothing() -> None:
+    h = progressive_half()
+    h.get_num_new_matched_tokens(p_req(prompt=40), 0)
+    assert plan(h, step([new_req("p-1", [1])], p_1=10)).progress == []
+    assert [o.block_ids for o in plan(h, step(cached=[("p-1", [2], 10)], p_1=10)).progress] == [(1,)]
+    assert plan(h, step(cached=[("p-1", None, 20)], p_1=10)).progress == []
+
+
+def test_without_progressive_push_no_partial_write_is_ordered() -> None:
+    h = half()
+    h.get_num_new_matched_tokens(p_req(prompt=40), 0)
+    assert plan(h, step([new_req("p-1", [1])], p_1=16)).progress == []
+    assert plan(h, step(cached=[("p-1", [2], 16)], p_1=16)).progress == []
+
+
+def test_an_abort_after_a_partial_write_keeps_the_blocks_held_until_release() -> None:
+    h = progressive_half()
+    req = p_req()
+    h.get_num_new_matched_tokens(req, 0)
+    plan(h, step([new_req("p-1", [1])], p_1=16))
+    assert h.request_finished(req, [1, 2], Ending.ABORTED) == (True, None), "a partial WRITE may read them"
+    assert plan(h).failed == [PrefillFailed("p-1", "t:x1", "ABORTED", held=True)]
+    assert h.has_pending_push_work()
+    report(h, sent={"p-1"})
+    assert not h.has_pending_push_work()
+
+
+def test_an_abort_before_any_partial_write_frees_at_once() -> None:
+    h = progressive_half()
+    req = p_req()
+    h.get_num_new_matched_tokens(req, 0)
+    plan(h, step([new_req("p-1", [1])], p_1=10))  # no full block yet
+    assert h.request_finished(req, [1], Ending.ABORTED) == (False, None)
+    assert plan(h).failed == [PrefillFailed("p-1", "t:x1", "ABORTED")]
+
+
+def test_a_preempted_leg_restarts_and_orders_no_more_partial_writes() -> None:
+    h = progressive_half()
+    h.get_num_new_matched_tokens(p_req(prompt=40), 0)
+    plan(h, step([new_req("p-1", [1])], p_1=16))
+    again = plan(h, resumed_step("p-1", [5], 0, 16))
+    assert again.restarted == [PrefillRestarted("p-1", "t:x1")] and again.progress == []
+    assert plan(h, step(cached=[("p-1", [6], 16)], p_1=16)).progress == []
+    (final,) = plan(h, step(cached=[("p-1", [7], 32)], p_1=8)).completing
+    assert final.block_ids == (5, 6, 7)

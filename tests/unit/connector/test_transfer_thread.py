@@ -369,6 +369,8 @@ def test_a_kick_wakes_the_owner_thread(pair: tuple[Side, Side]) -> None:
         ({"poll_s": 0.001}, "unknown kv_connector_extra_config key(s) ['poll_s']"),
         ({"write_timeout_s": 20}, "write_timeout_s < write_grace_s"),
         ({"write_poll_min_s": "fast"}, "bad kv_connector_extra_config"),
+        ({"progressive": "yes"}, "progressive must be true or false"),
+        ({"progressive": True, "early_write": False}, "progressive push needs early_write"),
     ],
 )
 def test_extra_config_refuses_unknown_keys_and_bad_values(extra: dict[str, object], message: str) -> None:
@@ -380,3 +382,5 @@ def test_extra_config_sets_every_group() -> None:
     o = Options.from_extra({"lease_s": 7, "write_poll_max_s": 0.002, "dead_after_s": 2, "backends": ["UCX"]})
     assert (o.timeouts.lease_s, o.polling.write_poll_max_s, o.liveness.dead_after_s) == (7, 0.002, 2)
     assert o.polling == Polling(write_poll_max_s=0.002)
+    assert Options.from_extra({"progressive": True}).progressive is True
+    assert Options.from_extra({}).progressive is Options().progressive
