@@ -2,7 +2,8 @@
 
 Each example runs a few transfers (every retry gets a fresh key, as the router does) through one
 prefill and one decode machine. Hypothesis picks the order of: prefill finish / failure, decode
-registration and abort, delivery (possibly duplicated) of any in-flight notice, landing or failure
+registration and abort, progressive push (a chunk's partial WRITE, a preemption; G14), delivery (possibly
+duplicated) of any in-flight notice, landing or failure
 of any posted WRITE (a failed one may have its release refused: it then stays "stuck" and may still
 land until prefill's hold limit), and clock jumps (lease expiry). Checked invariants:
 
@@ -10,6 +11,8 @@ land until prefill's hold limit), and clock jumps (lease expiry). Checked invari
   in blocks that decode already gave back, and prefill never posts a
   WRITE for a (key, decode request) it has acknowledged or failed;
 * guarantee G4: a WRITE only pairs a prefill and a registration of the same transfer;
+* guarantee G14: at most one WRITE of a transfer is in flight (posted, not yet reported), and only the
+  last one carries Done;
 * guarantee G5: after quiescence both machines are empty, every prefill's blocks were released exactly
   once and every registered decode request was reported exactly once.
 """
@@ -23,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from connector.decode_rendezvous import DecodeRendezvous
-from connector.metadata import CancelAck, Done, Failure, Notice, PeerAddress, Registration
+from connector.metadata import CancelAck, Done, Failure, Notice, PeerAddress, PrefillProgress, Registration
 from connector.rendezvous import (
     P_TERMINAL,
     AbandonWrite,
@@ -50,6 +53,7 @@ class Write:
     p_request: str
     d_request: str
     land_by: float
+    final: bool = True
 
 
 @dataclass
@@ -67,6 +71,7 @@ class World:
     released: Counter[str] = field(default_factory=Counter)
     received: Counter[str] = field(default_factory=Counter)
     p_done: set[int] = field(default_factory=set)
+    p_pushed: set[int] = field(default_factory=set)  # legs that ordered a partial WRITE (their blocks held at a fail)
     d_started: set[int] = field(default_factory=set)
     d_aborted: set[int] = field(default_factory=set)
     finished_ok: set[str] = field(default_factory=set)
@@ -81,20 +86,24 @@ class World:
                 assert a.key == a.registration.key == key_of(a.request_id), "paired across transfers"
                 assert a.registration.d_request_id == f"d{a.key[2:]}"
                 assert self.now < a.registration.write_deadline
+                live = [w.key for w in self.writes + self.stuck] + [k for k, _ in self.write_results]
+                assert a.key not in live, "two WRITEs of one transfer in flight"
                 self.writes.append(
-                    Write(a.key, a.request_id, a.registration.d_request_id, self.now + T.write_timeout_s)
+                    Write(a.key, a.request_id, a.registration.d_request_id, self.now + T.write_timeout_s, a.final)
                 )
                 self.limits[a.key] = a.registration.write_deadline + T.write_grace_s
             elif isinstance(a, AbandonWrite):
                 # The transport may refuse to cancel it: it stays stuck and may land until P's hold limit.
                 for w in [w for w in self.writes if w.key == a.key]:
                     self.writes.remove(w)
-                    self.stuck.append(Write(w.key, w.p_request, w.d_request, self.limits[w.key]))
+                    self.stuck.append(Write(w.key, w.p_request, w.d_request, self.limits[w.key], w.final))
                     self.perform(self.p.on_write_stuck(w.key, self.now))
             elif isinstance(a, Send) and a.engine_id == "P":
                 self.to_p.append(a.notice)
             elif isinstance(a, Send):
-                if isinstance(a.notice, CancelAck) or (isinstance(a.notice, Failure) and not a.notice.quarantine):
+                if isinstance(a.notice, CancelAck | Done) or (
+                    isinstance(a.notice, Failure) and not a.notice.quarantine
+                ):
                     assert not any(w.key == a.notice.key for w in self.writes + self.stuck), "freed with a WRITE live"
                     self.closed.add((a.notice.key, a.notice.d_request_id))
                 self.to_d.append(a.notice)
@@ -118,10 +127,20 @@ class World:
             self.perform(self.p.on_prefill_finished(f"t:{n}", f"p{n}", (n, n + 1), self.now))
         elif kind == "p_fail" and n not in self.p_done:
             self.p_done.add(n)
-            self.perform(self.p.on_prefill_failed(f"t:{n}", "aborted", self.now))
+            held = f"p{n}" if n in self.p_pushed else None  # a partial WRITE may read them: vLLM keeps them
+            if held is not None:
+                self.finished_ok.add(held)
+            self.perform(self.p.on_prefill_failed(f"t:{n}", "aborted", self.now, held))
+        elif kind == "p_progress" and n not in self.p_done:
+            self.p_pushed.add(n)
+            self.perform(
+                self.p.on_prefill_progress(PrefillProgress(f"p{n}", f"t:{n}", (n, n + 1)[: 1 + dup], 2, 0), self.now)
+            )
+        elif kind == "p_restart" and n not in self.p_done:
+            self.perform(self.p.on_prefill_restarted(f"t:{n}", self.now))
         elif kind == "d_register" and n not in self.d_started:
             self.d_started.add(n)
-            self.perform(self.d.on_register(f"d{n}", f"t:{n}", PEER, (10 + n,), self.now))
+            self.perform(self.d.on_register(f"d{n}", f"t:{n}", PEER, (10 + n, 20 + n), self.now))
         elif kind == "d_abort" and n in self.d_started and n not in self.d_aborted:
             self.d_aborted.add(n)
             if f"d{n}" in self.d.entries:
@@ -135,7 +154,7 @@ class World:
         elif kind == "write_fails" and self.writes:
             w = self.writes.pop(i % len(self.writes))
             if dup:  # the release is refused: stuck, may still land
-                self.stuck.append(Write(w.key, w.p_request, w.d_request, self.limits[w.key]))
+                self.stuck.append(Write(w.key, w.p_request, w.d_request, self.limits[w.key], w.final))
                 self.perform(self.p.on_write_stuck(w.key, self.now))
             else:
                 self.land(w, ok=False)
@@ -169,7 +188,8 @@ class World:
         if ok:
             assert self.now <= w.land_by
             assert w.d_request not in self.d_gone, "WRITE landed in freed decode blocks"
-            self.to_d.append(Done(w.key, w.d_request))  # NIXL delivers it after the data
+            if w.final:
+                self.to_d.append(Done(w.key, w.d_request))  # NIXL delivers it after the data
         self.write_results.append((w.key, ok))
 
     def tick(self, dt: float) -> None:
@@ -212,6 +232,8 @@ OPS = st.tuples(
         [
             "p_finish",
             "p_fail",
+            "p_progress",
+            "p_restart",
             "d_register",
             "d_abort",
             "deliver_p",
