@@ -1,7 +1,8 @@
 """Shared helpers for tests on real vLLM CPU processes: engine families, router processes, prompts, requests.
 
-Processes start through `stack` (`stack.engines.pd_family`, `stack.routers`); the bounded wait, the /metrics
-reader and the paths come from tests/integration/support.py and are re-exported here under their old names.
+Processes start through `stack` (`stack.family`, `stack.routers`); `started()` runs one P/D family and records
+each engine's idle KV usage, which `wait_idle()` checks against. The bounded wait, the /metrics reader and the
+paths come from tests/integration/support.py and are re-exported here under their old names.
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ import contextlib
 import json
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import httpx
 
 from stack.engines import Engine, Fleet
-from stack.family import pd_family, start_family
+from stack.family import PdFamily, start_family
 from stack.procs import free_port
 from stack.routers import Router, router_spec
 from tests.integration.support import (
@@ -35,54 +37,71 @@ __all__ = [
     "LOGS",
     "MODEL",
     "REPO",
+    "SETTLE",
     "STARTUP_TIMEOUT",
-    "Pair",
+    "Engines",
     "Result",
     "complete",
+    "is_idle",
     "kv_sources",
     "metric",
-    "pair",
     "path_of",
     "prompt_text",
     "request_body",
     "require_vllm",
     "router",
+    "started",
     "timing",
     "tiny_model",
     "wait_for",
+    "wait_idle",
 ]
 
 MODEL = "tiny"
+SETTLE = 30.0  # seconds an engine gets to reflect a finished or aborted request in its metrics
+BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
 @dataclass
-class Pair:
-    """Prefill engines and one decode engine of one connector family, started together."""
+class Engines:
+    """The started engines of one P/D family (one decode), and each engine's KV cache usage when idle."""
 
-    fleet: Fleet
     prefills: list[Engine]
     decode: Engine
-    connector: str
+    fleet: Fleet
+    idle_usage: dict[str, float] = field(default_factory=dict)  # url -> kv_cache_usage_perc when idle
 
-    def prefill_spec(self, index: int = 0) -> str:
-        """The router's --prefill SPEC naming prefill `index`'s NIXL identity."""
-        return self.prefills[index].engine_spec.prefill_arg()
+    def urls(self) -> list[str]:
+        return [e.url for e in (*self.prefills, self.decode)]
 
 
 @contextlib.contextmanager
-def pair(connector: str, n_prefill: int = 1, module: str | None = None, tag: str = "") -> Iterator[Pair]:
-    """One decode (core 1) and `n_prefill` prefill engines (core 0), each its own engine id and side channel."""
-    family = pd_family(
-        tag or connector.lower(),
-        tiny_model(),
-        connector,
-        module=module,
-        n_prefill=n_prefill,
-        engine_suffix=f"-{uuid.uuid4().hex[:6]}",
-    )
+def started(family: PdFamily) -> Iterator[Engines]:
+    """Every engine of `family` started at once under one Fleet (stopped when the block ends), idle usage read."""
     with Fleet(LOGS) as fleet:
-        engines = start_family(fleet, family, STARTUP_TIMEOUT)
-        yield Pair(fleet=fleet, prefills=list(engines.prefills), decode=engines.decode, connector=connector)
+        pd = start_family(fleet, family, STARTUP_TIMEOUT)
+        engines = Engines(list(pd.prefills), pd.decode, fleet)
+        engines.idle_usage = {url: metric(url, "vllm:kv_cache_usage_perc") for url in engines.urls()}
+        yield engines
+
+
+def load(url: str) -> dict[str, float]:
+    return {name: metric(url, name) for name in (*BUSY, "vllm:kv_cache_usage_perc")}
+
+
+def is_idle(engines: Engines, url: str) -> bool:
+    now = load(url)
+    return not any(now[name] for name in BUSY) and now["vllm:kv_cache_usage_perc"] <= engines.idle_usage[url]
+
+
+def _idle_message(engines: Engines, what: str, url: str) -> str:
+    return f"{what}: {url} idle (now {load(url)}, idle KV usage {engines.idle_usage[url]})"
+
+
+def wait_idle(engines: Engines, urls: Sequence[str], what: str) -> None:
+    """Every engine in `urls` runs nothing, queues nothing and holds no more KV blocks than when idle."""
+    for url in urls:
+        wait_for(partial(is_idle, engines, url), partial(_idle_message, engines, what, url), timeout=SETTLE)
 
 
 @contextlib.contextmanager

@@ -1,128 +1,43 @@
-"""Test support for our connector on real vLLM through the router: engines with per-engine flags, a failing
-stand-in prefill, idle checks and both legs sent by hand (as the router would)."""
+"""Test support for our connector on real vLLM: both legs sent by hand (as the router would), a failing stand-in
+prefill and a streamed answer read to its end. Engines start through `stack.family` (tests/integration/
+vllm_support.py `started()` runs a family and knows when its engines are idle)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
-import pytest
 
-from stack.engines import Engine, EngineSpec, Fleet
-from stack.procs import free_port
-from tests.integration.vllm_support import LOGS, STARTUP_TIMEOUT, metric, tiny_model
+from tests.integration.vllm_support import Engines
+
+__all__ = [
+    "CONNECTOR",
+    "CONNECTOR_EXTRA",
+    "KV_TIMEOUT_S",
+    "MODULE",
+    "FailingPrefill",
+    "StreamEnd",
+    "decode_params",
+    "post",
+    "prefill_body",
+    "push",
+    "read_stream",
+]
 
 CONNECTOR = "KvpushConnector"
 MODULE = "connector.plugin"
-SETTLE = 30.0  # seconds an engine gets to reflect a finished or aborted request in its metrics
 # D's hold deadline for one registration (kv_connector_extra_config): a request failed by link loss keeps its
 # blocks (quarantine, guarantee G2) this long. Shorter than the default 120 s so a test can watch it end.
 KV_TIMEOUT_S = 45.0
 CONNECTOR_EXTRA = {"kv_timeout_s": KV_TIMEOUT_S}
-BUSY = ("vllm:num_requests_running", "vllm:num_requests_waiting")
-
-
-@dataclass(frozen=True)
-class Member:
-    """One engine to start: its role and the vLLM flags it gets beyond the launcher's."""
-
-    role: str  # "prefill" or "decode"
-    extra_args: tuple[str, ...] = ()
-
-
-@dataclass
-class Engines:
-    """Started engines of one family, our connector on each; one decode."""
-
-    prefills: list[Engine]
-    decode: Engine
-    fleet: Fleet
-    idle_usage: dict[str, float] = field(default_factory=dict)  # url -> kv_cache_usage_perc when idle
-
-    def prefill_spec(self, index: int) -> str:
-        """The router's --prefill value naming this prefill's NIXL identity."""
-        spec = self.prefills[index].engine_spec
-        return f"{spec.url},engine_id={spec.engine_id},side_port={spec.side_port}"
-
-    def urls(self) -> list[str]:
-        return [e.url for e in (*self.prefills, self.decode)]
-
-
-@contextlib.contextmanager
-def kvpush_engines(members: Sequence[Member], tag: str) -> Iterator[Engines]:
-    """Prefills on core 0, the decode on core 1, all started at once; stopped when the block ends."""
-    model = tiny_model()
-    specs, n = [], 0
-    for m in members:
-        name = f"{tag}-d" if m.role == "decode" else f"{tag}-p{n}"
-        n += m.role == "prefill"
-        engine_id = f"{name}-{uuid.uuid4().hex[:6]}"
-        specs.append(
-            EngineSpec(
-                name=name,
-                role=m.role,  # type: ignore[arg-type]  # "prefill" or "decode"
-                model=model,
-                core=1 if m.role == "decode" else 0,
-                side_port=free_port(),
-                connector=CONNECTOR,
-                connector_module=MODULE,
-                engine_id=engine_id,
-                extra_args=m.extra_args,
-                connector_extra=CONNECTOR_EXTRA,
-            )
-        )
-    with Fleet(LOGS) as fleet:
-        started = fleet.start_all(specs)
-        fleet.wait_all_healthy(STARTUP_TIMEOUT)
-        decode = next(e for e, m in zip(started, members, strict=True) if m.role == "decode")
-        prefills = [e for e, m in zip(started, members, strict=True) if m.role == "prefill"]
-        engines = Engines(prefills, decode, fleet)
-        engines.idle_usage = {url: metric(url, "vllm:kv_cache_usage_perc") for url in engines.urls()}
-        yield engines
-
-
-def wait_for(
-    predicate: Callable[[], bool], what: str | Callable[[], str], timeout: float = SETTLE, interval: float = 0.2
-) -> None:
-    """Polls until `predicate()` holds: a bounded wait for a state, not a speed assertion. `what` may be a
-    callable, asked only on failure (to describe the state then)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what if isinstance(what, str) else what()}: not reached within {timeout:g} s")
-        time.sleep(interval)
-
-
-def load(url: str) -> dict[str, float]:
-    return {name: metric(url, name) for name in (*BUSY, "vllm:kv_cache_usage_perc")}
-
-
-def is_idle(engines: Engines, url: str) -> bool:
-    now = load(url)
-    return not any(now[name] for name in BUSY) and now["vllm:kv_cache_usage_perc"] <= engines.idle_usage[url]
-
-
-def _idle_message(engines: Engines, what: str, url: str) -> str:
-    return f"{what}: {url} idle (now {load(url)}, idle KV usage {engines.idle_usage[url]})"
-
-
-def wait_idle(engines: Engines, urls: Sequence[str], what: str) -> None:
-    """Every engine in `urls` runs nothing, queues nothing and holds no more KV blocks than when idle."""
-    for url in urls:
-        wait_for(
-            partial(is_idle, engines, url),
-            partial(_idle_message, engines, what, url),
-        )
 
 
 def decode_params(engines: Engines, prefill: int, request_id: str, transfer_id: str) -> dict[str, Any]:

@@ -1,48 +1,51 @@
-"""Issue 3 end to end: our connector (KvpushConnector) on both instances, real vLLM CPU, through our router.
+"""The router on real vLLM CPU engines, end to end, over each KV connector: upstream's NixlPushConnector (push),
+ours (KvpushConnector, push) and upstream's NixlConnector (pull).
 
-One engine family starts once for this module (about a minute): p0, a plain prefill; p1, a chunked one (2
-tokens a step: a 1850-token prompt stays in prefill for about 900 steps, seconds even on a fast machine, so a
-test can act while it runs); d, the decode. The main router uses p0; a second router uses p1 with deadlines far
-above any bound here. A few tests send both legs straight to the engines, as the router would. The last test
-kills p1 for good. An exclusive file lock keeps other vLLM families of the same test run off the two cores.
+Each connector's family starts once for this module (about a minute), one family at a time: p0, a plain prefill,
+and p1 on core 0; d, the decode, on core 1. Our family's p1 is chunked (2 tokens a step: an 1850-token prompt
+stays in prefill for about 900 steps, seconds even on a fast machine, so a test can act while it runs) and has a
+second router with deadlines far above any bound here. The main router uses p0. Every test runs on every
+connector unless it checks our connector's own metrics or wire (those skip, saying so, on upstream's). The last
+test kills p1 for good, so it must stay last in this file.
 """
 
 from __future__ import annotations
 
-import fcntl
+import contextlib
+import json
 import os
 import signal
 import socket
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
+from stack.family import pd_family
 from tests.integration.connector.kvpush_support import (
+    CONNECTOR,
+    CONNECTOR_EXTRA,
     KV_TIMEOUT_S,
-    SETTLE,
-    Engines,
+    MODULE,
     FailingPrefill,
-    Member,
     decode_params,
-    is_idle,
-    kvpush_engines,
     post,
     prefill_body,
     push,
     read_stream,
-    wait_for,
-    wait_idle,
 )
 from tests.integration.vllm_support import (
-    CACHE,
+    SETTLE,
+    Engines,
     complete,
+    is_idle,
     kv_sources,
     metric,
     path_of,
@@ -50,20 +53,52 @@ from tests.integration.vllm_support import (
     request_body,
     require_vllm,
     router,
+    started,
     timing,
+    tiny_model,
+    wait_for,
+    wait_idle,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 CHUNKED = ("--max-num-batched-tokens", "2", "--max-num-seqs", "2")
-LONG_WORDS = 150  # about 1850 prompt tokens: some 900 prefill steps on p1
+LONG_WORDS = 150  # about 1850 prompt tokens: some 900 prefill steps on our chunked p1
 KILL_BOUND = 20.0  # decode must end a request whose prefill died well within this (vLLM's own watchdog: 480 s)
+
+
+@dataclass(frozen=True)
+class Connector:
+    """One KV connector on every engine of a family, and the router mode that drives it."""
+
+    id: str
+    name: str
+    mode: str
+    module: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    p1_args: tuple[str, ...] = ()
+
+    @property
+    def ours(self) -> bool:
+        return self.name == CONNECTOR
+
+
+CONNECTORS = (
+    Connector("upstream-push", "NixlPushConnector", "push"),
+    Connector("kvpush-push", CONNECTOR, "push", MODULE, CONNECTOR_EXTRA, CHUNKED),
+    Connector("upstream-pull", "NixlConnector", "pull"),
+)
 
 
 @dataclass
 class Stack:
+    connector: Connector
     engines: Engines
-    router_url: str  # push router over p0
-    slow_router_url: str  # push router over p1 (chunked prefill), long decode deadline
+    router_url: str  # over p0
+    slow_router_url: str | None  # ours only: over the chunked p1, long deadlines
+
+    @property
+    def mode(self) -> str:
+        return self.connector.mode
 
     @property
     def decode_url(self) -> str:
@@ -73,33 +108,41 @@ class Stack:
     def p0_url(self) -> str:
         return self.engines.prefills[0].url
 
+    def prefill_arg(self, index: int) -> str:
+        return self.engines.prefills[index].engine_spec.prefill_arg()
 
-@pytest.fixture(scope="module")
-def kvpush_family() -> Iterator[Engines]:
+
+@pytest.fixture(scope="module", params=CONNECTORS, ids=[c.id for c in CONNECTORS])
+def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
     require_vllm()
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / "vllm-pair.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        with kvpush_engines([Member("prefill"), Member("prefill", CHUNKED), Member("decode")], tag="kvp") as engines:
-            yield engines
+    c: Connector = request.param
+    family = pd_family(
+        c.id,
+        tiny_model(),
+        c.name,
+        module=c.module,
+        n_prefill=2,
+        engine_suffix=f"-{uuid.uuid4().hex[:6]}",
+        prefill_args=((), c.p1_args),
+        connector_extra=c.extra,
+    )
+    with contextlib.ExitStack() as running:
+        engines = running.enter_context(started(family))
+        (p0, p1), d = (e.engine_spec.prefill_arg() for e in engines.prefills), engines.decode.url
+        url = running.enter_context(router(c.mode, [p0], [d]))
+        slow_url = None
+        if c.ours:
+            slow = ("--timeout", "decode_first_byte=400", "--timeout", "prefill=400")
+            slow_url = running.enter_context(router(c.mode, [p1], [d], *slow))
+        yield Stack(c, engines, url, slow_url)
 
 
-@pytest.fixture(scope="module")
-def stack(kvpush_family: Engines) -> Iterator[Stack]:
-    engines = kvpush_family
-    with (
-        router("push", [engines.prefill_spec(0)], [engines.decode.url]) as url,
-        router(
-            "push",
-            [engines.prefill_spec(1)],
-            [engines.decode.url],
-            "--timeout",
-            "decode_first_byte=400",
-            "--timeout",
-            "prefill=400",
-        ) as slow_url,
-    ):
-        yield Stack(engines, url, slow_url)
+@pytest.fixture
+def ours(stack: Stack) -> Stack:
+    """The stack, for a test of our connector's own metrics or wire: skips on upstream's connectors."""
+    if not stack.connector.ours:
+        pytest.skip(f"checks {CONNECTOR}'s own metrics or wire; this family runs {stack.connector.name}")
+    return stack
 
 
 def long_body(max_tokens: int, stream: bool) -> dict[str, Any]:
@@ -115,6 +158,14 @@ def long_body(max_tokens: int, stream: bool) -> dict[str, Any]:
 
 def transferred_since(stack: Stack, before: dict[str, float]) -> float:
     return kv_sources(stack.decode_url)["external_kv_transfer"] - before["external_kv_transfer"]
+
+
+def assert_legs_order(stack: Stack, record: dict[str, Any]) -> None:
+    """Push: decode's leg is sent while prefill still runs. Pull: only after prefill answered."""
+    if stack.mode == "push":
+        assert record["decode_sent"] < record["prefill_done"], "push legs must overlap"
+    else:
+        assert record["prefill_done"] <= record["decode_sent"], "pull legs run one after the other"
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
@@ -135,13 +186,14 @@ def test_output_equals_a_single_instance_and_the_prompt_came_from_prefill(
     assert got.text == reference.text and got.text
     record = timing(stack.router_url, got.headers["x-kvpush-pairing-id"])
     assert record["outcome"] == "ok" and record["attempts"] == 1
-    assert record["decode_sent"] < record["prefill_done"], "push legs must overlap"
+    assert_legs_order(stack, record)
 
 
-def test_a_partial_prefix_hit_on_decode_registers_only_the_blocks_it_lacks(stack: Stack) -> None:
+def test_a_partial_prefix_hit_on_decode_registers_only_the_blocks_it_lacks(ours: Stack) -> None:
     """G12 (issue 11 item 4): decode already holds the first turn's prompt in its prefix cache; for the second
     turn it registers only the blocks it lacks and prefill writes only those, so decode counts
     local_cache_hit + external_kv_transfer == prompt, and the answer still equals one instance's."""
+    stack = ours
     first = request_body("completions", stream=False)
     got = complete(stack.router_url, "completions", first)
     assert got.status == 200, got.text
@@ -177,12 +229,15 @@ def test_sixteen_concurrent_requests_succeed_and_each_prompt_is_transferred(stac
     assert kv_sources(stack.decode_url)["local_compute"] == before["local_compute"]
     for r in results:
         record = timing(stack.router_url, r.headers["x-kvpush-pairing-id"])
-        assert record["outcome"] == "ok" and record["decode_sent"] < record["prefill_done"]
+        assert record["outcome"] == "ok"
+        assert_legs_order(stack, record)
     wait_idle(stack.engines, [stack.p0_url, stack.decode_url], "after sixteen requests")
 
 
 def test_a_router_learns_the_prefill_identity_from_its_first_answer(stack: Stack) -> None:
     """A bare --prefill URL: the first request's prefill runs alone and states the NIXL identity; then push."""
+    if stack.mode != "push":
+        pytest.skip("pull mode needs no prefill identity before the prefill answers")
     with router("push", [stack.p0_url], [stack.decode_url]) as url:
         bodies = [request_body("completions", stream=False) for _ in range(2)]
         results = [complete(url, "completions", b) for b in bodies]
@@ -194,8 +249,10 @@ def test_a_router_learns_the_prefill_identity_from_its_first_answer(stack: Stack
     assert second["decode_sent"] < second["prefill_done"], "then both legs at once"
 
 
-def test_a_client_leaving_during_prefill_leaves_nothing_running_or_held(stack: Stack) -> None:
+def test_a_client_leaving_during_prefill_leaves_nothing_running_or_held(ours: Stack) -> None:
     """The client goes while p1 is still prefilling (decode waits for KV): both legs end, no block stays held."""
+    stack = ours
+    assert stack.slow_router_url is not None
     p1 = stack.engines.prefills[1]
 
     def ended_transfers() -> float:  # cancelled on either side, or failed on decode
@@ -228,7 +285,7 @@ def test_a_client_leaving_during_prefill_leaves_nothing_running_or_held(stack: S
     wait_for(lambda: ended_transfers() > before, "the connector recorded the abandoned transfer")
 
 
-def test_a_client_leaving_during_decode_leaves_nothing_running_or_held(stack: Stack) -> None:
+def test_a_client_leaving_during_decode_stops_the_request_and_leaves_nothing_held(stack: Stack) -> None:
     body = request_body("completions", stream=True, max_tokens=1500)
     url = f"{stack.router_url}{path_of('completions')}"
     with httpx.Client(timeout=60) as client, client.stream("POST", url, json=body) as response:
@@ -237,15 +294,17 @@ def test_a_client_leaving_during_decode_leaves_nothing_running_or_held(stack: St
         got = [line for line in (next(lines) for _ in range(8)) if line.startswith("data: ")]
         assert got
         wait_for(lambda: metric(stack.decode_url, "vllm:num_requests_running") >= 1, "decode is generating")
+    # decode aborted the request: nothing running or waiting, no block held, on decode or on p0
     wait_idle(stack.engines, [stack.p0_url, stack.decode_url], "after the client left during decode")
     record = httpx.get(f"{stack.router_url}/debug/timings", timeout=10).json()["requests"][-1]
     assert record["outcome"] == "client_gone"
 
 
-def test_a_retry_with_fresh_ids_never_pairs_with_the_failed_attempt(stack: Stack) -> None:
+def test_a_retry_with_fresh_ids_never_pairs_with_the_failed_attempt(ours: Stack) -> None:
     """Attempt 1: decode registers its blocks with p0's connector (the stand-in prefill carries p0's
     identity), then the stand-in's prefill leg fails, the router cancels decode and retries with fresh
     X-Request-Id / transfer_id on the real p0. The retry must pair only with its own transfer."""
+    stack = ours
     p0 = stack.engines.prefills[0]
     spec = p0.engine_spec
     cancelled = metric(p0.url, "vllm:kvpush_cancelled_total")
@@ -253,7 +312,7 @@ def test_a_retry_with_fresh_ids_never_pairs_with_the_failed_attempt(stack: Stack
         FailingPrefill(delay=1.5) as fake,
         router(
             "push",
-            [f"{fake.url},engine_id={spec.engine_id},side_port={spec.side_port}", stack.engines.prefill_spec(0)],
+            [f"{fake.url},engine_id={spec.engine_id},side_port={spec.side_port}", spec.prefill_arg()],
             [stack.decode_url],
             "--prefill-policy",
             "round-robin",
@@ -280,7 +339,9 @@ def test_a_retry_with_fresh_ids_never_pairs_with_the_failed_attempt(stack: Stack
 
 def test_the_official_openai_client_works(stack: Stack) -> None:
     client = openai.OpenAI(base_url=f"{stack.router_url}/v1", api_key="unused", timeout=120, max_retries=0)
+    assert [m.id for m in client.models.list()] == ["tiny"]
     prompt = prompt_text()
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": prompt}]
     extra = {"ignore_eos": True}
     pieces = [
         c.choices[0].text
@@ -291,13 +352,22 @@ def test_the_official_openai_client_works(stack: Stack) -> None:
     ]
     whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, extra_body=extra)
     assert len(pieces) == 8 and "".join(pieces) == whole.choices[0].text
+    chat = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True, extra_body=extra
+        )
+        if c.choices
+    ]
     reply = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=8, temperature=0, extra_body=extra
+        model="tiny", messages=messages, max_tokens=8, temperature=0, extra_body=extra
     )
-    assert reply.choices[0].message.content
+    assert "".join(chat) and reply.choices[0].message.content
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="", max_tokens=4)
 
 
-# ---- both legs straight to the engines (p0, d), as the router sends them ------------------------------------
+# ---- both legs straight to the engines (p0, d), as the router sends them: our connector's wire -------------
 
 
 def plain_body(words: int = 60, max_tokens: int = 12) -> dict[str, Any]:
@@ -310,10 +380,10 @@ def plain_body(words: int = 60, max_tokens: int = 12) -> dict[str, Any]:
     }
 
 
-def test_push_output_equals_single_instance_and_kv_came_from_prefill(stack: Stack) -> None:
-    engines, b = stack.engines, plain_body()
+def test_push_output_equals_single_instance_and_kv_came_from_prefill(ours: Stack) -> None:
+    stack, b = ours, plain_body()
     before = kv_sources(stack.decode_url)
-    p_res, d_res = push(engines, b)
+    p_res, d_res = push(stack.engines, b)
     assert p_res.status_code == 200, p_res.text
     assert d_res.status_code == 200, d_res.text
     assert p_res.json()["kv_transfer_params"]["transfer_mode"] == "push"
@@ -325,7 +395,8 @@ def test_push_output_equals_single_instance_and_kv_came_from_prefill(stack: Stac
     assert d_res.json()["choices"][0]["text"] == reference["choices"][0]["text"]
 
 
-def test_sixteen_concurrent_pushes(stack: Stack) -> None:
+def test_sixteen_concurrent_pushes(ours: Stack) -> None:
+    stack = ours
     before = kv_sources(stack.decode_url)
     xfers = metric(stack.p0_url, "vllm:kvpush_xfer_time_seconds_count")
     with ThreadPoolExecutor(16) as pool:
@@ -337,9 +408,10 @@ def test_sixteen_concurrent_pushes(stack: Stack) -> None:
     wait_for(lambda: metric(stack.p0_url, "vllm:kvpush_xfer_time_seconds_count") - xfers >= 16, "p0 wrote 16 times")
 
 
-def test_decode_disconnect_before_prefill_is_cancelled_and_leaks_nothing(stack: Stack) -> None:
+def test_decode_disconnect_before_prefill_is_cancelled_and_leaks_nothing(ours: Stack) -> None:
     """Decode registers, its client leaves before any prefill: D cancels, P acks, D frees its blocks;
     the late prefill leg of that transfer is refused a pairing and P frees its blocks at once."""
+    stack = ours
     engines = stack.engines
     rid, tid = f"kvp-{uuid.uuid4().hex}", f"xfer-{uuid.uuid4().hex}"
     b = plain_body()
@@ -353,18 +425,52 @@ def test_decode_disconnect_before_prefill_is_cancelled_and_leaks_nothing(stack: 
     wait_for(lambda: metric(stack.p0_url, "vllm:kvpush_cancelled_total") > cancelled, "p0 acked the cancel")
 
 
-# ---- the kill (last) ---------------------------------------------------------------------------------------
+# ---- the kill (last for each connector) ---------------------------------------------------------------------
 
 
-def test_a_killed_prefill_fails_its_decode_request_within_seconds_and_the_router_routes_around_it(
-    stack: Stack,
-) -> None:
-    """Runs last: kills p1 while (a) a push whose legs went straight to the engines is mid-prefill on p1 (no
-    router deadline can end decode's wait: decode must end it with an error soon after p1 dies), and (b)
-    requests through a router over p0 and p1 are in flight (those on p1 are retried with fresh ids on p0;
-    the router then keeps to p0)."""
+def test_a_killed_prefill_fails_fast_or_retries_and_the_router_routes_around_it(stack: Stack) -> None:
+    """Runs last for each connector: kills p1 for good under a router over p0 and p1 (round robin)."""
+    if stack.connector.ours:
+        _kill_mid_push_and_under_the_router(stack)
+    else:
+        _kill_under_the_router(stack)
+
+
+def _kill_under_the_router(stack: Stack) -> None:
+    """Upstream's connectors: each request in flight when p1 dies succeeds or fails saying the prefill failed;
+    then the router keeps to p0, stays ready and decode has nothing stuck."""
+    victim = stack.engines.prefills[1]
+    specs = [stack.prefill_arg(0), stack.prefill_arg(1)]
+    with router(stack.mode, specs, [stack.decode_url], "--prefill-policy", "round-robin") as url:
+        warm = [complete(url, "completions", request_body("completions", True)) for _ in range(2)]
+        assert [r.status for r in warm] == [200, 200]
+        with ThreadPoolExecutor(6) as pool:
+            running = [
+                pool.submit(_status_and_error, url, request_body("completions", True, 64), 60.0) for _ in range(6)
+            ]
+            assert victim.pid is not None
+            os.killpg(victim.pid, signal.SIGKILL)
+            results = [f.result() for f in running]
+        after = [complete(url, "chat", request_body("chat", i % 2 == 0), 60.0) for i in range(4)]
+        for status, message in results:
+            assert status in (200, 502, 503, 504), message
+            if status != 200:  # the failure is the prefill's, and the client is told so (not which URL)
+                assert "prefill" in message and "http://" not in message, message
+        assert [r.status for r in after] == [200] * 4, "the router must route around the dead prefill"
+        ready = httpx.get(f"{url}/ready", timeout=10)
+        assert ready.status_code == 200
+        states = {w["url"]: w["healthy"] for w in ready.json()["workers"]}
+        assert states[str(victim.url)] is False
+    wait_for(lambda: metric(stack.decode_url, "vllm:num_requests_running") == 0, "decode has nothing stuck")
+
+
+def _kill_mid_push_and_under_the_router(stack: Stack) -> None:
+    """Ours: kills p1 while (a) a push whose legs went straight to the engines is mid-prefill on p1 (no router
+    deadline can end decode's wait: decode must end it with an error soon after p1 dies), and (b) requests
+    through a router over p0 and p1 are in flight (those on p1 are retried with fresh ids on p0; the router then
+    keeps to p0)."""
     victim, decode = stack.engines.prefills[1], stack.engines.decode
-    specs = [stack.engines.prefill_spec(0), stack.engines.prefill_spec(1)]
+    specs = [stack.prefill_arg(0), stack.prefill_arg(1)]
     rid, tid = f"kvp-{uuid.uuid4().hex}", f"xfer-{uuid.uuid4().hex}"
     body = long_body(8, stream=True)
     killed_at: list[float] = []
@@ -407,7 +513,8 @@ def test_a_killed_prefill_fails_its_decode_request_within_seconds_and_the_router
             interval=0.02,
         )
         killed_at.append(time.monotonic())
-        os.killpg(victim.pid, signal.SIGKILL)  # type: ignore[arg-type]
+        assert victim.pid is not None
+        os.killpg(victim.pid, signal.SIGKILL)
         end = d_leg.result(timeout=KILL_BOUND + 100)
         with pytest.raises(httpx.TransportError):
             p_leg.result(timeout=30)
@@ -449,3 +556,12 @@ def test_a_killed_prefill_fails_its_decode_request_within_seconds_and_the_router
         timeout=KV_TIMEOUT_S + SETTLE,
     )
     assert complete(decode.url, "completions", request_body("completions", stream=False)).status == 200
+
+
+def _status_and_error(url: str, body: dict[str, Any], timeout: float) -> tuple[int, str]:
+    """A streamed completion read to its end: its status and, when it failed, the error message it carried."""
+    with httpx.Client(timeout=timeout) as client, client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            return r.status_code, str(json.loads(r.read())["error"]["message"])
+        errors = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith('data: {"error"')]
+        return 200, str(errors[0]["error"]["message"]) if errors else ""
