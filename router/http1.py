@@ -27,6 +27,7 @@ import collections
 import contextlib
 import socket
 import ssl
+import weakref
 from collections.abc import AsyncGenerator, Mapping
 from typing import NamedTuple, cast
 
@@ -80,6 +81,7 @@ class Response:
     """One answer on one connection; the `LegResponse` the legs' callers hold."""
 
     __slots__ = (
+        "__weakref__",  # its connection holds it weakly: a response dropped unclosed aborts the connection
         "_body",
         "_buffered",
         "_conn",
@@ -201,7 +203,7 @@ class Response:
 
     def __del__(self) -> None:  # dropped without aclose(): never leave its connection waiting
         conn = self._conn
-        if conn is not None:
+        if conn is not None and not conn.loop.is_closed():
             conn.abort()
 
 
@@ -214,7 +216,7 @@ class Connection(asyncio.Protocol):
         self.origin = origin
         self.high_water = pool.high_water
         self.transport: asyncio.Transport | None = None
-        self.response: Response | None = None
+        self._response: weakref.ref[Response] | None = None  # the answer being read (its caller owns it)
         self.closed = False
         self.counted = False  # holds one of the pool's places (from a successful connect until closed)
         self.idle_since = 0.0
@@ -225,6 +227,11 @@ class Connection(asyncio.Protocol):
         self._until_eof = False  # no Content-Length, not chunked: the body ends with the connection
         self._trailing = False  # bytes after the answer's end
         self._head_bytes = 0
+
+    @property
+    def response(self) -> Response | None:
+        ref = self._response
+        return None if ref is None else ref()
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -318,7 +325,7 @@ class Connection(asyncio.Protocol):
         transport = self.transport
         assert transport is not None and not self.closed
         response = Response(self)
-        self.response = response
+        self._response = weakref.ref(response)
         self._head_bytes = 0
         self._keep_alive = self._interim = self._until_eof = self._trailing = False
         if len(body) <= _LARGE_BODY:
@@ -330,7 +337,7 @@ class Connection(asyncio.Protocol):
     def done(self) -> None:
         """Its answer was read to the end: back to the pool if both sides keep it, else closed."""
         transport = self.transport
-        self.response = None
+        self._response = None
         reusable = (
             self._keep_alive
             and not self._trailing
@@ -524,13 +531,19 @@ class Http1Legs:
     `max_connections`, idle connections kept `keepalive` s, a body buffered up to `high_water` bytes."""
 
     def __init__(
-        self, *, max_connections: int, connect_timeout: float, keepalive: float = 4.0, high_water: int = 2**18
+        self,
+        *,
+        max_connections: int,
+        connect_timeout: float,
+        keepalive: float = 4.0,
+        high_water: int = 2**18,
+        pool: Pool | None = None,  # tests: a pool over a fake loop
     ) -> None:
         self._limit = max_connections
         self._connect_timeout = connect_timeout
         self._keepalive = keepalive
         self._high_water = high_water
-        self._pool: Pool | None = None
+        self._pool: Pool | None = pool
         self._targets: dict[str, _Target] = {}
 
     @property
