@@ -6,13 +6,19 @@ once: every row records how the legs reached the workers, `wire_order`); kvpush 
 P that states pull. Closed loop at each concurrency, `repeats` times per point with the fronts' order rotated;
 the front door's own CPU time and peak RSS are read from /proc for its process group.
 
+`leg_clients` (e.g. `--set leg_clients=aiohttp,http1`) runs one kvpush push front per leg client side by side
+(KVPUSH_LEG_CLIENT, router/config.py); every kvpush row records its client (`leg_client`), which is how rows of
+several clients are told apart (the report's tables group by router and mode only: compare them by leg_client).
+
 `cprofile=True` runs the kvpush push router under cProfile (its rows are marked `profiled` and left out of
 the targets) and writes router-profile.json next to summary.json: where its time went, by category.
 """
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +27,7 @@ from loadtest import benchkit as kit
 from loadtest import profiling
 from loadtest.job import REPO
 from loadtest.results import RowLabels, git_commit
+from router.config import LEG_CLIENTS, Settings
 from stack.engines import Fleet
 from stack.procs import ManagedProcess, free_port
 
@@ -34,6 +41,7 @@ class OverheadPlan:
     levels: tuple[tuple[int, int], ...]  # (concurrency, requests)
     repeats: int = 3
     cprofile: bool = False
+    leg_clients: tuple[str, ...] = (Settings.leg_client,)  # kvpush push fronts, one per leg client
 
 
 # 5 fronts x 3 repeats x (300 + 1500 + 3000 requests): about 5-7 minutes on 2 idle cores.
@@ -48,6 +56,21 @@ class Front:
     base: str
     proc: ManagedProcess | None
     p_url: str | None  # the simulated P behind it (for wire_order)
+    leg_client: str | None = None  # kvpush only
+
+
+@contextlib.contextmanager
+def _leg_client(client: str) -> Iterator[None]:
+    """The router started meanwhile uses `client` for its legs (KVPUSH_LEG_CLIENT, router/config.py)."""
+    before = os.environ.get("KVPUSH_LEG_CLIENT")
+    os.environ["KVPUSH_LEG_CLIENT"] = client
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["KVPUSH_LEG_CLIENT"]
+        else:
+            os.environ["KVPUSH_LEG_CLIENT"] = before
 
 
 def _start(fleet: Fleet, proc: ManagedProcess) -> ManagedProcess:
@@ -67,12 +90,19 @@ def _fronts(fleet: Fleet, plan: OverheadPlan, logs: Path, prof_out: Path | None)
     fleet.wait_all_healthy(timeout=60.0)
     d_url = kit.url(d_port)
     fronts = [Front("direct", "direct", d_url, None, None)]
-    for mode in ("push", "pull"):
+    unknown = set(plan.leg_clients) - set(LEG_CLIENTS)
+    if unknown or not plan.leg_clients:
+        raise ValueError(f"overhead: leg_clients must name some of {', '.join(LEG_CLIENTS)}, got {plan.leg_clients}")
+    kvpush = [("push", c) for c in dict.fromkeys(plan.leg_clients)] + [("pull", Settings.leg_client)]
+    for mode, client in kvpush:
         port = free_port()
         spec = f"{p_urls[mode]},engine_id=sim-zero-p-{mode},side_port={p_urls[mode].rsplit(':', 1)[1]}"
-        out = prof_out if mode == "push" else None
-        proc = _start(fleet, kit.router_proc(f"router-{mode}", port, mode, spec, d_url, logs, cprofile_to=out))
-        fronts.append(Front("kvpush", mode, kit.url(port), proc, p_urls[mode]))
+        default = client == Settings.leg_client
+        out = prof_out if mode == "push" and default else None
+        name = f"router-{mode}" + ("" if default else f"-{client}")
+        with _leg_client(client):
+            proc = _start(fleet, kit.router_proc(name, port, mode, spec, d_url, logs, cprofile_to=out))
+        fronts.append(Front("kvpush", mode, kit.url(port), proc, p_urls[mode], client))
     binary = kit.vrouter_binary()
     if binary is None:
         hint = f"pip install vllm-router=={kit.VROUTER_VERSION} into .venv-vrouter"
@@ -96,7 +126,7 @@ def run(plan: OverheadPlan, run_dir: Path, summary: Path, progress: bool, run_id
         profiled = [
             f.proc.pid
             for f in fronts
-            if f.router == "kvpush" and f.mode == "push" and f.proc and f.proc.pid and prof_out
+            if f.leg_client == Settings.leg_client and f.mode == "push" and f.proc and f.proc.pid and prof_out
         ]
         for pid in profiled:
             os.kill(pid, signal.SIGUSR1)  # start-up done: profile from here on
@@ -141,9 +171,11 @@ def _point(
     progress: bool,
 ) -> dict[str, Any]:
     extra: dict[str, Any] = {"run_id": run_id, "profile": PROFILE, "repeat": rep, "order": order}
+    if front.leg_client is not None:
+        extra["leg_client"] = front.leg_client
     if plan.cprofile:
         extra["profiling_run"] = True  # the report keeps such runs out of the overhead tables
-        if front.router == "kvpush" and front.mode == "push":
+        if front.leg_client == Settings.leg_client and front.mode == "push":
             extra["profiled"] = True
     labels = RowLabels("overhead", front.router, front.mode, "sim", None, conc, plan.input_len, plan.output_len, extra)
     point = kit.Point(
@@ -153,7 +185,7 @@ def _point(
         seed=2000 + 10 * rep + order,
         warmup=min(2 * conc, 200),
         timeout_s=60.0,
-        router_timings=front.router == "kvpush",
+        router_timings=front.leg_client is not None,
         legs_of=(front.p_url, d_url) if front.p_url else None,
     )
     return kit.measure(point, run_dir, summary, progress, cpu_pid=front.proc.pid if front.proc else None)
