@@ -41,26 +41,23 @@ from tests.integration.connector.kvpush_support import (
     push,
     read_stream,
 )
+from tests.integration.support import VLLM, metric, require_vllm, tiny_model, wait_for
 from tests.integration.vllm_support import (
     SETTLE,
     Engines,
     complete,
     is_idle,
     kv_sources,
-    metric,
     path_of,
     prompt_text,
     request_body,
-    require_vllm,
     router,
     started,
     timing,
-    tiny_model,
-    wait_for,
     wait_idle,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+pytestmark = VLLM
 CHUNKED = ("--max-num-batched-tokens", "2", "--max-num-seqs", "2")
 LONG_WORDS = 150  # about 1850 prompt tokens: some 900 prefill steps on our chunked p1
 KILL_BOUND = 20.0  # decode must end a request whose prefill died well within this (vLLM's own watchdog: 480 s)
