@@ -48,9 +48,11 @@ a failed or abandoned WRITE first has its handle released (the backend's confirm
 part of it can still land); a release the backend refuses keeps P's blocks and handle and makes
 D hold its blocks until the hold deadline (quarantine). A closed or silent side channel is not
 proof that P's process is gone, so it fails D's requests at once but also quarantines their
-blocks. P never posts a WRITE after the registration's ``write_deadline``, which D places
-``write_grace_s`` before its hold deadline, and abandons a WRITE that runs longer than
-``write_timeout_s`` (< ``write_grace_s``).
+blocks. With progressive push (G14) the same holds per key across its WRITEs: one is in flight at
+a time, ``Done`` rides only on the final one, which is posted once every earlier one reported DONE,
+and a Failure or CancelAck leaves only when none is in flight. P never posts a WRITE after the
+registration's ``write_deadline``, which D places ``write_grace_s`` before its hold deadline, and
+abandons a WRITE that runs longer than ``write_timeout_s`` (< ``write_grace_s``).
 """
 
 from __future__ import annotations
