@@ -339,10 +339,14 @@ def start_process(name: str, argv: list[str], port: int, ready: str = "/health")
             cwd=REPO,
         )
     )
-    proc = Proc(handle, f"http://127.0.0.1:{port}", port)
+    return _started(Proc(handle, f"http://127.0.0.1:{port}", port))
+
+
+def _started(proc: Proc) -> Proc:
+    """Start a child, remember it for stop_all(), and wait until it answers its ready URL."""
     STARTED.append(proc)
-    handle.start()
-    handle.wait_healthy(30.0)
+    proc.handle.start()
+    proc.handle.wait_healthy(30.0)
     return proc
 
 
@@ -361,10 +365,12 @@ def hostile(name: str, behaviour: str = "ok", /, **flags: object) -> Proc:
 def router_process(
     prefills: list[Proc], decodes: list[Proc], config: dict[str, Any], *flags: str, ready: str = "/ready"
 ) -> Proc:
-    """A real router on a free port, settings from a YAML file (`limits:` and `timeouts:` blocks work there)."""
+    """A real router on a free port, settings from a YAML file (`limits:` and `timeouts:` blocks work there),
+    launched through stack.routers (the one router launcher)."""
     import yaml
 
     from stack.procs import free_port
+    from stack.routers import Router, router_spec
 
     port = free_port()
     settings = {
@@ -376,8 +382,9 @@ def router_process(
     path = LOGS / f"router-hostile-{port}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(settings))
-    argv = [sys.executable, "-m", "router", "serve", "--port", str(port), "--config", str(path), *flags]
-    return start_process(f"router-hostile-{port}", argv, port, ready)
+    spec = router_spec(port, None, [], [], *flags, name=f"router-hostile-{port}", config=path, ready_path=ready)
+    handle = Router(spec, log_dir=LOGS)
+    return _started(Proc(handle, handle.url, handle.port))
 
 
 @contextlib.contextmanager
