@@ -83,7 +83,7 @@ class Settings:
     retries: int = 1  # extra attempts with fresh ids when nothing was sent to the client yet
     fallback: Fallback = Fallback.NONE  # DECODE_ONLY: with no healthy prefill, decode computes the prompt itself
     max_connections: int = 1024
-    leg_client: str = "aiohttp"  # the legs' HTTP client, one of LEG_CLIENTS (router/README.md "profile")
+    leg_client: str = "http1"  # the legs' HTTP client, one of LEG_CLIENTS (router/README.md, "The legs' client")
     max_in_flight: int = 512  # admission: client requests in flight at once
     admission_queue: int = 64  # admission: requests that may wait for a slot; beyond it, 429
     admission_wait: float = 5.0  # admission: longest wait for a slot
