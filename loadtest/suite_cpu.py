@@ -9,6 +9,7 @@ neighbour either by connector (same front) or by front (same pair).
 
 Every QPS point runs `repeats` times; even repeats take the fronts in one order, odd repeats in the reverse
 order, so drift on these shared cores shows up as spread between repeats, not as a difference between fronts.
+`pairs` picks which pairs boot (all three by default; `--set pairs=kvpush-push` runs one).
 Holds the machine's vLLM lock throughout (benchkit.vllm_lock). Every row records decode's prompt tokens by
 source, to show the KV arrived by transfer.
 """
@@ -65,6 +66,20 @@ class CpuPlan:
     vrouter: bool = True  # vllm-router fronts, when its binary is found
     probe_tokens: int = 1500  # the concurrency probe's prompt (< the engines' 2048-token context)
     max_point_s: float = 0.0  # > 0: at most qps x this many requests at a point (keeps light points short)
+    pairs: tuple[str, ...] = tuple(f.label for f in FAMILIES)  # which pairs boot (`--set pairs=kvpush-push`)
+
+    def __post_init__(self) -> None:
+        known = [f.label for f in FAMILIES]
+        unknown = [p for p in self.pairs if p not in known]
+        if unknown:
+            raise ValueError(f"cpu-vllm pairs: unknown {', '.join(unknown)} (known: {', '.join(known)})")
+        if not self.pairs:
+            raise ValueError(f"cpu-vllm pairs: none given (known: {', '.join(known)})")
+
+    @property
+    def families(self) -> tuple[Family, ...]:
+        """The plan's pairs, in FAMILIES order."""
+        return tuple(f for f in FAMILIES if f.label in self.pairs)
 
     def n_for(self, qps: float) -> int:
         if self.max_point_s <= 0:
@@ -117,12 +132,12 @@ def run(plan: CpuPlan, run_dir: Path, summary: Path, progress: bool, run_id: str
     model = ensure_model(StackOptions(model_size=MODEL_SIZE))  # shared cache; built in a child process
     with vllm_lock(), Fleet(logs) as fleet:
         engines: dict[str, tuple[Engine, Engine]] = {}
-        for family in FAMILIES:
+        for family in plan.families:
             # one pair at a time: a pair's ports are picked only once the previous pair has bound all of its own
             # (six engines started at once let vLLM's internal ZMQ ports take an HTTP port picked for another)
             pair = start_family(fleet, pair_family(family, model), timeout=600.0)
             engines[family.label] = (pair.prefills[0], pair.decode)
-        fronts = [f for fam in FAMILIES for f in _fronts(fleet, fam, *engines[fam.label], logs, plan.vrouter)]
+        fronts = [f for fam in plan.families for f in _fronts(fleet, fam, *engines[fam.label], logs, plan.vrouter)]
         probes = {(f.router, f.family.label): _probe(f, plan) for f in fronts if f.family.mode == "push"}
         for i, qps in enumerate(plan.qps):
             for rep in range(plan.repeats):
