@@ -4,8 +4,8 @@
   a `LegResponse` once status and headers are in. Production: `AiohttpLegs`, straight on aiohttp (httpx's
   request and response models cost more CPU per leg than aiohttp's whole client call). Tests: `HttpxLegs` over
   any httpx transport (httpx.MockTransport), so both run the same dispatcher code.
-- `Http1Legs` (router/http1.py): the same seam over this project's own HTTP/1.1 client (asyncio.Protocol and
-  httptools' parser), chosen by the `leg_client` setting (`legs_for`).
+- `Http1Legs` (router/http1.py, router/http1_pool.py): the same seam over this project's own HTTP/1.1 client
+  (asyncio.Protocol and httptools' parser), chosen by the `leg_client` setting (`legs_for`).
 - `AiohttpTransport`, an httpx transport, carries everything else (health probes, scrapes, /v1/models).
   httpcore's pool scans every pooled connection (a poll() syscall each) whenever a request starts or ends,
   which at tens of connections cost more CPU than the rest of a request; aiohttp's pool does not.
@@ -164,7 +164,7 @@ class AiohttpLegs:
 def legs_for(client: str, *, max_connections: int, connect_timeout: float) -> LegTransport:
     """The production leg transport named by the `leg_client` setting (router/config.py LEG_CLIENTS)."""
     if client == "http1":
-        from router.http1 import Http1Legs
+        from router.http1_pool import Http1Legs
 
         return Http1Legs(max_connections=max_connections, connect_timeout=connect_timeout)
     if client == "aiohttp":

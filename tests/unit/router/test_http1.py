@@ -1,6 +1,7 @@
-"""router/http1.py without sockets: the protocol driven through a fake transport, the pool over a fake loop
-(its create_connection hands out fake transports). Parsing split at every byte, keep-alive reuse rules, pool
-limits, aborts on cancel, close or drop, and every failure as the httpx class router/upstream.py maps."""
+"""router/http1.py and router/http1_pool.py without sockets: the protocol driven through a fake transport, the
+pool over a fake loop (its create_connection hands out fake transports). Parsing split at every byte, keep-alive
+reuse rules, pool limits, aborts on cancel, close or drop, and every failure as the httpx class
+router/upstream.py maps."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pytest
 
 from router.domain import Role
 from router.errors import UpstreamConnectError, UpstreamTimeout
-from router.http1 import Connection, Http1Legs, Pool, Response, request_head, target_of
+from router.http1 import Connection, Response, request_head, target_of
+from router.http1_pool import Http1Legs, Pool
 from router.upstream import translate
 
 URL = "http://w:8100/v1/completions"
