@@ -102,7 +102,8 @@ class Pool:
         oldest = self.loop.time() - self._keepalive
         while stack:
             conn = stack.pop()
-            if not conn.closed and conn.idle_since > oldest:
+            transport = conn.transport
+            if not conn.closed and conn.idle_since > oldest and transport is not None and not transport.is_closing():
                 return conn
             conn.abort()
         return None

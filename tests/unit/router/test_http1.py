@@ -43,6 +43,7 @@ class FakeTransport:
         self.paused = False
         self.aborted = False
         self.closed = False
+        self.eof = False  # the worker closed its side; the loss is not reported yet
 
     def write(self, data: bytes) -> None:
         self.written += data
@@ -55,6 +56,9 @@ class FakeTransport:
 
     def get_write_buffer_size(self) -> int:
         return self.buffered
+
+    def is_closing(self) -> bool:
+        return self.closed or self.eof
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return default
@@ -357,7 +361,10 @@ async def test_idle_connections_expire_after_keepalive() -> None:
     loop.now += 4.5
     assert await (await exchange(legs, loop, WHOLE)).read() == JSON
     assert loop.transports[0].closed and len(loop.transports) == 2 and pool.open == 1
-    loop.transports[1].protocol.connection_lost(None)  # the worker closed the idle one
+    loop.transports[1].eof = True  # the worker closed its side of the idle one: never reused ...
+    assert await (await exchange(legs, loop, WHOLE)).read() == JSON
+    assert len(loop.transports) == 3 and pool.open == 1
+    loop.transports[2].protocol.connection_lost(None)  # ... and one whose loss is reported leaves the pool
     assert pool.open == 0 and pool.idle(("http", "w", 8100)) == 0
     await legs.aclose()
 
