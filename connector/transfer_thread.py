@@ -18,10 +18,9 @@ Threading model (guarantee G6):
   ``kick`` and ``collect_results`` (empties the outbox). It never waits on the owner thread, so
   the forward loop never waits on NIXL.
 * **Side-channel threads** (``connector.handshake`` through the ``SideChannel`` seam, TCP unless a
-  test injects another; started by ``start``): put ``_PeerReady`` /
-  ``_PeerLost`` / ``_AddPeer`` in the inbox. ``_AddPeer`` carries an ``Event`` the server thread
-  waits on, so the handshake reply is sent only after the owner loaded the peer's agent. They read
-  only ``_local_payload`` (built from bytes cached at construction, never a backend call).
+  test injects another; started by ``start``): put ``_PeerReady`` / ``_PeerLost`` / ``_AddPeer`` in
+  the inbox. ``_AddPeer`` carries an ``Event`` the server thread waits on, so the handshake reply is
+  sent only after the owner loaded the peer's agent. They read only ``_local_payload`` (cached bytes).
 
 Peers (guarantee G8): agent names are unique per process incarnation (the worker adds a uuid);
 a handshake with changed metadata reloads the agent, a new agent for a known engine id retires
@@ -106,7 +105,7 @@ class Options:
     liveness: Liveness = field(default_factory=Liveness)
     backends: tuple[str, ...] = ("UCX",)
     early_write: bool = True  # P: order the WRITE in the step that computes the prompt's last token (G10)
-    progressive: bool = False  # P: WRITE each step's full blocks of a chunked prefill at its end (G14)
+    progressive: bool = True  # P: WRITE each step's full blocks of a chunked prefill at its end (G14)
 
     def __post_init__(self) -> None:
         if self.progressive and not self.early_write:
@@ -116,12 +115,15 @@ class Options:
     def from_extra(cls, extra: Mapping[str, Any] | None) -> Options:
         """Parse ``kv_connector_extra_config``; raise ``ValueError`` naming unknown keys or bad values."""
         extra = dict(extra or {})
+        asked = set(extra)
         groups: dict[str, dict[str, float]] = {"timeouts": {}, "polling": {}, "liveness": {}}
         known: dict[str, str] = {}
         for group, kind in (("timeouts", Timeouts), ("polling", Polling), ("liveness", Liveness)):
             known.update({f.name: group for f in fields(kind)})
         backends = extra.pop("backends", ("UCX",))
         switches = {name: extra.pop(name, getattr(cls, name)) for name in _SWITCHES}
+        if switches["early_write"] is False and "progressive" not in asked:
+            switches["progressive"] = False  # its final WRITE is early_write's: off with it unless asked for
         unknown = sorted(set(extra) - set(known))
         if unknown:
             raise ValueError(

@@ -383,4 +383,5 @@ def test_extra_config_sets_every_group() -> None:
     assert (o.timeouts.lease_s, o.polling.write_poll_max_s, o.liveness.dead_after_s) == (7, 0.002, 2)
     assert o.polling == Polling(write_poll_max_s=0.002)
     assert Options.from_extra({"progressive": True}).progressive is True
-    assert Options.from_extra({}).progressive is Options().progressive
+    assert Options.from_extra({}).progressive is True, "on by default (G14)"
+    assert Options.from_extra({"early_write": False}).progressive is False, "off with early_write unless asked for"
