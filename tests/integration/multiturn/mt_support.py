@@ -14,8 +14,8 @@ import httpx
 
 from router import protocol
 from router.domain import Endpoint, NixlIdentity
-from stack.engines import Engine, EngineSpec, Fleet
-from stack.procs import free_port
+from stack.engines import Engine, Fleet
+from stack.family import pd_family, start_family
 from tests.integration.vllm_support import LOGS, MODEL, STARTUP_TIMEOUT, kv_sources, tiny_model, wait_for
 
 DETAILS = "--enable-prompt-tokens-details"  # usage.prompt_tokens_details.cached_tokens (off by default in vLLM)
@@ -33,33 +33,20 @@ class PushPair:
         return NixlIdentity(spec.engine_id, "127.0.0.1", spec.side_port)
 
     def prefill_arg(self) -> str:
-        spec = self.prefill.engine_spec
-        return f"{spec.url},engine_id={spec.engine_id},side_port={spec.side_port}"
+        """The router's --prefill SPEC for this pair's prefill engine."""
+        return self.prefill.engine_spec.prefill_arg()
 
 
 @contextlib.contextmanager
 def push_pair(connector: str, tag: str, module: str | None = None) -> Iterator[PushPair]:
-    """One prefill (core 0) and one decode (core 1), prefix caching on (vLLM's default), cached tokens reported."""
-    model = tiny_model()
-    common: dict[str, Any] = {
-        "model": model,
-        "connector": connector,
-        "connector_module": module,
-        "extra_args": (DETAILS,),
-    }
-    p = EngineSpec(
-        name=f"{tag}-p",
-        role="prefill",
-        core=0,
-        side_port=free_port(),
-        engine_id=f"{tag}-p-{uuid.uuid4().hex[:6]}",
-        **common,
+    """One prefill (core 0) and one decode (core 1), prefix caching on (vLLM's default), cached tokens reported;
+    the prefill's engine id is `{tag}-p0-<random>` (a fresh NIXL identity per run)."""
+    family = pd_family(
+        tag, tiny_model(), connector, module=module, engine_suffix=f"-{uuid.uuid4().hex[:6]}", extra_args=(DETAILS,)
     )
-    d = EngineSpec(name=f"{tag}-d", role="decode", core=1, side_port=free_port(), **common)
     with Fleet(LOGS) as fleet:
-        prefill, decode = fleet.start_all([p, d])
-        fleet.wait_all_healthy(STARTUP_TIMEOUT)
-        yield PushPair(prefill, decode)
+        engines = start_family(fleet, family, STARTUP_TIMEOUT)
+        yield PushPair(engines.prefills[0], engines.decode)
 
 
 @dataclass
