@@ -18,7 +18,7 @@ from router.errors import (
     UpstreamStatus,
     UpstreamTimeout,
 )
-from router.transport import AiohttpLegs, AiohttpTransport, LegResponse, LegTransport
+from router.transport import AiohttpTransport, LegResponse, LegTransport, legs_for
 
 _decode = msgspec.json.Decoder().decode
 
@@ -33,7 +33,10 @@ def make_client(settings: Settings, transport: httpx.AsyncBaseTransport | None =
 
 
 def make_legs(settings: Settings) -> LegTransport:
-    return AiohttpLegs(max_connections=settings.max_connections, connect_timeout=settings.timeouts.connect)
+    """The legs' client the settings name (`leg_client`: http1 by default, aiohttp)."""
+    return legs_for(
+        settings.leg_client, max_connections=settings.max_connections, connect_timeout=settings.timeouts.connect
+    )
 
 
 def translate(exc: BaseException, *, leg: Role | str, worker: str) -> UpstreamError:

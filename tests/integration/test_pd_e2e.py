@@ -405,6 +405,26 @@ def test_sixteen_concurrent_pushes(ours: Stack) -> None:
     wait_for(lambda: metric(stack.p0_url, "vllm:kvpush_xfer_time_seconds_count") - xfers >= 16, "p0 wrote 16 times")
 
 
+def test_a_chunked_prefill_is_pushed_step_by_step_and_decode_answers_as_one_instance(ours: Stack) -> None:
+    """G14, progressive push (on by default): through the router over our chunked p1 (2 prompt tokens a step),
+    p1 posts more than one WRITE for one request, at least one of them without Done; decode counts the whole
+    prompt as transferred and answers as one instance does."""
+    stack, p1 = ours, ours.engines.prefills[1].url
+    assert stack.slow_router_url is not None
+    writes, partial = metric(p1, "vllm:kvpush_writes_posted_total"), metric(p1, "vllm:kvpush_partial_writes_total")
+    before = kv_sources(stack.decode_url)
+    body = plain_body(50)  # about 600 prompt tokens: some 300 prefill steps, several full KV blocks
+    got = complete(stack.slow_router_url, "completions", body)
+    assert got.status == 200, got.text
+    wait_for(lambda: transferred_since(stack, before) >= got.prompt_tokens, "decode counted the prompt")
+    assert transferred_since(stack, before) == got.prompt_tokens
+    assert kv_sources(stack.decode_url)["local_compute"] == before["local_compute"]
+    posted = metric(p1, "vllm:kvpush_writes_posted_total") - writes
+    assert posted >= 2, f"p1 posted {posted} WRITE(s) for a prompt of {got.prompt_tokens} tokens"
+    assert metric(p1, "vllm:kvpush_partial_writes_total") - partial >= 1, "every WRITE carried Done"
+    assert got.text == complete(stack.p0_url, "completions", body).text
+
+
 def test_decode_disconnect_before_prefill_is_cancelled_and_leaks_nothing(ours: Stack) -> None:
     """Decode registers, its client leaves before any prefill: D cancels, P acks, D frees its blocks;
     the late prefill leg of that transfer is refused a pairing and P frees its blocks at once."""

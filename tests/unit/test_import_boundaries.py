@@ -29,6 +29,8 @@ IO = {
     "router.answer": "relays upstream streams",
     "router.upstream": "upstream HTTP calls",
     "router.transport": "the aiohttp-backed transport",
+    "router.http1": "the legs' HTTP/1.1 client (sockets, httptools, httpx errors)",
+    "router.http1_pool": "the legs' connection pool: opens sockets",
     "router.scrape": "reads the workers' /metrics",
     "router.pool": "health probes and gauges",
     "router.admission": "the admission gauges",
