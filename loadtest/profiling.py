@@ -18,6 +18,8 @@ BY_FILE: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "router/transport.py",
             "router/upstream.py",
+            "router/http1",
+            "httptools",
             "aiohttp",
             "httpx",
             "httpcore",
