@@ -17,7 +17,9 @@ import httpx
 import yaml
 
 from loadtest import promtext
-from stack.procs import ManagedProcess, ProcessSpec, free_port
+from stack.engines import EngineSpec
+from stack.procs import LOOPBACK, ManagedProcess, ProcessSpec, free_port
+from stack.routers import Router, router_spec
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("KVPUSH_TEST_CACHE", REPO / ".cache" / "kvpush"))
@@ -125,17 +127,8 @@ class Bed:
         return self.prefills if role == "prefill" else self.decodes
 
 
-def _start(name: str, argv: Sequence[str], port: int, ready: str, started: list[ManagedProcess]) -> ManagedProcess:
-    handle = ManagedProcess(
-        ProcessSpec(
-            name=name,
-            argv=tuple(argv),
-            env=dict(os.environ),
-            log_path=LOGS / f"{name}.log",
-            ready_url=f"http://127.0.0.1:{port}{ready}",
-            cwd=REPO,
-        )
-    )
+def _launch(handle: ManagedProcess, started: list[ManagedProcess]) -> ManagedProcess:
+    """Start a child, remember it for stop_all(), and wait until it answers its ready URL."""
     started.append(handle)
     handle.start()
     handle.wait_healthy(60.0)
@@ -145,15 +138,16 @@ def _start(name: str, argv: Sequence[str], port: int, ready: str, started: list[
 def start_router(
     prefill_args: Sequence[str], decode_args: Sequence[str], config: Mapping[str, Any], started: list[ManagedProcess]
 ) -> RouterProc:
-    """A real router process with settings from a YAML file (defaults unless `config` says otherwise)."""
+    """A real router process (stack.routers) with settings from a YAML file (defaults unless `config` says
+    otherwise); ready when /ready answers 200."""
     port = free_port()
     settings = {"prefill": list(prefill_args), "decode": list(decode_args), **config}
     LOGS.mkdir(parents=True, exist_ok=True)
     path = LOGS / f"router-{port}.yaml"
     path.write_text(yaml.safe_dump(settings))
-    argv = [sys.executable, "-m", "router", "serve", "--port", str(port), "--config", str(path)]
-    handle = _start(f"router-{port}", argv, port, "/ready", started)
-    return RouterProc(handle, f"http://127.0.0.1:{port}", dict(config))
+    router = Router(router_spec(port, None, [], [], name=f"router-{port}", config=path), log_dir=LOGS)
+    _launch(router, started)
+    return RouterProc(router, router.url, dict(config))
 
 
 def start_standin(
@@ -164,10 +158,19 @@ def start_standin(
     argv += ["--engine-id", name, "--kv-dir", str(kv_dir)]
     for key, value in flags.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
-    handle = _start(f"standin-{name}-{port}", argv, port, "/health", started)
-    url = f"http://127.0.0.1:{port}"
-    arg = f"{url},engine_id={name},side_port=5600" if role == "prefill" else url
-    return Worker(role, name, url, handle, "standin", arg)
+    url = f"http://{LOOPBACK}:{port}"
+    log = LOGS / f"standin-{name}-{port}.log"
+    spec = ProcessSpec(f"standin-{name}-{port}", tuple(argv), dict(os.environ), log, f"{url}/health", REPO)
+    handle = _launch(ManagedProcess(spec), started)
+    return Worker(role, name, url, handle, "standin", standin_arg(role, name, port))
+
+
+def standin_arg(role: str, name: str, port: int) -> str:
+    """The router's --prefill SPEC (or --decode URL) of a stand-in, spelled by the engine spec it stands in for
+    (our push connector, engine id `name`, side port 5600: the identity the router hands on in a leg's body)."""
+    connector = KVPUSH_CONNECTOR[0]
+    spec = EngineSpec(name, "prefill", Path(STANDIN_MODULE), port, side_port=5600, connector=connector, engine_id=name)
+    return spec.prefill_arg() if role == "prefill" else spec.url
 
 
 @contextlib.contextmanager
