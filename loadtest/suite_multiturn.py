@@ -11,26 +11,29 @@ P runs on core 0, both decodes share core 1. Every engine reports cached tokens 
 (--enable-prompt-tokens-details) and runs with VLLM_SERVER_DEV_MODE=1, so the prefix caches are reset
 (POST /reset_prefix_cache) before each front: no front profits from an earlier front's turns. One row per front:
 TTFT per turn index, TTFT over turns >= 2, TPOT, decode's prompt tokens by source (both decodes summed), the
-share of an ideal router's reusable tokens that were local cache hits on decode, and how many answers equal the
-first front's (greedy: all must). A PNG of TTFT p50 by turn goes next to summary.json.
+share of an ideal router's reusable tokens that were local cache hits on decode, how many answers equal the
+first front's (greedy: all must) and, for a kvpush front, the decider's bypass predictions within 20 % of the
+actual uncached tokens (its router's kvpush_bypass_accurate / kvpush_bypass_checked counters at the end of the
+run; issue 11's target: >= 90 % of bypass decisions). A PNG of TTFT p50 by turn goes next to summary.json.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from loadtest import multiturn
+from loadtest import multiturn, promtext
 from loadtest.benchkit import kv_sources, scrape, url, vllm_lock, vrouter_binary
 from loadtest.job import REPO
 from loadtest.records import write_jsonl
 from loadtest.results import RowLabels, append_rows, build_row, git_commit
 from loadtest.stats import summarize
-from stack.engines import Engine, EngineSpec, Fleet
+from stack.engines import Engine, Fleet
 from stack.family import PdFamily, pd_family, start_family
 from stack.local import StackOptions, ensure_model
 from stack.procs import LOOPBACK, ManagedProcess, ProcessSpec, free_port
@@ -39,6 +42,7 @@ from stack.routers import Router, router_spec
 DETAILS = "--enable-prompt-tokens-details"
 CONNECTORS = {"upstream-push": ("NixlPushConnector", None), "kvpush-push": ("KvpushConnector", "connector.plugin")}
 FRONTS = ("kvpush", "kvpush-decider", "vllm-router")  # the first one is the answers' reference
+ACCURACY_TARGET = 0.9  # issue 11: >= 90 % of bypass decisions predicted within 20 % of the actual uncached tokens
 
 
 @dataclass(frozen=True)
@@ -97,11 +101,6 @@ def engine_family(plan: MultiTurnPlan, model: Path) -> PdFamily:
     return pd_family(
         "mt", model, connector, module=module, n_decode=2, extra_args=(DETAILS,), max_model_len=plan.max_model_len
     )
-
-
-def engine_specs(plan: MultiTurnPlan, model: Path) -> list[EngineSpec]:
-    """The family's specs in start order (prefill first)."""
-    return list(engine_family(plan, model).specs)
 
 
 def _env() -> dict[str, str]:
@@ -223,6 +222,7 @@ def run(plan: MultiTurnPlan, run_dir: Path, summary: Path, progress: bool, run_i
             baseline = baseline if baseline is not None else turns
             row = _row(plan, front, turns, duration, before, after, baseline, run_id, run_dir)
             row["routes"] = None if front == "vllm-router" else routes(base)
+            row["bypass_accuracy"] = None if front == "vllm-router" else scrape_bypass_accuracy(base)
             rows.append(row)
     append_rows(summary, rows)
     plot_ttft_by_turn(rows, summary.parent / "multiturn-ttft-by-turn.png")
@@ -240,6 +240,28 @@ def routes(router_url: str) -> dict[str, int]:
     for record in records:
         out[str(record.get("mode"))] = out.get(str(record.get("mode")), 0) + 1
     return out
+
+
+def scrape_bypass_accuracy(router_url: str) -> dict[str, int] | None:
+    """The kvpush router's bypass-prediction counters now (its /metrics); None when it has none or is gone."""
+    try:
+        return bypass_accuracy(scrape(router_url))
+    except httpx.HTTPError as error:
+        print(f"multiturn: no bypass accuracy from {router_url}: {error}")
+        return None
+
+
+def bypass_accuracy(samples: Mapping[promtext.Sample, float]) -> dict[str, int] | None:
+    """{"checked", "accurate"} from kvpush_bypass_checked / kvpush_bypass_accurate (counters: exported with a
+    `_total` suffix); None when the router exports neither (it runs no decider)."""
+    names = {name for name, _ in samples}
+    counts: dict[str, int] = {}
+    for key in ("checked", "accurate"):
+        found = [n for n in (f"kvpush_bypass_{key}_total", f"kvpush_bypass_{key}") if n in names]
+        if not found:
+            return None
+        counts[key] = int(promtext.total(samples, found[0]))
+    return counts
 
 
 def _row(
@@ -324,8 +346,9 @@ def section(rows: list[dict[str, Any]], results_dir: Path | None) -> list[str]:
     """The multiturn part of bench/README.md: one line per front, then the issue's targets."""
     out = [
         "| front | turns ok/failed | TTFT p50 turn 1 (ms) | TTFT p50 turns >= 2 (ms) | TPOT p50 (ms) | decode local hit"
-        " / compute / transfer (tokens) | local hits / ideal reuse | answers = first front | routes |",
-        "|---|---|---|---|---|---|---|---|---|",
+        " / compute / transfer (tokens) | local hits / ideal reuse | answers = first front | routes"
+        " | bypass predictions within ±20 % |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     by_front: dict[str, dict[str, Any]] = {}
     for row in rows:
@@ -339,7 +362,7 @@ def section(rows: list[dict[str, Any]], results_dir: Path | None) -> list[str]:
             f"| {_p50(row, 'ttft_ms_turn2plus')} | {_p50(row, 'tpot_ms_all')} "
             f"| {src.get('local_cache_hit', 0):.0f} / {src.get('local_compute', 0):.0f} "
             f"/ {src.get('external_kv_transfer', 0):.0f} | {'-' if frac is None else f'{frac:.0%}'} "
-            f"| {equal[0]}/{equal[1]} | {_routes(row.get('routes'))} |"
+            f"| {equal[0]}/{equal[1]} | {_routes(row.get('routes'))} | {accuracy_text(row.get('bypass_accuracy'))} |"
         )
     ours = _later_p50(by_front.get("kvpush-decider"))
     for other, target in (("vllm-router", 0.5), ("kvpush", 0.6)):
@@ -347,9 +370,31 @@ def section(rows: list[dict[str, Any]], results_dir: Path | None) -> list[str]:
         if ours is not None and theirs:
             verdict = "met" if ours / theirs <= target else "not met"
             out.append(f"\nTTFT p50 turns >= 2, decider / {other}: {ours / theirs:.2f} (target <= {target}: {verdict})")
+    decider = by_front.get("kvpush-decider")
+    if decider is not None:
+        out.append("\n" + accuracy_line(decider.get("bypass_accuracy")))
     if results_dir is not None and (results_dir / "multiturn-ttft-by-turn.png").exists():
         out += ["", "![multiturn TTFT by turn](results/multiturn-ttft-by-turn.png)"]
     return out
+
+
+def accuracy_text(counts: Mapping[str, int] | None) -> str:
+    """Shown as accurate/checked (pct); "0/0" before any bypass was checked, "-" without counters."""
+    if counts is None:
+        return "-"
+    checked, accurate = counts["checked"], counts["accurate"]
+    return f"{accurate}/{checked} ({accurate / checked:.0%})" if checked else "0/0"
+
+
+def accuracy_line(counts: Mapping[str, int] | None) -> str:
+    """The decider's bypass predictions against issue 11's target, stated as met / not met."""
+    target = f"target >= {ACCURACY_TARGET:.0%} of bypass decisions"
+    if counts is None:
+        return f"bypass predictions within ±20 %, decider: no counters on its router ({target}: not measured)"
+    if not counts["checked"]:
+        return f"bypass predictions within ±20 %, decider: no bypass checked ({target}: not measured)"
+    verdict = "met" if counts["accurate"] >= ACCURACY_TARGET * counts["checked"] else "not met"
+    return f"bypass predictions within ±20 %, decider: {accuracy_text(counts)} ({target}: {verdict})"
 
 
 def _routes(counts: Any) -> str:

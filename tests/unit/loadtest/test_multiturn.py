@@ -114,8 +114,10 @@ def test_the_suite_plans_fit_the_issue_and_its_engines() -> None:
     shape = suite.FULL.shape()
     assert (shape.turns, shape.message_tokens, shape.answer_tokens) == ((6, 10), (50, 500), (32, 128))
     assert suite.SMOKE.sessions < suite.FULL.sessions
-    specs = suite.engine_specs(suite.FULL, Path("/m"))
+    family = suite.engine_family(suite.FULL, Path("/m"))
+    specs = family.specs
     assert [s.role for s in specs] == ["prefill", "decode", "decode"]
+    assert [s.name for s in family.decodes] == ["mt-d0", "mt-d1"] and family.prefills[0].engine_id == "mt-p0"
     assert all(suite.DETAILS in s.extra_args and s.connector == "NixlPushConnector" for s in specs)
     assert suite.FULL.turns_max * (suite.FULL.message_max + suite.FULL.answer_max) <= specs[0].max_model_len
     plan = suite.MultiTurnPlan(sessions=1, session_rate=1.0, decider_options=(("bypass_max_uncached_tokens", 128),))
