@@ -7,10 +7,20 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.reportkit import Agg, Row, Verdict, agg, agg_of, group, verdict_table
+from router.config import Settings
 
 
 def _scored(rows: Sequence[Row]) -> list[Row]:
-    return [r for r in rows if not r.get("profiled")]
+    """Unprofiled rows; a kvpush front on a leg client other than the default is its own front in the tables
+    (`kvpush (aiohttp legs)`), so the targets compare the default client with vllm-router."""
+    return [_front(r) for r in rows if not r.get("profiled")]
+
+
+def _front(row: Row) -> Row:
+    client = row.get("leg_client")
+    if row.get("router") != "kvpush" or client in (None, Settings.leg_client):
+        return row
+    return {**row, "router": f"kvpush ({client} legs)"}
 
 
 def _added(rows: Sequence[Row], direct: Sequence[Row], name: str) -> Agg | None:

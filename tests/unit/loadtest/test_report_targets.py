@@ -113,6 +113,21 @@ def test_overhead_targets_use_added_latency_over_direct() -> None:
     assert "99.00" not in text  # profiled rows stay out of the tables and targets
 
 
+def test_a_kvpush_front_on_another_leg_client_is_its_own_row_and_stays_out_of_the_targets() -> None:
+    rows = []
+    for rep in range(3):
+        rows += [
+            over_row("direct", "direct", 1, rep, 1.0),
+            over_row("kvpush", "push", 1, rep, 2.1, cpu_s_per_1k=1.0, leg_client="http1"),
+            over_row("kvpush", "push", 1, rep, 9.0, cpu_s_per_1k=7.0, leg_client="aiohttp"),
+            over_row("vllm-router", "push", 1, rep, 2.0, cpu_s_per_1k=0.5),
+        ]
+    vs = {(v.target, v.point): v for v in report_overhead.verdicts(report_overhead._scored(rows))}
+    assert vs[("CPU / 1k req <= 1.0x vllm-router push", "c=1")].ours == 1.0  # the default client's, not a mix
+    text = "\n".join(report_overhead.table(report_overhead._scored(rows)))
+    assert "| kvpush (aiohttp legs) | push | 3 |" in text and "| kvpush | push | 3 |" in text
+
+
 def test_calibration_section_names_the_missing_mechanism(tmp_path: Path) -> None:
     stats = {"ttft_mean_ms": 1600.0, "ttft_p50_ms": 1600.0, "tpot_mean_ms": 10.0, "handoff_p50_ms": 100.0}
     data = {
