@@ -202,6 +202,8 @@ def measure(
     rep = point.extra.get("repeat", lab.extra.get("repeat"))
     name = f"{lab.suite}-{lab.router}-{lab.mode}-{lab.connector}-q{lab.qps}-c{lab.concurrency}"
     name += f"-r{rep}" if rep is not None else ""
+    client = point.extra.get("leg_client", lab.extra.get("leg_client"))
+    name += f"-{client}" if client is not None else ""  # two kvpush fronts on different leg clients
     load = LoadConfig(
         base_url=point.base_url,
         model="",

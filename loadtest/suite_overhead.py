@@ -8,7 +8,7 @@ the front door's own CPU time and peak RSS are read from /proc for its process g
 
 `leg_clients` (e.g. `--set leg_clients=aiohttp,http1`) runs one kvpush push front per leg client side by side
 (KVPUSH_LEG_CLIENT, router/config.py); every kvpush row records its client (`leg_client`), which is how rows of
-several clients are told apart (the report's tables group by router and mode only: compare them by leg_client).
+several clients are told apart (the report shows a non-default client as its own front, `kvpush (aiohttp legs)`).
 
 `cprofile=True` runs the kvpush push router under cProfile (its rows are marked `profiled` and left out of
 the targets) and writes router-profile.json next to summary.json: where its time went, by category.
