@@ -20,7 +20,7 @@ from loadtest.job import REPO
 from loadtest.results import RowLabels
 from loadtest.sim.profile import PROFILE_DIR
 from loadtest.sim.writes import CONNECTOR_WRITE_AT
-from stack.engines import Fleet
+from stack.engines import Fleet, prefill_arg
 from stack.procs import free_port
 
 PROFILE = "qwen3-32b-h200"
@@ -76,7 +76,7 @@ def run(
             p_port, d_port, r_port = free_port(), free_port(), free_port()
             fleet.start(sim_proc(f"sim-{stack}-p", "prefill", p_port, profile, mode, logs, write_at))
             fleet.start(sim_proc(f"sim-{stack}-d", "decode", d_port, profile, mode, logs))
-            spec = f"{url(p_port)},engine_id=sim-{stack}-p,side_port={p_port}"
+            spec = prefill_arg(url(p_port), f"sim-{stack}-p", p_port)
             fleet.start(router_proc(f"router-{stack}", r_port, mode, spec, url(d_port), logs))
             routers[stack], decodes[stack], prefills[stack] = url(r_port), url(d_port), url(p_port)
         fleet.wait_all_healthy(timeout=60.0)

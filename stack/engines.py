@@ -113,7 +113,13 @@ class EngineSpec:
             raise ValueError(f"{self.name}: resolve ports before naming the engine to the router")
         if self.connector is None or self.engine_id is None or not self.side_port:
             return self.url
-        return f"{self.url},engine_id={self.engine_id},side_port={self.side_port}"
+        return prefill_arg(self.url, self.engine_id, self.side_port)
+
+
+def prefill_arg(url: str, engine_id: str, side_port: int) -> str:
+    """The router's `--prefill` SPEC of a push prefill at `url` with this NIXL identity, for stand-ins and
+    simulators too (an engine of ours says it with `EngineSpec.prefill_arg`)."""
+    return f"{url},engine_id={engine_id},side_port={side_port}"
 
 
 def spec_problems(spec: EngineSpec) -> list[str]:

@@ -28,6 +28,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from stack.engines import prefill_arg
 from stack.family import pd_family
 from tests.integration.connector.kvpush_support import (
     CONNECTOR,
@@ -304,12 +305,13 @@ def test_a_retry_with_fresh_ids_never_pairs_with_the_failed_attempt(ours: Stack)
     stack = ours
     p0 = stack.engines.prefills[0]
     spec = p0.engine_spec
+    assert spec.engine_id is not None and spec.side_port is not None
     cancelled = metric(p0.url, "vllm:kvpush_cancelled_total")
     with (
         FailingPrefill(delay=1.5) as fake,
         router(
             "push",
-            [f"{fake.url},engine_id={spec.engine_id},side_port={spec.side_port}", spec.prefill_arg()],
+            [prefill_arg(fake.url, spec.engine_id, spec.side_port), spec.prefill_arg()],
             [stack.decode_url],
             "--prefill-policy",
             "round-robin",

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from stack.engines import Fleet
+from stack.engines import Fleet, prefill_arg
 from stack.procs import ManagedProcess, ProcessSpec, free_port
 from stack.routers import Router, router_spec
 from tests.integration.support import INTEGRATION, LOGS, REPO
@@ -76,8 +76,8 @@ def router_metrics() -> Iterator[str]:
     streamed, non-streamed and invalid requests through it; yields the router's /metrics text."""
     ports = {name: free_port() for name in ("p0", "p1", "d0", "router")}
     prefills = [
-        f"http://127.0.0.1:{ports['p0']},engine_id=fake-p0,side_port=5600",
-        f"http://127.0.0.1:{ports['p1']},engine_id=fake-p1,side_port=5601",
+        prefill_arg(f"http://127.0.0.1:{ports['p0']}", "fake-p0", 5600),
+        prefill_arg(f"http://127.0.0.1:{ports['p1']}", "fake-p1", 5601),
     ]
     decodes = [f"http://127.0.0.1:{ports['d0']}"]
     spec = router_spec(

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from stack.engines import Fleet
+from stack.engines import Fleet, prefill_arg
 from stack.procs import ManagedProcess, ProcessSpec, free_port
 from stack.routers import Router, RouterSpec
 from tests.integration.discovery.dnsmasq import DOMAIN, Dnsmasq
@@ -40,7 +40,7 @@ def test_decode_workers_follow_dns_records(dnsmasq: Dnsmasq, tmp_path: Path) -> 
     config.write_text(
         yaml.safe_dump(
             {
-                "prefill": [f"http://127.0.0.1:{port},engine_id=fake,side_port=5600"],
+                "prefill": [prefill_arg(f"http://127.0.0.1:{port}", "fake", 5600)],
                 "decode": [],
                 "discovery": {
                     "decode": {

@@ -369,12 +369,13 @@ def router_process(
     launched through stack.routers (the one router launcher)."""
     import yaml
 
+    from stack.engines import prefill_arg
     from stack.procs import free_port
     from stack.routers import Router, router_spec
 
     port = free_port()
     settings = {
-        "prefill": [f"{p.url},engine_id={p.url.rsplit(':', 1)[1]},side_port=5600" for p in prefills],
+        "prefill": [prefill_arg(p.url, p.url.rsplit(":", 1)[1], 5600) for p in prefills],
         "decode": [d.url for d in decodes],
         "health_interval": 0.3,
         **config,

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from stack.engines import prefill_arg
 from stack.procs import ManagedProcess, ProcessSpec, free_port
 from stack.routers import Router, router_spec
 from tests.integration.support import LOGS, REPO, wait_for
@@ -72,7 +73,7 @@ def router(
     spec = router_spec(
         port,
         None,
-        [f"{p.url},engine_id=fake,side_port=5600" for p in prefills],
+        [prefill_arg(p.url, "fake", 5600) for p in prefills],
         [d.url for d in decodes],
         "--health-interval",
         "0.3",
