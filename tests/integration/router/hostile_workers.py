@@ -27,8 +27,7 @@ import json
 import os
 import signal
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -304,17 +303,6 @@ class Proc:
 
 REPO = Path(__file__).resolve().parents[3]
 LOGS = Path(os.environ.get("KVPUSH_TEST_CACHE", REPO / ".cache" / "kvpush")) / "test-logs"
-
-
-def wait_for(predicate: Callable[[], bool], what: str | Callable[[], str], timeout: float = 30.0) -> None:
-    """Polls until `predicate()` holds; fails the test after `timeout` s (a hang guard, not a speed check)."""
-    import pytest
-
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what if isinstance(what, str) else what()}: not reached within {timeout:g} s")
-        time.sleep(0.1)
 
 
 STARTED: list[Proc] = []  # every child this test process started; stop_all() ends those still running

@@ -30,8 +30,8 @@ from tests.integration.router.hostile_workers import (
     rss_kib,
     running,
     stop_all,
-    wait_for,
 )
+from tests.integration.support import wait_for
 
 pytestmark = pytest.mark.integration
 BODY: dict[str, Any] = {"model": "tiny", "prompt": "hello", "max_tokens": 6}

@@ -26,8 +26,8 @@ from tests.integration.router.hostile_workers import (
     running,
     sockets_to,
     stop_all,
-    wait_for,
 )
+from tests.integration.support import wait_for
 
 pytestmark = pytest.mark.integration
 GUARD = 30.0  # hang guard per request, seconds: well under the 120 s defaults that fire on today's code
