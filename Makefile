@@ -35,7 +35,7 @@ serve: venv ## run only the router (pass flags in ARGS="--prefill ... --decode .
 	$(BIN)/kvpush serve $(ARGS)
 
 test: venv tools lint typecheck ## everything CI runs: lint, types, unit and integration tests (real vLLM + NIXL)
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests --durations=30
 
 test-unit: venv ## fast tests only: no sockets, no engines
 	$(BIN)/python -m pytest -q tests/unit
