@@ -366,12 +366,7 @@ class Dispatcher:
             return
         if not isinstance(error, _WorkerLost):  # health already knows about a lost worker
             self._pool.report(error.worker, ok=False, hard=error.kind == "connect", reason=str(error))
-        try:
-            usable = self._pool.get(error.worker).healthy
-        except KeyError:
-            usable = False  # it left the pool
-        if not usable:
-            self._decider.forget(error.worker)  # what it held (its prefix cache) is not to be counted on
+        # an ejection this causes reaches the decider through the pool's on_gone (router/service.py)
 
     def _tell(
         self,
@@ -445,7 +440,7 @@ class Dispatcher:
             )
 
     def forget(self, worker_id: str) -> None:
-        """A worker was ejected or removed: the decider drops what it knew of it."""
+        """A worker went down or left the pool (the pool's on_gone): the decider drops what it knew of it."""
         self._decider.forget(worker_id)
 
     async def aclose(self) -> None:

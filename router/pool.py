@@ -101,10 +101,14 @@ class Pool:
         metrics: Metrics,
         policy: HealthPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_gone: Callable[[str], None] | None = None,
     ) -> None:
+        """`on_gone(worker_id)` is told each time a worker goes down (probe or passive ejection) or leaves the
+        pool: what it cached is not to be counted on (the P/D decider forgets it). A drain is not a loss of cache."""
         self._metrics = metrics
         self._policy = policy or HealthPolicy()
         self._clock = clock
+        self._on_gone = on_gone
         self._workers: dict[str, WorkerState] = {}
         for spec in workers:
             self._add(spec)
@@ -174,6 +178,7 @@ class Pool:
             return False
         logger.info("%s worker %s left the pool", state.spec.role, worker_id)
         self._lose(state, Loss.REMOVED, "left the pool")
+        self._gone(worker_id)
         for gauge in (self._metrics.healthy, self._metrics.in_flight):
             gauge.remove(str(state.spec.role), worker_id)
         self._publish_pools()
@@ -234,6 +239,7 @@ class Pool:
             )
             self._metrics.ejections.labels(str(state.spec.role)).inc()
             self._lose(state, Loss.DOWN, f"ejected: {reason}")
+            self._gone(worker_id)
             self._publish(state)
 
     async def probe_all(
@@ -274,9 +280,15 @@ class Pool:
         if changed:
             log = logger.info if ok else logger.warning
             log("%s worker %s is %s (%s)", state.spec.role, state.spec.id, "up" if ok else "down", reason)
+            if not ok:
+                self._gone(state.spec.id)
         if not state.healthy:
             self._lose(state, Loss.DOWN, f"health probe: {reason}")
         self._publish(state)
+
+    def _gone(self, worker_id: str) -> None:
+        if self._on_gone is not None:
+            self._on_gone(worker_id)
 
     def _lose(self, state: WorkerState, loss: Loss, reason: str) -> None:
         for leg in list(state.legs):

@@ -44,7 +44,7 @@ class Service:
         self.settings = settings
         self.metrics = Metrics()
         policy = HealthPolicy(settings.eject_after, settings.eject_backoff, settings.eject_backoff_max)
-        self.pool = Pool((*settings.prefill, *settings.decode), self.metrics, policy, clock)
+        self.pool = Pool((*settings.prefill, *settings.decode), self.metrics, policy, clock, on_gone=self._gone)
         self.timings = TimingLog(settings.timings_capacity)
         self.client = make_client(settings, transport)
         legs: LegTransport = HttpxLegs(self.client) if transport is not None else make_legs(settings)
@@ -134,10 +134,11 @@ class Service:
         return added, spec.url
 
     def remove_worker(self, url: str) -> bool:
-        removed = self.pool.remove(url)
-        if removed:
-            self.dispatcher.forget(url)
-        return removed
+        return self.pool.remove(url)  # the pool tells _gone, and the decider forgets the worker
+
+    def _gone(self, worker_id: str) -> None:
+        """A worker went down or left the pool (probe, passive ejection, discovery, admin)."""
+        self.dispatcher.forget(worker_id)
 
     def _probe_failed(self, spec: WorkerSpec, error: BaseException) -> None:
         self.metrics.loop_errors.labels("health").inc()

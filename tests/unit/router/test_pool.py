@@ -201,3 +201,24 @@ async def test_probe_rounds_start_at_a_fixed_rate_so_a_hung_worker_does_not_slow
             await pool.run_health(client, 10.0, 0.05, sleep=sleep)
     # the round took at least the two 0.05 s timeouts; the pause after it is shortened by what the round took
     assert len(delays) == 1 and 0.0 <= delays[0] <= 10.0 - 2 * 0.05
+
+
+async def test_the_pool_says_when_a_worker_goes_down_or_leaves_and_not_when_it_is_drained() -> None:
+    """on_gone feeds the P/D decider's forget: a worker down (probe or passive) or gone lost its cache."""
+    gone: list[str] = []
+    d1 = WorkerSpec("http://d1:1", Role.DECODE)
+    pool = Pool((P0, P1, D0, d1), Metrics(), on_gone=gone.append)
+    for spec in (P0, P1, D0, d1):
+        pool.get(spec.id).health.on_probe_ok(0.0)
+    async with Workers(p0=["refuse"]).client() as client:
+        await pool.probe_all(client, timeout=0.05)
+        await pool.probe_all(client, timeout=0.05)  # still down: told once
+    assert gone == [P0.id], "the probe took p0 down"
+    pool.report(P1.id, ok=False, hard=True, reason="connection refused")
+    assert gone == [P0.id, P1.id], "passive ejection"
+    pool.drain(D0.id)
+    assert gone == [P0.id, P1.id], "a drained worker keeps its cache"
+    pool.set_members(Role.DECODE, [D0])
+    assert gone == [P0.id, P1.id, d1.id], "discovery dropped d1"
+    pool.remove(D0.id)
+    assert gone[-1] == D0.id
