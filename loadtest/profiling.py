@@ -19,7 +19,7 @@ BY_FILE: tuple[tuple[str, tuple[str, ...]], ...] = (
             "router/transport.py",
             "router/upstream.py",
             "router/http1",
-            "httptools",
+            "/httptools/",
             "aiohttp",
             "httpx",
             "httpcore",
