@@ -12,7 +12,7 @@ import pytest
 
 from router.answer import JsonAnswer, StreamAnswer
 from router.config import build_settings
-from router.decider import Decision, Outcome, Route, Turn
+from router.decider import Decider, Decision, Outcome, Route, Turn
 from router.dispatch import ClientRequest, Dispatcher, _unless_lost
 from router.domain import Endpoint, Role, WorkerView
 from router.errors import NoHealthyWorker, UpstreamError, UpstreamProtocolError, UpstreamStatus, UpstreamTimeout
@@ -26,13 +26,15 @@ P0 = "http://p0:8100,engine_id=p0,side_host=127.0.0.9,side_port=5600"
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 3, "stream": True}
 
 
-async def make(workers: FakeWorkers, **settings: Any) -> tuple[Dispatcher, Pool, TimingLog]:
+async def make(
+    workers: FakeWorkers, decider: Decider | None = None, **settings: Any
+) -> tuple[Dispatcher, Pool, TimingLog]:
     s = build_settings({"prefill": [P0], "decode": ["http://d0:8200"]}, settings)
     metrics, timings = Metrics(), TimingLog(100)
     pool = Pool((*s.prefill, *s.decode), metrics)
     client = httpx.AsyncClient(transport=workers.transport())
     await pool.probe_all(client, 1.0)
-    return Dispatcher(s, pool, client, metrics, timings), pool, timings
+    return Dispatcher(s, pool, client, metrics, timings, decider=decider), pool, timings
 
 
 def call_of(
@@ -349,12 +351,8 @@ async def test_a_whole_stream_in_one_chunk_is_relayed_as_it_came_and_its_usage_l
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=chunks_of([stream]))
 
     workers = FakeWorkers({"p0": prefill_ok(), "d1": at_once})
-    s = build_settings({"prefill": [P0], "decode": ["http://d1:8200"]})
-    metrics, decider = Metrics(), Recording()
-    pool = Pool((*s.prefill, *s.decode), metrics)
-    client = httpx.AsyncClient(transport=workers.transport())
-    await pool.probe_all(client, 1.0)
-    dispatcher = Dispatcher(s, pool, client, metrics, TimingLog(10), decider=decider)
+    decider = Recording()
+    dispatcher, _, _ = await make(workers, decider, decode=["http://d1:8200"])
     assert await relay(await dispatcher.handle(call_of(dispatcher))) == [stream]
     (outcome,) = decider.outcomes
     assert outcome.prompt_tokens == 7 and outcome.answer == "ab"
@@ -399,12 +397,8 @@ async def test_an_answer_with_reasoning_is_not_credited_as_text(stream: bool) ->
         return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=chunks_of(chunks))
 
     workers = FakeWorkers({"p0": prefill_ok(), "d1": reasons})
-    s = build_settings({"prefill": [P0], "decode": ["http://d1:8200"]})
-    metrics, decider = Metrics(), Recording()
-    pool = Pool((*s.prefill, *s.decode), metrics)
-    client = httpx.AsyncClient(transport=workers.transport())
-    await pool.probe_all(client, 1.0)
-    dispatcher = Dispatcher(s, pool, client, metrics, TimingLog(10), decider=decider)
+    decider = Recording()
+    dispatcher, _, _ = await make(workers, decider, decode=["http://d1:8200"])
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": stream}
     answer = await dispatcher.handle(call_of(dispatcher, body, Endpoint.CHAT))
     if stream:
