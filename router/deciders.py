@@ -23,7 +23,7 @@ from router.conversation import Chain, ConversationKey, conversation_key
 from router.decider import DeciderStats, Decision, Outcome, Route, Turn
 from router.domain import Mode, WorkerView
 from router.errors import ConfigError
-from router.prefix_index import Match, PrefixIndex, SessionTable, TokenRatio, prorated
+from router.prefix_index import Match, PrefixIndex, SessionTable, TokenRatio, prorated, reusable_answer_tokens
 
 logger = logging.getLogger("kvpush.decider")
 ACCURATE = 0.2  # a bypass prediction is "accurate" when uncached tokens are within 20 % of the actual
@@ -122,7 +122,7 @@ class SessionAffinity:
         key = conversation_key(turn.info.endpoint, turn.body, turn.headers, self.options.chunk_chars)
         held = self._pick_decode(key, self._usable(decode), now)
         o = self.options
-        cached = (held.tokens // o.block_tokens) * o.block_tokens if held is not None else 0  # whole blocks only
+        cached = (held.reusable // o.block_tokens) * o.block_tokens if held is not None else 0  # whole blocks only
         uncached = self._uncached(key.chain, held) + (held.tokens - cached if held is not None else 0)
         if held is not None and cached >= o.bypass_min_cached_tokens and uncached <= o.bypass_max_uncached_tokens:
             return self._count(
@@ -150,17 +150,20 @@ class SessionAffinity:
         prompt_counts = prorated(chain.links, chain.chars, tokens)
         if outcome.prefill is not None:
             self.prefill_index.record(outcome.prefill, chain.links, prompt_counts, now)
-        held_links, held_counts = list(chain.links), prompt_counts
+        held_links, held_counts, reusable = list(chain.links), prompt_counts, tokens
         if outcome.answer is not None and chain.links and self.answers_trusted:
             grown = chain.extend(outcome.answer)
             generated = outcome.completion_tokens
-            total = tokens + (generated if generated is not None else self.ratio.tokens(len(outcome.answer)))
+            if generated is None:
+                generated = self.ratio.tokens(len(outcome.answer))
+            total = tokens + generated
             extra = grown.links[len(chain.links) :]
             base = chain.chars
             held_links = [*chain.links, *extra]
             spread = [tokens + round((total - tokens) * (x.chars - base) / max(1, grown.chars - base)) for x in extra]
             held_counts = [*prompt_counts, *spread]
-        self.decode_index.record(outcome.decode, held_links, held_counts, now)
+            reusable = tokens + reusable_answer_tokens(outcome.answer, generated)
+        self.decode_index.record(outcome.decode, held_links, held_counts, now, reusable)
         if plan.key.session is not None:
             self.sessions.set(plan.key.session, outcome.decode, now)
         self._check_prediction(decision, plan, outcome)
@@ -209,14 +212,14 @@ class SessionAffinity:
         last = self.sessions.get(key.session, now) if key.session is not None else None
         if last is not None and any(w.id == last for w in usable):
             mine = self.decode_index.longest(last, key.chain, now)
-            if best is None or mine.tokens >= best.tokens:
+            if best is None or mine.reusable >= best.reusable:
                 return mine
         return best
 
     def _longest(self, index: PrefixIndex, chain: Chain, usable: Sequence[WorkerView], now: float) -> Match | None:
         """The worker holding the longest prefix (ties: configuration order); None when none holds any."""
         found = [index.longest(w.id, chain, now) for w in usable]
-        best = max(found, key=lambda m: m.tokens, default=None)
+        best = max(found, key=lambda m: m.reusable, default=None)
         return best if best is not None and best.tokens > 0 else None
 
     def _uncached(self, chain: Chain, held: Match | None) -> int:

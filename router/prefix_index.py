@@ -21,8 +21,10 @@ from router.conversation import Chain, Link
 
 @dataclass(frozen=True)
 class Held:
-    tokens: int  # prompt tokens the worker holds up to this link
+    tokens: int  # prompt tokens up to this link (its position in the prompt)
     at: float  # when it was last sent there (the engine's LRU clock, roughly)
+    reusable: int  # of those, the tokens the engine's prefix cache can match (less after an answer that does not
+    # re-tokenize as it was generated: see `reusable_answer_tokens`)
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class Match:
     links: int  # how many leading links of the chain it holds (0: nothing)
     chars: int
     tokens: int
+    reusable: int  # <= tokens: what a request extending the chain would find cached
 
 
 @dataclass
@@ -60,13 +63,16 @@ class PrefixIndex:
     def size(self, worker: str) -> int:
         return len(self._held.get(worker, ()))
 
-    def record(self, worker: str, links: Sequence[Link], tokens: Sequence[int], now: float) -> None:
-        """`worker` now holds every link of `links` (a chain's leading links), `tokens[i]` tokens up to link i."""
+    def record(
+        self, worker: str, links: Sequence[Link], tokens: Sequence[int], now: float, reusable: int | None = None
+    ) -> None:
+        """`worker` now holds every link of `links` (a chain's leading links), `tokens[i]` tokens up to link i, of
+        which its cache can match at most `reusable` (None: all of them)."""
         if len(links) != len(tokens):
             raise ValueError("one token count per link")
         held = self._held.setdefault(worker, OrderedDict())
         for link, count in zip(links, tokens, strict=True):
-            held[link.digest] = Held(count, now)
+            held[link.digest] = Held(count, now, count if reusable is None else min(count, reusable))
             held.move_to_end(link.digest)
         while len(held) > self._max:
             held.popitem(last=False)
@@ -81,8 +87,8 @@ class PrefixIndex:
             for i in range(len(chain.links) - 1, -1, -1):
                 found = held.get(chain.links[i].digest)
                 if found is not None:
-                    return Match(worker, i + 1, chain.links[i].chars, found.tokens)
-        return Match(worker, 0, 0, 0)
+                    return Match(worker, i + 1, chain.links[i].chars, found.tokens, found.reusable)
+        return Match(worker, 0, 0, 0, 0)
 
     def forget(self, worker: str) -> None:
         dropped = self._held.pop(worker, None)
@@ -166,6 +172,24 @@ class TokenRatio:
 
     def tokens(self, chars: int) -> int:
         return max(0, round(chars * self.value))
+
+
+def reusable_answer_tokens(answer: str, completion_tokens: int) -> int:
+    """How many of an answer's generated tokens a next turn that sends its text back can find in the prefix cache.
+
+    The engine re-tokenizes the text, and its cache matches only as far as that yields the tokens it generated.
+    Without a tokenizer two cases are certain: text holding U+FFFD (a token sequence that was not valid UTF-8, so
+    the text cannot encode back to the same bytes) matches at most up to that character; and an answer with more
+    tokens than bytes (beyond the final one) carries tokens its text does not show (special tokens, stripped
+    output) and is taken to match nothing. The last generated token is never fed back, so its KV does not exist."""
+    if completion_tokens <= 0:
+        return 0
+    if completion_tokens - 1 > len(answer.encode("utf-8", "surrogatepass")):
+        return 0
+    stop = answer.find("\ufffd")
+    if stop < 0:
+        return completion_tokens - 1
+    return min(completion_tokens - 1, completion_tokens * stop // len(answer))
 
 
 def prorated(links: Iterable[Link], total_chars: int, total_tokens: int) -> list[int]:

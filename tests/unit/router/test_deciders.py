@@ -68,7 +68,7 @@ def served(
     prompt_tokens: int = 400,
     cached: int | None = None,
     answer: str | None = ANSWER,
-    completion_tokens: int = 96,
+    completion_tokens: int = 97,  # 96 of them fed back: the last sampled token has no KV
     ok: bool = True,
     now: float = 1.0,
 ) -> None:
@@ -140,7 +140,7 @@ def test_a_short_next_turn_bypasses_prefill_on_the_decode_that_holds_the_history
     decision = decider.decide(second(SHORT), DECODES, PREFILLS, 2.0)
     assert decision.route is Route.BYPASS
     assert (decision.decode, decision.prefill) == ("d2", None)
-    assert decision.predicted_cached_tokens == 400 + 96  # turn 1's prompt and answer, as usage reported them
+    assert decision.predicted_cached_tokens == 400 + 96  # turn 1's prompt and answer, less the last token
 
 
 def test_a_long_next_turn_is_pushed_to_the_same_decode_and_the_warm_prefill() -> None:
@@ -312,6 +312,23 @@ def test_stats_count_decisions_index_and_prediction_accuracy() -> None:
     assert s.predicted_cached_tokens == 496 + (496 + plan_uncached) // 16 * 16  # t3 repeats t2: t2's prompt is held
     assert s.actual_cached_tokens == 2 * 496
     assert s.evictions["decode/capacity"] == 0 and "sessions/forgotten" in s.evictions
+
+
+@pytest.mark.parametrize(
+    "garbled",
+    ["\ufffd" + ANSWER, "***"],  # not valid UTF-8 from the start; 97 tokens for 3 bytes (tokens it does not show)
+)
+def test_an_answer_that_cannot_re_tokenize_as_generated_is_matched_but_not_credited(garbled: str) -> None:
+    decider = SessionAffinity()
+    first_turn(decider, answer=garbled)
+    decision = decider.decide(second(SHORT, answer=garbled), DECODES, PREFILLS, 2.0)
+    assert decision.decode == "d1"  # the history still points at the decode that served it
+    assert decision.predicted_cached_tokens == 400  # the prompt's blocks only
+    assert decision.state.predicted_uncached >= 97  # the answer's tokens are recomputed with the new message
+    trusted = SessionAffinity()
+    first_turn(trusted)
+    plain = trusted.decide(second(SHORT), DECODES, PREFILLS, 2.0)
+    assert plain.state.predicted_uncached < decision.state.predicted_uncached
 
 
 def test_push_outcomes_are_not_checked_against_decode_usage() -> None:

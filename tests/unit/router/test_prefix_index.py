@@ -8,7 +8,7 @@ import pytest
 
 from router.conversation import Chain, chain_of
 from router.domain import Endpoint
-from router.prefix_index import PrefixIndex, SessionTable, TokenRatio, prorated
+from router.prefix_index import PrefixIndex, SessionTable, TokenRatio, prorated, reusable_answer_tokens
 
 
 def chat(*contents: str) -> Chain:
@@ -36,6 +36,35 @@ def test_nothing_held_gives_an_empty_match() -> None:
     assert index.longest("d2", chat("q1"), now=0).links == 0
     head_only = index.longest("d1", chat("other"), now=0)  # only the head link (model, no tools) is shared
     assert (head_only.links, head_only.chars) == (1, 0)
+
+
+def test_a_match_says_how_much_of_its_prefix_the_cache_can_reuse() -> None:
+    index = PrefixIndex(100, ttl_s=60)
+    record(index, "d1", chat("q1"), now=0)
+    assert index.longest("d1", chat("q1", "a1"), now=0).reusable == 20  # recorded without a bound: all of it
+    links = chat("q1", "a1").links
+    index.record("d2", links, [10, 20, 35], now=0, reusable=24)  # the answer's tokens do not all re-tokenize
+    match = index.longest("d2", chat("q1", "a1", "q2"), now=0)
+    assert (match.links, match.tokens, match.reusable) == (3, 35, 24)
+    assert index.longest("d2", chat("q1"), now=0).reusable == 20  # a bound above a link's count leaves it whole
+
+
+@pytest.mark.parametrize(
+    ("answer", "tokens", "reusable"),
+    [
+        ("plain text that round-trips", 6, 5),  # all but the last sampled token, which is never fed back
+        ("abcde\ufffdfghij", 10, 4),  # up to the replacement character: 10 tokens x 5 // 11 chars
+        ("\ufffdat once", 8, 0),
+        ("**", 40, 0),  # more tokens than bytes: tokens the text does not show
+        ("", 5, 0),
+        ("ab", 3, 2),  # as many tokens as bytes after the final one is still possible
+        ("anything", 0, 0),
+    ],
+)
+def test_reusable_answer_tokens_stop_where_the_text_cannot_re_tokenize_as_generated(
+    answer: str, tokens: int, reusable: int
+) -> None:
+    assert reusable_answer_tokens(answer, tokens) == reusable
 
 
 def test_a_diverged_history_matches_only_its_common_prefix() -> None:
