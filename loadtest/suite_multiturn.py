@@ -9,7 +9,10 @@ on), through three fronts in turn with the same sessions and arrival times:
 
 P runs on core 0, both decodes share core 1. Every engine reports cached tokens per request
 (--enable-prompt-tokens-details) and runs with VLLM_SERVER_DEV_MODE=1, so the prefix caches are reset
-(POST /reset_prefix_cache) before each front: no front profits from an earlier front's turns. One row per front:
+(POST /reset_prefix_cache) before each front: no front profits from an earlier front's turns. The plan's `repeats`
+(2 by default) each take new sessions (seed + repeat) and, every other time, the fronts in reverse order, so that
+drift on the shared cores shows as spread between repeats (loadtest/report_multiturn.py folds them: median and
+range, targets judged on the ratio within each repeat). One row per front and repeat:
 TTFT per turn index, TTFT over turns >= 2, TPOT, decode's prompt tokens by source (both decodes summed), the
 share of an ideal router's reusable tokens that were local cache hits on decode, how many answers equal the
 first front's (greedy: all must) and, for a kvpush front, the decider's bypass predictions within 20 % of the
@@ -27,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from loadtest import multiturn, promtext
+from loadtest import multiturn, promtext, report_multiturn
 from loadtest.benchkit import kv_sources, scrape, url, vllm_lock, vrouter_binary
 from loadtest.job import REPO
 from loadtest.records import write_jsonl
@@ -42,7 +45,7 @@ from stack.routers import Router, router_spec
 DETAILS = "--enable-prompt-tokens-details"
 CONNECTORS = {"upstream-push": ("NixlPushConnector", None), "kvpush-push": ("KvpushConnector", "connector.plugin")}
 FRONTS = ("kvpush", "kvpush-decider", "vllm-router")  # the first one is the answers' reference
-ACCURACY_TARGET = 0.9  # issue 11: >= 90 % of bypass decisions predicted within 20 % of the actual uncached tokens
+section = report_multiturn.section  # bench/README.md's multiturn part (loadtest/report.py looks it up here)
 
 
 @dataclass(frozen=True)
@@ -64,8 +67,13 @@ class MultiTurnPlan:
     decider_options: tuple[tuple[str, float], ...] = ()  # e.g. (("bypass_max_uncached_tokens", 256),)
     vrouter_decode_policy: str = "consistent_hash"
     timeout_s: float = 300.0
+    repeats: int = 2  # each with new sessions (seed + repeat); odd repeats take the fronts in reverse order
 
-    def shape(self) -> multiturn.SessionShape:
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError("multiturn repeats: at least 1")
+
+    def shape(self, repeat: int = 0) -> multiturn.SessionShape:
         return multiturn.SessionShape(
             sessions=self.sessions,
             session_rate=self.session_rate,
@@ -74,7 +82,7 @@ class MultiTurnPlan:
             answer_tokens=(self.answer_min, self.answer_max),
             think_s=self.think_s,
             system_tokens=self.system_tokens,
-            seed=self.seed,
+            seed=self.seed + repeat,
         )
 
 
@@ -92,6 +100,7 @@ SMOKE = MultiTurnPlan(
     model_size="tiny",
     max_model_len=2048,
     timeout_s=120.0,
+    repeats=1,
 )
 
 
@@ -199,38 +208,73 @@ def _start_front(
 def run(plan: MultiTurnPlan, run_dir: Path, summary: Path, progress: bool, run_id: str) -> list[dict[str, Any]]:
     logs = run_dir / "logs"
     model = ensure_model(StackOptions(model_size=plan.model_size))
-    sessions = multiturn.plan_sessions(plan.shape())
     rows: list[dict[str, Any]] = []
-    baseline: list[multiturn.TurnRecord] | None = None
     with vllm_lock(), Fleet(logs, base_env=_env() | {"VLLM_SERVER_DEV_MODE": "1"}) as fleet:
         family = start_family(fleet, engine_family(plan, model), timeout=600.0)
         engines, p, decodes = list(family.members), family.prefills[0], list(family.decodes)
         ratio = words_per_token(p.url)
-        for front in FRONTS:
-            base = _start_front(front, plan, fleet, p, [d.url for d in decodes], logs, run_dir)
-            if base is None:
-                continue
-            reset_caches(engines)
-            before = decode_sources(decodes)
-            target = multiturn.Target(base, "tiny", ratio, plan.timeout_s)
-            turns, duration = asyncio.run(multiturn.run_sessions(target, sessions))
-            after = decode_sources(decodes)
-            if progress:
-                print(f"multiturn {front}: {sum(t.rec.ok for t in turns)}/{len(turns)} turns ok in {duration:.1f} s")
-            multiturn.write_turns(run_dir / f"multiturn-{front}" / "turns.jsonl", turns)
-            write_jsonl(run_dir / f"multiturn-{front}" / "requests.jsonl", [t.rec for t in turns])
-            baseline = baseline if baseline is not None else turns
-            row = _row(plan, front, turns, duration, before, after, baseline, run_id, run_dir)
-            row["routes"] = None if front == "vllm-router" else routes(base)
-            row["bypass_accuracy"] = None if front == "vllm-router" else scrape_bypass_accuracy(base)
-            rows.append(row)
+        bases = {f: _start_front(f, plan, fleet, p, [d.url for d in decodes], logs, run_dir) for f in FRONTS}
+        for repeat in range(plan.repeats):
+            sessions = multiturn.plan_sessions(plan.shape(repeat))
+            order = FRONTS if repeat % 2 == 0 else tuple(reversed(FRONTS))
+            ran: dict[str, _FrontRun] = {}
+            for front in order:
+                base = bases[front]
+                if base is not None:
+                    ran[front] = _run_front(front, base, plan, sessions, engines, decodes, ratio, progress)
+            baseline = ran[FRONTS[0]].turns if FRONTS[0] in ran else []
+            for front in FRONTS:
+                if front in ran:
+                    rows.append(_row(plan, ran[front], baseline, repeat, run_id, run_dir))
     append_rows(summary, rows)
-    plot_ttft_by_turn(rows, summary.parent / "multiturn-ttft-by-turn.png")
+    report_multiturn.plot_ttft_by_turn(rows, summary.parent / "multiturn-ttft-by-turn.png")
     return rows
 
 
-def routes(router_url: str) -> dict[str, int]:
-    """How the kvpush router served the run's requests (its /debug/timings records by mode: push, bypass, ...)."""
+@dataclass
+class _FrontRun:
+    front: str
+    turns: list[multiturn.TurnRecord]
+    duration: float
+    sources: dict[str, float]  # decode's prompt tokens by source during this front's run
+    routes: dict[str, int] | None  # kvpush fronts: how its router served this run's turns
+    accuracy: dict[str, int] | None  # the decider's bypass counters' growth during this run
+
+
+def _run_front(
+    front: str,
+    base: str,
+    plan: MultiTurnPlan,
+    sessions: list[multiturn.Session],
+    engines: list[Engine],
+    decodes: list[Engine],
+    ratio: float,
+    progress: bool,
+) -> _FrontRun:
+    kvpush = front != "vllm-router"
+    reset_caches(engines)
+    before, counted = decode_sources(decodes), scrape_bypass_accuracy(base) if kvpush else None
+    target = multiturn.Target(base, "tiny", ratio, plan.timeout_s)
+    turns, duration = asyncio.run(multiturn.run_sessions(target, sessions))
+    after = decode_sources(decodes)
+    if progress:
+        print(f"multiturn {front}: {sum(t.rec.ok for t in turns)}/{len(turns)} turns ok in {duration:.1f} s")
+    sources = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(set(after) | set(before))}
+    prefix = f"mt-{sessions[0].id.split('-')[1]}-" if sessions else "mt-"
+    accuracy = grown(counted, scrape_bypass_accuracy(base)) if kvpush else None
+    return _FrontRun(front, turns, duration, sources, routes(base, prefix) if kvpush else None, accuracy)
+
+
+def grown(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, int] | None:
+    """What a router's counters gained between two scrapes (None when either scrape had none)."""
+    if before is None or after is None:
+        return after if before is None else None
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
+def routes(router_url: str, prefix: str = "") -> dict[str, int]:
+    """How the kvpush router served the requests whose id starts with `prefix` (its /debug/timings records by
+    mode: push, bypass, ...)."""
     try:
         records = httpx.get(f"{router_url}/debug/timings", timeout=30).raise_for_status().json()["requests"]
     except (httpx.HTTPError, KeyError, ValueError) as error:
@@ -238,7 +282,8 @@ def routes(router_url: str) -> dict[str, int]:
         return {}
     out: dict[str, int] = {}
     for record in records:
-        out[str(record.get("mode"))] = out.get(str(record.get("mode")), 0) + 1
+        if str(record.get("request_id", "")).startswith(prefix):
+            out[str(record.get("mode"))] = out.get(str(record.get("mode")), 0) + 1
     return out
 
 
@@ -266,22 +311,23 @@ def bypass_accuracy(samples: Mapping[promtext.Sample, float]) -> dict[str, int] 
 
 def _row(
     plan: MultiTurnPlan,
-    front: str,
-    turns: list[multiturn.TurnRecord],
-    duration: float,
-    before: dict[str, float],
-    after: dict[str, float],
+    ran: _FrontRun,
     baseline: list[multiturn.TurnRecord],
+    repeat: int,
     run_id: str,
     run_dir: Path,
 ) -> dict[str, Any]:
+    front, turns, sources = ran.front, ran.turns, ran.sources
+    where = run_dir / f"multiturn-{front}-r{repeat}"
+    multiturn.write_turns(where / "turns.jsonl", turns)
+    write_jsonl(where / "requests.jsonl", [t.rec for t in turns])
     figures = multiturn.by_turn(turns)
-    sources = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(set(after) | set(before))}
     ideal = figures["ideal_reusable_tokens"]
     equal, compared = multiturn.answers_agree(turns, baseline)
     extra: dict[str, Any] = {
         "run_id": run_id,
         "front": front,
+        "repeat": repeat,
         "decider": "session-affinity" if front == "kvpush-decider" else None,
         "model": plan.model_size,
         "plan": asdict(plan),
@@ -289,8 +335,10 @@ def _row(
         "local_hit_frac_of_ideal": sources.get("local_cache_hit", 0.0) / ideal if ideal else None,
         "answers_equal_first_front": [equal, compared],
         "errors": sorted({t.rec.error for t in turns if t.rec.error})[:5],
-        "records": _relative(run_dir / f"multiturn-{front}" / "requests.jsonl"),  # RequestRecord lines (CDF plots)
-        "turn_records": _relative(run_dir / f"multiturn-{front}" / "turns.jsonl"),  # + session, turn, answer
+        "records": _relative(where / "requests.jsonl"),  # RequestRecord lines (CDF plots)
+        "turn_records": _relative(where / "turns.jsonl"),  # + session, turn, answer
+        "routes": ran.routes,
+        "bypass_accuracy": ran.accuracy,
         **figures,
     }
     labels = RowLabels(
@@ -304,108 +352,8 @@ def _row(
         (plan.answer_min + plan.answer_max) // 2,
         extra,
     )
-    return build_row(summarize([t.rec for t in turns], duration), labels, git_commit(REPO))
+    return build_row(summarize([t.rec for t in turns], ran.duration), labels, git_commit(REPO))
 
 
 def _relative(path: Path) -> str:
     return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
-
-
-def plot_ttft_by_turn(rows: list[dict[str, Any]], path: Path) -> Path | None:
-    """TTFT p50 (and p90 dashed) by turn index, one colour per front."""
-    if not rows:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, row in enumerate(rows):
-        by = row.get("ttft_ms_by_turn") or {}
-        xs = sorted(int(t) for t in by if by[t])
-        for stat, style in (("p50", "-"), ("p90", "--")):
-            ax.plot(
-                xs, [by[str(x)][stat] for x in xs], style, color=f"C{i}", marker="o", label=f"{row['front']} {stat}"
-            )
-    from matplotlib.ticker import MaxNLocator
-
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("turn")
-    ax.set_ylabel("TTFT (ms)")
-    ax.set_title("multiturn: TTFT by turn (same sessions, prefix caches reset per front)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def section(rows: list[dict[str, Any]], results_dir: Path | None) -> list[str]:
-    """The multiturn part of bench/README.md: one line per front, then the issue's targets."""
-    out = [
-        "| front | turns ok/failed | TTFT p50 turn 1 (ms) | TTFT p50 turns >= 2 (ms) | TPOT p50 (ms) | decode local hit"
-        " / compute / transfer (tokens) | local hits / ideal reuse | answers = first front | routes"
-        " | bypass predictions within ±20 % |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    by_front: dict[str, dict[str, Any]] = {}
-    for row in rows:
-        front = str(row.get("front"))
-        by_front[front] = row
-        src = row.get("decode_prompt_tokens_by_source") or {}
-        frac = row.get("local_hit_frac_of_ideal")
-        equal = row.get("answers_equal_first_front") or [0, 0]
-        out.append(
-            f"| {front} | {row.get('turns_ok')}/{row.get('turns_failed')} | {_p50(row, 'ttft_ms_turn1')} "
-            f"| {_p50(row, 'ttft_ms_turn2plus')} | {_p50(row, 'tpot_ms_all')} "
-            f"| {src.get('local_cache_hit', 0):.0f} / {src.get('local_compute', 0):.0f} "
-            f"/ {src.get('external_kv_transfer', 0):.0f} | {'-' if frac is None else f'{frac:.0%}'} "
-            f"| {equal[0]}/{equal[1]} | {_routes(row.get('routes'))} | {accuracy_text(row.get('bypass_accuracy'))} |"
-        )
-    ours = _later_p50(by_front.get("kvpush-decider"))
-    for other, target in (("vllm-router", 0.5), ("kvpush", 0.6)):
-        theirs = _later_p50(by_front.get(other))
-        if ours is not None and theirs:
-            verdict = "met" if ours / theirs <= target else "not met"
-            out.append(f"\nTTFT p50 turns >= 2, decider / {other}: {ours / theirs:.2f} (target <= {target}: {verdict})")
-    decider = by_front.get("kvpush-decider")
-    if decider is not None:
-        out.append("\n" + accuracy_line(decider.get("bypass_accuracy")))
-    if results_dir is not None and (results_dir / "multiturn-ttft-by-turn.png").exists():
-        out += ["", "![multiturn TTFT by turn](results/multiturn-ttft-by-turn.png)"]
-    return out
-
-
-def accuracy_text(counts: Mapping[str, int] | None) -> str:
-    """Shown as accurate/checked (pct); "0/0" before any bypass was checked, "-" without counters."""
-    if counts is None:
-        return "-"
-    checked, accurate = counts["checked"], counts["accurate"]
-    return f"{accurate}/{checked} ({accurate / checked:.0%})" if checked else "0/0"
-
-
-def accuracy_line(counts: Mapping[str, int] | None) -> str:
-    """The decider's bypass predictions against issue 11's target, stated as met / not met."""
-    target = f"target >= {ACCURACY_TARGET:.0%} of bypass decisions"
-    if counts is None:
-        return f"bypass predictions within ±20 %, decider: no counters on its router ({target}: not measured)"
-    if not counts["checked"]:
-        return f"bypass predictions within ±20 %, decider: no bypass checked ({target}: not measured)"
-    verdict = "met" if counts["accurate"] >= ACCURACY_TARGET * counts["checked"] else "not met"
-    return f"bypass predictions within ±20 %, decider: {accuracy_text(counts)} ({target}: {verdict})"
-
-
-def _routes(counts: Any) -> str:
-    return "-" if not counts else ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-
-
-def _p50(row: dict[str, Any], key: str) -> str:
-    dist = row.get(key)
-    return "-" if not dist else f"{dist['p50']:.0f}"
-
-
-def _later_p50(row: dict[str, Any] | None) -> float | None:
-    dist = row.get("ttft_ms_turn2plus") if row else None
-    return None if not dist else float(dist["p50"])

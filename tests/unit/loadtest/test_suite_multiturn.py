@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from loadtest import promtext
+from loadtest import report_multiturn as report
 from loadtest import suite_multiturn as suite
 
 # what prometheus_client renders for the decider collector's counters (a counter gets the `_total` suffix)
@@ -30,22 +31,22 @@ def test_the_counters_are_read_with_or_without_the_total_suffix() -> None:
 def test_a_router_without_a_decider_has_no_accuracy() -> None:
     assert suite.bypass_accuracy(promtext.parse("kvpush_in_flight 0\n")) is None
     assert suite.bypass_accuracy(promtext.parse("kvpush_bypass_checked_total 3\n")) is None  # half is none
-    assert suite.accuracy_text(None) == "-"
+    assert report.accuracy_text(None) == "-"
 
 
 def test_the_row_shows_accurate_over_checked_and_the_share() -> None:
-    assert suite.accuracy_text({"checked": 20, "accurate": 19}) == "19/20 (95%)"
-    assert suite.accuracy_text({"checked": 0, "accurate": 0}) == "0/0"
+    assert report.accuracy_text({"checked": 20, "accurate": 19}) == "19/20 (95%)"
+    assert report.accuracy_text({"checked": 0, "accurate": 0}) == "0/0"
 
 
 def test_the_target_is_met_at_ninety_percent_and_not_below() -> None:
-    assert suite.accuracy_line({"checked": 10, "accurate": 9}).endswith(
+    assert report.accuracy_line({"checked": 10, "accurate": 9}).endswith(
         "decider: 9/10 (90%) (target >= 90% of bypass decisions: met)"
     )
-    assert suite.accuracy_line({"checked": 10, "accurate": 8}).endswith(": not met)")
-    none_checked = suite.accuracy_line({"checked": 0, "accurate": 0})
+    assert report.accuracy_line({"checked": 10, "accurate": 8}).endswith(": not met)")
+    none_checked = report.accuracy_line({"checked": 0, "accurate": 0})
     assert none_checked.endswith("no bypass checked (target >= 90% of bypass decisions: not measured)")
-    assert suite.accuracy_line(None).endswith(": not measured)")
+    assert report.accuracy_line(None).endswith(": not measured)")
 
 
 def row(front: str, accuracy: dict[str, int] | None) -> dict[str, Any]:
@@ -53,7 +54,7 @@ def row(front: str, accuracy: dict[str, int] | None) -> dict[str, Any]:
 
 
 def test_the_section_has_a_column_per_front_and_the_deciders_verdict() -> None:
-    lines = suite.section([row("kvpush", None), row("kvpush-decider", {"checked": 8, "accurate": 6})], None)
+    lines = report.section([row("kvpush", None), row("kvpush-decider", {"checked": 8, "accurate": 6})], None)
     assert lines[0].endswith("| bypass predictions within ±20 % |")
     assert lines[2].startswith("| kvpush |") and lines[2].endswith("| - |")
     assert lines[3].startswith("| kvpush-decider |") and lines[3].endswith("| 6/8 (75%) |")
@@ -62,4 +63,4 @@ def test_the_section_has_a_column_per_front_and_the_deciders_verdict() -> None:
 
 
 def test_without_a_decider_front_the_section_states_no_accuracy() -> None:
-    assert not any("bypass predictions within" in line for line in suite.section([row("kvpush", None)], None)[1:])
+    assert not any("bypass predictions within" in line for line in report.section([row("kvpush", None)], None)[1:])
