@@ -16,6 +16,7 @@ import dataclasses
 import enum
 import http.client
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -84,12 +85,27 @@ def http_status(url: str, timeout: float = 2.0) -> int | None:
     return status
 
 
-def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port that was free on host a moment ago (the kernel's pick for port 0)."""
+# Ports are picked below Linux's default ephemeral range (32768-60999), so no outgoing connection (a router's leg,
+# a client) is given the port between its pick and the server's bind, as the kernel's own pick for port 0 allows.
+PICK_RANGE = (20000, 32768)
+_PICKS = 200  # tries before falling back to the kernel's pick
+
+
+def free_port(
+    host: str = LOOPBACK,
+    pick: Callable[[int, int], int] | None = None,
+    is_free: Callable[[int, str], bool] | None = None,
+) -> int:
+    """A TCP port that was free on host a moment ago: a random one in PICK_RANGE that binds, else the kernel's."""
+    check, choose = is_free or port_is_free, pick or random.SystemRandom().randrange
+    for _ in range(_PICKS):
+        port = choose(*PICK_RANGE)
+        if check(port, host):
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        kernels: int = sock.getsockname()[1]
+        return kernels
 
 
 def port_is_free(port: int, host: str = LOOPBACK) -> bool:

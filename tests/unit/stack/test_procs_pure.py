@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from stack.procs import Readiness, StartupError, group_members, readiness, tail_lines
+from stack.procs import PICK_RANGE, Readiness, StartupError, free_port, group_members, readiness, tail_lines
 
 
 class TestReadiness:
@@ -72,3 +72,19 @@ def test_startup_error_carries_the_tail(tmp_path: Path) -> None:
     assert "decode failed to start: exited with status 1" in str(err)
     assert "    Traceback: boom" in str(err)
     assert "(log is empty)" in str(StartupError("x", "timed out", tmp_path / "x.log", []))
+
+
+def test_free_port_picks_below_the_ephemeral_range_until_one_binds() -> None:
+    picks = iter([20001, 20002, 20003])
+    asked: list[tuple[int, str]] = []
+
+    def is_free(port: int, host: str) -> bool:
+        asked.append((port, host))
+        return port == 20003
+
+    def pick(lo: int, hi: int) -> int:
+        assert (lo, hi) == PICK_RANGE and hi <= 32768  # Linux's default ephemeral range starts at 32768
+        return next(picks)
+
+    assert free_port("127.0.0.1", pick, is_free) == 20003
+    assert asked == [(20001, "127.0.0.1"), (20002, "127.0.0.1"), (20003, "127.0.0.1")]
