@@ -68,6 +68,7 @@ class MultiTurnPlan:
     vrouter_decode_policy: str = "consistent_hash"
     timeout_s: float = 300.0
     repeats: int = 2  # each with new sessions (seed + repeat); odd repeats take the fronts in reverse order
+    warmup_sessions: int = 4  # short 2-turn sessions through every front first (P-D handshakes, first shapes)
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -101,6 +102,7 @@ SMOKE = MultiTurnPlan(
     max_model_len=2048,
     timeout_s=120.0,
     repeats=1,
+    warmup_sessions=0,
 )
 
 
@@ -214,6 +216,9 @@ def run(plan: MultiTurnPlan, run_dir: Path, summary: Path, progress: bool, run_i
         engines, p, decodes = list(family.members), family.prefills[0], list(family.decodes)
         ratio = words_per_token(p.url)
         bases = {f: _start_front(f, plan, fleet, p, [d.url for d in decodes], logs, run_dir) for f in FRONTS}
+        for base in bases.values():
+            if base is not None and plan.warmup_sessions:
+                asyncio.run(multiturn.run_sessions(multiturn.Target(base, "tiny", ratio, plan.timeout_s), warmup(plan)))
         for repeat in range(plan.repeats):
             sessions = multiturn.plan_sessions(plan.shape(repeat))
             order = FRONTS if repeat % 2 == 0 else tuple(reversed(FRONTS))
@@ -229,6 +234,21 @@ def run(plan: MultiTurnPlan, run_dir: Path, summary: Path, progress: bool, run_i
     append_rows(summary, rows)
     report_multiturn.plot_ttft_by_turn(rows, summary.parent / "multiturn-ttft-by-turn.png")
     return rows
+
+
+def warmup(plan: MultiTurnPlan) -> list[multiturn.Session]:
+    """Sessions that warm every front before the first measured one (the first push to each decode pays its NIXL
+    handshake with the prefill, and the first front would pay it alone); their ids never meet a measured one's."""
+    shape = multiturn.SessionShape(
+        sessions=plan.warmup_sessions,
+        session_rate=10.0,
+        turns=(2, 2),
+        message_tokens=(plan.message_min, plan.message_min),
+        answer_tokens=(plan.answer_min, plan.answer_min),
+        think_s=0.0,
+        seed=plan.seed + 1000,
+    )
+    return multiturn.plan_sessions(shape)
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loadtest import promtext
+from loadtest import multiturn, promtext
 from loadtest import report_multiturn as report
 from loadtest import suite_multiturn as suite
 
@@ -64,3 +64,12 @@ def test_the_section_has_a_column_per_front_and_the_deciders_verdict() -> None:
 
 def test_without_a_decider_front_the_section_states_no_accuracy() -> None:
     assert not any("bypass predictions within" in line for line in report.section([row("kvpush", None)], None)[1:])
+
+
+def test_warmup_sessions_are_short_and_never_share_an_id_with_a_measured_one() -> None:
+    plan = suite.FULL
+    warm = suite.warmup(plan)
+    assert len(warm) == plan.warmup_sessions > 0 and all(len(s.turns) == 2 for s in warm)
+    measured = {s.id for r in range(plan.repeats) for s in multiturn.plan_sessions(plan.shape(r))}
+    assert not measured & {s.id for s in warm}
+    assert suite.SMOKE.warmup_sessions == 0  # make test's smoke stays as cheap as it was
