@@ -10,7 +10,7 @@ from typing import Any
 
 import yaml
 
-from router.config import LEG_CLIENTS, Settings, build_settings, from_env, with_environment
+from router.config import LEG_CLIENTS, SERVERS, Settings, build_settings, from_env, with_environment
 from router.errors import ConfigError
 
 USAGE = """kvpush <command> [options]
@@ -88,6 +88,11 @@ def serve_parser() -> argparse.ArgumentParser:
         choices=LEG_CLIENTS,
         help=f"the HTTP client of the legs to workers (default {Settings.leg_client}; router/README.md)",
     )
+    p.add_argument(
+        "--server",
+        choices=SERVERS,
+        help=f"the HTTP server in front of the app (default {Settings.server}; router/README.md)",
+    )
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--log-format", choices=["json", "text"], help="json lines (default) or plain text")
     return p
@@ -133,6 +138,7 @@ def load_serve_settings(argv: list[str], env: dict[str, str]) -> Settings:
         "log_format": args.log_format,
         "decider": args.decider,
         "leg_client": args.leg_client,
+        "server": args.server,
         "limits": {k: v for k in _LIMIT_FLAGS if (v := getattr(args, k)) is not None} or None,
     }
     env_layer: dict[str, Any] = from_env(env)
@@ -145,14 +151,20 @@ def serve(argv: list[str]) -> int:
     except ConfigError as exc:
         print(f"kvpush serve: configuration error: {exc}", file=sys.stderr)
         return 2
-    import uvicorn
-
     from router import logs
     from router.app import create_app
-    from router.drain import DrainingServer
 
     logs.configure(settings.log_level, settings.log_format)
     app = create_app(settings)
+    if settings.server == "granian":
+        from router import serve_granian
+
+        serve_granian.serve(app, app.state.service, settings)
+        return 0
+    import uvicorn
+
+    from router.drain import DrainingServer
+
     config = uvicorn.Config(
         app,
         host=settings.host,

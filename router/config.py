@@ -20,6 +20,7 @@ from router.specs import decode_from_mapping, parse_decode_url, parse_prefill_sp
 
 __all__ = [  # the worker builders live in router.specs; config is where callers find every setting
     "LEG_CLIENTS",
+    "SERVERS",
     "Limits",
     "Settings",
     "Timeouts",
@@ -34,6 +35,7 @@ __all__ = [  # the worker builders live in router.specs; config is where callers
 
 
 LEG_CLIENTS = ("aiohttp", "http1")  # the legs' HTTP client (router/transport.py legs_for)
+SERVERS = ("granian", "uvicorn")  # the client-facing HTTP server (router/cli.py serve; router/README.md)
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class Settings:
     fallback: Fallback = Fallback.NONE  # DECODE_ONLY: with no healthy prefill, decode computes the prompt itself
     max_connections: int = 1024
     leg_client: str = "http1"  # the legs' HTTP client, one of LEG_CLIENTS (router/README.md, "The legs' client")
+    server: str = "uvicorn"  # the HTTP server in front of the app, one of SERVERS (router/README.md, "The server")
     max_in_flight: int = 512  # admission: client requests in flight at once
     admission_queue: int = 64  # admission: requests that may wait for a slot; beyond it, 429
     admission_wait: float = 5.0  # admission: longest wait for a slot
@@ -118,6 +121,7 @@ _ENV = {  # environment variable → setting
     "KVPUSH_ADMIN_KEY": "admin_key",
     "KVPUSH_DECIDER": "decider",
     "KVPUSH_LEG_CLIENT": "leg_client",
+    "KVPUSH_SERVER": "server",
 }
 _TIMEOUT_NAMES = {f.name for f in fields(Timeouts)}
 _LIMIT_NAMES = {f.name for f in fields(Limits)}
@@ -245,6 +249,13 @@ def _leg_client(value: Any) -> str:
     raise ConfigError(f"leg_client: expected one of {', '.join(LEG_CLIENTS)}, got {value!r}")
 
 
+def _server(value: Any) -> str:
+    name = str(value).lower()
+    if isinstance(value, str) and name in SERVERS:
+        return name
+    raise ConfigError(f"server: expected one of {', '.join(SERVERS)}, got {value!r}")
+
+
 def _validate(raw: dict[str, Any], timeouts_raw: dict[str, Any], limits_raw: dict[str, Any]) -> Settings:
     unknown = set(timeouts_raw) - _TIMEOUT_NAMES
     if unknown:
@@ -284,6 +295,7 @@ def _validate(raw: dict[str, Any], timeouts_raw: dict[str, Any], limits_raw: dic
         fallback=_fallback(get("fallback")),
         max_connections=count("max_connections", 1),
         leg_client=_leg_client(get("leg_client")),
+        server=_server(get("server")),
         max_in_flight=count("max_in_flight", 1),
         admission_queue=count("admission_queue", 0),
         admission_wait=secs("admission_wait"),
