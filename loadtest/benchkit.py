@@ -8,7 +8,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,14 +61,22 @@ def sim_proc(
 
 
 def router_proc(
-    name: str, port: int, mode: str, prefill: str, decode: str, log_dir: Path, cprofile_to: Path | None = None
+    name: str,
+    port: int,
+    mode: str,
+    prefill: str,
+    decode: str,
+    log_dir: Path,
+    cprofile_to: Path | None = None,
+    flags: Sequence[str] = (),
 ) -> ManagedProcess:
     """Our router. `prefill` is a SPEC: URL or URL,engine_id=..,side_port=.. (see router's contract).
 
     `cprofile_to`: run it under loadtest.profiled (SIGUSR1 starts cProfile, SIGUSR2 writes that file).
+    `flags`: further `kvpush serve` flags (a suite's own router settings).
     """
     runner = ("-m", "loadtest.profiled", str(cprofile_to)) if cprofile_to else ("-m",)
-    spec = router_spec(port, mode, [prefill], [decode], "--log-level", "warning", name=name, runner=runner)
+    spec = router_spec(port, mode, [prefill], [decode], "--log-level", "warning", *flags, name=name, runner=runner)
     return Router(spec, log_dir=log_dir)
 
 
@@ -204,6 +212,8 @@ def measure(
     name += f"-r{rep}" if rep is not None else ""
     client = point.extra.get("leg_client", lab.extra.get("leg_client"))
     name += f"-{client}" if client is not None else ""  # two kvpush fronts on different leg clients
+    server = point.extra.get("server", lab.extra.get("server"))
+    name += f"-{server}" if server is not None else ""  # ... or on different HTTP servers
     load = LoadConfig(
         base_url=point.base_url,
         model="",
@@ -245,7 +255,7 @@ def measure(
         extra["decode_prompt_tokens_by_source"] = sources
         extra["kv_external_frac"] = kv_external_frac(sources)
     if point.legs_of is not None:
-        extra["wire_order"] = wire_order(legs(point.legs_of[0]), legs(point.legs_of[1]), since)
+        extra.update(wire_order_or_note(point.legs_of, since))
     extra["errors"] = sorted({r.error for r in result.records if r.error})[:5]
     extra["records"] = (
         str((run_dir / name / "requests.jsonl").relative_to(REPO))
@@ -265,6 +275,21 @@ def legs(base_url: str, timeout_s: float = 10.0) -> list[tuple[str, str, float]]
     resp = httpx.get(base_url.rstrip("/") + "/debug/legs", timeout=timeout_s)
     resp.raise_for_status()
     return [(str(k), str(kind), float(t)) for k, kind, t in resp.json()["legs"]]
+
+
+def wire_order_or_note(
+    legs_of: tuple[str, str], since: float, read: Callable[[str], list[tuple[str, str, float]]] | None = None
+) -> dict[str, Any]:
+    """{"wire_order": ...} from the simulated (P, D)'s leg logs (`read`: `legs` by default); when either cannot be
+    read (a starved simulator past the timeout, a dead one), {"wire_order": None, "wire_order_note": why}, so
+    one point's missing leg log does not end the run."""
+    read = read or legs
+    try:
+        return {"wire_order": wire_order(read(legs_of[0]), read(legs_of[1]), since)}
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+        note = f"/debug/legs unreadable: {type(exc).__name__}: {str(exc)[:200]}"
+        print(f"benchkit: {note}; the row records no wire order", file=sys.stderr)
+        return {"wire_order": None, "wire_order_note": note}
 
 
 def wire_order(

@@ -11,16 +11,19 @@ from router.config import Settings
 
 
 def _scored(rows: Sequence[Row]) -> list[Row]:
-    """Unprofiled rows; a kvpush front on a leg client other than the default is its own front in the tables
-    (`kvpush (aiohttp legs)`), so the targets compare the default client with vllm-router."""
+    """Unprofiled rows; a kvpush front on a leg client or an HTTP server other than the default is its own front
+    in the tables (`kvpush (aiohttp legs)`, `kvpush (granian)`, `kvpush (granian, aiohttp legs)`), so the targets
+    compare the default client and server with vllm-router."""
     return [_front(r) for r in rows if not r.get("profiled")]
 
 
 def _front(row: Row) -> Row:
-    client = row.get("leg_client")
-    if row.get("router") != "kvpush" or client in (None, Settings.leg_client):
+    if row.get("router") != "kvpush":
         return row
-    return {**row, "router": f"kvpush ({client} legs)"}
+    client, server = row.get("leg_client"), row.get("server")
+    tags = [] if server in (None, Settings.server) else [str(server)]
+    tags += [] if client in (None, Settings.leg_client) else [f"{client} legs"]
+    return {**row, "router": f"kvpush ({', '.join(tags)})"} if tags else row
 
 
 def _added(rows: Sequence[Row], direct: Sequence[Row], name: str) -> Agg | None:

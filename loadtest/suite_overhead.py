@@ -9,6 +9,14 @@ the front door's own CPU time and peak RSS are read from /proc for its process g
 `leg_clients` (e.g. `--set leg_clients=aiohttp,http1`) runs one kvpush push front per leg client side by side
 (KVPUSH_LEG_CLIENT, router/config.py); every kvpush row records its client (`leg_client`), which is how rows of
 several clients are told apart (the report shows a non-default client as its own front, `kvpush (aiohttp legs)`).
+`servers` (e.g. `--set servers=uvicorn,granian`) does the same for the router's HTTP server (KVPUSH_SERVER): one
+kvpush push front per leg client and server, each row records its `server`, and a non-default server is its own
+front (`kvpush (granian)`), kept out of the targets like another leg client.
+
+The routers here probe their workers with a 10 s deadline (`--timeout health=10`, not the router's 1 s default):
+at concurrency 256 on 2 cores the zero-cost simulated prefill, CPU-starved but alive, missed two 1 s probes in
+a row and was taken down mid-run. Two timeouts in a row still take a worker down (router/health.py
+`probe_timeouts`, not a setting), so a live but starved simulator now has 2 x 10 s to answer.
 
 `cprofile=True` runs the kvpush push router under cProfile (its rows are marked `profiled` and left out of
 the targets) and writes router-profile.json next to summary.json: where its time went, by category.
@@ -27,11 +35,12 @@ from loadtest import benchkit as kit
 from loadtest import profiling
 from loadtest.job import REPO
 from loadtest.results import RowLabels, git_commit
-from router.config import LEG_CLIENTS, Settings
+from router.config import LEG_CLIENTS, SERVERS, Settings
 from stack.engines import Fleet
 from stack.procs import ManagedProcess, free_port
 
 PROFILE = "zero"
+ROUTER_FLAGS = ("--timeout", "health=10")  # a starved but live simulator is not ejected (docstring)
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,7 @@ class OverheadPlan:
     repeats: int = 3
     cprofile: bool = False
     leg_clients: tuple[str, ...] = (Settings.leg_client,)  # kvpush push fronts, one per leg client
+    servers: tuple[str, ...] = (Settings.server,)  # ... and per HTTP server (router/config.py SERVERS)
 
 
 # 5 fronts x 3 repeats x (300 + 1500 + 3000 requests): about 5-7 minutes on 2 idle cores.
@@ -57,20 +67,50 @@ class Front:
     proc: ManagedProcess | None
     p_url: str | None  # the simulated P behind it (for wire_order)
     leg_client: str | None = None  # kvpush only
+    server: str | None = None  # kvpush only
+
+
+@dataclass(frozen=True)
+class KvpushFront:
+    """One kvpush router the suite starts: its mode, leg client and HTTP server."""
+
+    mode: str
+    leg_client: str
+    server: str
+
+    @property
+    def default(self) -> bool:
+        return self.leg_client == Settings.leg_client and self.server == Settings.server
+
+    @property
+    def name(self) -> str:
+        tags = [t for t, d in ((self.leg_client, Settings.leg_client), (self.server, Settings.server)) if t != d]
+        return "-".join([f"router-{self.mode}", *tags])
+
+
+def kvpush_fronts(plan: OverheadPlan) -> list[KvpushFront]:
+    """A push front per leg client and server the plan names, then one pull front on the defaults."""
+    for what, names, known in (("leg_clients", plan.leg_clients, LEG_CLIENTS), ("servers", plan.servers, SERVERS)):
+        if not names or set(names) - set(known):
+            raise ValueError(f"overhead: {what} must name some of {', '.join(known)}, got {names}")
+    push = [KvpushFront("push", c, s) for s in dict.fromkeys(plan.servers) for c in dict.fromkeys(plan.leg_clients)]
+    return [*push, KvpushFront("pull", Settings.leg_client, Settings.server)]
 
 
 @contextlib.contextmanager
-def _leg_client(client: str) -> Iterator[None]:
-    """The router started meanwhile uses `client` for its legs (KVPUSH_LEG_CLIENT, router/config.py)."""
-    before = os.environ.get("KVPUSH_LEG_CLIENT")
-    os.environ["KVPUSH_LEG_CLIENT"] = client
+def _router_env(front: KvpushFront) -> Iterator[None]:
+    """The router started meanwhile uses the front's leg client and server (KVPUSH_LEG_CLIENT, KVPUSH_SERVER)."""
+    changes = {"KVPUSH_LEG_CLIENT": front.leg_client, "KVPUSH_SERVER": front.server}
+    before = {k: os.environ.get(k) for k in changes}
+    os.environ.update(changes)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ["KVPUSH_LEG_CLIENT"]
-        else:
-            os.environ["KVPUSH_LEG_CLIENT"] = before
+        for k, v in before.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 def _start(fleet: Fleet, proc: ManagedProcess) -> ManagedProcess:
@@ -90,19 +130,15 @@ def _fronts(fleet: Fleet, plan: OverheadPlan, logs: Path, prof_out: Path | None)
     fleet.wait_all_healthy(timeout=60.0)
     d_url = kit.url(d_port)
     fronts = [Front("direct", "direct", d_url, None, None)]
-    unknown = set(plan.leg_clients) - set(LEG_CLIENTS)
-    if unknown or not plan.leg_clients:
-        raise ValueError(f"overhead: leg_clients must name some of {', '.join(LEG_CLIENTS)}, got {plan.leg_clients}")
-    kvpush = [("push", c) for c in dict.fromkeys(plan.leg_clients)] + [("pull", Settings.leg_client)]
-    for mode, client in kvpush:
-        port = free_port()
+    for k in kvpush_fronts(plan):
+        port, mode = free_port(), k.mode
         spec = f"{p_urls[mode]},engine_id=sim-zero-p-{mode},side_port={p_urls[mode].rsplit(':', 1)[1]}"
-        default = client == Settings.leg_client
-        out = prof_out if mode == "push" and default else None
-        name = f"router-{mode}" + ("" if default else f"-{client}")
-        with _leg_client(client):
-            proc = _start(fleet, kit.router_proc(name, port, mode, spec, d_url, logs, cprofile_to=out))
-        fronts.append(Front("kvpush", mode, kit.url(port), proc, p_urls[mode], client))
+        out = prof_out if mode == "push" and k.default else None
+        with _router_env(k):
+            proc = _start(
+                fleet, kit.router_proc(k.name, port, mode, spec, d_url, logs, cprofile_to=out, flags=ROUTER_FLAGS)
+            )
+        fronts.append(Front("kvpush", mode, kit.url(port), proc, p_urls[mode], k.leg_client, k.server))
     binary = kit.vrouter_binary()
     if binary is None:
         hint = f"pip install vllm-router=={kit.VROUTER_VERSION} into .venv-vrouter"
@@ -123,11 +159,7 @@ def run(plan: OverheadPlan, run_dir: Path, summary: Path, progress: bool, run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     with Fleet(logs) as fleet:
         fronts, d_url = _fronts(fleet, plan, logs, prof_out)
-        profiled = [
-            f.proc.pid
-            for f in fronts
-            if f.leg_client == Settings.leg_client and f.mode == "push" and f.proc and f.proc.pid and prof_out
-        ]
+        profiled = [f.proc.pid for f in fronts if _is_profiled(f) and f.proc and f.proc.pid and prof_out]
         for pid in profiled:
             os.kill(pid, signal.SIGUSR1)  # start-up done: profile from here on
         k = len(fronts)
@@ -146,6 +178,11 @@ def run(plan: OverheadPlan, run_dir: Path, summary: Path, progress: bool, run_id
         profiling.write(data, summary.parent / "router-profile.json")
         print(f"overhead: router profile of {done} requests -> {summary.parent / 'router-profile.json'}")
     return rows
+
+
+def _is_profiled(front: Front) -> bool:
+    """The one front run under cProfile with `cprofile=True`: kvpush push on the default client and server."""
+    return front.leg_client == Settings.leg_client and front.server == Settings.server and front.mode == "push"
 
 
 def _wait_for(path: Path | None, timeout_s: float = 30.0) -> None:
@@ -173,9 +210,11 @@ def _point(
     extra: dict[str, Any] = {"run_id": run_id, "profile": PROFILE, "repeat": rep, "order": order}
     if front.leg_client is not None:
         extra["leg_client"] = front.leg_client
+    if front.server is not None:
+        extra["server"] = front.server
     if plan.cprofile:
         extra["profiling_run"] = True  # the report keeps such runs out of the overhead tables
-        if front.leg_client == Settings.leg_client and front.mode == "push":
+        if _is_profiled(front):
             extra["profiled"] = True
     labels = RowLabels("overhead", front.router, front.mode, "sim", None, conc, plan.input_len, plan.output_len, extra)
     point = kit.Point(

@@ -80,3 +80,25 @@ def test_a_child_of_flock_sees_the_lock_as_held_and_does_not_take_it_again(tmp_p
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True"
+
+
+def test_an_unreadable_leg_log_is_noted_in_the_row_and_does_not_end_the_run() -> None:
+    import httpx
+
+    logs = {"http://p": [("a", "prefill", 10.0)], "http://d": [("a", "push", 10.001)]}
+
+    def starved(url: str) -> list[tuple[str, str, float]]:
+        if url == "http://d":
+            raise httpx.ReadTimeout("timed out")
+        return logs[url]
+
+    noted = benchkit.wire_order_or_note(("http://p", "http://d"), 5.0, read=starved)
+    assert noted["wire_order"] is None and "ReadTimeout" in noted["wire_order_note"]
+    fine = benchkit.wire_order_or_note(("http://p", "http://d"), 5.0, read=logs.__getitem__)
+    assert fine == {"wire_order": benchkit.wire_order(logs["http://p"], logs["http://d"], 5.0)}
+
+
+def test_a_suite_s_router_flags_reach_the_router_command(tmp_path: Path) -> None:
+    proc = benchkit.router_proc("r", 8123, "push", "http://p", "http://d", tmp_path, flags=("--timeout", "health=10"))
+    argv = proc.spec.argv
+    assert argv[-4:] == ("--log-level", "warning", "--timeout", "health=10")
