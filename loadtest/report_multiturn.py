@@ -52,6 +52,11 @@ def section(rows: Sequence[Mapping[str, Any]], results_dir: Path | None) -> list
             )
     if DECIDER in fronts:
         out.append("\n" + accuracy_line(summed_accuracy(fronts[DECIDER])))
+    plan = (rows[0].get("plan") or {}) if rows else {}
+    out.append(
+        f"\n{plan.get('sessions', '?')} sessions per repeat through each front; connector"
+        f" `{plan.get('connector', '?')}` on the prefill and both decodes; fronts in reverse order in odd repeats."
+    )
     if results_dir is not None and (results_dir / "multiturn-ttft-by-turn.png").exists():
         out += ["", "![multiturn TTFT by turn](results/multiturn-ttft-by-turn.png)"]
     return out

@@ -75,3 +75,9 @@ def test_each_repeat_takes_new_sessions_and_at_least_one_repeat_is_needed() -> N
     assert suite.FULL.repeats >= 2 and suite.SMOKE.repeats == 1
     with pytest.raises(ValueError, match="at least 1"):
         suite.MultiTurnPlan(sessions=2, session_rate=1.0, repeats=0)
+
+
+def test_the_section_names_the_connector_and_sessions() -> None:
+    plan = {"sessions": 24, "connector": "kvpush-push"}
+    text = "\n".join(report.section([{**r, "plan": plan} for r in RUN], None))
+    assert "24 sessions per repeat through each front; connector `kvpush-push`" in text
