@@ -16,7 +16,19 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-HEAVY = ("fastapi", "starlette", "httpx", "aiohttp", "uvicorn", "prometheus_client", "vllm", "nixl", "torch", "dns")
+HEAVY = (
+    "fastapi",
+    "starlette",
+    "httpx",
+    "aiohttp",
+    "uvicorn",
+    "granian",
+    "prometheus_client",
+    "vllm",
+    "nixl",
+    "torch",
+    "dns",
+)
 WEB = {"fastapi", "starlette"}
 # The modules whose job is I/O (HTTP serving and calls, metrics, processes, sockets, threads, the engine).
 # A new module is pure unless it is added here, with the reason it cannot be.
@@ -36,6 +48,7 @@ IO = {
     "router.admission": "the admission gauges",
     "router.metrics": "prometheus_client",
     "router.drain": "the server's SIGTERM drain (uvicorn)",
+    "router.serve_granian": "the server's SIGTERM drain (granian)",
     "router.discovery.build": "builds the discovery sources",
     "router.discovery.dns": "DNS queries",
     "router.discovery.kubernetes": "the Kubernetes API",
