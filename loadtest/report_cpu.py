@@ -101,6 +101,36 @@ def issue9_verdicts(rows: Sequence[Row]) -> list[Verdict]:
     return out
 
 
+def paired_lines(rows: Sequence[Row]) -> list[str]:
+    """Issue 9's comparison within each repeat (kvpush and vllm-router ran back to back on the same pair), where
+    the medians above mix repeats that drifted apart."""
+    p50: dict[tuple[str, float, int, str], float] = {}
+    for r in rows:
+        dist = r.get("ttft_ms") or {}
+        if r.get("mode") == "push" and dist.get("p50") is not None:
+            p50[(r["connector"], float(r["qps"]), int(r.get("repeat", 0)), r["router"])] = float(dist["p50"])
+    out = []
+    for conn in sorted({k[0] for k in p50}):
+        keys = sorted({(q, rep) for c, q, rep, _ in p50 if c == conn})
+        pairs = [
+            (q, p50[(conn, q, rep, "kvpush")] / p50[(conn, q, rep, "vllm-router")])
+            for q, rep in keys
+            if (conn, q, rep, "kvpush") in p50 and p50.get((conn, q, rep, "vllm-router"))
+        ]
+        if not pairs:
+            continue
+        at_most = sum(ratio <= 1.0 for _, ratio in pairs)
+        points = "; ".join(
+            f"{q:g} QPS " + " / ".join(f"{ratio:.2f}" for qq, ratio in pairs if qq == q)
+            for q in sorted({q for q, _ in pairs})
+        )
+        out.append(
+            f"Paired within each repeat on the {conn} pair: kvpush's TTFT p50 at or below vllm-router's in "
+            f"{at_most} of {len(pairs)} (kvpush / vllm-router per repeat: {points})."
+        )
+    return out
+
+
 def _lim(ref: float | None, k: float) -> float | None:
     return None if ref is None else k * ref
 
@@ -149,6 +179,7 @@ def cpu_section(rows: Sequence[Row]) -> list[str]:
         "",
         *verdict_table(issue9_verdicts(rows)),
         "",
+        *[line for text in paired_lines(rows) for line in (text, "")],
         "![cpu-vllm](results/cpu-vllm.png)",
         "![ttft cdf](results/cpu-vllm-ttft-cdf.png)",
         "![handoff cdf](results/cpu-vllm-handoff-cdf.png)",

@@ -85,6 +85,22 @@ def test_issue9_compares_fronts_on_the_same_pair() -> None:
     assert "Issue 8 targets" in text and "Issue 9 target" in text
 
 
+def test_issue9_is_also_counted_within_each_repeat() -> None:
+    rows = [
+        cpu_row("kvpush", "kvpush-push", 1.0, 0, 90.0),
+        cpu_row("vllm-router", "kvpush-push", 1.0, 0, 100.0),
+        cpu_row("kvpush", "kvpush-push", 1.0, 1, 150.0),  # a drifted repeat: both fronts slower, ours more
+        cpu_row("vllm-router", "kvpush-push", 1.0, 1, 120.0),
+        cpu_row("kvpush", "kvpush-push", 3.0, 0, 100.0),
+        cpu_row("vllm-router", "kvpush-push", 3.0, 0, 100.0),
+        cpu_row("kvpush", "upstream-pull", 1.0, 0, 200.0),  # pull rows are not paired
+    ]
+    (line,) = report_cpu.paired_lines(rows)
+    assert line.startswith("Paired within each repeat on the kvpush-push pair: kvpush's TTFT p50 at or below")
+    assert "in 2 of 3 (" in line and "1 QPS 0.90 / 1.25; 3 QPS 1.00" in line
+    assert line in report_cpu.cpu_section(rows)
+
+
 def over_row(router: str, mode: str, conc: int, rep: int, ttft: float, **kw: Any) -> dict[str, Any]:
     row = cpu_row(router, "sim", 0.0, rep, ttft, suite="overhead", concurrency=conc, mode=mode, **kw)
     row["qps"] = None
