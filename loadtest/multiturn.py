@@ -75,8 +75,13 @@ def plan_sessions(shape: SessionShape) -> list[Session]:
             )
             for t in range(rng.randint(*shape.turns))
         )
-        out.append(Session(f"mt-{shape.seed}-{i:04d}", start, shape.system_tokens, turns))
+        out.append(Session(f"{session_prefix(shape.seed)}{i:04d}", start, shape.system_tokens, turns))
     return out
+
+
+def session_prefix(seed: int) -> str:
+    """What every session id (and so every request id) of the sessions planned with `seed` starts with."""
+    return f"mt-{seed}-"
 
 
 def message_text(tokens: int, kind: str, seed: int, words_per_token: float) -> str:

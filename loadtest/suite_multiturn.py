@@ -220,13 +220,14 @@ def run(plan: MultiTurnPlan, run_dir: Path, summary: Path, progress: bool, run_i
             if base is not None and plan.warmup_sessions:
                 asyncio.run(multiturn.run_sessions(multiturn.Target(base, "tiny", ratio, plan.timeout_s), warmup(plan)))
         for repeat in range(plan.repeats):
-            sessions = multiturn.plan_sessions(plan.shape(repeat))
+            shape = plan.shape(repeat)
+            sessions, prefix = multiturn.plan_sessions(shape), multiturn.session_prefix(shape.seed)
             order = FRONTS if repeat % 2 == 0 else tuple(reversed(FRONTS))
             ran: dict[str, _FrontRun] = {}
             for front in order:
                 base = bases[front]
                 if base is not None:
-                    ran[front] = _run_front(front, base, plan, sessions, engines, decodes, ratio, progress)
+                    ran[front] = _run_front(front, base, plan, sessions, prefix, engines, decodes, ratio, progress)
             baseline = ran[FRONTS[0]].turns if FRONTS[0] in ran else []
             for front in FRONTS:
                 if front in ran:
@@ -266,6 +267,7 @@ def _run_front(
     base: str,
     plan: MultiTurnPlan,
     sessions: list[multiturn.Session],
+    prefix: str,  # the sessions' id prefix: their requests among the router's records
     engines: list[Engine],
     decodes: list[Engine],
     ratio: float,
@@ -280,7 +282,6 @@ def _run_front(
     if progress:
         print(f"multiturn {front}: {sum(t.rec.ok for t in turns)}/{len(turns)} turns ok in {duration:.1f} s")
     sources = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(set(after) | set(before))}
-    prefix = f"mt-{sessions[0].id.split('-')[1]}-" if sessions else "mt-"
     accuracy = grown(counted, scrape_bypass_accuracy(base)) if kvpush else None
     return _FrontRun(front, turns, duration, sources, routes(base, prefix) if kvpush else None, accuracy)
 

@@ -11,7 +11,15 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.integration.router.test_operations import BODY, fake, ready, router, running, stream
+from tests.integration.router.test_operations import (
+    BODY,
+    fake,
+    ready,
+    router,
+    running,
+    sigterm_during_streams,
+    stream,
+)
 from tests.integration.support import LOGS, wait_for
 
 pytestmark = pytest.mark.integration
@@ -42,13 +50,7 @@ def test_sigterm_under_granian_lets_streams_finish_refuses_new_connections_and_e
     p, d = fake("p"), fake("d", tokens=40, delay=0.05)
     r = router([p], [d], "--server", "granian", "--drain-delay", "0.5", "--drain-grace", "20")
     with running(p, d, r), ThreadPoolExecutor(4) as pool:
-        first = [threading.Event() for _ in range(4)]
-        streams = [pool.submit(stream, r.url, {**BODY, "max_tokens": 40}, ev) for ev in first]
-        for ev in first:
-            assert ev.wait(20), "every stream started"
-        assert r.handle.pid is not None
-        os.kill(r.handle.pid, signal.SIGTERM)
-        wait_for(lambda: ready(r.url).status_code == 503, "/ready goes 503 while draining")
+        streams = sigterm_during_streams(pool, r, 4, 40)
 
         def refused() -> bool:
             try:

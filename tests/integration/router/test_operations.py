@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,17 +127,25 @@ def rss_kib(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
+def sigterm_during_streams(
+    pool: ThreadPoolExecutor, r: Proc, n: int, tokens: int
+) -> list[Future[tuple[int, list[str]]]]:
+    """Starts `n` streams of `tokens` tokens, SIGTERMs the router once all have begun, waits for /ready to go 503."""
+    first = [threading.Event() for _ in range(n)]
+    streams = [pool.submit(stream, r.url, {**BODY, "max_tokens": tokens}, ev) for ev in first]
+    for ev in first:
+        assert ev.wait(20), "every stream started"
+    assert r.handle.pid is not None
+    os.kill(r.handle.pid, signal.SIGTERM)
+    wait_for(lambda: ready(r.url).status_code == 503, "/ready goes 503 while draining")
+    return streams
+
+
 def test_sigterm_lets_eight_streams_finish_and_exits_zero() -> None:
     p, d = fake("p"), fake("d", tokens=40, delay=0.05)
     r = router([p], [d], "--drain-delay", "1", "--drain-grace", "20")
     with running(p, d, r), ThreadPoolExecutor(8) as pool:
-        first = [threading.Event() for _ in range(8)]
-        streams = [pool.submit(stream, r.url, {**BODY, "max_tokens": 40}, ev) for ev in first]
-        for ev in first:
-            assert ev.wait(20), "every stream started"
-        assert r.handle.pid is not None
-        os.kill(r.handle.pid, signal.SIGTERM)
-        wait_for(lambda: ready(r.url).status_code == 503, "/ready goes 503 while draining")
+        streams = sigterm_during_streams(pool, r, 8, 40)
         results = [s.result() for s in streams]
         assert all(status == 200 and events[-1] == "[DONE]" and len(events) == 41 for status, events in results)
         assert r.handle.stop(30.0) == 0
