@@ -3,7 +3,9 @@
 A `StreamAnswer` owns everything the decode leg still holds once its first event is in: the upstream response,
 the decode worker's in-flight count and the request's record. `aclose()` (always called, once or more) releases
 all three exactly once. The stream is relayed byte for byte after the first event (no re-framing); `RelayCheck`
-only bounds the open event and keeps the usage chunk.
+only bounds the open event and keeps the usage chunk. The one exception: when the router asked decode for the
+token ids the client did not ask for (the decider checks what decode's cache will match), whole events are
+relayed with those ids scrubbed back to what the client would have had (`Collect.scrub`).
 """
 
 from __future__ import annotations
@@ -41,12 +43,25 @@ class StreamEnd:
     outcome: str
     usage: dict[str, Any] | None = None
     text: str | None = None
+    token_ids: tuple[int, ...] | None = None  # the generated ids, when they were asked for and came
+
+
+@dataclass(frozen=True)
+class Collect:
+    """What a stream's decider wants of it: the text of an event; its token ids; the scrub of an event whose
+    ids the client did not ask for (None: relay the bytes as they come)."""
+
+    text_of: Callable[[Any], str | None]
+    ids_of: Callable[[Any], list[int] | None] | None = None
+    scrub: Callable[[bytes], bytes] | None = None
 
 
 @dataclass
 class _Collected:
     framer: EventFramer
     parts: list[str | None] = field(default_factory=list)  # None: a chunk carried output its text lacks
+    ids: list[int] = field(default_factory=list)
+    saw_ids: bool = False
 
     def text(self) -> str | None:
         return None if any(part is None for part in self.parts) else "".join(p for p in self.parts if p)
@@ -70,7 +85,7 @@ class StreamAnswer:
         worker: str,
         cleanup: contextlib.AsyncExitStack,
         on_close: Callable[[StreamEnd], None],
-        collect_text: Callable[[Any], str | None] | None = None,
+        collect: Collect | None = None,
     ) -> None:
         self._response = response
         self._first = first
@@ -80,7 +95,7 @@ class StreamAnswer:
         self._worker = worker
         self._cleanup = cleanup
         self._on_close = on_close
-        self._collect = None if collect_text is None else (_Collected(EventFramer()), collect_text)
+        self._collect = None if collect is None else (_Collected(EventFramer()), collect)
         self._outcome = "client_gone"  # until the stream is read to its end
         self._closed = False
 
@@ -95,16 +110,19 @@ class StreamAnswer:
         rest = self._framer.flush()
         first = b"".join(self._first) + rest
         self._check.feed(first)
-        self._observe(first)
-        yield first
+        yield self._observe(first)
         try:
             async for chunk in self._chunks:
                 self._check.feed(chunk)
-                self._observe(chunk)
-                yield chunk
+                if out := self._observe(chunk):
+                    yield out
         except (httpx.HTTPError, EventTooLarge) as exc:
             yield self._broke(exc)
             return
+        if self._collect is not None and (scrub := self._collect[1].scrub) is not None:
+            tail = self._collect[0].framer.flush()  # an unterminated last event
+            if tail:
+                yield scrub(tail)
         self._outcome = "ok"
 
     async def relay(self, send: Callable[[bytes], Awaitable[None]], *, idle: float, write_stall: float) -> None:
@@ -151,11 +169,21 @@ class StreamAnswer:
         self._outcome = f"stream_{error.kind}"
         return error_event(error)
 
-    def _observe(self, chunk: bytes) -> None:
-        if self._collect is not None:
-            collected, text_of = self._collect
-            for event in collected.framer.feed(chunk):
-                collected.parts.append(text_of(payload_of(event)))
+    def _observe(self, chunk: bytes) -> bytes:
+        """The bytes to relay for `chunk`: itself, or its whole events scrubbed (see `Collect`)."""
+        if self._collect is None:
+            return chunk
+        collected, want = self._collect
+        events = collected.framer.feed(chunk)
+        for event in events:
+            payload = payload_of(event)
+            collected.parts.append(want.text_of(payload))
+            if want.ids_of is not None and (ids := want.ids_of(payload)) is not None:
+                collected.ids += ids
+                collected.saw_ids = True
+        if want.scrub is None:
+            return chunk
+        return b"".join(want.scrub(event) for event in events)
 
     async def aclose(self) -> None:
         if self._closed:
@@ -168,8 +196,11 @@ class StreamAnswer:
             logger.debug("closing the decode stream: %s", exc)
         finally:
             await self._cleanup.aclose()
-            text = None if self._collect is None else self._collect[0].text()
-            self._on_close(StreamEnd(self._outcome, self._check.usage(), text))
+            text = ids = None
+            if self._collect is not None:
+                collected = self._collect[0]
+                text, ids = collected.text(), tuple(collected.ids) if collected.saw_ids else None
+            self._on_close(StreamEnd(self._outcome, self._check.usage(), text, ids))
 
 
 async def read_first_events(

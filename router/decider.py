@@ -2,8 +2,11 @@
 
 The dispatcher asks the configured decider once per attempt (`decide`), executes the `Decision`, and tells the
 decider how the attempt ended (`record`), so a decider that keeps an index (what each worker's prefix cache holds)
-learns from every answer. Deciders are small registered classes chosen by the `decider` setting, like the selection
-policies; "none" is the behaviour without a decider: the configured mode, workers chosen by the policies.
+learns from every answer. `record` may hand back an `AnswerCheck`: the dispatcher then asks the decode worker to
+tokenize the answer's text (off the request's path: router/retokenize.py) and settles the check with how many
+generated tokens the text re-tokenizes to, which is how far the next turn can match decode's prefix cache.
+Deciders are small registered classes chosen by the `decider` setting, like the selection policies; "none" is
+the behaviour without a decider: the configured mode, workers chosen by the policies.
 
 Routes:
 - PUSH / PULL: both legs, as the router's mode says (a decider never changes the mode; it may only bypass).
@@ -62,6 +65,29 @@ class Outcome:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when reported
     completion_tokens: int | None = None
     answer: str | None = None  # the generated text, only when the decider's `wants_answer` is True
+    answer_token_ids: tuple[int, ...] | None = None  # its token ids, when `wants_token_ids` and decode sent them
+
+
+@dataclass(frozen=True)
+class AnswerCheck:
+    """A question for the decode worker that generated `generated`: how many of those tokens does `text`
+    re-tokenize to, in order? `settle(matched, now)` hands the answer back to the decider."""
+
+    worker: str
+    text: str
+    generated: tuple[int, ...]
+    settle: Callable[[int, float], None] = field(compare=False, repr=False)
+
+
+def matched_tokens(generated: Sequence[int], retokenized: Sequence[int]) -> int:
+    """How many generated tokens a next turn finds in decode's prefix cache when it sends their text back: the
+    common leading run of the generated and the re-tokenized ids, less the last generated token (it was sampled,
+    never fed back, so it has no KV)."""
+    limit = min(len(generated) - 1, len(retokenized))
+    n = 0
+    while n < limit and generated[n] == retokenized[n]:
+        n += 1
+    return n
 
 
 class Decider(Protocol):
@@ -69,12 +95,13 @@ class Decider(Protocol):
 
     name: ClassVar[str]
     wants_answer: bool  # the dispatcher collects the generated text for `record` only when True
+    wants_token_ids: bool  # ... and asks decode for its token ids (scrubbed from what the client gets)
 
     def decide(
         self, turn: Turn, decode: Sequence[WorkerView], prefill: Sequence[WorkerView], now: float
     ) -> Decision: ...
 
-    def record(self, turn: Turn, decision: Decision, outcome: Outcome, now: float) -> None: ...
+    def record(self, turn: Turn, decision: Decision, outcome: Outcome, now: float) -> AnswerCheck | None: ...
 
     def forget(self, worker_id: str) -> None: ...
 
@@ -93,6 +120,8 @@ class DeciderStats:
     accurate_bypasses: int  # ... whose predicted uncached tokens were within 20 % of the actual
     tokens_per_char: float  # the learned ratio
     answers_trusted: bool = True  # False once bypasses showed relayed answers are not what decode caches
+    answers_checked: int = 0  # answers whose re-tokenization decode reported (`AnswerCheck`)
+    answers_short: int = 0  # ... that matched fewer generated tokens than the first estimate credited
 
 
 class ReportsStats(Protocol):
@@ -110,11 +139,12 @@ class NoDecider:
 
     name: ClassVar[str] = "none"
     wants_answer = False
+    wants_token_ids = False
 
     def decide(self, turn: Turn, decode: Sequence[WorkerView], prefill: Sequence[WorkerView], now: float) -> Decision:
         return Decision(Route.PUSH if turn.mode is Mode.PUSH else Route.PULL)
 
-    def record(self, turn: Turn, decision: Decision, outcome: Outcome, now: float) -> None:
+    def record(self, turn: Turn, decision: Decision, outcome: Outcome, now: float) -> AnswerCheck | None:
         return None
 
     def forget(self, worker_id: str) -> None:

@@ -8,6 +8,10 @@
   estimated at most `bypass_max_uncached_tokens`: decode computes the suffix from its own prefix cache.
 - Otherwise the router's mode (push or pull), with prefill on the candidate that holds the longest prefix (its
   cache holds earlier turns' prompts); none held: the policy picks.
+- An answer is credited at first by `reusable_answer_tokens` (no tokenizer here). With `verify_answers` (the
+  default) decode is asked for its generated token ids, and each answer is checked once it is relayed: decode
+  tokenizes the text (router/retokenize.py) and the credit becomes exactly the generated tokens it re-tokenizes
+  to, before the next turn comes (a random model's output often does not re-tokenize as generated).
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from router.conversation import Chain, ConversationKey, conversation_key
-from router.decider import DeciderStats, Decision, Outcome, Route, Turn
+from router.conversation import Chain, ConversationKey, Link, conversation_key
+from router.decider import AnswerCheck, DeciderStats, Decision, Outcome, Route, Turn
 from router.domain import Mode, WorkerView
 from router.errors import ConfigError
 from router.prefix_index import Match, PrefixIndex, SessionTable, TokenRatio, prorated, reusable_answer_tokens
@@ -47,6 +51,7 @@ class AffinityOptions:
     chars_per_token: float = 4.0  # the first guess, replaced by what the engines report
     block_tokens: int = 16  # the engines' KV block size (--block-size; vLLM's CPU backend defaults to 128):
     # a prefix cache holds whole blocks only
+    verify_answers: bool = True  # ask decode for the answer's token ids and check what its text re-tokenizes to
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> AffinityOptions:
@@ -63,6 +68,8 @@ class AffinityOptions:
                 raise ConfigError(f"decider session-affinity: {name} must be an integer, got {value!r}")
             if kind == "float" and (isinstance(value, bool) or not isinstance(value, int | float)):
                 raise ConfigError(f"decider session-affinity: {name} must be a number, got {value!r}")
+            if kind == "bool" and not isinstance(value, bool):
+                raise ConfigError(f"decider session-affinity: {name} must be true or false, got {value!r}")
             values[name] = value
         built = cls(**values)
         built._check()
@@ -99,6 +106,8 @@ class _Counters:
     checked_bypasses: int = 0
     accurate_bypasses: int = 0
     recent_misses: list[bool] = field(default_factory=list)
+    answers_checked: int = 0  # answers whose re-tokenization decode reported
+    answers_short: int = 0  # ... and re-tokenized to fewer of the generated tokens than were credited
 
 
 class SessionAffinity:
@@ -112,6 +121,7 @@ class SessionAffinity:
         self.sessions = SessionTable(o.max_sessions, o.ttl_s)
         self.ratio = TokenRatio(1.0 / o.chars_per_token)
         self.answers_trusted = True  # generated text is credited as held on decode (until bypasses prove wrong)
+        self.wants_token_ids = o.verify_answers
         self._counts = _Counters()
 
     @classmethod
@@ -139,10 +149,10 @@ class SessionAffinity:
             uncached,
         )
 
-    def record(self, turn: Turn, decision: Decision, outcome: Outcome, now: float) -> None:
+    def record(self, turn: Turn, decision: Decision, outcome: Outcome, now: float) -> AnswerCheck | None:
         plan = decision.state
         if not isinstance(plan, _Plan) or not outcome.ok:
-            return  # a failed attempt tells nothing certain about what a cache holds
+            return None  # a failed attempt tells nothing certain about what a cache holds
         chain = plan.key.chain
         if outcome.prompt_tokens is not None:
             self.ratio.learn(outcome.prompt_tokens, chain.chars)
@@ -151,6 +161,7 @@ class SessionAffinity:
         if outcome.prefill is not None:
             self.prefill_index.record(outcome.prefill, chain.links, prompt_counts, now)
         held_links, held_counts, reusable = list(chain.links), prompt_counts, tokens
+        check: AnswerCheck | None = None
         if outcome.answer is not None and chain.links and self.answers_trusted:
             grown = chain.extend(outcome.answer)
             generated = outcome.completion_tokens
@@ -162,11 +173,33 @@ class SessionAffinity:
             held_links = [*chain.links, *extra]
             spread = [tokens + round((total - tokens) * (x.chars - base) / max(1, grown.chars - base)) for x in extra]
             held_counts = [*prompt_counts, *spread]
-            reusable = tokens + reusable_answer_tokens(outcome.answer, generated)
+            credited = reusable_answer_tokens(outcome.answer, generated)
+            reusable = tokens + credited
+            check = self._answer_check(outcome, extra, tokens, credited, now)
         self.decode_index.record(outcome.decode, held_links, held_counts, now, reusable)
         if plan.key.session is not None:
             self.sessions.set(plan.key.session, outcome.decode, now)
         self._check_prediction(decision, plan, outcome)
+        return check
+
+    def _answer_check(
+        self, outcome: Outcome, links: Sequence[Link], prompt_tokens: int, credited: int, recorded_at: float
+    ) -> AnswerCheck | None:
+        """The check of an answer whose generated ids came whole (as many as usage counts)."""
+        ids, answer = outcome.answer_token_ids, outcome.answer
+        if not self.wants_token_ids or ids is None or answer is None or not links:
+            return None
+        if outcome.completion_tokens is not None and len(ids) != outcome.completion_tokens:
+            return None
+        worker, held = outcome.decode, tuple(links)
+
+        def settle(matched: int, now: float) -> None:
+            c = self._counts
+            c.answers_checked += 1
+            c.answers_short += matched < credited
+            self.decode_index.refine(worker, held, recorded_at, prompt_tokens + matched)
+
+        return AnswerCheck(worker, answer, ids, settle)
 
     def forget(self, worker_id: str) -> None:
         self.decode_index.forget(worker_id)
@@ -191,6 +224,8 @@ class SessionAffinity:
             accurate_bypasses=c.accurate_bypasses,
             tokens_per_char=self.ratio.value,
             answers_trusted=self.answers_trusted,
+            answers_checked=c.answers_checked,
+            answers_short=c.answers_short,
         )
 
     def _usable(self, workers: Sequence[WorkerView]) -> list[WorkerView]:

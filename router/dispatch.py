@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 
 from router import protocol, upstream
-from router.answer import JsonAnswer, StreamAnswer, StreamEnd, read_first_events
+from router.answer import Collect, JsonAnswer, StreamAnswer, StreamEnd, read_first_events
 from router.config import Settings
 from router.decider import Decider, Decision, NoDecider, Outcome, Route, Turn
 from router.domain import Mode, NixlIdentity, RequestInfo, Role, WorkerView
@@ -35,6 +35,7 @@ from router.errors import (
 from router.metrics import Metrics
 from router.policy import Policy, make_policy
 from router.pool import Pool, Tracked, WorkerState
+from router.retokenize import Retokenizer
 from router.sse import EventFramer, RelayCheck, error_of
 from router.timings import RequestRecord, TimingLog
 from router.transport import HttpxLegs, LegTransport
@@ -93,6 +94,8 @@ class Dispatcher:
             Role.DECODE: make_policy(settings.decode_policy, settings.decode_policy_options),
         }
         self._background: dict[str, asyncio.Task[Any]] = {}  # pairing id → prefill leg still running
+        self._checks = Retokenizer(self._legs, clock)  # the decider's answer checks (router/retokenize.py)
+        self._wants_ids = self._decider.wants_answer and getattr(self._decider, "wants_token_ids", False)
         self._json_headers = {"content-type": "application/json"}
 
     @property
@@ -133,6 +136,8 @@ class Dispatcher:
                 if isinstance(answer, JsonAnswer):
                     self._tell(turn, decision, request.record, ok=True, answer=answer.content)
                     self._finish(request.record, "ok")
+                    if self._asks_ids_for_us(request.body):
+                        answer = JsonAnswer(answer.status, protocol.scrub_token_ids(answer.content))
                 return answer
             raise AssertionError("unreachable: the attempt loop returns or raises")
         except RouterError as error:
@@ -288,7 +293,8 @@ class Dispatcher:
         """Opens the decode leg and waits for its first event (stream) or its whole answer (non-stream)."""
         rec, wid, t = request.record, worker.spec.id, self._settings.timeouts
         url = f"{worker.spec.url}{request.info.endpoint.path}"
-        raw = protocol.encode(body)
+        scrub = self._asks_ids_for_us(request.body)
+        raw = protocol.encode(protocol.asking_token_ids(body) if scrub else body)
         cleanup = contextlib.AsyncExitStack()
         tracked = cleanup.enter_context(self._pool.track(wid, request.info.prompt_tokens))
         rec.decode_sent = self._clock()
@@ -332,7 +338,7 @@ class Dispatcher:
         self._observe_first_byte(rec)
 
         def on_close(end: StreamEnd) -> None:
-            self._tell(turn, decision, rec, ok=end.outcome == "ok", usage=end.usage, text=end.text)
+            self._tell(turn, decision, rec, ok=end.outcome == "ok", usage=end.usage, text=end.text, ids=end.token_ids)
             self._finish(rec, end.outcome)
 
         return StreamAnswer(
@@ -344,8 +350,20 @@ class Dispatcher:
             worker=wid,
             cleanup=cleanup,
             on_close=on_close,
-            collect_text=protocol.text_of if self._decider.wants_answer else None,
+            collect=self._collect(scrub),
         )
+
+    def _asks_ids_for_us(self, client_body: Mapping[str, Any]) -> bool:
+        """The decider wants the answer's token ids and the client did not ask for them: decode is asked, and
+        what the client gets is scrubbed of them."""
+        return self._wants_ids and not protocol.asks_token_ids(client_body)
+
+    def _collect(self, scrub: bool) -> Collect | None:
+        d = self._decider
+        if not d.wants_answer:
+            return None
+        ids_of = protocol.token_ids_of if self._wants_ids else None
+        return Collect(protocol.text_of, ids_of, protocol.scrub_token_ids if scrub else None)
 
     def _headers(self, ids: protocol.PairingIds) -> dict[str, str]:
         return {**self._json_headers, protocol.REQUEST_ID_HEADER: ids.request_id}
@@ -378,6 +396,7 @@ class Dispatcher:
         answer: bytes | None = None,
         usage: dict[str, Any] | None = None,
         text: str | None = None,
+        ids: tuple[int, ...] | None = None,
     ) -> None:
         """The attempt's Outcome for the decider (skipped for NoDecider, which learns nothing)."""
         if not self._learns or rec.decode_worker is None:
@@ -386,6 +405,8 @@ class Dispatcher:
             parsed = _json_or_none(answer)
             usage = protocol.usage_of(parsed)
             text = protocol.text_of(parsed) if self._decider.wants_answer else None
+            found = protocol.token_ids_of(parsed) if self._wants_ids else None
+            ids = None if found is None else tuple(found)
         details = usage.get("prompt_tokens_details") if usage else None
         outcome = Outcome(
             ok=ok,
@@ -395,11 +416,15 @@ class Dispatcher:
             cached_tokens=_int_or_none(details if isinstance(details, dict) else None, "cached_tokens"),
             completion_tokens=_int_or_none(usage, "completion_tokens"),
             answer=text,
+            answer_token_ids=ids,
         )
         try:
-            self._decider.record(turn, decision, outcome, self._clock())
+            check = self._decider.record(turn, decision, outcome, self._clock())
         except Exception:  # a decider's bug must not fail a request that is already answered
             logger.exception("decider %s failed to record an outcome", self._decider.name)
+            return
+        if check is not None and check.worker in self._pool:
+            self._checks.submit(self._pool.get(check.worker).spec.url, check)
 
     def _detach_prefill_leg(self, pairing_id: str, prefill_leg: asyncio.Task[Any]) -> None:
         """Lets a prefill leg still running after decode answered finish on its deadline (checked when done).
@@ -444,6 +469,7 @@ class Dispatcher:
         self._decider.forget(worker_id)
 
     async def aclose(self) -> None:
+        await self._checks.aclose()
         tasks = list(self._background.values())
         for task in tasks:
             task.cancel()

@@ -164,6 +164,16 @@ class _DeciderCollector(Collector):
                 "Checked bypasses predicted within 20 % of the actual uncached tokens.",
                 s.accurate_bypasses,
             ),
+            (
+                "kvpush_decider_answers_checked",
+                "Relayed answers whose re-tokenization decode reported.",
+                s.answers_checked,
+            ),
+            (
+                "kvpush_decider_answers_short",
+                "Checked answers that re-tokenized to fewer generated tokens than first credited.",
+                s.answers_short,
+            ),
         ):
             yield CounterMetricFamily(name, help_text, value=value)
         yield GaugeMetricFamily(

@@ -114,6 +114,9 @@ class Pool:
             self._add(spec)
         self._publish_pools()
 
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._workers
+
     def get(self, worker_id: str) -> WorkerState:
         return self._workers[worker_id]
 

@@ -78,6 +78,18 @@ class PrefixIndex:
             held.popitem(last=False)
             self.evictions.capacity += 1
 
+    def refine(self, worker: str, links: Sequence[Link], recorded_at: float, reusable: int) -> None:
+        """What `worker`'s cache can match through `links`, as recorded at `recorded_at`, is now known to be
+        `reusable` tokens (an answer checked after it was recorded). A link recorded again since (a later turn
+        sent it as prompt: computed, so cached whole), evicted or aged out is left as it is."""
+        held = self._held.get(worker)
+        if held is None:
+            return
+        for link in links:
+            found = held.get(link.digest)
+            if found is not None and found.at == recorded_at:
+                held[link.digest] = Held(found.tokens, found.at, min(found.tokens, reusable))
+
     def longest(self, worker: str, chain: Chain, now: float) -> Match:
         """The longest leading run of `chain`'s links the worker holds (a link held without its predecessors
         cannot be: links are recorded whole-prefix, and a chain digest covers everything before it)."""

@@ -244,6 +244,41 @@ def text_of(answer: Any) -> str | None:
     return ""
 
 
+TOKEN_IDS = "return_token_ids"  # vLLM's request field: the answer carries its token ids (and the prompt's)
+_TOKEN_ID_ARRAYS = re.compile(rb'"(prompt_token_ids|token_ids)":(\s*)\[[0-9,\s]*\]')
+
+
+def asks_token_ids(body: Any) -> bool:
+    """The client asked for the token ids itself (so they are its to see)."""
+    return isinstance(body, dict) and body.get(TOKEN_IDS) is True
+
+
+def asking_token_ids(body: dict[str, Any]) -> dict[str, Any]:
+    """A shallow copy of a decode body that asks vLLM for the generated token ids."""
+    return {**body, TOKEN_IDS: True}
+
+
+def token_ids_of(answer: Any) -> list[int] | None:
+    """The generated token ids of an answer or stream chunk asked with `return_token_ids` (first choice), or
+    None when it carries none."""
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return None
+    ids = choices[0].get("token_ids")
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        return None
+    return ids
+
+
+def scrub_token_ids(data: bytes) -> bytes:
+    """An answer or whole event as the client would have had it without `return_token_ids`: vLLM writes the
+    fields as null when not asked, so the arrays become null again. A quote inside a JSON string is escaped,
+    so no text the model wrote can match."""
+    if b"token_ids" not in data:
+        return data
+    return _TOKEN_ID_ARRAYS.sub(rb'"\1":\2null', data)
+
+
 def identity_from(kv_params: KvTransferParams) -> NixlIdentity | None:
     """A prefill worker's NIXL identity as its own answer states it (for workers configured as auto)."""
     try:

@@ -40,6 +40,7 @@ IO = {
     "router.dispatch": "sends both legs",
     "router.answer": "relays upstream streams",
     "router.upstream": "upstream HTTP calls",
+    "router.retokenize": "asks decode workers to tokenize answers (upstream HTTP calls)",
     "router.transport": "the aiohttp-backed transport",
     "router.http1": "the legs' HTTP/1.1 client (sockets, httptools, httpx errors)",
     "router.http1_pool": "the legs' connection pool: opens sockets",

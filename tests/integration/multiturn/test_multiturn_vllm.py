@@ -4,12 +4,15 @@
     cache (turn 1's prompt arrived by transfer and is cached there, its answer was generated there);
 (b) partial prefix push: turn 2 pushed to the same decode needs only the blocks decode lacks
     (local_cache_hit + external_kv_transfer == the prompt);
-(c) the same through the router with `--decider session-affinity` (once the dispatcher calls the decider).
+(c) the same through the router with `--decider session-affinity` (once the dispatcher calls the decider); each
+    answer is checked against decode's own tokenizer, so the bypass's cached tokens are predicted exactly;
+(d) the token ids the decider asks decode for scrub back to exactly what a client that did not ask would get.
 Every turn's greedy output equals one plain instance's for the same conversation.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from router import protocol
 from tests.integration.multiturn.mt_support import (
     PushPair,
     block_size,
@@ -27,6 +31,7 @@ from tests.integration.multiturn.mt_support import (
     reply_of,
     sources_delta,
 )
+from tests.integration.support import metric, wait_for
 from tests.integration.vllm_support import kv_sources, prompt_text, require_vllm, router
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -104,19 +109,75 @@ def test_through_the_router_with_the_decider(engines: PushPair, tmp_path: Path) 
         def turn(messages: list[dict[str, str]]) -> tuple[str, int, dict[str, float]]:
             body = chat_body(messages)
             before = kv_sources(d)
-            got = reply_of(httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120))
+            response = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=120)
+            assert response.json()["choices"][0].get("token_ids") is None  # asked for the decider, not shown
+            got = reply_of(response)
             assert got.text == single(engines, body)
             return got.text, got.prompt_tokens, sources_delta(d, before, got.prompt_tokens)
+
+        def checked(n: int) -> None:  # the answer checks run after the client has its answer
+            wait_for(lambda: metric(url, "kvpush_decider_answers_checked_total") >= n, f"{n} answers checked")
 
         history = [{"role": "user", "content": prompt_text(50)}]
         answer, p1, moved = turn(history)
         assert moved["external_kv_transfer"] == p1, moved  # turn 1: pushed whole
+        checked(1)
         history += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Short follow-up?"}]
         answer, p2, moved = turn(history)
         assert moved["external_kv_transfer"] == 0, moved  # turn 2: bypassed
         assert moved["local_cache_hit"] >= (p1 // block) * block, moved
+        predicted = metric(url, "kvpush_bypass_predicted_cached_tokens_total")
+        assert predicted == metric(url, "kvpush_bypass_actual_cached_tokens_total") == moved["local_cache_hit"]
+        checked(2)
         history += [{"role": "assistant", "content": answer}, {"role": "user", "content": prompt_text(60)}]
         _, p3, moved = turn(history)
         assert moved["local_cache_hit"] >= (p2 // block) * block, moved  # turn 3: pushed, only what decode lacks
         assert moved["local_cache_hit"] + moved["external_kv_transfer"] == p3, moved
         assert moved["external_kv_transfer"] > 0, moved
+
+
+def _same_request(payload: dict[str, object]) -> list[object]:
+    """An answer or chunk, less what differs between two requests for the same thing: id, created, and the cached
+    tokens (the second one hits the first one's prefix)."""
+    payload.pop("id", None), payload.pop("created", None)
+    usage = payload.get("usage")
+    if isinstance(usage, dict):
+        usage.pop("prompt_tokens_details", None)
+    return list(payload.items())  # key order too
+
+
+def _events(data: bytes) -> list[object]:
+    """A stream's events as JSON, less what differs between two requests (`_same_request`)."""
+    found: list[object] = []
+    for event in data.split(b"\n\n"):
+        if not event.startswith(b"data: {"):
+            found.append(event)
+            continue
+        found.append(_same_request(json.loads(event[6:])))
+    return found
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
+def test_the_token_ids_asked_for_the_decider_scrub_back_to_the_plain_answer(
+    engines: PushPair, endpoint: str, stream: bool
+) -> None:
+    """The router's `scrub_token_ids` rests on vLLM writing the fields as null when not asked: pinned here."""
+    text = prompt_text(20)
+    body: dict[str, object] = {"model": "tiny", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    body |= {"messages": [{"role": "user", "content": text}]} if "chat" in endpoint else {"prompt": text}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    plain = httpx.post(f"{engines.prefill.url}{endpoint}", json=body, timeout=120)
+    asked = httpx.post(f"{engines.prefill.url}{endpoint}", json=protocol.asking_token_ids(body), timeout=120)
+    assert plain.status_code == asked.status_code == 200, (plain.text, asked.text)
+    assert b'token_ids":[' in asked.content  # the ids came
+    scrubbed = (
+        protocol.scrub_token_ids(asked.content)
+        if not stream
+        else b"".join(protocol.scrub_token_ids(event + b"\n\n") for event in asked.content.split(b"\n\n") if event)
+    )
+    if stream:
+        assert _events(scrubbed) == _events(plain.content)
+    else:
+        assert _same_request(json.loads(scrubbed)) == _same_request(json.loads(plain.content))

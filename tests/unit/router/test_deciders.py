@@ -8,6 +8,7 @@ import pytest
 
 from router.decider import (
     REGISTRY,
+    AnswerCheck,
     DeciderStats,
     Decision,
     NoDecider,
@@ -15,6 +16,7 @@ from router.decider import (
     Route,
     Turn,
     make_decider,
+    matched_tokens,
     stats_of,
 )
 from router.deciders import AffinityOptions, SessionAffinity
@@ -71,9 +73,10 @@ def served(
     completion_tokens: int = 97,  # 96 of them fed back: the last sampled token has no KV
     ok: bool = True,
     now: float = 1.0,
-) -> None:
-    outcome = Outcome(ok, decode, prefill, prompt_tokens, cached, completion_tokens, answer)
-    decider.record(t, decision, outcome, now)
+    ids: tuple[int, ...] | None = None,
+) -> AnswerCheck | None:
+    outcome = Outcome(ok, decode, prefill, prompt_tokens, cached, completion_tokens, answer, ids)
+    return decider.record(t, decision, outcome, now)
 
 
 def first_turn(decider: SessionAffinity, session: str | None = None, **kw: Any) -> Turn:
@@ -107,6 +110,7 @@ def test_registered_and_built_from_options() -> None:
         ({"chars_per_token": "4"}, "must be a number"),
         ({"overload_in_flight_gap": 0}, ">= 1"),
         ({"max_sessions": 0}, ">= 1"),
+        ({"verify_answers": "yes"}, "true or false"),
     ],
 )
 def test_bad_options_are_config_errors(options: dict[str, Any], message: str) -> None:
@@ -391,3 +395,88 @@ def test_the_none_decider_refuses_options() -> None:
 
     with pytest.raises(ConfigError, match="takes no options"):
         make_decider("none", {"bypass_max_uncached_tokens": 256})
+
+
+GENERATED = tuple(range(1000, 1097))  # ANSWER's 97 generated token ids
+
+
+def checked_first_turn(decider: SessionAffinity, **kw: Any) -> AnswerCheck:
+    t = turn(SYSTEM, QUESTION)
+    check = served(decider, t, decider.decide(t, DECODES, PREFILLS, 0.0), ids=GENERATED, **kw)
+    assert check is not None
+    return check
+
+
+def test_an_answer_with_its_token_ids_is_handed_back_for_a_check() -> None:
+    decider = SessionAffinity()
+    assert decider.wants_token_ids
+    check = checked_first_turn(decider, decode="d2")
+    assert (check.worker, check.text, check.generated) == ("d2", ANSWER, GENERATED)
+
+
+@pytest.mark.parametrize(
+    ("matched", "cached"),
+    [(96, 400 + 96), (48, 400 + 48), (0, 400)],  # re-tokenizes as generated; diverges at token 48; at once
+)
+def test_a_settled_check_makes_the_credit_exactly_what_re_tokenizes(matched: int, cached: int) -> None:
+    decider = SessionAffinity()
+    check = checked_first_turn(decider)
+    check.settle(matched, 1.5)
+    decision = decider.decide(second(SHORT), DECODES, PREFILLS, 2.0)
+    assert decision.predicted_cached_tokens == cached
+    s = stats(decider)
+    assert (s.answers_checked, s.answers_short) == (1, int(matched < 96))
+
+
+def test_a_check_can_credit_more_than_the_first_estimate() -> None:
+    garbled = ANSWER[:100] + "\ufffd" + ANSWER[100:]  # the estimate stops at the U+FFFD
+    decider = SessionAffinity()
+    t = turn(SYSTEM, QUESTION)
+    check = served(decider, t, decider.decide(t, DECODES, PREFILLS, 0.0), answer=garbled, ids=GENERATED)
+    assert check is not None
+    before = decider.decide(second(SHORT, answer=garbled), DECODES, PREFILLS, 2.0).predicted_cached_tokens
+    check.settle(96, 1.5)
+    after = decider.decide(second(SHORT, answer=garbled), DECODES, PREFILLS, 2.0).predicted_cached_tokens
+    assert before < after == 400 + 96
+
+
+def test_a_late_check_does_not_lower_what_a_later_turn_recorded() -> None:
+    decider = SessionAffinity()
+    check = checked_first_turn(decider)
+    t2 = second(SHORT)
+    served(decider, t2, decider.decide(t2, DECODES, PREFILLS, 2.0), prefill=None, prompt_tokens=520, now=3.0)
+    check.settle(0, 4.0)  # turn 2 sent the answer as prompt: decode computed it, so it is cached whole
+    t3 = turn(SYSTEM, QUESTION, {"role": "assistant", "content": ANSWER}, SHORT)
+    assert decider.decide(t3, DECODES, PREFILLS, 5.0).predicted_cached_tokens >= 496
+
+
+@pytest.mark.parametrize(
+    ("kw", "options"),
+    [
+        ({"ids": None}, {}),  # decode sent no ids
+        ({"ids": GENERATED[:50]}, {}),  # fewer ids than usage counts: not the whole answer
+        ({"ids": GENERATED}, {"verify_answers": False}),
+        ({"ids": GENERATED, "answer": None}, {}),
+        ({"ids": GENERATED, "ok": False}, {}),
+    ],
+)
+def test_no_check_without_whole_ids_or_when_turned_off(kw: dict[str, Any], options: dict[str, Any]) -> None:
+    decider = SessionAffinity(AffinityOptions.from_mapping(options))
+    t = turn(SYSTEM, QUESTION)
+    assert served(decider, t, decider.decide(t, DECODES, PREFILLS, 0.0), **kw) is None
+    assert decider.wants_token_ids is options.get("verify_answers", True)
+
+
+@pytest.mark.parametrize(
+    ("generated", "retokenized", "matched"),
+    [
+        ((1, 2, 3, 4), (1, 2, 3, 4), 3),  # all but the last sampled token
+        ((1, 2, 3, 4), (1, 2, 9, 4), 2),
+        ((1, 2, 3, 4), (7, 2, 3, 4), 0),
+        ((1, 2, 3, 4), (1, 2), 2),  # the text re-tokenizes to fewer tokens
+        ((1,), (1,), 0),
+        ((), (1, 2), 0),
+    ],
+)
+def test_matched_tokens(generated: tuple[int, ...], retokenized: tuple[int, ...], matched: int) -> None:
+    assert matched_tokens(generated, retokenized) == matched

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, ClassVar
 
@@ -12,7 +13,7 @@ import pytest
 
 from router.answer import JsonAnswer, StreamAnswer
 from router.config import build_settings
-from router.decider import Decider, Decision, Outcome, Route, Turn
+from router.decider import AnswerCheck, Decider, Decision, Outcome, Route, Turn
 from router.dispatch import ClientRequest, Dispatcher, _unless_lost
 from router.domain import Endpoint, Role, WorkerView
 from router.errors import NoHealthyWorker, UpstreamError, UpstreamProtocolError, UpstreamStatus, UpstreamTimeout
@@ -272,6 +273,7 @@ class Recording:
 
     name: ClassVar[str] = "recording"
     wants_answer = True
+    wants_token_ids = False
 
     def __init__(self, route: Route = Route.BYPASS) -> None:
         self.route = route
@@ -280,8 +282,9 @@ class Recording:
     def decide(self, turn: Turn, decode: Sequence[WorkerView], prefill: Sequence[WorkerView], now: float) -> Decision:
         return Decision(self.route, decode="http://d1:8200")
 
-    def record(self, turn: Turn, decision: Decision, outcome: Outcome, now: float) -> None:
+    def record(self, turn: Turn, decision: Decision, outcome: Outcome, now: float) -> AnswerCheck | None:
         self.outcomes.append(outcome)
+        return None
 
     def forget(self, worker_id: str) -> None:
         return None
@@ -456,3 +459,82 @@ async def test_a_loss_marked_by_the_leg_itself_inside_the_block_does_not_cancel_
         tracked.mark_lost(Loss.DOWN, "its own passive check")
     await asyncio.sleep(0)
     assert tracked.is_lost and asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+
+
+class Checking(Recording):
+    """Recording, and it wants the answer's token ids: hands back a check whose settlement it keeps."""
+
+    wants_token_ids = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.settled: list[int] = []
+
+    def record(self, turn: Turn, decision: Decision, outcome: Outcome, now: float) -> AnswerCheck | None:
+        self.outcomes.append(outcome)
+        if outcome.answer is None or outcome.answer_token_ids is None:
+            return None
+        settle = self.settled.append
+        return AnswerCheck(outcome.decode, outcome.answer, outcome.answer_token_ids, lambda n, _: settle(n))
+
+
+def answers_with_token_ids(retokenized: list[int]) -> Any:
+    """A decode that sends vLLM's token-id fields (null unless asked) and tokenizes on /tokenize."""
+
+    async def handle(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        if request.url.path == "/tokenize":
+            return httpx.Response(200, json={"count": len(retokenized), "tokens": retokenized, "max_model_len": 64})
+        asked = body.get("return_token_ids") is True
+        ids: list[list[int] | None] = [[5], [6]] if asked else [None, None]
+        if not body.get("stream"):
+            whole = {"choices": [{"text": "ab", "token_ids": [5, 6] if asked else None}], "usage": USAGE}
+            return httpx.Response(200, json={**whole, "prompt_token_ids": [1, 2] if asked else None})
+        first = {"choices": [{"text": "a", "token_ids": ids[0]}], "prompt_token_ids": [1, 2] if asked else None}
+        chunks = [
+            b"data: " + json.dumps(first).encode() + b"\n\n",
+            b"data: " + json.dumps({"choices": [{"text": "b", "token_ids": ids[1]}]}).encode()[:20],  # split event
+            json.dumps({"choices": [{"text": "b", "token_ids": ids[1]}]}).encode()[20:] + b"\n\n",
+            b"data: " + json.dumps({"choices": [], "usage": USAGE}).encode() + b"\n\n",
+            b"data: [DONE]\n\n",
+        ]
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=chunks_of(chunks))
+
+    return handle
+
+
+async def checked_dispatch(body: dict[str, Any], retokenized: list[int]) -> tuple[FakeWorkers, Checking, bytes]:
+    workers = FakeWorkers({"p0": prefill_ok(), "d1": answers_with_token_ids(retokenized)})
+    s = build_settings({"prefill": [P0], "decode": ["http://d1:8200"]})
+    decider = Checking()
+    pool = Pool((*s.prefill, *s.decode), Metrics())
+    client = httpx.AsyncClient(transport=workers.transport())
+    await pool.probe_all(client, 1.0)
+    dispatcher = Dispatcher(s, pool, client, Metrics(), TimingLog(10), decider=decider)
+    answer = await dispatcher.handle(call_of(dispatcher, body))
+    got = b"".join(await relay(answer)) if isinstance(answer, StreamAnswer) else answer.content
+    for _ in range(100):  # the check runs as its own task: let it finish
+        if decider.settled:
+            break
+        await asyncio.sleep(0)
+    await dispatcher.aclose()
+    return workers, decider, got
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_the_decider_gets_the_answers_token_ids_and_the_client_does_not(stream: bool) -> None:
+    workers, decider, got = await checked_dispatch({**BODY, "stream": stream}, [5, 6])
+    leg, check = workers.legs("d1")
+    assert leg.body["return_token_ids"] is True and check.path == "/tokenize"
+    assert check.body == {"prompt": "ab", "add_special_tokens": False}
+    (outcome,) = decider.outcomes
+    assert (outcome.answer, outcome.answer_token_ids) == ("ab", (5, 6))
+    assert decider.settled == [1]  # "ab" re-tokenizes as generated: all but the last token match
+    assert b"[5" not in got and b"[1,2]" not in got.replace(b" ", b"") and re.search(rb'"token_ids": ?null', got)
+    if stream:
+        assert got.count(b"\n\n") == 4 and b'"text": "b"' in got  # the split event arrived whole
+
+
+async def test_a_client_that_asks_for_token_ids_gets_them() -> None:
+    _, decider, got = await checked_dispatch({**BODY, "return_token_ids": True}, [5, 7])
+    assert b'"token_ids": [5]' in got and b'"prompt_token_ids": [1, 2]' in got
+    assert decider.settled == [1]

@@ -192,3 +192,24 @@ def test_a_client_request_id_is_kept_only_when_short_and_plain(given: str | None
     out = protocol.client_request_id(given, 128)
     assert (out == given) is kept
     assert protocol.client_request_id(given, 128) != out or kept  # a replacement is fresh each time
+
+
+def test_token_ids_are_asked_for_read_and_scrubbed_back_to_null() -> None:
+    body = {"model": "m", "prompt": "x"}
+    assert protocol.asking_token_ids(body) == {**body, "return_token_ids": True} and "return_token_ids" not in body
+    assert protocol.asks_token_ids({"return_token_ids": True}) and not protocol.asks_token_ids(body)
+    assert protocol.token_ids_of({"choices": [{"text": "a", "token_ids": [3, 4]}]}) == [3, 4]
+    carries_none: list[dict[str, Any]] = [
+        {"choices": []},
+        {"choices": [{"token_ids": None}]},
+        {"choices": [{"token_ids": [True]}]},
+    ]
+    for answer in carries_none:
+        assert protocol.token_ids_of(answer) is None
+    event = b'data: {"choices":[{"delta":{"content":"\\"token_ids\\":[1]"},"token_ids":[5,6]}],'
+    event += b'"prompt_token_ids":[1]}\n\n'
+    assert protocol.scrub_token_ids(event) == (
+        b'data: {"choices":[{"delta":{"content":"\\"token_ids\\":[1]"},"token_ids":null}],"prompt_token_ids":null}\n\n'
+    )  # what the model wrote inside a string is left alone
+    assert protocol.scrub_token_ids(b'{"token_ids": [1, 2]}') == b'{"token_ids": null}'
+    assert protocol.scrub_token_ids(b'{"text":"no ids"}') == b'{"text":"no ids"}'
