@@ -18,6 +18,8 @@ def stats(sessions: int) -> DeciderStats:
         accurate_bypasses=2,
         tokens_per_char=0.25,
         answers_trusted=False,
+        answers_checked=9,
+        answers_short=3,
     )
 
 
@@ -29,6 +31,7 @@ def test_a_deciders_index_figures_are_read_at_every_scrape() -> None:
     assert "kvpush_decider_sessions 4.0" in text
     assert 'kvpush_decider_evictions_total{cause="expired",table="sessions"} 2.0' in text
     assert "kvpush_bypass_accurate_total 2.0" in text and "kvpush_decider_answers_trusted 0.0" in text
+    assert "kvpush_decider_answers_checked_total 9.0" in text and "kvpush_decider_answers_short_total 3.0" in text
     current[0] = stats(7)
     assert "kvpush_decider_sessions 7.0" in metrics.render()[0].decode()
 
