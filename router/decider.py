@@ -71,12 +71,13 @@ class Outcome:
 @dataclass(frozen=True)
 class AnswerCheck:
     """A question for the decode worker that generated `generated`: how many of those tokens does `text`
-    re-tokenize to, in order? `settle(matched, now)` hands the answer back to the decider."""
+    re-tokenize to, in order? `settle(matched, count, now)` hands the answer back to the decider: the generated
+    tokens matched (`matched_tokens`) and how many tokens the text re-tokenizes to in all."""
 
     worker: str
     text: str
     generated: tuple[int, ...]
-    settle: Callable[[int, float], None] = field(compare=False, repr=False)
+    settle: Callable[[int, int, float], None] = field(compare=False, repr=False)
 
 
 def matched_tokens(generated: Sequence[int], retokenized: Sequence[int]) -> int:

@@ -96,6 +96,8 @@ class _Plan:
 
     key: ConversationKey
     predicted_uncached: int
+    held_tokens: int = 0  # the matched prefix on decode: its tokens and characters (0: nothing matched)
+    held_chars: int = 0
 
 
 @dataclass
@@ -119,7 +121,8 @@ class SessionAffinity:
         self.decode_index = PrefixIndex(o.max_links_per_worker, o.ttl_s)
         self.prefill_index = PrefixIndex(o.max_links_per_worker, o.ttl_s)
         self.sessions = SessionTable(o.max_sessions, o.ttl_s)
-        self.ratio = TokenRatio(1.0 / o.chars_per_token)
+        self.ratio = TokenRatio(1.0 / o.chars_per_token)  # whole prompts: for what the index has no count of
+        self.suffix_ratio = TokenRatio(1.0 / o.chars_per_token)  # what turns add beyond a held prefix: predicts it
         self.answers_trusted = True  # generated text is credited as held on decode (until bypasses prove wrong)
         self.wants_token_ids = o.verify_answers
         self._counts = _Counters()
@@ -139,6 +142,7 @@ class SessionAffinity:
                 Decision(Route.BYPASS, held.worker, None, cached, "decode holds all but a short suffix"),
                 key,
                 uncached,
+                held,
             )
         route = Route.PUSH if turn.mode is Mode.PUSH else Route.PULL
         warm = self._longest(self.prefill_index, key.chain, self._usable(prefill), now)
@@ -147,6 +151,7 @@ class SessionAffinity:
             Decision(route, held.worker if held else None, warm.worker if warm else None, cached, reason),
             key,
             uncached,
+            held,
         )
 
     def record(self, turn: Turn, decision: Decision, outcome: Outcome, now: float) -> AnswerCheck | None:
@@ -156,6 +161,8 @@ class SessionAffinity:
         chain = plan.key.chain
         if outcome.prompt_tokens is not None:
             self.ratio.learn(outcome.prompt_tokens, chain.chars)
+            if plan.held_chars > 0:  # what this turn added beyond the prefix it found held
+                self.suffix_ratio.learn(outcome.prompt_tokens - plan.held_tokens, chain.chars - plan.held_chars)
         tokens = outcome.prompt_tokens if outcome.prompt_tokens is not None else self.ratio.tokens(chain.chars)
         prompt_counts = prorated(chain.links, chain.chars, tokens)
         if outcome.prefill is not None:
@@ -175,7 +182,7 @@ class SessionAffinity:
             held_counts = [*prompt_counts, *spread]
             credited = reusable_answer_tokens(outcome.answer, generated)
             reusable = tokens + credited
-            check = self._answer_check(outcome, extra, tokens, credited, now)
+            check = self._answer_check(outcome, extra, spread, tokens, credited, now)
         self.decode_index.record(outcome.decode, held_links, held_counts, now, reusable)
         if plan.key.session is not None:
             self.sessions.set(plan.key.session, outcome.decode, now)
@@ -183,7 +190,13 @@ class SessionAffinity:
         return check
 
     def _answer_check(
-        self, outcome: Outcome, links: Sequence[Link], prompt_tokens: int, credited: int, recorded_at: float
+        self,
+        outcome: Outcome,
+        links: Sequence[Link],
+        counts: Sequence[int],
+        prompt_tokens: int,
+        credited: int,
+        recorded_at: float,
     ) -> AnswerCheck | None:
         """The check of an answer whose generated ids came whole (as many as usage counts)."""
         ids, answer = outcome.answer_token_ids, outcome.answer
@@ -191,13 +204,15 @@ class SessionAffinity:
             return None
         if outcome.completion_tokens is not None and len(ids) != outcome.completion_tokens:
             return None
-        worker, held = outcome.decode, tuple(links)
+        worker, held, generated = outcome.decode, tuple(links), len(ids)
 
-        def settle(matched: int, now: float) -> None:
+        def settle(matched: int, count: int, now: float) -> None:
+            """The answer's links sit `count` re-tokenized tokens past the prompt, `matched` of them cached."""
             c = self._counts
             c.answers_checked += 1
             c.answers_short += matched < credited
-            self.decode_index.refine(worker, held, recorded_at, prompt_tokens + matched)
+            at = [prompt_tokens + round((n - prompt_tokens) * count / generated) for n in counts]
+            self.decode_index.refine(worker, held, recorded_at, prompt_tokens + matched, at)
 
         return AnswerCheck(worker, answer, ids, settle)
 
@@ -260,11 +275,13 @@ class SessionAffinity:
     def _uncached(self, chain: Chain, held: Match | None) -> int:
         if held is None:
             return self.ratio.tokens(chain.chars)
-        return self.ratio.tokens(max(0, chain.chars - held.chars))
+        ratio = self.suffix_ratio if self.suffix_ratio.samples else self.ratio
+        return ratio.tokens(max(0, chain.chars - held.chars))
 
-    def _count(self, decision: Decision, key: ConversationKey, uncached: int) -> Decision:
+    def _count(self, decision: Decision, key: ConversationKey, uncached: int, held: Match | None) -> Decision:
         self._counts.decisions[str(decision.route)] += 1
-        return dataclasses.replace(decision, state=_Plan(key, uncached))
+        plan = _Plan(key, uncached, held.tokens if held else 0, held.chars if held else 0)
+        return dataclasses.replace(decision, state=plan)
 
     def _check_prediction(self, decision: Decision, plan: _Plan, outcome: Outcome) -> None:
         """Predicted vs actual, on bypasses only: there decode's usage counts its own prefix-cache hits (in push

@@ -78,17 +78,20 @@ class PrefixIndex:
             held.popitem(last=False)
             self.evictions.capacity += 1
 
-    def refine(self, worker: str, links: Sequence[Link], recorded_at: float, reusable: int) -> None:
-        """What `worker`'s cache can match through `links`, as recorded at `recorded_at`, is now known to be
-        `reusable` tokens (an answer checked after it was recorded). A link recorded again since (a later turn
-        sent it as prompt: computed, so cached whole), evicted or aged out is left as it is."""
+    def refine(
+        self, worker: str, links: Sequence[Link], recorded_at: float, reusable: int, tokens: Sequence[int]
+    ) -> None:
+        """What `worker` holds through `links`, as recorded at `recorded_at`, is now known: `tokens[i]` tokens up
+        to link i in a prompt that sends them back, of which its cache can match `reusable` (an answer checked
+        after it was recorded). A link recorded again since (a later turn sent it as prompt: computed, so cached
+        whole), evicted or aged out is left as it is."""
         held = self._held.get(worker)
         if held is None:
             return
-        for link in links:
+        for link, count in zip(links, tokens, strict=True):
             found = held.get(link.digest)
             if found is not None and found.at == recorded_at:
-                held[link.digest] = Held(found.tokens, found.at, min(found.tokens, reusable))
+                held[link.digest] = Held(count, found.at, min(count, reusable))
 
     def longest(self, worker: str, chain: Chain, now: float) -> Match:
         """The longest leading run of `chain`'s links the worker holds (a link held without its predecessors

@@ -3,9 +3,9 @@ decider learns how many of the generated tokens a next turn sending that text ba
 
 A decider's `record` hands back an `AnswerCheck` (router/decider.py); `Retokenizer.submit` runs it as a task of
 its own: one `POST /tokenize` (the text alone, no special tokens) to that worker under `deadline`, then
-`check.settle(matched_tokens(generated, tokens), now)`. The client's answer is relayed already, and the next turn
-comes after the user's or the tool's think time, so nobody waits for it. At most `max_pending` checks run at
-once; beyond that one is dropped and the decider's first estimate stands, as it does when a check fails.
+`check.settle(matched_tokens(generated, tokens), len(tokens), now)`. The client's answer is relayed already, and
+the next turn comes after the user's or the tool's think time, so nobody waits for it. At most `max_pending`
+checks run at once; beyond that one is dropped and the decider's first estimate stands, as when a check fails.
 `aclose` cancels what is still running.
 """
 
@@ -70,7 +70,7 @@ class Retokenizer:
             return
         self.settled += 1
         try:
-            check.settle(matched_tokens(check.generated, tokens), self._clock())
+            check.settle(matched_tokens(check.generated, tokens), len(tokens), self._clock())
         except Exception:  # a decider's bug must not end the router's loop; it is logged whole
             logger.exception("the decider failed to settle an answer check")
 

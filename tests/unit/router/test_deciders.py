@@ -421,7 +421,7 @@ def test_an_answer_with_its_token_ids_is_handed_back_for_a_check() -> None:
 def test_a_settled_check_makes_the_credit_exactly_what_re_tokenizes(matched: int, cached: int) -> None:
     decider = SessionAffinity()
     check = checked_first_turn(decider)
-    check.settle(matched, 1.5)
+    check.settle(matched, 97, 1.5)
     decision = decider.decide(second(SHORT), DECODES, PREFILLS, 2.0)
     assert decision.predicted_cached_tokens == cached
     s = stats(decider)
@@ -435,7 +435,7 @@ def test_a_check_can_credit_more_than_the_first_estimate() -> None:
     check = served(decider, t, decider.decide(t, DECODES, PREFILLS, 0.0), answer=garbled, ids=GENERATED)
     assert check is not None
     before = decider.decide(second(SHORT, answer=garbled), DECODES, PREFILLS, 2.0).predicted_cached_tokens
-    check.settle(96, 1.5)
+    check.settle(96, 97, 1.5)
     after = decider.decide(second(SHORT, answer=garbled), DECODES, PREFILLS, 2.0).predicted_cached_tokens
     assert before < after == 400 + 96
 
@@ -445,7 +445,7 @@ def test_a_late_check_does_not_lower_what_a_later_turn_recorded() -> None:
     check = checked_first_turn(decider)
     t2 = second(SHORT)
     served(decider, t2, decider.decide(t2, DECODES, PREFILLS, 2.0), prefill=None, prompt_tokens=520, now=3.0)
-    check.settle(0, 4.0)  # turn 2 sent the answer as prompt: decode computed it, so it is cached whole
+    check.settle(0, 97, 4.0)  # turn 2 sent the answer as prompt: decode computed it, so it is cached whole
     t3 = turn(SYSTEM, QUESTION, {"role": "assistant", "content": ANSWER}, SHORT)
     assert decider.decide(t3, DECODES, PREFILLS, 5.0).predicted_cached_tokens >= 496
 
@@ -480,3 +480,29 @@ def test_no_check_without_whole_ids_or_when_turned_off(kw: dict[str, Any], optio
 )
 def test_matched_tokens(generated: tuple[int, ...], retokenized: tuple[int, ...], matched: int) -> None:
     assert matched_tokens(generated, retokenized) == matched
+
+
+def test_a_check_places_the_answer_where_its_text_re_tokenizes_to() -> None:
+    decider = SessionAffinity()
+    check = checked_first_turn(decider)
+    before = decider.decide(second(SHORT), DECODES, PREFILLS, 2.0).state.predicted_uncached
+    check.settle(96, 107, 1.5)  # the text re-tokenizes to 10 more tokens than were generated
+    after = decider.decide(second(SHORT), DECODES, PREFILLS, 2.0)
+    assert after.predicted_cached_tokens == 400 + 96
+    assert after.state.predicted_uncached == before + 10  # they are in the prompt, past what is cached
+
+
+def test_the_suffix_is_estimated_from_what_turns_added_beyond_their_held_prefix() -> None:
+    decider = SessionAffinity()
+    first_turn(decider)  # 400 prompt + 97 generated tokens held
+    t2 = second(LONG)
+    decision = decider.decide(t2, DECODES, PREFILLS, 2.0)
+    added_chars = _chars(t2) - decision.state.held_chars
+    served(decider, t2, decision, prompt_tokens=497 + added_chars // 4, now=3.0)  # 4 chars per added token
+    assert decider.suffix_ratio.value == pytest.approx(0.25, abs=0.01)
+    assert decider.ratio.value > 0.4  # the whole prompts' ratio is another (turn 1: 400 tokens, ~880 chars)
+    t3 = turn(
+        SYSTEM, QUESTION, {"role": "assistant", "content": ANSWER}, LONG, {"role": "assistant", "content": "ok"}, SHORT
+    )
+    predicted = decider.decide(t3, DECODES, PREFILLS, 4.0).state.predicted_uncached
+    assert predicted == pytest.approx(0.25 * (_chars(t3) - _chars(t2)) + 1, abs=4)

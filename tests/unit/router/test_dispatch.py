@@ -475,7 +475,7 @@ class Checking(Recording):
         if outcome.answer is None or outcome.answer_token_ids is None:
             return None
         settle = self.settled.append
-        return AnswerCheck(outcome.decode, outcome.answer, outcome.answer_token_ids, lambda n, _: settle(n))
+        return AnswerCheck(outcome.decode, outcome.answer, outcome.answer_token_ids, lambda n, _m, _t: settle(n))
 
 
 def answers_with_token_ids(retokenized: list[int]) -> Any:

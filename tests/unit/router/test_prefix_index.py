@@ -182,10 +182,10 @@ def test_refine_sets_what_links_recorded_then_can_reuse() -> None:
     index = PrefixIndex(100, ttl_s=60)
     chain = chat("q1", "a1")
     index.record("d1", chain.links, [10, 20, 30], now=1.0)
-    index.refine("d1", chain.links[2:], recorded_at=1.0, reusable=24)
+    index.refine("d1", chain.links[2:], recorded_at=1.0, reusable=24, tokens=[33])
     match = index.longest("d1", chat("q1", "a1", "q2"), now=2.0)
-    assert (match.tokens, match.reusable) == (30, 24)
-    index.refine("d1", chain.links[2:], recorded_at=1.0, reusable=99)  # never above what the link holds
+    assert (match.tokens, match.reusable) == (33, 24)
+    index.refine("d1", chain.links[2:], recorded_at=1.0, reusable=99, tokens=[30])  # never above what it holds
     assert index.longest("d1", chain, now=2.0).reusable == 30
 
 
@@ -194,6 +194,6 @@ def test_refine_leaves_links_recorded_again_since_and_unknown_workers() -> None:
     chain = chat("q1", "a1")
     index.record("d1", chain.links, [10, 20, 30], now=1.0)
     index.record("d1", chain.links, [10, 20, 30], now=3.0)  # a later turn sent the answer as its prompt
-    index.refine("d1", chain.links, recorded_at=1.0, reusable=5)
-    index.refine("d2", chain.links, recorded_at=1.0, reusable=5)
+    index.refine("d1", chain.links, recorded_at=1.0, reusable=5, tokens=[5, 5, 5])
+    index.refine("d2", chain.links, recorded_at=1.0, reusable=5, tokens=[5, 5, 5])
     assert index.longest("d1", chain, now=4.0).reusable == 30 and index.workers() == ["d1"]

@@ -18,8 +18,8 @@ def legs(handler: Any) -> HttpxLegs:
     return HttpxLegs(httpx.AsyncClient(transport=httpx.MockTransport(handler)))
 
 
-def check_into(settled: list[int], generated: tuple[int, ...] = (1, 2, 3, 4)) -> AnswerCheck:
-    return AnswerCheck("http://d1:8200", "some text", generated, lambda n, _: settled.append(n))
+def check_into(settled: list[tuple[int, int]], generated: tuple[int, ...] = (1, 2, 3, 4)) -> AnswerCheck:
+    return AnswerCheck("http://d1:8200", "some text", generated, lambda n, m, _: settled.append((n, m)))
 
 
 async def drain(checks: Retokenizer) -> None:
@@ -37,12 +37,12 @@ async def test_a_check_posts_the_text_to_the_worker_and_settles_with_the_common_
         seen.append((str(request.url), json.loads(request.content)))
         return httpx.Response(200, json={"count": 4, "tokens": [1, 2, 9, 4], "max_model_len": 64})
 
-    settled: list[int] = []
+    settled: list[tuple[int, int]] = []
     checks = Retokenizer(legs(handler), lambda: 7.0)
     assert checks.submit("http://d1:8200", check_into(settled))
     await drain(checks)
     assert seen == [("http://d1:8200/tokenize", {"prompt": "some text", "add_special_tokens": False})]
-    assert settled == [2] and checks.settled == 1
+    assert settled == [(2, 4)] and checks.settled == 1
 
 
 @pytest.mark.parametrize(
@@ -50,7 +50,7 @@ async def test_a_check_posts_the_text_to_the_worker_and_settles_with_the_common_
     [httpx.Response(500, text="boom"), httpx.Response(200, json={"tokens": "nope"}), httpx.Response(200, text="[")],
 )
 async def test_a_failed_check_leaves_the_estimate(answer: httpx.Response) -> None:
-    settled: list[int] = []
+    settled: list[tuple[int, int]] = []
     checks = Retokenizer(legs(lambda _: answer), lambda: 0.0)
     checks.submit("http://d1:8200", check_into(settled))
     await drain(checks)
@@ -62,7 +62,7 @@ async def test_a_check_that_gets_no_answer_ends_at_its_deadline() -> None:
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
 
-    settled: list[int] = []
+    settled: list[tuple[int, int]] = []
     checks = Retokenizer(legs(handler), lambda: 0.0, deadline=0.01)
     checks.submit("http://d1:8200", check_into(settled))
     await drain(checks)
@@ -74,7 +74,7 @@ async def test_checks_beyond_the_bound_are_dropped_and_close_cancels_the_rest() 
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
 
-    settled: list[int] = []
+    settled: list[tuple[int, int]] = []
     checks = Retokenizer(legs(handler), lambda: 0.0, max_pending=2)
     assert [checks.submit("http://d1:8200", check_into(settled)) for _ in range(3)] == [True, True, False]
     assert checks.dropped == 1
