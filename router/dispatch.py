@@ -22,7 +22,7 @@ import httpx
 from router import protocol, upstream
 from router.answer import Collect, JsonAnswer, StreamAnswer, StreamEnd, read_first_events
 from router.config import Settings
-from router.decider import Decider, Decision, NoDecider, Outcome, Route, Turn
+from router.decider import AnswerCheck, Decider, Decision, NoDecider, Outcome, Route, Turn
 from router.domain import Mode, NixlIdentity, RequestInfo, Role, WorkerView
 from router.errors import (
     NoHealthyWorker,
@@ -423,8 +423,16 @@ class Dispatcher:
         except Exception:  # a decider's bug must not fail a request that is already answered
             logger.exception("decider %s failed to record an outcome", self._decider.name)
             return
-        if check is not None and check.worker in self._pool:
-            self._checks.submit(self._pool.get(check.worker).spec.url, check)
+        if check is not None:
+            self._submit_check(check)
+
+    def _submit_check(self, check: AnswerCheck) -> None:
+        """To a healthy prefill worker (it serves the same model, so it tokenizes the same, and it keeps the
+        /tokenize call off the decode worker streaming others' tokens), else to the decode worker itself."""
+        tokenizers = self._pool.candidates(Role.PREFILL)
+        target = tokenizers[0].id if tokenizers else check.worker
+        if target in self._pool:
+            self._checks.submit(self._pool.get(target).spec.url, check)
 
     def _detach_prefill_leg(self, pairing_id: str, prefill_leg: asyncio.Task[Any]) -> None:
         """Lets a prefill leg still running after decode answered finish on its deadline (checked when done).

@@ -1,8 +1,9 @@
-"""Answer checks, off the request's path: the decode worker that generated an answer tokenizes its text, and the
-decider learns how many of the generated tokens a next turn sending that text back will find in its prefix cache.
+"""Answer checks, off the request's path: a worker of the pools tokenizes an answer's text, and the decider learns
+how many of the generated tokens a next turn sending that text back will find in decode's prefix cache.
 
 A decider's `record` hands back an `AnswerCheck` (router/decider.py); `Retokenizer.submit` runs it as a task of
-its own: one `POST /tokenize` (the text alone, no special tokens) to that worker under `deadline`, then
+its own: one `POST /tokenize` (the text alone, no special tokens) to the URL it is given (the dispatcher picks a
+healthy prefill worker: the same model, and off the decode core; else the decode worker) under `deadline`, then
 `check.settle(matched_tokens(generated, tokens), len(tokens), now)`. The client's answer is relayed already, and
 the next turn comes after the user's or the tool's think time, so nobody waits for it. At most `max_pending`
 checks run at once; beyond that one is dropped and the decider's first estimate stands, as when a check fails.

@@ -478,12 +478,10 @@ class Checking(Recording):
         return AnswerCheck(outcome.decode, outcome.answer, outcome.answer_token_ids, lambda n, _m, _t: settle(n))
 
 
-def answers_with_token_ids(retokenized: list[int]) -> Any:
-    """A decode that sends vLLM's token-id fields (null unless asked) and tokenizes on /tokenize."""
+def answers_with_token_ids() -> Any:
+    """A decode that sends vLLM's token-id fields (null unless asked)."""
 
     async def handle(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
-        if request.url.path == "/tokenize":
-            return httpx.Response(200, json={"count": len(retokenized), "tokens": retokenized, "max_model_len": 64})
         asked = body.get("return_token_ids") is True
         ids: list[list[int] | None] = [[5], [6]] if asked else [None, None]
         if not body.get("stream"):
@@ -502,8 +500,24 @@ def answers_with_token_ids(retokenized: list[int]) -> Any:
     return handle
 
 
-async def checked_dispatch(body: dict[str, Any], retokenized: list[int]) -> tuple[FakeWorkers, Checking, bytes]:
-    workers = FakeWorkers({"p0": prefill_ok(), "d1": answers_with_token_ids(retokenized)})
+def tokenizing(retokenized: list[int], otherwise: Any) -> Any:
+    async def handle(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        if request.url.path == "/tokenize":
+            return httpx.Response(200, json={"count": len(retokenized), "tokens": retokenized, "max_model_len": 64})
+        answer: httpx.Response = await otherwise(request, body)
+        return answer
+
+    return handle
+
+
+async def checked_dispatch(
+    body: dict[str, Any], retokenized: list[int], prefill_up: bool = True
+) -> tuple[FakeWorkers, Checking, bytes]:
+    workers = FakeWorkers(
+        {"p0": tokenizing(retokenized, prefill_ok()), "d1": tokenizing(retokenized, answers_with_token_ids())}
+    )
+    if not prefill_up:
+        workers.down.add("p0")
     s = build_settings({"prefill": [P0], "decode": ["http://d1:8200"]})
     decider = Checking()
     pool = Pool((*s.prefill, *s.decode), Metrics())
@@ -523,7 +537,7 @@ async def checked_dispatch(body: dict[str, Any], retokenized: list[int]) -> tupl
 @pytest.mark.parametrize("stream", [True, False])
 async def test_the_decider_gets_the_answers_token_ids_and_the_client_does_not(stream: bool) -> None:
     workers, decider, got = await checked_dispatch({**BODY, "stream": stream}, [5, 6])
-    leg, check = workers.legs("d1")
+    (leg,), (check,) = workers.legs("d1"), workers.legs("p0")  # the prefill tokenizes: the same model
     assert leg.body["return_token_ids"] is True and check.path == "/tokenize"
     assert check.body == {"prompt": "ab", "add_special_tokens": False}
     (outcome,) = decider.outcomes
@@ -537,4 +551,10 @@ async def test_the_decider_gets_the_answers_token_ids_and_the_client_does_not(st
 async def test_a_client_that_asks_for_token_ids_gets_them() -> None:
     _, decider, got = await checked_dispatch({**BODY, "return_token_ids": True}, [5, 7])
     assert b'"token_ids": [5]' in got and b'"prompt_token_ids": [1, 2]' in got
+    assert decider.settled == [1]
+
+
+async def test_without_a_healthy_prefill_the_decode_worker_checks_its_answer() -> None:
+    workers, decider, _ = await checked_dispatch(BODY, [5, 6], prefill_up=False)
+    assert [seen.path for seen in workers.legs("d1")] == ["/v1/completions", "/tokenize"]
     assert decider.settled == [1]
