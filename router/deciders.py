@@ -96,8 +96,7 @@ class _Plan:
 
     key: ConversationKey
     predicted_uncached: int
-    held_tokens: int = 0  # the matched prefix on decode: its tokens and characters (0: nothing matched)
-    held_chars: int = 0
+    held: Match | None = None  # the prefix decode was found holding
 
 
 @dataclass
@@ -161,8 +160,8 @@ class SessionAffinity:
         chain = plan.key.chain
         if outcome.prompt_tokens is not None:
             self.ratio.learn(outcome.prompt_tokens, chain.chars)
-            if plan.held_chars > 0:  # what this turn added beyond the prefix it found held
-                self.suffix_ratio.learn(outcome.prompt_tokens - plan.held_tokens, chain.chars - plan.held_chars)
+            if plan.held is not None and plan.held.chars > 0:  # what this turn added beyond the prefix held
+                self.suffix_ratio.learn(outcome.prompt_tokens - plan.held.tokens, chain.chars - plan.held.chars)
         tokens = outcome.prompt_tokens if outcome.prompt_tokens is not None else self.ratio.tokens(chain.chars)
         prompt_counts = prorated(chain.links, chain.chars, tokens)
         if outcome.prefill is not None:
@@ -280,8 +279,7 @@ class SessionAffinity:
 
     def _count(self, decision: Decision, key: ConversationKey, uncached: int, held: Match | None) -> Decision:
         self._counts.decisions[str(decision.route)] += 1
-        plan = _Plan(key, uncached, held.tokens if held else 0, held.chars if held else 0)
-        return dataclasses.replace(decision, state=plan)
+        return dataclasses.replace(decision, state=_Plan(key, uncached, held))
 
     def _check_prediction(self, decision: Decision, plan: _Plan, outcome: Outcome) -> None:
         """Predicted vs actual, on bypasses only: there decode's usage counts its own prefix-cache hits (in push

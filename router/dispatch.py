@@ -95,7 +95,7 @@ class Dispatcher:
         }
         self._background: dict[str, asyncio.Task[Any]] = {}  # pairing id → prefill leg still running
         self._checks = Retokenizer(self._legs, clock)  # the decider's answer checks (router/retokenize.py)
-        self._wants_ids = self._decider.wants_answer and getattr(self._decider, "wants_token_ids", False)
+        self._wants_ids = self._decider.wants_answer and self._decider.wants_token_ids
         self._json_headers = {"content-type": "application/json"}
 
     @property
@@ -359,8 +359,7 @@ class Dispatcher:
         return self._wants_ids and not protocol.asks_token_ids(client_body)
 
     def _collect(self, scrub: bool) -> Collect | None:
-        d = self._decider
-        if not d.wants_answer:
+        if not self._decider.wants_answer:
             return None
         ids_of = protocol.token_ids_of if self._wants_ids else None
         return Collect(protocol.text_of, ids_of, protocol.scrub_token_ids if scrub else None)

@@ -497,7 +497,7 @@ def test_the_suffix_is_estimated_from_what_turns_added_beyond_their_held_prefix(
     first_turn(decider)  # 400 prompt + 97 generated tokens held
     t2 = second(LONG)
     decision = decider.decide(t2, DECODES, PREFILLS, 2.0)
-    added_chars = _chars(t2) - decision.state.held_chars
+    added_chars = _chars(t2) - decision.state.held.chars
     served(decider, t2, decision, prompt_tokens=497 + added_chars // 4, now=3.0)  # 4 chars per added token
     assert decider.suffix_ratio.value == pytest.approx(0.25, abs=0.01)
     assert decider.ratio.value > 0.4  # the whole prompts' ratio is another (turn 1: 400 tokens, ~880 chars)

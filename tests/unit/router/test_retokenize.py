@@ -22,6 +22,11 @@ def check_into(settled: list[tuple[int, int]], generated: tuple[int, ...] = (1, 
     return AnswerCheck("http://d1:8200", "some text", generated, lambda n, m, _: settled.append((n, m)))
 
 
+async def never_answers(request: httpx.Request) -> httpx.Response:
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable")
+
+
 async def drain(checks: Retokenizer) -> None:
     for _ in range(5000):  # each check is a task of its own: let them run (a deadline needs the clock to move)
         if not len(checks):
@@ -58,24 +63,16 @@ async def test_a_failed_check_leaves_the_estimate(answer: httpx.Response) -> Non
 
 
 async def test_a_check_that_gets_no_answer_ends_at_its_deadline() -> None:
-    async def handler(request: httpx.Request) -> httpx.Response:
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
-
     settled: list[tuple[int, int]] = []
-    checks = Retokenizer(legs(handler), lambda: 0.0, deadline=0.01)
+    checks = Retokenizer(legs(never_answers), lambda: 0.0, deadline=0.01)
     checks.submit("http://d1:8200", check_into(settled))
     await drain(checks)
     assert settled == [] and checks.failed == 1
 
 
 async def test_checks_beyond_the_bound_are_dropped_and_close_cancels_the_rest() -> None:
-    async def handler(request: httpx.Request) -> httpx.Response:
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
-
     settled: list[tuple[int, int]] = []
-    checks = Retokenizer(legs(handler), lambda: 0.0, max_pending=2)
+    checks = Retokenizer(legs(never_answers), lambda: 0.0, max_pending=2)
     assert [checks.submit("http://d1:8200", check_into(settled)) for _ in range(3)] == [True, True, False]
     assert checks.dropped == 1
     await asyncio.sleep(0)
