@@ -56,7 +56,7 @@ $(VROUTER): # the peer router we compare against, in its own venv
 	$(PYTHON) -m venv .venv-vrouter
 	.venv-vrouter/bin/pip install --quiet --disable-pip-version-check vllm-router==0.1.17
 
-bench: venv $(VROUTER) ## all benchmark suites (seed-sim, cpu-vllm, overhead, multiturn; ~60 min); writes bench/results/
+bench: venv $(VROUTER) ## all benchmark suites (seed-sim, cpu-vllm, same-pair, overhead, multiturn; ~85 min); writes bench/results/
 	$(BIN)/kvpush bench --suite all $(ARGS)
 
 bench-smoke: venv $(VROUTER) ## a tiny run of every suite, so they cannot rot

@@ -24,6 +24,7 @@ from stack.procs import StartupError
 MODULES = {
     "seed-sim": "loadtest.suite_seed",
     "cpu-vllm": "loadtest.suite_cpu",
+    "same-pair": "loadtest.suite_samepair",
     "overhead": "loadtest.suite_overhead",
     "multiturn": "loadtest.suite_multiturn",
 }

@@ -17,9 +17,10 @@ import httpx
 
 from loadtest import promtext
 from loadtest.arrivals import ArrivalSpec
-from loadtest.job import REPO, Job, execute
+from loadtest.job import REPO, Job, execute, execute_together
 from loadtest.results import RowLabels, append_rows, build_row, git_commit
-from loadtest.runner import LoadConfig
+from loadtest.runner import LoadConfig, RunResult
+from loadtest.stats import Summary
 from stack.procs import LOOPBACK, ManagedProcess, ProcessSpec
 from stack.routers import Router, router_spec
 
@@ -200,12 +201,11 @@ class Point:
     timeout_s: float = 300.0
     extra: Mapping[str, Any] = field(default_factory=dict)
     legs_of: tuple[str, str] | None = None  # simulated (P, D) URLs: record how the front door sent the legs
+    arrival_qps: float | None = None  # send at this rate, not the label's (fronts sharing a pair's load)
+    salt: int = 0  # the prompts' salt (0: from the clock); fronts loaded together need distinct ones
 
 
-def measure(
-    point: Point, run_dir: Path, summary_path: Path, progress: bool, cpu_pid: int | None = None
-) -> dict[str, Any]:
-    """Run one point, append its row to summary_path and return the row (per-request JSONL under run_dir)."""
+def _name(point: Point) -> str:
     lab = point.labels
     rep = point.extra.get("repeat", lab.extra.get("repeat"))
     name = f"{lab.suite}-{lab.router}-{lab.mode}-{lab.connector}-q{lab.qps}-c{lab.concurrency}"
@@ -214,33 +214,45 @@ def measure(
     name += f"-{client}" if client is not None else ""  # two kvpush fronts on different leg clients
     server = point.extra.get("server", lab.extra.get("server"))
     name += f"-{server}" if server is not None else ""  # ... or on different HTTP servers
+    return name
+
+
+def _job(point: Point, run_dir: Path, progress: bool) -> Job:
+    lab, name = point.labels, _name(point)
     load = LoadConfig(
         base_url=point.base_url,
         model="",
         input_len=lab.input_len,
         output_len=lab.output_len,
         num_requests=point.n,
-        arrivals=ArrivalSpec(lab.qps or float("inf"), 1.0, point.seed),
+        arrivals=ArrivalSpec(point.arrival_qps or lab.qps or float("inf"), 1.0, point.seed),
         concurrency=lab.concurrency,
         warmup=point.warmup,
         timeout_s=point.timeout_s,
         request_id_prefix=f"{lab.suite}-{lab.mode}-{point.seed}",
     )
-    job = Job(
+    return Job(
         load=load,
         tokenizer=point.tokenizer,
         tokenizer_url=point.tokenizer_url,
+        salt=point.salt,
         router_timings=point.router_timings,
         out_dir=run_dir / name,
         progress=sys.stderr if progress else None,
         label=name,
     )
+
+
+def measure(
+    point: Point, run_dir: Path, summary_path: Path, progress: bool, cpu_pid: int | None = None
+) -> dict[str, Any]:
+    """Run one point, append its row to summary_path and return the row (per-request JSONL under run_dir)."""
     before = scrape(point.decode_url) if point.decode_url else None
     p_before = scrape(point.prefill_url) if point.prefill_url else None
     cpu0 = group_cpu_seconds(cpu_pid) if cpu_pid else None
     since = time.monotonic()
-    result, summary = asyncio.run(execute(job))
-    extra: dict[str, Any] = dict(lab.extra) | dict(point.extra)
+    result, summary = asyncio.run(execute(_job(point, run_dir, progress)))
+    extra: dict[str, Any] = dict(point.labels.extra) | dict(point.extra)
     if cpu_pid is not None and cpu0 is not None:
         done = max(summary.n + point.warmup, 1)
         extra["cpu_s_per_1k"] = (group_cpu_seconds(cpu_pid) - cpu0) / done * 1000
@@ -248,26 +260,58 @@ def measure(
     if p_before is not None and point.prefill_url:
         extra["sim_prefill_fidelity"] = sim_fidelity(p_before, scrape(point.prefill_url))
     if before is not None and point.decode_url:
-        after = scrape(point.decode_url)
-        if fid := sim_fidelity(before, after):
-            extra["sim_decode_fidelity"] = fid
-        sources = kv_sources(before, after)
-        extra["decode_prompt_tokens_by_source"] = sources
-        extra["kv_external_frac"] = kv_external_frac(sources)
+        extra.update(_decode_extra(before, scrape(point.decode_url)))
     if point.legs_of is not None:
         extra.update(wire_order_or_note(point.legs_of, since))
+    row = _row(point, result, summary, extra, run_dir)
+    append_rows(summary_path, [row])
+    return row
+
+
+def measure_together(
+    points: Sequence[Point], run_dir: Path, summary_path: Path, progress: bool
+) -> list[dict[str, Any]]:
+    """Load several fronts at the same time, each on its own arrivals and prompts (give the points distinct
+    seeds and salts); one row per front. Every decode's /metrics are read once around the whole run, so a row's
+    KV sources are its decode's, counting the requests of every front on it (`kv_sources: "shared"`)."""
+    names = [_name(p) for p in points]
+    if len(set(names)) != len(names):
+        raise ValueError(f"measure_together: fronts need distinct labels, got {names}")
+    decodes = sorted({p.decode_url for p in points if p.decode_url})
+    before = {d: scrape(d) for d in decodes}
+    done = asyncio.run(execute_together([_job(p, run_dir, progress) for p in points]))
+    after = {d: scrape(d) for d in decodes}
+    rows = []
+    for point, (result, summary) in zip(points, done, strict=True):
+        extra: dict[str, Any] = dict(point.labels.extra) | dict(point.extra)
+        if point.decode_url:
+            extra.update(_decode_extra(before[point.decode_url], after[point.decode_url]))
+            extra["kv_sources"] = "shared"
+        rows.append(_row(point, result, summary, extra, run_dir))
+    append_rows(summary_path, rows)
+    return rows
+
+
+def _decode_extra(before: Mapping[promtext.Sample, float], after: Mapping[promtext.Sample, float]) -> dict[str, Any]:
+    extra: dict[str, Any] = {}
+    if fid := sim_fidelity(before, after):
+        extra["sim_decode_fidelity"] = fid
+    sources = kv_sources(before, after)
+    extra["decode_prompt_tokens_by_source"] = sources
+    extra["kv_external_frac"] = kv_external_frac(sources)
+    return extra
+
+
+def _row(point: Point, result: RunResult, summary: Summary, extra: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    lab, name = point.labels, _name(point)
+    extra["load_started_unix"], extra["load_s"] = result.started_unix, result.duration_s
     extra["errors"] = sorted({r.error for r in result.records if r.error})[:5]
-    extra["records"] = (
-        str((run_dir / name / "requests.jsonl").relative_to(REPO))
-        if run_dir.is_relative_to(REPO)
-        else str(run_dir / name / "requests.jsonl")
-    )
+    records = run_dir / name / "requests.jsonl"
+    extra["records"] = str(records.relative_to(REPO)) if run_dir.is_relative_to(REPO) else str(records)
     labels = RowLabels(
         lab.suite, lab.router, lab.mode, lab.connector, lab.qps, lab.concurrency, lab.input_len, lab.output_len, extra
     )
-    row = build_row(summary, labels, git_commit(REPO))
-    append_rows(summary_path, [row])
-    return row
+    return build_row(summary, labels, git_commit(REPO))
 
 
 def legs(base_url: str, timeout_s: float = 10.0) -> list[tuple[str, str, float]]:

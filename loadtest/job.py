@@ -1,10 +1,13 @@
 """A complete measured run: resolve the model, build prompts, send the load, join router timings, write files."""
 
+import asyncio
+import contextlib
 import json
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
@@ -53,22 +56,48 @@ async def make_prompts(job: Job, client: httpx.AsyncClient, model: str) -> list[
     return [await build_prompt(tok, cfg.input_len, salt, i, rng) for i in range(total)]
 
 
-async def execute(job: Job) -> tuple[RunResult, Summary]:
-    cfg = job.load
-    async with make_client(cfg) as client:
-        model = cfg.model or await resolve_model(client, cfg.base_url)
-        if model != cfg.model:
-            cfg = LoadConfig(**{**cfg.__dict__, "model": model})
-        prompts = await make_prompts(job, client, model)
-        n = len(prompts) - cfg.warmup
-        progress = Progress(n, job.progress, time.perf_counter, job.label)
-        result = await run_load(cfg, client, prompts, progress)
-        if job.router_timings:
-            found = await timings.fetch(client, cfg.base_url, [r.request_id for r in result.records])
-            timings.join(result.records, found)
+async def _resolved(cfg: LoadConfig, client: httpx.AsyncClient) -> LoadConfig:
+    """The load with its model named (the target's first model when the load names none)."""
+    model = cfg.model or await resolve_model(client, cfg.base_url)
+    return cfg if model == cfg.model else replace(cfg, model=model)
+
+
+async def _send(job: Job, cfg: LoadConfig, client: httpx.AsyncClient, prompts: list[Prompt]) -> RunResult:
+    progress = Progress(len(prompts) - cfg.warmup, job.progress, time.perf_counter, job.label)
+    started = time.time()
+    result = await run_load(cfg, client, prompts, progress)
+    result.started_unix = started
+    if job.router_timings:
+        found = await timings.fetch(client, cfg.base_url, [r.request_id for r in result.records])
+        timings.join(result.records, found)
+    return result
+
+
+def _finish(job: Job, result: RunResult) -> tuple[RunResult, Summary]:
     summary = summarize(result.records, result.duration_s, job.slos_ms)
     write_outputs(job, result, summary)
     return result, summary
+
+
+async def execute(job: Job) -> tuple[RunResult, Summary]:
+    async with make_client(job.load) as client:
+        cfg = await _resolved(job.load, client)
+        prompts = await make_prompts(job, client, cfg.model)
+        result = await _send(job, cfg, client, prompts)
+    return _finish(job, result)
+
+
+async def execute_together(jobs: Sequence[Job]) -> list[tuple[RunResult, Summary]]:
+    """Jobs whose loads run at the same time (fronts side by side on one pair): every job's prompts are built
+    first, then all loads start together. Give the jobs distinct salts, or they send the same prompts."""
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(make_client(j.load)) for j in jobs]
+        cfgs = [await _resolved(j.load, c) for j, c in zip(jobs, clients, strict=True)]
+        prompts = [await make_prompts(j, c, cfg.model) for j, c, cfg in zip(jobs, clients, cfgs, strict=True)]
+        results = await asyncio.gather(
+            *(_send(j, cfg, c, p) for j, cfg, c, p in zip(jobs, cfgs, clients, prompts, strict=True))
+        )
+    return [_finish(j, r) for j, r in zip(jobs, results, strict=True)]
 
 
 def write_outputs(job: Job, result: RunResult, summary: Summary) -> None:

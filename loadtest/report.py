@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtest import report_cpu, report_overhead, report_sim
+from loadtest import report_cpu, report_overhead, report_samepair, report_sim
 from loadtest.sim import costs
 from loadtest.sim.profile import load
 
@@ -183,10 +183,11 @@ def what_if_section(rows: Sequence[Row]) -> list[str]:
 
 def render(rows: Sequence[Row], results_dir: Path | None = None) -> str:
     seed, cpu, over = latest(rows, "seed-sim"), latest(rows, "cpu-vllm"), latest(rows, "overhead")
+    same = latest(rows, "same-pair")
     commits = sorted(
         {
             str(r.get("git_commit"))[:7] + ("-dirty" if "dirty" in str(r.get("git_commit")) else "")
-            for r in (*seed, *cpu, *over)
+            for r in (*seed, *cpu, *same, *over)
         }
     )
     lines = [
@@ -196,7 +197,8 @@ def render(rows: Sequence[Row], results_dir: Path | None = None) -> str:
         "do not edit by hand. What the latest figures mean, the targets they miss and why (written by hand, "
         "dated): [ANALYSIS.md](ANALYSIS.md).",
         f"Latest runs: seed-sim {seed[0]['run_id'] if seed else '-'}, cpu-vllm {cpu[0]['run_id'] if cpu else '-'}, "
-        f"overhead {over[0]['run_id'] if over else '-'}; commits {', '.join(commits) or '-'}.",
+        f"same-pair {same[0]['run_id'] if same else '-'}, overhead {over[0]['run_id'] if over else '-'}; "
+        f"commits {', '.join(commits) or '-'}.",
         "",
         f"Machine: {machine()}. Load generator, router(s) and workers share these cores (and, on the dev box, "
         "other work), so small differences are noise: about +-10 % per point on real vLLM (anchors.md).",
@@ -218,6 +220,10 @@ def render(rows: Sequence[Row], results_dir: Path | None = None) -> str:
         "",
         *report_cpu.cpu_section(cpu),
         "",
+        "## same-pair: kvpush and vllm-router at once on one real push pair",
+        "",
+        *report_samepair.section(same),
+        "",
         "## overhead: the front door itself",
         "",
         *report_overhead.overhead_section(over, results_dir),
@@ -237,6 +243,7 @@ REPRODUCE = [
     "",
     "```",
     "kvpush bench --suite cpu-vllm --set qps=1,3,4.5,6,8 --set requests=30 --set max_point_s=30 --set repeats=2",
+    "kvpush bench --suite same-pair                     # both push pairs, 5 points x 3 repeats, fronts at once",
     "kvpush bench --suite overhead                      # 3 repeats of 1/64/256 concurrency, 5 fronts",
     "kvpush bench --suite overhead --set cprofile=true --set repeats=1 --set levels=1:300,64:1500   # profile",
     "kvpush bench --suite seed-sim                      # 4 stacks + calibration",

@@ -101,9 +101,9 @@ def issue9_verdicts(rows: Sequence[Row]) -> list[Verdict]:
     return out
 
 
-def paired_lines(rows: Sequence[Row]) -> list[str]:
-    """Issue 9's comparison within each repeat (kvpush and vllm-router ran back to back on the same pair), where
-    the medians above mix repeats that drifted apart."""
+def paired_lines(rows: Sequence[Row], how: str = "Paired within each repeat") -> list[str]:
+    """Issue 9's comparison within each repeat (kvpush and vllm-router ran back to back on the same pair, or at
+    once in the same-pair suite), where the medians above mix repeats that drifted apart."""
     p50: dict[tuple[str, float, int, str], float] = {}
     for r in rows:
         dist = r.get("ttft_ms") or {}
@@ -125,7 +125,7 @@ def paired_lines(rows: Sequence[Row]) -> list[str]:
             for q in sorted({q for q, _ in pairs})
         )
         out.append(
-            f"Paired within each repeat on the {conn} pair: kvpush's TTFT p50 at or below vllm-router's in "
+            f"{how} on the {conn} pair: kvpush's TTFT p50 at or below vllm-router's in "
             f"{at_most} of {len(pairs)} (kvpush / vllm-router per repeat: {points})."
         )
     return out

@@ -11,7 +11,7 @@ from typing import Any
 
 from loadtest.stats import Summary
 
-SUITES = ("seed-sim", "cpu-vllm", "overhead", "multiturn")
+SUITES = ("seed-sim", "cpu-vllm", "same-pair", "overhead", "multiturn")
 ROUTERS = ("kvpush", "vllm-router", "direct")
 MODES = ("push", "pull", "direct")
 CONNECTORS = ("upstream-push", "upstream-pull", "kvpush-push", "kvpush-progressive", "sim")

@@ -46,6 +46,7 @@ class RunResult:
     records: list[RequestRecord]
     duration_s: float
     warmup: list[RequestRecord]
+    started_unix: float = 0.0  # wall clock when the load began (set by job; tells loads run together apart)
 
 
 def make_client(cfg: LoadConfig) -> httpx.AsyncClient:

@@ -108,7 +108,7 @@ def pair_family(family: Family, model: Path) -> PdFamily:
     return pd_family(f"vllm-{family.label}", model, family.connector, module=family.module)
 
 
-def _fronts(fleet: Fleet, family: Family, p: Engine, d: Engine, logs: Path, vrouter: bool) -> list[Front]:
+def start_fronts(fleet: Fleet, family: Family, p: Engine, d: Engine, logs: Path, vrouter: bool) -> list[Front]:
     """kvpush and (when found) vllm-router in front of one pair, started and ready."""
     mode, tag = family.mode, family.label
     port = free_port()
@@ -137,8 +137,10 @@ def run(plan: CpuPlan, run_dir: Path, summary: Path, progress: bool, run_id: str
             # (six engines started at once let vLLM's internal ZMQ ports take an HTTP port picked for another)
             pair = start_family(fleet, pair_family(family, model), timeout=600.0)
             engines[family.label] = (pair.prefills[0], pair.decode)
-        fronts = [f for fam in plan.families for f in _fronts(fleet, fam, *engines[fam.label], logs, plan.vrouter)]
-        probes = {(f.router, f.family.label): _probe(f, plan) for f in fronts if f.family.mode == "push"}
+        fronts = [f for fam in plan.families for f in start_fronts(fleet, fam, *engines[fam.label], logs, plan.vrouter)]
+        probes = {
+            (f.router, f.family.label): probe_legs(f, plan.probe_tokens) for f in fronts if f.family.mode == "push"
+        }
         for i, qps in enumerate(plan.qps):
             for rep in range(plan.repeats):
                 order = fronts if rep % 2 == 0 else fronts[::-1]
@@ -148,8 +150,9 @@ def run(plan: CpuPlan, run_dir: Path, summary: Path, progress: bool, run_id: str
     return rows
 
 
-def _probe(front: Front, plan: CpuPlan) -> dict[str, Any]:
-    result = concurrency_probe(front.base, front.p.url, front.d.url, prompt_tokens=plan.probe_tokens)
+def probe_legs(front: Front, prompt_tokens: int) -> dict[str, Any]:
+    """The startup concurrency probe of a push front (benchkit.concurrency_probe), printed and returned."""
+    result = concurrency_probe(front.base, front.p.url, front.d.url, prompt_tokens=prompt_tokens)
     state = "concurrent" if result.get("concurrent") else "NOT concurrent"
     print(f"cpu-vllm: {front.router} on {front.family.label}: legs {state} ({result})")
     return result

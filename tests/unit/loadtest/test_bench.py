@@ -31,15 +31,15 @@ def test_unknown_fields_raise_when_strict_and_are_skipped_otherwise() -> None:
 
 
 def test_every_registered_suite_has_a_module_name_and_multiturn_may_be_missing() -> None:
-    assert set(bench.MODULES) == {"seed-sim", "cpu-vllm", "overhead", "multiturn"}
-    for name in ("seed-sim", "cpu-vllm", "overhead"):
+    assert set(bench.MODULES) == {"seed-sim", "cpu-vllm", "same-pair", "overhead", "multiturn"}
+    for name in ("seed-sim", "cpu-vllm", "same-pair", "overhead"):
         mod = bench.suite_module(name)
         assert mod is not None and hasattr(mod, "FULL") and hasattr(mod, "SMOKE") and hasattr(mod, "run")
     bench.suite_module("multiturn")  # None until loadtest/suite_multiturn.py lands; never an ImportError
 
 
 def test_suite_plans_are_dataclasses_so_set_can_size_them() -> None:
-    for name in ("seed-sim", "cpu-vllm", "overhead"):
+    for name in ("seed-sim", "cpu-vllm", "same-pair", "overhead"):
         mod = bench.suite_module(name)
         assert mod is not None
         assert dataclasses.is_dataclass(mod.FULL) and dataclasses.is_dataclass(mod.SMOKE)

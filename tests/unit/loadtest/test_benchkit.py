@@ -6,6 +6,7 @@ import pytest
 from loadtest import benchkit
 from loadtest.benchkit import group_cpu_seconds, group_peak_rss_mb, kv_external_frac, kv_sources, sim_fidelity
 from loadtest.promtext import parse
+from loadtest.results import RowLabels
 from loadtest.suite_seed import FULL, SMOKE
 
 BEFORE = parse(
@@ -102,3 +103,11 @@ def test_a_suite_s_router_flags_reach_the_router_command(tmp_path: Path) -> None
     proc = benchkit.router_proc("r", 8123, "push", "http://p", "http://d", tmp_path, flags=("--timeout", "health=10"))
     argv = proc.spec.argv
     assert argv[-4:] == ("--log-level", "warning", "--timeout", "health=10")
+
+
+def test_fronts_loaded_together_need_distinct_labels_and_are_refused_before_any_load(tmp_path: Path) -> None:
+    labels = RowLabels("same-pair", "kvpush", "push", "sim", 4.0, None, 64, 4)
+    twins = [benchkit.Point(labels, "http://127.0.0.1:9", 3, seed=k) for k in range(2)]
+    with pytest.raises(ValueError, match="distinct labels"):
+        benchkit.measure_together(twins, tmp_path, tmp_path / "summary.json", progress=False)
+    assert not (tmp_path / "summary.json").exists()
