@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -249,13 +249,18 @@ def measure(
     """Run one point, append its row to summary_path and return the row (per-request JSONL under run_dir)."""
     before = scrape(point.decode_url) if point.decode_url else None
     p_before = scrape(point.prefill_url) if point.prefill_url else None
-    cpu0 = group_cpu_seconds(cpu_pid) if cpu_pid else None
+    cpu: list[float] = []  # the front's CPU seconds before the load and once it is done
+    job = _job(point, run_dir, progress)
+    if cpu_pid:
+        # read before the router timings are fetched: serving GET /debug/timings is the harness's cost
+        job = replace(job, on_loaded=lambda: cpu.append(group_cpu_seconds(cpu_pid)))
+        cpu.append(group_cpu_seconds(cpu_pid))
     since = time.monotonic()
-    result, summary = asyncio.run(execute(_job(point, run_dir, progress)))
+    result, summary = asyncio.run(execute(job))
     extra: dict[str, Any] = dict(point.labels.extra) | dict(point.extra)
-    if cpu_pid is not None and cpu0 is not None:
+    if cpu_pid is not None and len(cpu) == 2:
         done = max(summary.n + point.warmup, 1)
-        extra["cpu_s_per_1k"] = (group_cpu_seconds(cpu_pid) - cpu0) / done * 1000
+        extra["cpu_s_per_1k"] = (cpu[1] - cpu[0]) / done * 1000
         extra["peak_rss_mb"] = group_peak_rss_mb(cpu_pid)
     if p_before is not None and point.prefill_url:
         extra["sim_prefill_fidelity"] = sim_fidelity(p_before, scrape(point.prefill_url))

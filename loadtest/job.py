@@ -6,7 +6,7 @@ import json
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
@@ -37,6 +37,7 @@ class Job:
     summary_path: Path | None = None
     progress: TextIO | None = sys.stderr
     label: str = ""
+    on_loaded: Callable[[], None] | None = None  # called when the load is done, before the router timings are read
 
 
 async def resolve_model(client: httpx.AsyncClient, base_url: str, timeout_s: float = 10.0) -> str:
@@ -67,6 +68,8 @@ async def _send(job: Job, cfg: LoadConfig, client: httpx.AsyncClient, prompts: l
     started = time.time()
     result = await run_load(cfg, client, prompts, progress)
     result.started_unix = started
+    if job.on_loaded is not None:
+        job.on_loaded()
     if job.router_timings:
         found = await timings.fetch(client, cfg.base_url, [r.request_id for r in result.records])
         timings.join(result.records, found)

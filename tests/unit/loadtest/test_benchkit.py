@@ -1,12 +1,18 @@
+import asyncio
 import os
 from pathlib import Path
 
+import httpx
 import pytest
 
-from loadtest import benchkit
+from loadtest import benchkit, timings
+from loadtest import job as job_module
 from loadtest.benchkit import group_cpu_seconds, group_peak_rss_mb, kv_external_frac, kv_sources, sim_fidelity
+from loadtest.job import Job
 from loadtest.promtext import parse
 from loadtest.results import RowLabels
+from loadtest.runner import LoadConfig, RunResult
+from loadtest.stats import Summary, summarize
 from loadtest.suite_seed import FULL, SMOKE
 
 BEFORE = parse(
@@ -111,3 +117,45 @@ def test_fronts_loaded_together_need_distinct_labels_and_are_refused_before_any_
     with pytest.raises(ValueError, match="distinct labels"):
         benchkit.measure_together(twins, tmp_path, tmp_path / "summary.json", progress=False)
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_the_fronts_cpu_is_read_when_the_load_is_done_not_after_the_harness_reads_its_timings(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Serving GET /debug/timings (thousands of records) is the harness's cost, which vllm-router never pays."""
+    readings = iter((10.0, 12.0, 50.0))  # before the load, when it is done, after the timings were read
+    monkeypatch.setattr(benchkit, "group_cpu_seconds", lambda pid: next(readings))
+    monkeypatch.setattr(benchkit, "group_peak_rss_mb", lambda pid: 1.0)
+
+    async def execute(job: Job) -> tuple[RunResult, Summary]:
+        assert job.on_loaded is not None
+        job.on_loaded()  # the load is done ...
+        benchkit.group_cpu_seconds(1)  # ... then the router timings are fetched (more CPU on the router)
+        return RunResult([], 1.0, []), summarize([], 1.0)
+
+    monkeypatch.setattr(benchkit, "execute", execute)
+    labels = RowLabels("overhead", "kvpush", "push", "sim", None, 1, 64, 4)
+    point = benchkit.Point(labels, "http://127.0.0.1:9", 0, seed=1, warmup=1, router_timings=True)
+    row = benchkit.measure(point, tmp_path, tmp_path / "summary.json", False, cpu_pid=1)
+    assert row["cpu_s_per_1k"] == pytest.approx(2.0 / 1 * 1000)  # (12 - 10) s over the 1 warm-up request
+
+
+def test_a_jobs_on_loaded_runs_after_the_load_and_before_the_router_timings_are_fetched(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    steps: list[str] = []
+
+    async def run_load(*args: object, **kwargs: object) -> RunResult:
+        steps.append("load")
+        return RunResult([], 1.0, [])
+
+    async def fetch(*args: object, **kwargs: object) -> dict[str, dict[str, object]]:
+        steps.append("timings")
+        return {}
+
+    monkeypatch.setattr(job_module, "run_load", run_load)
+    monkeypatch.setattr(timings, "fetch", fetch)
+    cfg = LoadConfig("http://127.0.0.1:9", "m", 8, 2, 1)
+    job = Job(cfg, router_timings=True, progress=None, on_loaded=lambda: steps.append("loaded"))
+    asyncio.run(job_module._send(job, cfg, httpx.AsyncClient(), []))
+    assert steps == ["load", "loaded", "timings"]
