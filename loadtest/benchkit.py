@@ -20,7 +20,7 @@ from loadtest.arrivals import ArrivalSpec
 from loadtest.job import REPO, Job, execute, execute_together
 from loadtest.results import RowLabels, append_rows, build_row, git_commit
 from loadtest.runner import LoadConfig, RunResult
-from loadtest.stats import Summary
+from loadtest.stats import Summary, paired_ttft
 from stack.procs import LOOPBACK, ManagedProcess, ProcessSpec
 from stack.routers import Router, router_spec
 
@@ -201,7 +201,8 @@ class Point:
     timeout_s: float = 300.0
     extra: Mapping[str, Any] = field(default_factory=dict)
     legs_of: tuple[str, str] | None = None  # simulated (P, D) URLs: record how the front door sent the legs
-    arrival_qps: float | None = None  # send at this rate, not the label's (fronts sharing a pair's load)
+    stride: int = 1  # > 1: send every stride-th arrival of the label's stream, from the phase-th on (fronts in turn)
+    phase: int = 0
     salt: int = 0  # the prompts' salt (0: from the clock); fronts loaded together need distinct ones
 
 
@@ -225,7 +226,7 @@ def _job(point: Point, run_dir: Path, progress: bool) -> Job:
         input_len=lab.input_len,
         output_len=lab.output_len,
         num_requests=point.n,
-        arrivals=ArrivalSpec(point.arrival_qps or lab.qps or float("inf"), 1.0, point.seed),
+        arrivals=ArrivalSpec(lab.qps or float("inf"), 1.0, point.seed, point.stride, point.phase),
         concurrency=lab.concurrency,
         warmup=point.warmup,
         timeout_s=point.timeout_s,
@@ -276,9 +277,11 @@ def measure(
 def measure_together(
     points: Sequence[Point], run_dir: Path, summary_path: Path, progress: bool
 ) -> list[dict[str, Any]]:
-    """Load several fronts at the same time, each on its own arrivals and prompts (give the points distinct
-    seeds and salts); one row per front. Every decode's /metrics are read once around the whole run, so a row's
-    KV sources are its decode's, counting the requests of every front on it (`kv_sources: "shared"`)."""
+    """Load several fronts at the same time, each on its own prompts (give the points distinct salts) and its
+    arrivals (distinct seeds, or one seed and stride = the number of fronts, a phase each: the fronts then take
+    one arrival stream in turn, so consecutive arrivals meet the same engines); one row per front. Every
+    decode's /metrics are read once around the whole run, so a row's KV sources are its decode's, counting the
+    requests of every front on it (`kv_sources: "shared"`). Two fronts in turn also get `paired_ttft`."""
     names = [_name(p) for p in points]
     if len(set(names)) != len(names):
         raise ValueError(f"measure_together: fronts need distinct labels, got {names}")
@@ -286,12 +289,15 @@ def measure_together(
     before = {d: scrape(d) for d in decodes}
     done = asyncio.run(execute_together([_job(p, run_dir, progress) for p in points]))
     after = {d: scrape(d) for d in decodes}
+    in_turn = len(points) == 2 and all(p.stride == 2 for p in points) and points[0].seed == points[1].seed
     rows = []
-    for point, (result, summary) in zip(points, done, strict=True):
+    for k, (point, (result, summary)) in enumerate(zip(points, done, strict=True)):
         extra: dict[str, Any] = dict(point.labels.extra) | dict(point.extra)
         if point.decode_url:
             extra.update(_decode_extra(before[point.decode_url], after[point.decode_url]))
             extra["kv_sources"] = "shared"
+        if in_turn and (paired := paired_ttft(result.records, done[1 - k][0].records)) is not None:
+            extra["paired_ttft"] = paired | {"with": points[1 - k].labels.router}
         rows.append(_row(point, result, summary, extra, run_dir))
     append_rows(summary_path, rows)
     return rows

@@ -18,7 +18,7 @@ from loadtest.progress import Progress
 from loadtest.prompts import HttpTokenizer, Prompt, Tokenizer, WordTokenizer, build_prompt
 from loadtest.records import write_jsonl
 from loadtest.results import RowLabels, append_rows, build_row, clean, git_commit
-from loadtest.runner import LoadConfig, RunResult, make_client, run_load
+from loadtest.runner import LoadConfig, RunResult, make_client, run_load, warm_up
 from loadtest.stats import Summary, summarize
 
 REPO = Path(__file__).resolve().parent.parent
@@ -92,14 +92,26 @@ async def execute(job: Job) -> tuple[RunResult, Summary]:
 
 async def execute_together(jobs: Sequence[Job]) -> list[tuple[RunResult, Summary]]:
     """Jobs whose loads run at the same time (fronts side by side on one pair): every job's prompts are built
-    first, then all loads start together. Give the jobs distinct salts, or they send the same prompts."""
+    and its warm-up sent first, then all loads start together, so their arrival schedules line up. Give the
+    jobs distinct salts, or they send the same prompts."""
     async with contextlib.AsyncExitStack() as stack:
         clients = [await stack.enter_async_context(make_client(j.load)) for j in jobs]
         cfgs = [await _resolved(j.load, c) for j, c in zip(jobs, clients, strict=True)]
         prompts = [await make_prompts(j, c, cfg.model) for j, c, cfg in zip(jobs, clients, cfgs, strict=True)]
-        results = await asyncio.gather(
-            *(_send(j, cfg, c, p) for j, cfg, c, p in zip(jobs, cfgs, clients, prompts, strict=True))
+        warm = await asyncio.gather(
+            *(
+                warm_up(cfg, c, p[: cfg.warmup], time.perf_counter)
+                for cfg, c, p in zip(cfgs, clients, prompts, strict=True)
+            )
         )
+        results = await asyncio.gather(
+            *(
+                _send(j, replace(cfg, warmup=0), c, p[cfg.warmup :])
+                for j, cfg, c, p in zip(jobs, cfgs, clients, prompts, strict=True)
+            )
+        )
+    for result, sent in zip(results, warm, strict=True):
+        result.warmup = sent
     return [_finish(j, r) for j, r in zip(jobs, results, strict=True)]
 
 

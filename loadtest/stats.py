@@ -105,3 +105,22 @@ def summarize(
         input_tokens=in_tok,
         output_tokens=out_tok,
     )
+
+
+def paired_ttft(mine: Sequence[RequestRecord], other: Sequence[RequestRecord]) -> dict[str, float] | None:
+    """Two loads that took one arrival stream in turn: request j of each came from the same block of
+    consecutive arrivals, so they met the same engines. Over the pairs where both succeeded: the median of
+    mine - other's TTFT (ms) and the share of pairs where mine was faster. None when no pair succeeded."""
+    theirs = {r.index: r.ttft_s for r in other if r.ok and r.ttft_s is not None}
+    diffs = [
+        1000.0 * (r.ttft_s - theirs[r.index])
+        for r in mine
+        if r.ok and r.ttft_s is not None and theirs.get(r.index) is not None
+    ]
+    if not diffs:
+        return None
+    return {
+        "pairs": float(len(diffs)),
+        "diff_p50_ms": percentile(diffs, 50),
+        "faster_share": sum(d < 0 for d in diffs) / len(diffs),
+    }

@@ -2,9 +2,12 @@
 
 cpu-vllm runs the fronts one after the other, so on two shared cores a point's verdict between two routers is
 decided by the drift between their runs (the same front's TTFT p50 moved by up to a third between repeats),
-not by the routers. Here both fronts of a pair are loaded together: each sends half the point's rate on its
-own Poisson arrivals and its own prompts, so the pair sees the point's rate and both fronts meet the same
-engines at the same moments. What is left between their rows is what the routers themselves add.
+not by the routers. Here both fronts of a pair are loaded together and take one Poisson stream at the point's
+rate in turn: the stream is cut into blocks of two consecutive arrivals, a coin per block decides which front
+sends which (arrivals.ArrivalSpec stride/phase), and every front sends its own prompts. So the pair sees the
+point's rate, both fronts meet the same engines at the same moments, and request j of one front is paired
+with request j of the other (`paired_ttft` in the rows: median TTFT difference over the pairs, share of pairs
+where this front was faster). What is left between their rows is what the routers themselves add.
 
 Pairs: the two push pairs of cpu-vllm (upstream's NixlPushConnector and ours), booted one after the other and
 measured one at a time, every P pinned to core 0 and every D to core 1. A row's `qps` is the pair's load;
@@ -32,7 +35,7 @@ PUSH_PAIRS = tuple(f.label for f in FAMILIES if f.mode == "push")
 class SamePairPlan:
     input_len: int
     output_len: int
-    qps: tuple[float, ...]  # the pair's load; each of the two fronts sends half
+    qps: tuple[float, ...]  # the pair's load; the two fronts take its arrivals in turn
     requests: int  # per front, point and repeat
     warmup: int
     repeats: int = 3
@@ -90,7 +93,7 @@ def _point(
     summary: Path,
     progress: bool,
 ) -> list[dict[str, Any]]:
-    """Every front of one pair at once, half the rate each, on distinct arrivals and prompts."""
+    """Every front of one pair at once, taking one arrival stream in turn, each with its own prompts."""
     salt = int(time.time() * 1000) % 1_000_000_007 or 1
     points = []
     for k, (front, probe) in enumerate(fronts):
@@ -103,7 +106,7 @@ def _point(
                 labels,
                 front.base,
                 plan.n_for(qps),
-                seed=5000 + 100 * index + 10 * rep + k,  # distinct arrivals per front, point and repeat
+                seed=5000 + 100 * index + rep,  # one stream per point and repeat, taken by the fronts in turn
                 warmup=plan.warmup,
                 tokenizer="server",
                 tokenizer_url=front.p.url,
@@ -111,7 +114,8 @@ def _point(
                 decode_url=front.d.url,
                 timeout_s=120.0,
                 extra=extra,
-                arrival_qps=qps / 2,
+                stride=len(fronts),
+                phase=k,
                 salt=salt + 7919 * k,  # distinct prompts: no front hits P's prefix cache with the other's prompt
             )
         )

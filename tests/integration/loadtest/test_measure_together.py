@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 N, WARMUP, PROMPT = 6, 1, 64
 
 
-def test_two_fronts_on_one_pair_run_together_and_share_the_decodes_kv_count(tmp_path: Path) -> None:
+def test_two_fronts_on_one_pair_take_one_stream_together_and_share_the_decodes_kv_count(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     p_port, d_port = free_port(), free_port()
     with Fleet(logs) as fleet:
@@ -29,11 +29,12 @@ def test_two_fronts_on_one_pair_run_together_and_share_the_decodes_kv_count(tmp_
                 RowLabels("same-pair", "kvpush", mode, "sim", 4.0, None, PROMPT, 4),
                 url(port),
                 N,
-                seed=10 + k,
+                seed=10,
                 warmup=WARMUP,
                 router_timings=True,
                 decode_url=url(d_port),
-                arrival_qps=2.0,
+                stride=2,
+                phase=k,
                 salt=101 + k,
                 extra={"repeat": 0},
             )
@@ -48,6 +49,9 @@ def test_two_fronts_on_one_pair_run_together_and_share_the_decodes_kv_count(tmp_
         # D's count covers both fronts' requests (warm-ups included): it was read once around both loads
         assert r["decode_prompt_tokens_by_source"]["external_kv_transfer"] == 2 * (N + WARMUP) * PROMPT
     push, pull = rows
+    # the two took one stream in turn: request j of each is paired with the other's
+    assert push["paired_ttft"]["with"] == "kvpush" and push["paired_ttft"]["pairs"] == N
+    assert push["paired_ttft"]["diff_p50_ms"] == pytest.approx(-pull["paired_ttft"]["diff_p50_ms"])
     # the loads overlapped in time: each began before the other ended
     assert push["load_started_unix"] < pull["load_started_unix"] + pull["load_s"]
     assert pull["load_started_unix"] < push["load_started_unix"] + push["load_s"]

@@ -46,3 +46,23 @@ def test_rejects_non_positive_rate_and_shape() -> None:
         ArrivalSpec(qps=0)
     with pytest.raises(ValueError):
         ArrivalSpec(qps=1, burstiness=0)
+
+
+def test_loads_with_the_same_seed_share_one_stream_in_turn() -> None:
+    stream = schedule(ArrivalSpec(qps=4.0, seed=5), 400)
+    a, b = (schedule(ArrivalSpec(qps=4.0, seed=5, stride=2, phase=k), 200) for k in (0, 1))
+    assert sorted(a + b) == stream  # every arrival is sent once, by one of the two
+    for j in range(200):  # one arrival of each block of two each
+        assert {a[j], b[j]} == {stream[2 * j], stream[2 * j + 1]}
+    first = sum(x < y for x, y in zip(a, b, strict=True))
+    assert 60 < first < 140  # a coin per block decides who goes first, so neither always does
+    assert schedule(ArrivalSpec(qps=4.0, seed=5, stride=1), 400) == stream
+    for stride, phase in ((0, 0), (2, 2), (2, -1)):
+        with pytest.raises(ValueError, match="stride"):
+            ArrivalSpec(qps=1, stride=stride, phase=phase)
+
+
+def test_a_shared_stream_is_cut_at_the_duration_like_a_whole_one() -> None:
+    stream = schedule(ArrivalSpec(qps=4.0, seed=5), 40)
+    mine = schedule(ArrivalSpec(qps=4.0, seed=5, stride=2, phase=1), 100, duration_s=stream[9])
+    assert mine and all(t < stream[9] for t in mine) and set(mine) <= set(stream[:10])

@@ -3,7 +3,7 @@ import math
 import pytest
 
 from loadtest.records import RequestRecord
-from loadtest.stats import dist_ms, meets_slos, parse_goodput, percentile, summarize
+from loadtest.stats import dist_ms, meets_slos, paired_ttft, parse_goodput, percentile, summarize
 
 
 def rec(
@@ -56,3 +56,14 @@ def test_dist_of_nothing_is_none() -> None:
     assert dist_ms([]) is None
     d = dist_ms([0.001, 0.003])
     assert d == {"mean": 2.0, "p50": 2.0, "p90": pytest.approx(2.8), "p99": pytest.approx(2.98)}
+
+
+def test_paired_ttft_compares_request_j_of_each_load_where_both_succeeded() -> None:
+    mine = [rec(0, 0.100, 1.0), rec(1, 0.300, 1.0), rec(2, 0.200, 1.0), rec(3, 0.050, 1.0, ok=False)]
+    other = [rec(0, 0.110, 1.0), rec(1, 0.290, 1.0), rec(2, 0.230, 1.0), rec(3, 0.500, 1.0)]
+    paired = paired_ttft(mine, other)
+    assert paired is not None
+    assert paired["pairs"] == 3  # pair 3 failed on one side
+    assert paired["diff_p50_ms"] == pytest.approx(-10.0)  # of -10, +10, -30
+    assert paired["faster_share"] == pytest.approx(2 / 3)
+    assert paired_ttft(mine, []) is None

@@ -31,7 +31,7 @@ def test_light_points_are_capped_by_time_at_half_the_rate_per_front() -> None:
     assert [short.n_for(q) for q in (0.2, 1.0, 3.0)] == [3, 10, 30]
 
 
-def test_one_point_loads_every_front_together_at_half_the_rate_on_distinct_arrivals_and_prompts(
+def test_one_point_loads_every_front_together_taking_one_arrival_stream_in_turn_with_distinct_prompts(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     seen: list[list[Point]] = []
@@ -49,9 +49,10 @@ def test_one_point_loads_every_front_together_at_half_the_rate_on_distinct_arriv
     assert rows == [{"router": "kvpush"}, {"router": "vllm-router"}]
     (points,) = seen
     assert [pt.base_url for pt in points] == ["http://kvpush", "http://vllm-router"]
-    assert {pt.labels.qps for pt in points} == {3.0}  # the row says the pair's load ...
-    assert {pt.arrival_qps for pt in points} == {1.5}  # ... and each front sends half of it
-    assert len({pt.seed for pt in points}) == 2 and len({pt.salt for pt in points}) == 2
+    assert {pt.labels.qps for pt in points} == {3.0}  # the pair's load, one stream ...
+    assert len({pt.seed for pt in points}) == 1  # ... taken in turn: the same seed, a phase each
+    assert [(pt.stride, pt.phase) for pt in points] == [(2, 0), (2, 1)]
+    assert len({pt.salt for pt in points}) == 2
     assert all(pt.salt for pt in points)  # never 0: that would mean "from the clock", the same for both
     assert [pt.router_timings for pt in points] == [True, False]
     assert all(pt.decode_url == d.url and pt.tokenizer_url == p.url for pt in points)
