@@ -4,18 +4,9 @@ same push pair)."""
 
 from collections.abc import Sequence
 
-from loadtest.reportkit import Agg, Row, Verdict, agg, agg_of, fmt, group, verdict_table
+from loadtest.reportkit import Row, Verdict, agg, agg_of, cell, fmt, group, kv_ext_pct, verdict_table
 
 OURS, UPSTREAM, PULL = "kvpush-push", "upstream-push", "upstream-pull"
-
-
-def _cell(a: Agg | None, digits: int = 1) -> str:
-    return "-" if a is None else a.text(digits)
-
-
-def _ext(r: Row) -> float | None:
-    v = r.get("kv_external_frac")
-    return None if v is None else 100 * float(v)
 
 
 def sweep_table(rows: Sequence[Row]) -> list[str]:
@@ -28,9 +19,9 @@ def sweep_table(rows: Sequence[Row]) -> list[str]:
         mean = agg(rs, "ttft_ms", "mean")
         out.append(
             f"| {qps} | {router} | {conn} | {len(rs)} | {sum(int(r['n']) for r in rs)} "
-            f"| {sum(int(r['failed']) for r in rs)} | {_cell(mean)} | {_cell(agg(rs, 'ttft_ms', 'p50'))} "
-            f"| {_cell(agg(rs, 'tpot_ms', 'mean'))} | {_cell(agg(rs, 'handoff_ms', 'p50'))} "
-            f"| {_cell(agg(rs, 'req_per_s', ''), 2)} | {_cell(agg_of(rs, _ext), 0)} "
+            f"| {sum(int(r['failed']) for r in rs)} | {cell(mean)} | {cell(agg(rs, 'ttft_ms', 'p50'))} "
+            f"| {cell(agg(rs, 'tpot_ms', 'mean'))} | {cell(agg(rs, 'handoff_ms', 'p50'))} "
+            f"| {cell(agg(rs, 'req_per_s', ''), 2)} | {cell(agg_of(rs, kv_ext_pct), 0)} "
             f"| {'-' if mean is None else f'{100 * mean.spread:.0f} %'} |"
         )
     return out
@@ -73,7 +64,7 @@ def issue8_verdicts(rows: Sequence[Row]) -> list[Verdict]:
         )
         failed = float(sum(int(r["failed"]) for r in ours))
         out.append(Verdict("0 failures (ours, all repeats)", point, failed, None, 0.0, unit="req"))
-        ext = agg_of(ours, _ext)
+        ext = agg_of(ours, kv_ext_pct)
         out.append(
             Verdict(
                 "100 % KV by transfer (worst repeat)",

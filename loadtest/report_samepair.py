@@ -4,16 +4,7 @@ from collections.abc import Sequence
 
 from loadtest.report_cpu import issue9_verdicts
 from loadtest.report_cpu import paired_lines as repeat_lines
-from loadtest.reportkit import Agg, Row, agg, agg_of, group, verdict_table
-
-
-def _cell(a: Agg | None, digits: int = 1) -> str:
-    return "-" if a is None else a.text(digits)
-
-
-def _ext(r: Row) -> float | None:
-    v = r.get("kv_external_frac")
-    return None if v is None else 100 * float(v)
+from loadtest.reportkit import Row, agg, agg_of, cell, group, kv_ext_pct, verdict_table
 
 
 def table(rows: Sequence[Row]) -> list[str]:
@@ -25,10 +16,10 @@ def table(rows: Sequence[Row]) -> list[str]:
     for (qps, conn, router), rs in sorted(group(rows, "qps", "connector", "router").items(), key=lambda kv: kv[0]):
         out.append(
             f"| {qps} | {conn} | {router} | {len(rs)} | {sum(int(r['n']) for r in rs)} "
-            f"| {sum(int(r['failed']) for r in rs)} | {_cell(agg(rs, 'ttft_ms', 'p50'))} "
-            f"| {_cell(agg(rs, 'ttft_ms', 'mean'))} | {_cell(agg(rs, 'tpot_ms', 'mean'))} "
-            f"| {_cell(agg(rs, 'handoff_ms', 'p50'))} | {_cell(agg(rs, 'req_per_s', ''), 2)} "
-            f"| {_cell(agg_of(rs, _ext), 0)} | {_paired_cells(rs)} |"
+            f"| {sum(int(r['failed']) for r in rs)} | {cell(agg(rs, 'ttft_ms', 'p50'))} "
+            f"| {cell(agg(rs, 'ttft_ms', 'mean'))} | {cell(agg(rs, 'tpot_ms', 'mean'))} "
+            f"| {cell(agg(rs, 'handoff_ms', 'p50'))} | {cell(agg(rs, 'req_per_s', ''), 2)} "
+            f"| {cell(agg_of(rs, kv_ext_pct), 0)} | {_paired_cells(rs)} |"
         )
     return out
 
@@ -45,7 +36,7 @@ def _paired_cells(rows: Sequence[Row]) -> str:
         return "- | -"
     pairs = sum(float(p["pairs"]) for p in found)
     faster = sum(float(p["faster_share"]) * float(p["pairs"]) for p in found)
-    return f"{_cell(agg_of(rows, _diff), 1)} | {faster:.0f} of {pairs:.0f} ({100 * faster / pairs:.0f} %)"
+    return f"{cell(agg_of(rows, _diff), 1)} | {faster:.0f} of {pairs:.0f} ({100 * faster / pairs:.0f} %)"
 
 
 def paired_lines(rows: Sequence[Row]) -> list[str]:

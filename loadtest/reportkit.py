@@ -50,6 +50,17 @@ class Agg:
         return f"{self.med:.{digits}f} ({self.lo:.{digits}f}-{self.hi:.{digits}f})"
 
 
+def cell(a: Agg | None, digits: int = 1) -> str:
+    """A table cell: median (min-max) over the repeats, or "-"."""
+    return "-" if a is None else a.text(digits)
+
+
+def kv_ext_pct(r: Row) -> float | None:
+    """The share of decode's prompt tokens that arrived by KV transfer, in %."""
+    v = r.get("kv_external_frac")
+    return None if v is None else 100 * float(v)
+
+
 def agg(rows: Iterable[Row], metric: str, name: str) -> Agg | None:
     vals = [v for r in rows if (v := stat(r, metric, name)) is not None]
     if not vals:

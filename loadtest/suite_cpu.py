@@ -174,19 +174,32 @@ def _point(
     extra: dict[str, Any] = {"run_id": run_id, "model": MODEL_SIZE, "repeat": rep, "order": order}
     if probe is not None:
         extra["concurrency_probe"] = probe
+    labels = front_labels("cpu-vllm", front, qps, plan.input_len, plan.output_len)
+    # the same arrivals for every front and repeat of a point
+    point = engine_point(front, labels, plan.n_for(qps), 3000 + index, plan.warmup, extra)
+    return measure(point, run_dir, summary, progress)
+
+
+def front_labels(suite: str, front: Front, qps: float, input_len: int, output_len: int) -> RowLabels:
     fam = front.family
-    labels = RowLabels("cpu-vllm", front.router, fam.mode, fam.label, qps, None, plan.input_len, plan.output_len)
-    point = Point(
+    return RowLabels(suite, front.router, fam.mode, fam.label, qps, None, input_len, output_len)
+
+
+def engine_point(
+    front: Front, labels: RowLabels, n: int, seed: int, warmup: int, extra: dict[str, Any], **more: Any
+) -> Point:
+    """A point sent through `front` to its real engines: P's tokenizer, decode's KV sources, kvpush's timings."""
+    return Point(
         labels,
         front.base,
-        plan.n_for(qps),
-        seed=3000 + index,  # the same arrivals for every front and repeat of a point
-        warmup=plan.warmup,
+        n,
+        seed=seed,
+        warmup=warmup,
         tokenizer="server",
         tokenizer_url=front.p.url,
         router_timings=front.router == "kvpush",
         decode_url=front.d.url,
         timeout_s=120.0,
         extra=extra,
+        **more,
     )
-    return measure(point, run_dir, summary, progress)

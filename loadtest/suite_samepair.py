@@ -21,9 +21,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.benchkit import Point, measure_together, vllm_lock, vrouter_binary
-from loadtest.results import RowLabels
-from loadtest.suite_cpu import FAMILIES, MODEL_SIZE, Front, pair_family, probe_legs, start_fronts
+from loadtest.benchkit import measure_together, vllm_lock, vrouter_binary
+from loadtest.suite_cpu import (
+    FAMILIES,
+    MODEL_SIZE,
+    Front,
+    engine_point,
+    front_labels,
+    pair_family,
+    probe_legs,
+    start_fronts,
+)
 from stack.engines import Fleet
 from stack.family import start_family
 from stack.local import StackOptions, ensure_model
@@ -97,26 +105,11 @@ def _point(
     salt = int(time.time() * 1000) % 1_000_000_007 or 1
     points = []
     for k, (front, probe) in enumerate(fronts):
-        fam = front.family
         extra: dict[str, Any] = {"run_id": run_id, "model": MODEL_SIZE, "repeat": rep, "front_qps": qps / 2}
         extra["concurrency_probe"] = probe
-        labels = RowLabels("same-pair", front.router, fam.mode, fam.label, qps, None, plan.input_len, plan.output_len)
-        points.append(
-            Point(
-                labels,
-                front.base,
-                plan.n_for(qps),
-                seed=5000 + 100 * index + rep,  # one stream per point and repeat, taken by the fronts in turn
-                warmup=plan.warmup,
-                tokenizer="server",
-                tokenizer_url=front.p.url,
-                router_timings=front.router == "kvpush",
-                decode_url=front.d.url,
-                timeout_s=120.0,
-                extra=extra,
-                stride=len(fronts),
-                phase=k,
-                salt=salt + 7919 * k,  # distinct prompts: no front hits P's prefix cache with the other's prompt
-            )
-        )
+        labels = front_labels("same-pair", front, qps, plan.input_len, plan.output_len)
+        seed = 5000 + 100 * index + rep  # one stream per point and repeat, taken by the fronts in turn
+        # distinct salts: no front hits P's prefix cache with the other's prompt
+        more = {"stride": len(fronts), "phase": k, "salt": salt + 7919 * k}
+        points.append(engine_point(front, labels, plan.n_for(qps), seed, plan.warmup, extra, **more))
     return measure_together(points, run_dir, summary, progress)
