@@ -201,7 +201,7 @@ class Point:
     timeout_s: float = 300.0
     extra: Mapping[str, Any] = field(default_factory=dict)
     legs_of: tuple[str, str] | None = None  # simulated (P, D) URLs: record how the front door sent the legs
-    stride: int = 1  # > 1: send every stride-th arrival of the label's stream, from the phase-th on (fronts in turn)
+    stride: int = 1  # > 1: one arrival per block of `stride` of the label's stream (fronts in turn; ArrivalSpec)
     phase: int = 0
     salt: int = 0  # the prompts' salt (0: from the clock); fronts loaded together need distinct ones
 

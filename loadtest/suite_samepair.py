@@ -11,9 +11,9 @@ where this front was faster). What is left between their rows is what the router
 
 Pairs: the two push pairs of cpu-vllm (upstream's NixlPushConnector and ours), booted one after the other and
 measured one at a time, every P pinned to core 0 and every D to core 1. A row's `qps` is the pair's load;
-`front_qps` (extra) is what that front sent. KV sources are read from the decode around both fronts' load
-(`kv_sources: "shared"`). Needs vllm-router (.venv-vrouter, `make bench` installs it); without it the suite
-refuses to run, since it has nothing to compare. Holds the machine's vLLM lock throughout.
+`front_qps` (extra) is that front's mean rate, half the point's. KV sources are read from the decode around
+both fronts' load (`kv_sources: "shared"`). Needs vllm-router (.venv-vrouter, `make bench` installs it);
+without it the suite refuses to run, since it has nothing to compare. Holds the machine's vLLM lock throughout.
 """
 
 import time
