@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import AbstractContextManager
 from types import FrameType
 from typing import Protocol
 
 import uvicorn
+
+from router.signals import stop_signals_to
 
 logger = logging.getLogger("kvpush.drain")
 
@@ -30,6 +33,11 @@ class DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         await super().serve(sockets)  # type: ignore[arg-type]
 
+    def capture_signals(self) -> AbstractContextManager[None]:  # type: ignore[override]
+        # uvicorn's own restores the default disposition and then re-raises the signals it caught, which ends a
+        # drained router with the signal's status; router/signals.py keeps them handled, then ignored, to the exit
+        return stop_signals_to(self.handle_exit)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._signalled or self._loop is None or self._delay <= 0:
             self._runtime.begin_drain()
@@ -42,8 +50,3 @@ class DrainingServer(uvicorn.Server):
 
     def _stop(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
-        # uvicorn re-raises captured signals after its graceful shutdown, which would end the process with the
-        # signal's status; a drained router exits 0.
-        captured = getattr(self, "_captured_signals", None)
-        if isinstance(captured, list):
-            captured.clear()

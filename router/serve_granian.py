@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -28,6 +27,7 @@ from granian.log import LogLevels
 from granian.server.embed import Server
 
 from router.config import Settings
+from router.signals import stop_signals_to
 
 if TYPE_CHECKING:
     from router.drain import Drainable  # the protocol only: router.drain loads uvicorn
@@ -151,14 +151,17 @@ async def serve_async(app: AsgiApp, runtime: Drainable, settings: Settings) -> N
     server = granian_server(requests, settings)
     loop = asyncio.get_running_loop()
     drain = GranianDrain(server, runtime, requests, loop.call_later, settings.drain_delay, settings.drain_grace)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, drain.on_signal, sig)
-    try:
-        await server.serve()
-    finally:
-        drain.done()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
+    # signal.signal, not loop.add_signal_handler: removing the loop's handler restores the default disposition,
+    # and a signal in the exit would then end a drained router with -15 (router/signals.py)
+
+    def on_signal(sig: int, frame: object) -> None:  # in the main thread, between two steps of the loop
+        loop.call_soon_threadsafe(drain.on_signal, sig)
+
+    with stop_signals_to(on_signal):
+        try:
+            await server.serve()
+        finally:
+            drain.done()
 
 
 def serve(app: AsgiApp, runtime: Drainable, settings: Settings) -> None:

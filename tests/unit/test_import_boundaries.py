@@ -50,6 +50,7 @@ IO = {
     "router.metrics": "prometheus_client",
     "router.drain": "the server's SIGTERM drain (uvicorn)",
     "router.serve_granian": "the server's SIGTERM drain (granian)",
+    "router.signals": "sets the process's SIGTERM/SIGINT handlers",
     "router.discovery.build": "builds the discovery sources",
     "router.discovery.dns": "DNS queries",
     "router.discovery.kubernetes": "the Kubernetes API",

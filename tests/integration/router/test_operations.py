@@ -151,6 +151,25 @@ def test_sigterm_lets_eight_streams_finish_and_exits_zero() -> None:
         assert r.handle.stop(30.0) == 0
 
 
+@pytest.mark.parametrize("server", ["uvicorn", "granian"])
+def test_stop_signals_that_keep_coming_while_the_router_exits_still_end_it_with_zero(server: str) -> None:
+    """A supervisor may signal again while the drained router is on its way out (the stack's stop does): from the
+    first signal to the exit, no signal may find the default disposition and kill the process."""
+    p, d = fake("p"), fake("d")
+    r = router([p], [d], "--server", server, "--drain-delay", "0", "--drain-grace", "1")
+    with running(p, d, r):
+        pid = r.handle.pid
+        assert pid is not None
+
+        def signalled_and_gone() -> bool:
+            with contextlib.suppress(ProcessLookupError):  # reaped between the poll and the kill
+                os.kill(pid, signal.SIGTERM)
+            return r.handle.exit_code() is not None
+
+        wait_for(signalled_and_gone, "the router exits while SIGTERM arrives every 2 ms", interval=0.002)
+        assert r.handle.exit_code() == 0
+
+
 def test_a_burst_above_the_bound_gets_429s_not_timeouts_and_memory_stays_bounded() -> None:
     p, d = fake("p"), fake("d", tokens=20, delay=0.05)
     r = router([p], [d], "--max-in-flight", "4", "--admission-queue", "4", "--admission-wait", "0.2")
