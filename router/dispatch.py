@@ -33,7 +33,7 @@ from router.errors import (
     UpstreamTimeout,
 )
 from router.metrics import Metrics
-from router.policy import Policy, make_policy
+from router.policy import LeastInFlight, Policy, make_policy
 from router.pool import Pool, Tracked, WorkerState
 from router.retokenize import Retokenizer
 from router.sse import EventFramer, RelayCheck, error_of
@@ -95,6 +95,7 @@ class Dispatcher:
         }
         self._background: dict[str, asyncio.Task[Any]] = {}  # pairing id → prefill leg still running
         self._checks = Retokenizer(self._legs, clock)  # the decider's answer checks (router/retokenize.py)
+        self._tokenizers = LeastInFlight()  # where a check goes when no prefill served its request
         self._wants_ids = self._decider.wants_answer and self._decider.wants_token_ids
         self._json_headers = {"content-type": "application/json"}
 
@@ -423,13 +424,16 @@ class Dispatcher:
             logger.exception("decider %s failed to record an outcome", self._decider.name)
             return
         if check is not None:
-            self._submit_check(check)
+            self._submit_check(check, rec.prefill_worker, turn.info)
 
-    def _submit_check(self, check: AnswerCheck) -> None:
-        """To a healthy prefill worker (it serves the same model, so it tokenizes the same, and it keeps the
-        /tokenize call off the decode worker streaming others' tokens), else to the decode worker itself."""
-        tokenizers = self._pool.candidates(Role.PREFILL)
-        target = tokenizers[0].id if tokenizers else check.worker
+    def _submit_check(self, check: AnswerCheck, prefill: str | None, info: RequestInfo) -> None:
+        """To the prefill worker that served the request while it is healthy (the prefill policy chose it), else
+        to the healthy prefill worker with the fewest requests in flight, in turn on ties (a turn decode served
+        alone), else to the decode worker itself. A prefill worker serves the same model, so it tokenizes the
+        same, and the /tokenize call stays off the decode worker streaming others' tokens."""
+        healthy = self._pool.candidates(Role.PREFILL)
+        served = [w for w in healthy if w.id == prefill]
+        target = (served[0] if served else self._tokenizers.select(healthy, info)).id if healthy else check.worker
         if target in self._pool:
             self._checks.submit(self._pool.get(target).spec.url, check)
 

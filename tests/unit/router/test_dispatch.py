@@ -466,8 +466,8 @@ class Checking(Recording):
 
     wants_token_ids = True
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, route: Route = Route.BYPASS) -> None:
+        super().__init__(route)
         self.settled: list[int] = []
 
     def record(self, turn: Turn, decision: Decision, outcome: Outcome, now: float) -> AnswerCheck | None:
@@ -552,6 +552,40 @@ async def test_a_client_that_asks_for_token_ids_gets_them() -> None:
     _, decider, got = await checked_dispatch({**BODY, "return_token_ids": True}, [5, 7])
     assert b'"token_ids": [5]' in got and b'"prompt_token_ids": [1, 2]' in got
     assert decider.settled == [1]
+
+
+@pytest.mark.parametrize("route", [Route.BYPASS, Route.PUSH])
+async def test_answer_checks_are_shared_by_the_prefill_workers_as_the_prompts_are(route: Route) -> None:
+    """A turn prefill served is checked there (the prefill policy chose it); a turn decode served alone goes to
+    the least busy prefill worker, in turn: never every check on the first one."""
+    workers = FakeWorkers(
+        {
+            "p0": tokenizing([5, 6], prefill_ok()),
+            "p1": tokenizing([5, 6], prefill_ok("p1")),
+            "d1": answers_with_token_ids(),
+        }
+    )
+    decider = Checking(route)
+    dispatcher, _, _ = await make(
+        workers,
+        decider,
+        prefill=[P0, "http://p1:8100,engine_id=p1,side_port=5601"],
+        decode=["http://d1:8200"],
+        prefill_policy="round-robin",
+    )
+    for _ in range(4):
+        answer = await dispatcher.handle(call_of(dispatcher))
+        if isinstance(answer, StreamAnswer):
+            await relay(answer)
+    for _ in range(100):  # the checks run as their own tasks: let them finish
+        if len(decider.settled) == 4:
+            break
+        await asyncio.sleep(0)
+    await dispatcher.aclose()
+    served = ["/v1/completions", "/tokenize"] if route is Route.PUSH else ["/tokenize"]
+    for prefill in ("p0", "p1"):
+        assert [seen.path for seen in workers.legs(prefill)] == served * 2
+    assert decider.settled == [1] * 4
 
 
 async def test_without_a_healthy_prefill_the_decode_worker_checks_its_answer() -> None:
