@@ -4,7 +4,7 @@ nothing is lost.
     python -m loadtest.faults [--short] [--out bench/faults]
 
 Rows (`rows.ROWS`) run on two beds: real vLLM CPU engines (two prefills, one decode, our push connector)
-behind a real router, and the hostile stand-in workers (tests/integration/router/hostile_workers.py) for the
+behind a real router, and the hostile stand-in workers (loadtest/faults/hostile_workers.py) for the
 faults a real engine cannot be made to show (answering 5xx, reading slowly). For each row it records the
 client's outcome, the time from the fault to that outcome, and afterwards the router's in-flight gauges and
 every engine's running requests and KV usage (waiting until they settle). A row is clean when nothing is

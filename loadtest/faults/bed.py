@@ -24,7 +24,7 @@ from stack.routers import Router, router_spec
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("KVPUSH_TEST_CACHE", REPO / ".cache" / "kvpush"))
 LOGS = CACHE / "faults-logs"
-STANDIN_MODULE = "tests.integration.router.hostile_workers"  # run as a command, never imported here
+STANDIN_MODULE = "loadtest.faults.hostile_workers"  # run as a command, never imported here
 KVPUSH_CONNECTOR = ("KvpushConnector", "connector.plugin")
 # D holds a quarantined or unfed registration this long (default 120 s): rows settle in seconds, not minutes.
 KV_TIMEOUT_S = 30.0

@@ -144,7 +144,7 @@ def readme(results: list[RowResult], meta: Mapping[str, Any]) -> str:
         "error, and nothing is left running, held or in use. Bed `vllm`: two prefill and one decode vLLM CPU",
         f"engines (tiny model, our push connector with `kv_timeout_s` {KV_TIMEOUT_S:g} s, default 120) behind a"
         " router with default settings except",
-        f"`{json.dumps(VLLM_CONFIG)}`; bed `standin`: tests/integration/router/hostile_workers.py processes"
+        f"`{json.dumps(VLLM_CONFIG)}`; bed `standin`: loadtest/faults/hostile_workers.py processes"
         " (the first worker of the faulty role misbehaves), router defaults except "
         f"`{json.dumps(STANDIN_CONFIG)}`.",
         "",

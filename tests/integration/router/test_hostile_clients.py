@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.router.hostile_workers import (
+from loadtest.faults.hostile_workers import (
     Proc,
     cpu_seconds,
     error_lines,

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.router.hostile_workers import (
+from loadtest.faults.hostile_workers import (
     Proc,
     hostile,
     router_process,

@@ -1,6 +1,6 @@
 """A stand-in vLLM worker that misbehaves on purpose, on a raw asyncio HTTP/1.1 server (no framework).
 
-    python -m tests.integration.router.hostile_workers --port N [--behaviour ok] [--kv-dir DIR] ...
+    python -m loadtest.faults.hostile_workers --port N [--behaviour ok] [--kv-dir DIR] ...
 
 Behaviours of the completion endpoints (/health, /stats and /v1/models always answer):
   ok             prefill legs (kv_transfer_params.do_remote_decode) answer push params after --prefill-delay
@@ -343,7 +343,7 @@ def hostile(name: str, behaviour: str = "ok", /, **flags: object) -> Proc:
     from stack.procs import free_port
 
     port = free_port()
-    argv = [sys.executable, "-m", "tests.integration.router.hostile_workers", "--port", str(port)]
+    argv = [sys.executable, "-m", "loadtest.faults.hostile_workers", "--port", str(port)]
     argv += ["--behaviour", behaviour, "--engine-id", name]
     for key, value in flags.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
