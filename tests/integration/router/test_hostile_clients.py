@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtest.faults.hostile_workers import (
+from tests.integration.router.hostile import (
     Proc,
     cpu_seconds,
     error_lines,

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtest.faults.hostile_workers import (
+from tests.integration.router.hostile import (
     Proc,
     hostile,
     router_process,

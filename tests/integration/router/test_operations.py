@@ -11,7 +11,6 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
@@ -19,6 +18,7 @@ import pytest
 from stack.engines import prefill_arg
 from stack.procs import ManagedProcess, ProcessSpec, free_port
 from stack.routers import Router, router_spec
+from tests.integration.router.hostile import rss_kib
 from tests.integration.support import LOGS, REPO, wait_for
 
 pytestmark = pytest.mark.integration
@@ -118,13 +118,6 @@ def stream(
 
 def ready(url: str) -> httpx.Response:
     return httpx.get(f"{url}/ready", timeout=5)
-
-
-def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
 
 
 def sigterm_during_streams(

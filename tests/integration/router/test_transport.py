@@ -14,10 +14,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from loadtest.faults.hostile_workers import sockets_to
 from router.config import LEG_CLIENTS
 from router.transport import AiohttpTransport, LegTransport, legs_for
 from stack.procs import ManagedProcess, ProcessSpec, free_port
+from tests.integration.router.hostile import sockets_to
 from tests.integration.vllm_support import LOGS, REPO
 
 pytestmark = pytest.mark.integration
