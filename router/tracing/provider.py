@@ -1,0 +1,90 @@
+"""The process's tracing: its own OpenTelemetry TracerProvider (never the global one), the sampler, the resource
+and the OTLP exporter (gRPC or HTTP/protobuf) behind a batch span processor, built from a resolved ExportPlan.
+
+The exporter is the I/O seam: `Tracing` takes any SpanExporter (tests pass an in-memory one and a synchronous
+processor); `exporter_for` builds the OTLP one the plan names (imported only then, so a router with tracing off
+never loads gRPC). The batch processor exports from its own thread; `shutdown` flushes what is queued within a
+bounded time (the exporter's own timeout and retries are bounded by OTEL_EXPORTER_OTLP_TIMEOUT).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_OFF,
+    ALWAYS_ON,
+    ParentBased,
+    Sampler,
+    TraceIdRatioBased,
+)
+
+from router.tracing import context as w3c
+from router.tracing import trace
+from router.tracing.settings import GRPC, ExportPlan, Sampling
+
+INSTRUMENTATION = "kvpush.router"
+FLUSH_MILLIS = 2000  # the longest `shutdown` waits for queued spans to go out
+
+
+def sampler_for(sampling: Sampling) -> Sampler:
+    """The SDK sampler an OTel sampler name stands for."""
+    root: Sampler
+    base = sampling.name.removeprefix("parentbased_")
+    if base == "always_on":
+        root = ALWAYS_ON
+    elif base == "always_off":
+        root = ALWAYS_OFF
+    elif base == "traceidratio":
+        root = TraceIdRatioBased(sampling.ratio)
+    else:
+        raise ValueError(f"unknown sampler {sampling.name!r}")
+    return ParentBased(root) if sampling.name.startswith("parentbased_") else root
+
+
+def exporter_for(plan: ExportPlan) -> SpanExporter:
+    """The OTLP span exporter of the plan's protocol, sending to its endpoint (the rest from OTEL_EXPORTER_OTLP_*)."""
+    if plan.protocol == GRPC:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+
+        return GrpcExporter(endpoint=plan.endpoint)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+
+    return HttpExporter(endpoint=plan.endpoint)
+
+
+class Tracing:
+    """Starts request traces; owns the provider, its processor and exporter until `shutdown`."""
+
+    def __init__(
+        self,
+        plan: ExportPlan,
+        exporter: SpanExporter,
+        *,
+        batch: bool = True,
+        attributes: Mapping[str, str] | None = None,
+    ) -> None:
+        resource = Resource.create({**(attributes or {}), SERVICE_NAME: plan.service_name})
+        self._provider = TracerProvider(sampler=sampler_for(plan.sampling), resource=resource)
+        processor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
+        self._provider.add_span_processor(processor)
+        self._tracer = self._provider.get_tracer(INSTRUMENTATION)
+        self.plan = plan
+
+    def start(
+        self, headers: w3c.TraceHeaders, name: str, attributes: Mapping[str, str | bool | int | float]
+    ) -> trace.RequestTrace:
+        return trace.start(self._tracer, headers, name, attributes)
+
+    def shutdown(self) -> None:
+        """Flushes queued spans (bounded) and stops the exporter thread. Blocking: call it off the event loop."""
+        self._provider.force_flush(FLUSH_MILLIS)
+        self._provider.shutdown()
+
+
+def build(plan: ExportPlan | None) -> Tracing | None:
+    """The process's tracing for a resolved plan (None: tracing is off, nothing is built)."""
+    return None if plan is None else Tracing(plan, exporter_for(plan))

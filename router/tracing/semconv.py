@@ -1,0 +1,143 @@
+"""Span names and attributes of the router's traces, as pure builders. OpenTelemetry's GenAI semantic conventions
+where they have a name (`gen_ai.*`, `error.type`, `server.*`, `http.*`), `kvpush.*` for what is ours.
+
+The tree of one client request (names below; see router/tracing/trace.py for when each starts and ends):
+
+    {operation} {model}                 SERVER   the client's request (a child of the client's traceparent, else a root)
+    ├── kvpush.prefill                  CLIENT   one per prefill leg; a retry is a new one with kvpush.attempt + 1
+    │   └── llm_request  (prefill vLLM)          the engine's own span, a child through the injected traceparent
+    ├── kvpush.decode                   CLIENT   one per decode leg, to the end of its stream (first byte: an event)
+    │   └── llm_request  (decode vLLM)
+    └── kvpush.handoff                  INTERNAL prefill leg answered → decode's first byte (push and pull)
+
+`gen_ai.request.id` on a leg is the id the worker saw (X-Request-Id, the pairing id), the same attribute vLLM puts
+on its `llm_request` span; the client's own request id is `kvpush.request.id` on the server span.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+Attributes = dict[str, str | bool | int | float]
+
+# OpenTelemetry semantic conventions (GenAI, error, server, HTTP).
+GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
+GEN_AI_PROVIDER_NAME = "gen_ai.provider.name"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+GEN_AI_REQUEST_ID = "gen_ai.request.id"  # not (yet) in the conventions; vLLM's name on llm_request
+GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
+GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS = "gen_ai.usage.cache_read.input_tokens"
+ERROR_TYPE = "error.type"
+SERVER_ADDRESS = "server.address"
+SERVER_PORT = "server.port"
+HTTP_RESPONSE_STATUS_CODE = "http.response.status_code"
+# kvpush's own.
+REQUEST_ID = "kvpush.request.id"  # the client-facing request id (X-Request-Id of the answer)
+PAIRING_ID = "kvpush.pairing_id"  # the attempt's id shared by both legs
+TRANSFER_ID = "kvpush.transfer_id"
+MODE = "kvpush.mode"  # the configured mode: push | pull
+ROUTE = "kvpush.route"  # what served it: push | pull | bypass | decode-only
+LEG = "kvpush.leg"  # prefill | decode
+ATTEMPT = "kvpush.attempt"  # 1-based attempt number of a leg
+ATTEMPTS = "kvpush.attempts"  # attempts the request took
+WORKER = "kvpush.worker"  # the worker id (its base URL)
+OUTCOME = "kvpush.outcome"  # ok, or the error kind (router/errors.py), or client_gone
+STREAM = "kvpush.stream"
+HANDOFF_SECONDS = "kvpush.handoff.seconds"
+
+PROVIDER = "vllm"
+OPERATIONS = {"chat": "chat", "completions": "text_completion"}  # Endpoint value → operation name
+PREFILL_SPAN = "kvpush.prefill"
+DECODE_SPAN = "kvpush.decode"
+HANDOFF_SPAN = "kvpush.handoff"
+FIRST_BYTE_EVENT = "kvpush.first_byte"
+OK = "ok"
+CLIENT_GONE = "client_gone"
+
+
+def operation(endpoint: str) -> str:
+    """The GenAI operation name of an endpoint (`chat`, `completions`)."""
+    return OPERATIONS.get(endpoint, endpoint)
+
+
+def server_span_name(endpoint: str, model: str | None) -> str:
+    """`{gen_ai.operation.name} {gen_ai.request.model}`, as the GenAI conventions name inference spans."""
+    op = operation(endpoint)
+    return f"{op} {model}" if model else op
+
+
+def request_attributes(
+    *, endpoint: str, model: str | None, stream: bool, max_tokens: Any, request_id: str, mode: str
+) -> Attributes:
+    """The server span's attributes known on arrival (the client's body already parsed and checked)."""
+    out: Attributes = {
+        GEN_AI_OPERATION_NAME: operation(endpoint),
+        GEN_AI_PROVIDER_NAME: PROVIDER,
+        REQUEST_ID: request_id,
+        MODE: mode,
+        STREAM: stream,
+    }
+    if model:
+        out[GEN_AI_REQUEST_MODEL] = model
+    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool):
+        out[GEN_AI_REQUEST_MAX_TOKENS] = max_tokens
+    return out
+
+
+def leg_attributes(
+    *, leg: str, attempt: int, worker: str, pairing_id: str, transfer_id: str | None, route: str
+) -> Attributes:
+    """A leg span's attributes: which leg, which attempt, which worker (and its address), which ids."""
+    out: Attributes = {
+        LEG: leg,
+        ATTEMPT: attempt,
+        WORKER: worker,
+        ROUTE: route,
+        PAIRING_ID: pairing_id,
+        GEN_AI_REQUEST_ID: pairing_id,
+    }
+    if transfer_id is not None:
+        out[TRANSFER_ID] = transfer_id
+    out.update(address_of(worker))
+    return out
+
+
+def address_of(url: str) -> Attributes:
+    """`server.address` and `server.port` of a worker's base URL (nothing for what does not parse)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        return {}
+    return {SERVER_ADDRESS: parts.hostname, SERVER_PORT: port} if parts.hostname else {}
+
+
+def outcome_attributes(outcome: str, *, status: int | None = None) -> Attributes:
+    """`kvpush.outcome`, `error.type` (the error kind) unless ok or the client left, the HTTP status if known."""
+    out: Attributes = {OUTCOME: outcome}
+    if outcome not in (OK, CLIENT_GONE):
+        out[ERROR_TYPE] = outcome
+    if status is not None:
+        out[HTTP_RESPONSE_STATUS_CODE] = status
+    return out
+
+
+def usage_attributes(usage: Mapping[str, Any] | None) -> Attributes:
+    """Token counts from an OpenAI `usage` object: input, output and cached input tokens (those present)."""
+    if not usage:
+        return {}
+    out: Attributes = {}
+    for key, name in (("prompt_tokens", GEN_AI_USAGE_INPUT_TOKENS), ("completion_tokens", GEN_AI_USAGE_OUTPUT_TOKENS)):
+        value = usage.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            out[name] = value
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    if isinstance(cached, int) and not isinstance(cached, bool):
+        out[GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = cached
+    return out

@@ -1,0 +1,154 @@
+"""One client request's trace: its server span, one span per leg and attempt, the handoff, the end. Over the
+OpenTelemetry API, with the tracer injected (router/tracing/provider.py builds it; tests give one with an
+in-memory exporter).
+
+Who ends what, once each (every `end` is idempotent, so an owner that ends twice by two paths is harmless):
+
+- `RequestTrace` (the server span): ended by whoever finishes the request's timing record (the dispatcher's
+  `_finish`): on a JSON answer, an error, a client that left, or when a stream ends (also cut or abandoned).
+- `LegSpan`: ended by the leg that started it: a prefill leg when it answers or fails (a detached one on its own
+  deadline, possibly after the request ended), a decode leg on failure, on a JSON answer, or when its stream closes.
+- the handoff: a finished span, made with its start and end at decode's first byte.
+
+An unsampled request (`recording` false) makes no child spans at all: its legs carry the server span's
+`traceparent` with the sampled flag off, so the engines do not trace it either, and the request costs one span
+start and end. With tracing off there is no `RequestTrace` (the callers hold None).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+from opentelemetry import trace as otel
+from opentelemetry.context import Context
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
+
+from router.tracing import context as w3c
+from router.tracing import semconv
+from router.tracing.semconv import Attributes
+
+_EMPTY = Context()
+
+
+def parent_context(headers: w3c.TraceHeaders) -> Context:
+    """The OTel context of the client's parent (a remote span), or an empty one: a new root."""
+    parent = headers.parent
+    if parent is None:
+        return _EMPTY
+    remote = SpanContext(
+        trace_id=parent.trace_id,
+        span_id=parent.span_id,
+        is_remote=True,
+        trace_flags=TraceFlags(TraceFlags.SAMPLED if parent.sampled else TraceFlags.DEFAULT),
+        trace_state=TraceState(list(parent.trace_state)) if parent.trace_state else None,
+    )
+    return otel.set_span_in_context(NonRecordingSpan(remote), _EMPTY)
+
+
+class LegSpan:
+    """One leg of one attempt. `headers` go on the leg's request (its traceparent names this span)."""
+
+    __slots__ = ("_ended", "_span", "headers")
+
+    def __init__(self, span: otel.Span | None, headers: dict[str, str]) -> None:
+        self._span = span
+        self.headers = headers
+        self._ended = span is None
+
+    def first_byte(self) -> None:
+        if not self._ended:
+            self._span.add_event(semconv.FIRST_BYTE_EVENT)  # type: ignore[union-attr]
+
+    def end(
+        self, outcome: str = semconv.OK, *, status: int | None = None, attributes: Attributes | None = None
+    ) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        span = self._span
+        assert span is not None
+        span.set_attributes(semconv.outcome_attributes(outcome, status=status))
+        if attributes:
+            span.set_attributes(attributes)
+        if outcome not in (semconv.OK, semconv.CLIENT_GONE):
+            span.set_status(Status(StatusCode.ERROR, outcome))
+        span.end()
+
+
+class RequestTrace:
+    """The server span of one client request and the factory of its leg spans."""
+
+    __slots__ = ("_baggage", "_context", "_ended", "_span", "_tracer", "_unrecorded", "recording")
+
+    def __init__(self, tracer: otel.Tracer, span: otel.Span, baggage: str | None) -> None:
+        self._tracer = tracer
+        self._span = span
+        self._baggage = baggage
+        self._ended = False
+        self.recording = span.is_recording()
+        self._context = otel.set_span_in_context(span, _EMPTY) if self.recording else _EMPTY
+        self._unrecorded = None if self.recording else LegSpan(None, self._headers_for(span.get_span_context()))
+
+    @property
+    def trace_id(self) -> int:
+        return self._span.get_span_context().trace_id
+
+    def _headers_for(self, ctx: SpanContext) -> dict[str, str]:
+        state = ctx.trace_state.items() if ctx.trace_state else ()
+        return w3c.leg_headers(ctx.trace_id, ctx.span_id, ctx.trace_flags.sampled, state, self._baggage)
+
+    def leg(self, name: str, attributes: Attributes) -> LegSpan:
+        """A leg span (semconv.PREFILL_SPAN / DECODE_SPAN) started now, with the headers its request carries."""
+        if self._unrecorded is not None:
+            return self._unrecorded
+        span = self._tracer.start_span(name, self._context, SpanKind.CLIENT, attributes)
+        return LegSpan(span, self._headers_for(span.get_span_context()))
+
+    def handoff(self, seconds: float, attributes: Attributes) -> None:
+        """The KV handoff that ended now and lasted `seconds` (prefill answered → decode's first byte)."""
+        if not self.recording or self._ended:
+            return
+        end = time.time_ns()
+        start = end - int(max(0.0, seconds) * 1e9)
+        attrs = {**attributes, semconv.HANDOFF_SECONDS: max(0.0, seconds)}
+        self._tracer.start_span(semconv.HANDOFF_SPAN, self._context, SpanKind.INTERNAL, attrs, start_time=start).end(
+            end_time=end
+        )
+
+    def annotate(self, attributes: Attributes) -> None:
+        if self.recording and not self._ended:
+            self._span.set_attributes(attributes)
+
+    def end(self, outcome: str, *, status: int | None = None, attributes: Attributes | None = None) -> None:
+        """Ends the server span with the request's outcome (once; later calls do nothing)."""
+        if self._ended:
+            return
+        self._ended = True
+        if self.recording:
+            self._span.set_attributes(semconv.outcome_attributes(outcome, status=status))
+            if attributes:
+                self._span.set_attributes(attributes)
+            if outcome not in (semconv.OK, semconv.CLIENT_GONE):
+                self._span.set_status(Status(StatusCode.ERROR, outcome))
+        self._span.end()
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def exemplar(self) -> dict[str, str] | None:
+        """OpenMetrics exemplar labels naming this trace (trace_id, span_id), or None when it is not sampled:
+        a metric point must not link to a trace the backend never received."""
+        if not self.recording:
+            return None
+        ctx = self._span.get_span_context()
+        return {"trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}"}
+
+
+def start(
+    tracer: otel.Tracer, headers: w3c.TraceHeaders, name: str, attributes: Mapping[str, str | bool | int | float]
+) -> RequestTrace:
+    """The server span of a request that arrived with `headers` (checked trace headers)."""
+    span = tracer.start_span(name, parent_context(headers), SpanKind.SERVER, attributes)
+    return RequestTrace(tracer, span, headers.baggage)
