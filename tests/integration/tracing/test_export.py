@@ -1,0 +1,62 @@
+"""The router's tracing through the real OTLP exporters (gRPC and HTTP/protobuf, batched) to a real receiver on
+loopback: every span arrives once, decoded with opentelemetry-proto, with its parent links, resource and attributes;
+the receiver itself decodes what an exporter sends."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from router.tracing import context as w3c
+from router.tracing import provider, semconv
+from router.tracing.settings import GRPC, HTTP, parse_tracing, resolve
+from tests.integration.otlp_receiver import OtlpReceiver
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[OtlpReceiver]:
+    with OtlpReceiver() as running:
+        yield running
+
+
+@pytest.mark.parametrize("protocol", [GRPC, HTTP])
+def test_one_request_arrives_as_a_tree(receiver: OtlpReceiver, protocol: str) -> None:
+    endpoint = receiver.grpc_endpoint if protocol == GRPC else receiver.http_endpoint
+    plan = resolve(parse_tracing({"endpoint": endpoint, "protocol": protocol, "service_name": "router-it"}), {})
+    tracing = provider.build(plan)
+    assert tracing is not None
+    client = w3c.read([(b"traceparent", f"00-{'ab' * 16}-{'cd' * 8}-01".encode())])
+    attrs = semconv.request_attributes(
+        endpoint="chat", model="tiny", stream=True, max_tokens=4, request_id=f"r-{protocol}", mode="push"
+    )
+    trace = tracing.start(client, "chat tiny", attrs)
+    legs = [
+        trace.leg(
+            name,
+            semconv.leg_attributes(
+                leg=leg, attempt=1, worker="http://127.0.0.1:1", pairing_id="p", transfer_id="t", route="push"
+            ),
+        )
+        for name, leg in ((semconv.PREFILL_SPAN, "prefill"), (semconv.DECODE_SPAN, "decode"))
+    ]
+    for leg in legs:
+        leg.end()
+    trace.handoff(0.01, {semconv.ATTEMPT: 1})
+    trace.end("ok", status=200)
+    tracing.shutdown()  # flushes the batch
+
+    def mine(spans: list) -> list:  # type: ignore[type-arg]
+        return [s for s in spans if s.trace_id == "ab" * 16 and s.via == ("grpc" if protocol == GRPC else "http")]
+
+    got = mine(receiver.wait_for(lambda spans: len(mine(spans)) >= 4, f"4 spans over {protocol}", timeout=30))
+    assert len(got) == 4
+    by = {s.name: s for s in got}
+    server = by["chat tiny"]
+    assert server.kind == "server" and server.parent_span_id == "cd" * 8 and server.service == "router-it"
+    assert server.attributes[semconv.REQUEST_ID] == f"r-{protocol}"
+    for name in (semconv.PREFILL_SPAN, semconv.DECODE_SPAN, semconv.HANDOFF_SPAN):
+        assert by[name].parent_span_id == server.span_id
+    assert by[semconv.PREFILL_SPAN].attributes[semconv.ATTEMPT] == 1
