@@ -3,8 +3,9 @@ and the OTLP exporter (gRPC or HTTP/protobuf) behind a batch span processor, bui
 
 The exporter is the I/O seam: `Tracing` takes any SpanExporter (tests pass an in-memory one and a synchronous
 processor); `exporter_for` builds the OTLP one the plan names (imported only then, so a router with tracing off
-never loads gRPC). The batch processor exports from its own thread; `shutdown` flushes what is queued within a
-bounded time (the exporter's own timeout and retries are bounded by OTEL_EXPORTER_OTLP_TIMEOUT).
+never loads gRPC): over gRPC the SDK's exporter with kvpush's lean encoder (router/tracing/grpc_export.py), over
+HTTP/protobuf the SDK's exporter as it is (its encoder costs about three times ours per span). The batch processor exports from its own thread; `shutdown` flushes what
+is queued within a bounded time (the exporter's own timeout and retries are bounded by OTEL_EXPORTER_OTLP_TIMEOUT).
 """
 
 from __future__ import annotations
@@ -48,9 +49,9 @@ def sampler_for(sampling: Sampling) -> Sampler:
 def exporter_for(plan: ExportPlan) -> SpanExporter:
     """The OTLP span exporter of the plan's protocol, sending to its endpoint (the rest from OTEL_EXPORTER_OTLP_*)."""
     if plan.protocol == GRPC:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+        from router.tracing.grpc_export import LeanGrpcSpanExporter
 
-        return GrpcExporter(endpoint=plan.endpoint)
+        return LeanGrpcSpanExporter(plan.endpoint)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 
     return HttpExporter(endpoint=plan.endpoint)

@@ -6,9 +6,13 @@ The tree of one client request (names below; see router/tracing/trace.py for whe
     {operation} {model}                 SERVER   the client's request (a child of the client's traceparent, else a root)
     ├── kvpush.prefill                  CLIENT   one per prefill leg; a retry is a new one with kvpush.attempt + 1
     │   └── llm_request  (prefill vLLM)          the engine's own span, a child through the injected traceparent
-    ├── kvpush.decode                   CLIENT   one per decode leg, to the end of its stream (first byte: an event)
-    │   └── llm_request  (decode vLLM)
-    └── kvpush.handoff                  INTERNAL prefill leg answered → decode's first byte (push and pull)
+    └── kvpush.decode                   CLIENT   one per decode leg, to the end of its stream
+        │   event kvpush.first_byte              decode's first byte, with kvpush.handoff.seconds (prefill
+        │                                        answered → this byte) when the attempt had a prefill leg
+        └── llm_request  (decode vLLM)
+
+The handoff is an event, not a span of its own: a span costs about twice an event per request (made, then
+encoded for export), and bench/README.md's tracing overhead is counted per request.
 
 `gen_ai.request.id` on a leg is the id the worker saw (X-Request-Id, the pairing id), the same attribute vLLM puts
 on its `llm_request` span; the client's own request id is `kvpush.request.id` on the server span.
@@ -40,21 +44,16 @@ HTTP_RESPONSE_STATUS_CODE = "http.response.status_code"
 REQUEST_ID = "kvpush.request.id"  # the client-facing request id (X-Request-Id of the answer)
 PAIRING_ID = "kvpush.pairing_id"  # the attempt's id shared by both legs
 TRANSFER_ID = "kvpush.transfer_id"
-MODE = "kvpush.mode"  # the configured mode: push | pull
 ROUTE = "kvpush.route"  # what served it: push | pull | bypass | decode-only
-LEG = "kvpush.leg"  # prefill | decode
 ATTEMPT = "kvpush.attempt"  # 1-based attempt number of a leg
 ATTEMPTS = "kvpush.attempts"  # attempts the request took
-WORKER = "kvpush.worker"  # the worker id (its base URL)
 OUTCOME = "kvpush.outcome"  # ok, or the error kind (router/errors.py), or client_gone
-STREAM = "kvpush.stream"
 HANDOFF_SECONDS = "kvpush.handoff.seconds"
 
 PROVIDER = "vllm"
 OPERATIONS = {"chat": "chat", "completions": "text_completion"}  # Endpoint value → operation name
 PREFILL_SPAN = "kvpush.prefill"
 DECODE_SPAN = "kvpush.decode"
-HANDOFF_SPAN = "kvpush.handoff"
 FIRST_BYTE_EVENT = "kvpush.first_byte"
 OK = "ok"
 CLIENT_GONE = "client_gone"
@@ -71,16 +70,12 @@ def server_span_name(endpoint: str, model: str | None) -> str:
     return f"{op} {model}" if model else op
 
 
-def request_attributes(
-    *, endpoint: str, model: str | None, stream: bool, max_tokens: Any, request_id: str, mode: str
-) -> Attributes:
+def request_attributes(*, endpoint: str, model: str | None, max_tokens: Any, request_id: str) -> Attributes:
     """The server span's attributes known on arrival (the client's body already parsed and checked)."""
     out: Attributes = {
         GEN_AI_OPERATION_NAME: operation(endpoint),
         GEN_AI_PROVIDER_NAME: PROVIDER,
         REQUEST_ID: request_id,
-        MODE: mode,
-        STREAM: stream,
     }
     if model:
         out[GEN_AI_REQUEST_MODEL] = model
@@ -89,22 +84,11 @@ def request_attributes(
     return out
 
 
-def leg_attributes(
-    *, leg: str, attempt: int, worker: str, pairing_id: str, transfer_id: str | None, route: str
-) -> Attributes:
-    """A leg span's attributes: which leg, which attempt, which worker (and its address), which ids."""
-    out: Attributes = {
-        LEG: leg,
-        ATTEMPT: attempt,
-        WORKER: worker,
-        ROUTE: route,
-        PAIRING_ID: pairing_id,
-        GEN_AI_REQUEST_ID: pairing_id,
-    }
-    if transfer_id is not None:
-        out[TRANSFER_ID] = transfer_id
-    out.update(address_of(worker))
-    return out
+def leg_attributes(*, attempt: int, pairing_id: str, address: Attributes) -> Attributes:
+    """A leg span's attributes: the attempt, the id the worker saw (the pairing id) and the worker's address
+    (`address_of(worker)`, computed once per worker). Kept short: every attribute is paid for per request, twice
+    (set, then encoded for export)."""
+    return {ATTEMPT: attempt, GEN_AI_REQUEST_ID: pairing_id, **address}
 
 
 def address_of(url: str) -> Attributes:
@@ -118,12 +102,39 @@ def address_of(url: str) -> Attributes:
 
 
 def outcome_attributes(outcome: str, *, status: int | None = None) -> Attributes:
-    """`kvpush.outcome`, `error.type` (the error kind) unless ok or the client left, the HTTP status if known."""
+    """`kvpush.outcome`, `error.type` (the error kind) unless ok or the client left, the HTTP status if known
+    (the server span's)."""
     out: Attributes = {OUTCOME: outcome}
     if outcome not in (OK, CLIENT_GONE):
         out[ERROR_TYPE] = outcome
     if status is not None:
         out[HTTP_RESPONSE_STATUS_CODE] = status
+    return out
+
+
+def leg_failure_attributes(outcome: str, *, status: int | None = None) -> Attributes:
+    """What a leg that did not end "ok" adds: `error.type` (or `kvpush.outcome` for a client that left) and the
+    worker's HTTP status when it answered with one. An "ok" leg adds nothing."""
+    if outcome == OK:
+        return {}
+    out: Attributes = {OUTCOME: outcome} if outcome == CLIENT_GONE else {ERROR_TYPE: outcome}
+    if status is not None:
+        out[HTTP_RESPONSE_STATUS_CODE] = status
+    return out
+
+
+def end_attributes(
+    *, route: str, attempts: int, pairing_id: str | None, transfer_id: str | None, usage: Mapping[str, Any] | None
+) -> Attributes:
+    """The server span's attributes known at the end: what served it, after how many attempts, the last attempt's
+    ids, and the token counts when the answer reported usage."""
+    out: Attributes = {ROUTE: route, ATTEMPTS: attempts}
+    if pairing_id is not None:
+        out[PAIRING_ID] = pairing_id
+    if transfer_id is not None:
+        out[TRANSFER_ID] = transfer_id
+    if usage:
+        out.update(usage_attributes(usage))
     return out
 
 

@@ -8,7 +8,7 @@ Who ends what, once each (every `end` is idempotent, so an owner that ends twice
   `_finish`): on a JSON answer, an error, a client that left, or when a stream ends (also cut or abandoned).
 - `LegSpan`: ended by the leg that started it: a prefill leg when it answers or fails (a detached one on its own
   deadline, possibly after the request ended), a decode leg on failure, on a JSON answer, or when its stream closes.
-- the handoff: a finished span, made with its start and end at decode's first byte.
+- the handoff: an attribute of the decode leg's first-byte event (`LegSpan.first_byte`).
 
 An unsampled request (`recording` false) makes no child spans at all: its legs carry the server span's
 `traceparent` with the sampled flag off, so the engines do not trace it either, and the request costs one span
@@ -17,7 +17,6 @@ start and end. With tracing off there is no `RequestTrace` (the callers hold Non
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 
 from opentelemetry import trace as otel
@@ -56,23 +55,23 @@ class LegSpan:
         self.headers = headers
         self._ended = span is None
 
-    def first_byte(self) -> None:
+    def first_byte(self, handoff: float | None = None) -> None:
+        """Decode's first byte, now; `handoff`: seconds from the prefill leg's answer to it (clamped at 0)."""
         if not self._ended:
-            self._span.add_event(semconv.FIRST_BYTE_EVENT)  # type: ignore[union-attr]
+            attributes = None if handoff is None else {semconv.HANDOFF_SECONDS: max(0.0, handoff)}
+            self._span.add_event(semconv.FIRST_BYTE_EVENT, attributes)  # type: ignore[union-attr]
 
-    def end(
-        self, outcome: str = semconv.OK, *, status: int | None = None, attributes: Attributes | None = None
-    ) -> None:
+    def end(self, outcome: str = semconv.OK, *, status: int | None = None) -> None:
+        """Ends the leg (once): "ok", or the error kind that ended it (then the span's status is ERROR)."""
         if self._ended:
             return
         self._ended = True
         span = self._span
         assert span is not None
-        span.set_attributes(semconv.outcome_attributes(outcome, status=status))
-        if attributes:
-            span.set_attributes(attributes)
-        if outcome not in (semconv.OK, semconv.CLIENT_GONE):
-            span.set_status(Status(StatusCode.ERROR, outcome))
+        if outcome != semconv.OK:
+            span.set_attributes(semconv.leg_failure_attributes(outcome, status=status))
+            if outcome != semconv.CLIENT_GONE:
+                span.set_status(Status(StatusCode.ERROR, outcome))
         span.end()
 
 
@@ -104,17 +103,6 @@ class RequestTrace:
             return self._unrecorded
         span = self._tracer.start_span(name, self._context, SpanKind.CLIENT, attributes)
         return LegSpan(span, self._headers_for(span.get_span_context()))
-
-    def handoff(self, seconds: float, attributes: Attributes) -> None:
-        """The KV handoff that ended now and lasted `seconds` (prefill answered → decode's first byte)."""
-        if not self.recording or self._ended:
-            return
-        end = time.time_ns()
-        start = end - int(max(0.0, seconds) * 1e9)
-        attrs = {**attributes, semconv.HANDOFF_SECONDS: max(0.0, seconds)}
-        self._tracer.start_span(semconv.HANDOFF_SPAN, self._context, SpanKind.INTERNAL, attrs, start_time=start).end(
-            end_time=end
-        )
 
     def annotate(self, attributes: Attributes) -> None:
         if self.recording and not self._ended:

@@ -29,34 +29,29 @@ def test_one_request_arrives_as_a_tree(receiver: OtlpReceiver, protocol: str) ->
     tracing = provider.build(plan)
     assert tracing is not None
     client = w3c.read([(b"traceparent", f"00-{'ab' * 16}-{'cd' * 8}-01".encode())])
-    attrs = semconv.request_attributes(
-        endpoint="chat", model="tiny", stream=True, max_tokens=4, request_id=f"r-{protocol}", mode="push"
-    )
+    attrs = semconv.request_attributes(endpoint="chat", model="tiny", max_tokens=4, request_id=f"r-{protocol}")
     trace = tracing.start(client, "chat tiny", attrs)
+    address = semconv.address_of("http://127.0.0.1:1")
     legs = [
-        trace.leg(
-            name,
-            semconv.leg_attributes(
-                leg=leg, attempt=1, worker="http://127.0.0.1:1", pairing_id="p", transfer_id="t", route="push"
-            ),
-        )
-        for name, leg in ((semconv.PREFILL_SPAN, "prefill"), (semconv.DECODE_SPAN, "decode"))
+        trace.leg(name, semconv.leg_attributes(attempt=1, pairing_id="p", address=address))
+        for name in (semconv.PREFILL_SPAN, semconv.DECODE_SPAN)
     ]
-    for leg in legs:
-        leg.end()
-    trace.handoff(0.01, {semconv.ATTEMPT: 1})
+    legs[0].end()
+    legs[1].first_byte(0.01)
+    legs[1].end()
     trace.end("ok", status=200)
     tracing.shutdown()  # flushes the batch
 
     def mine(spans: list) -> list:  # type: ignore[type-arg]
         return [s for s in spans if s.trace_id == "ab" * 16 and s.via == ("grpc" if protocol == GRPC else "http")]
 
-    got = mine(receiver.wait_for(lambda spans: len(mine(spans)) >= 4, f"4 spans over {protocol}", timeout=30))
-    assert len(got) == 4
+    got = mine(receiver.wait_for(lambda spans: len(mine(spans)) >= 3, f"3 spans over {protocol}", timeout=30))
+    assert len(got) == 3
     by = {s.name: s for s in got}
     server = by["chat tiny"]
     assert server.kind == "server" and server.parent_span_id == "cd" * 8 and server.service == "router-it"
     assert server.attributes[semconv.REQUEST_ID] == f"r-{protocol}"
-    for name in (semconv.PREFILL_SPAN, semconv.DECODE_SPAN, semconv.HANDOFF_SPAN):
-        assert by[name].parent_span_id == server.span_id
+    for name in (semconv.PREFILL_SPAN, semconv.DECODE_SPAN):
+        assert by[name].parent_span_id == server.span_id and by[name].kind == "client"
     assert by[semconv.PREFILL_SPAN].attributes[semconv.ATTEMPT] == 1
+    assert by[semconv.DECODE_SPAN].events == (semconv.FIRST_BYTE_EVENT,)

@@ -1,5 +1,5 @@
 """One request's spans over the real OTel SDK: parent from the client or a new root, leg spans whose headers name
-them, the handoff, outcomes, idempotent ends, the unsampled path (no child spans, flags off) and exemplars."""
+them, the handoff event, outcomes, idempotent ends, the unsampled path (no child spans, flags off) and exemplars."""
 
 from __future__ import annotations
 
@@ -13,9 +13,7 @@ from tests.unit.router.tracing.support import by_name, in_memory, plan
 
 TRACE = 0x0AF7651916CD43DD8448EB211C80319C
 CLIENT_SPAN = 0xB7AD6B7169203331
-ATTRS = semconv.request_attributes(
-    endpoint="chat", model="tiny", stream=True, max_tokens=16, request_id="req-1", mode="push"
-)
+ATTRS = semconv.request_attributes(endpoint="chat", model="tiny", max_tokens=16, request_id="req-1")
 
 
 def client(sampled: bool = True, state: tuple[tuple[str, str], ...] = ()) -> w3c.TraceHeaders:
@@ -23,9 +21,8 @@ def client(sampled: bool = True, state: tuple[tuple[str, str], ...] = ()) -> w3c
 
 
 def leg_attrs(leg: str, attempt: int = 1) -> semconv.Attributes:
-    return semconv.leg_attributes(
-        leg=leg, attempt=attempt, worker="http://127.0.0.1:8100", pairing_id="p1", transfer_id="t1", route="push"
-    )
+    port = 8100 if leg == "prefill" else 8200
+    return semconv.leg_attributes(attempt=attempt, pairing_id="p1", address=semconv.address_of(f"http://h:{port}"))
 
 
 def test_a_request_without_a_parent_is_a_root_server_span() -> None:
@@ -53,7 +50,7 @@ def test_the_client_context_is_the_parent_and_reaches_both_legs() -> None:
         assert leg.headers["tracestate"] == "vendor=x1"
         assert leg.headers["baggage"] == "user=alice"
     prefill.end()
-    decode.first_byte()
+    decode.first_byte(0.002)
     decode.end()
     trace.end("ok")
     spans = by_name(exported.get_finished_spans())
@@ -66,7 +63,14 @@ def test_the_client_context_is_the_parent_and_reaches_both_legs() -> None:
         assert span.parent is not None and span.parent.span_id == server.context.span_id
         assert span.context is not None and leg.headers["traceparent"].split("-")[2] == f"{span.context.span_id:016x}"
         assert span.attributes is not None and span.attributes[semconv.ATTEMPT] == 1
-    assert [e.name for e in spans[semconv.DECODE_SPAN][0].events] == [semconv.FIRST_BYTE_EVENT]
+    (event,) = spans[semconv.DECODE_SPAN][0].events
+    assert event.name == semconv.FIRST_BYTE_EVENT and dict(event.attributes or {}) == {semconv.HANDOFF_SECONDS: 0.002}
+    assert spans[semconv.PREFILL_SPAN][0].attributes == {
+        semconv.ATTEMPT: 1,
+        semconv.GEN_AI_REQUEST_ID: "p1",
+        semconv.SERVER_ADDRESS: "h",
+        semconv.SERVER_PORT: 8100,
+    }  # an "ok" leg adds nothing at its end
 
 
 def test_a_failed_leg_and_request_carry_the_error_type() -> None:
@@ -80,6 +84,7 @@ def test_a_failed_leg_and_request_carry_the_error_type() -> None:
     spans = by_name(exported.get_finished_spans())
     legs = {dict(s.attributes or {})[semconv.ATTEMPT]: s for s in spans[semconv.PREFILL_SPAN]}
     assert [dict(legs[n].attributes or {})[semconv.ERROR_TYPE] for n in (1, 2)] == ["connect", "timeout"]
+    assert dict(legs[2].attributes or {})[semconv.HTTP_RESPONSE_STATUS_CODE] == 504
     assert all(s.status.status_code is StatusCode.ERROR for s in legs.values())
     server = spans["chat tiny"][0]
     assert server.attributes is not None and server.attributes[semconv.HTTP_RESPONSE_STATUS_CODE] == 504
@@ -95,6 +100,7 @@ def test_a_client_that_left_is_not_an_error() -> None:
     for span in exported.get_finished_spans():
         assert span.status.status_code is StatusCode.UNSET
         assert span.attributes is not None and span.attributes[semconv.OUTCOME] == "client_gone"
+        assert semconv.ERROR_TYPE not in span.attributes
 
 
 def test_ends_are_idempotent_and_late_calls_do_nothing() -> None:
@@ -107,27 +113,34 @@ def test_ends_are_idempotent_and_late_calls_do_nothing() -> None:
     trace.end("ok")
     trace.end("internal")
     trace.annotate({semconv.ROUTE: "pull"})
-    trace.handoff(0.1, {})
     assert trace.ended
-    spans = exported.get_finished_spans()
-    assert len(spans) == 2
-    assert all(s.attributes is not None and s.attributes[semconv.OUTCOME] == "ok" for s in spans)
+    spans = by_name(exported.get_finished_spans())
+    assert len(spans) == 2 and not spans[semconv.DECODE_SPAN][0].events
+    assert semconv.ERROR_TYPE not in (spans[semconv.DECODE_SPAN][0].attributes or {})
+    server = dict(spans["chat tiny"][0].attributes or {})
+    assert server[semconv.OUTCOME] == "ok" and semconv.ROUTE not in server
 
 
-def test_the_handoff_is_a_span_ending_now_that_lasted_the_given_time() -> None:
+def test_the_first_byte_without_a_prefill_leg_has_no_handoff() -> None:
     tracing, exported = in_memory()
     trace = tracing.start(w3c.NO_HEADERS, "chat tiny", ATTRS)
-    trace.handoff(0.25, {semconv.ATTEMPT: 1})
-    trace.handoff(-0.5, {semconv.ATTEMPT: 2})  # decode's first byte before prefill's answer: zero
+    leg = trace.leg(semconv.DECODE_SPAN, leg_attrs("decode"))
+    leg.first_byte()
+    leg.end()
     trace.end("ok")
-    spans = by_name(exported.get_finished_spans())
-    first, second = spans[semconv.HANDOFF_SPAN]
-    assert first.end_time is not None and first.start_time is not None
-    assert first.end_time - first.start_time == 250_000_000
-    assert second.end_time == second.start_time
-    assert first.attributes is not None and first.attributes[semconv.HANDOFF_SECONDS] == 0.25
-    server = spans["chat tiny"][0]
-    assert first.parent is not None and server.context is not None and first.parent.span_id == server.context.span_id
+    (event,) = by_name(exported.get_finished_spans())[semconv.DECODE_SPAN][0].events
+    assert not event.attributes
+
+
+def test_a_negative_handoff_is_zero() -> None:
+    tracing, exported = in_memory()
+    trace = tracing.start(w3c.NO_HEADERS, "chat tiny", ATTRS)
+    leg = trace.leg(semconv.DECODE_SPAN, leg_attrs("decode"))
+    leg.first_byte(-0.5)  # decode's first byte came before prefill's answer
+    leg.end()
+    trace.end("ok")
+    (event,) = by_name(exported.get_finished_spans())[semconv.DECODE_SPAN][0].events
+    assert dict(event.attributes or {}) == {semconv.HANDOFF_SECONDS: 0.0}
 
 
 def test_an_unsampled_request_makes_no_child_spans_and_turns_the_flag_off() -> None:
@@ -139,8 +152,8 @@ def test_an_unsampled_request_makes_no_child_spans_and_turns_the_flag_off() -> N
     assert prefill is decode  # one shared, already ended leg: nothing is made per leg
     parent = w3c.parse_traceparent(prefill.headers["traceparent"].encode())
     assert parent is not None and not parent.sampled and parent.trace_id == trace.trace_id
+    prefill.first_byte(0.1)
     prefill.end("connect")
-    trace.handoff(0.1, {})
     trace.end("ok")
     assert exported.get_finished_spans() == ()
 
