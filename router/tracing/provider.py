@@ -4,12 +4,14 @@ and the OTLP exporter (gRPC or HTTP/protobuf) behind a batch span processor, bui
 The exporter is the I/O seam: `Tracing` takes any SpanExporter (tests pass an in-memory one and a synchronous
 processor); `exporter_for` builds the OTLP one the plan names (imported only then, so a router with tracing off
 never loads gRPC): over gRPC the SDK's exporter with kvpush's lean encoder (router/tracing/grpc_export.py), over
-HTTP/protobuf the SDK's exporter as it is (its encoder costs about three times ours per span). The batch processor exports from its own thread; `shutdown` flushes what
-is queued within a bounded time (the exporter's own timeout and retries are bounded by OTEL_EXPORTER_OTLP_TIMEOUT).
+HTTP/protobuf the SDK's exporter as it is (its encoder costs about three times ours per span). The batch
+processor exports from its own (daemon) thread; `shutdown` flushes what is queued and holds its caller for a
+bounded time only.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -28,7 +30,8 @@ from router.tracing import trace
 from router.tracing.settings import GRPC, ExportPlan, Sampling
 
 INSTRUMENTATION = "kvpush.router"
-FLUSH_MILLIS = 2000  # the longest `shutdown` waits for queued spans to go out
+FLUSH_MILLIS = 2000  # the longest the flush before the SDK's shutdown waits for queued spans to go out
+SHUTDOWN_SECONDS = 3.0  # the longest `shutdown` holds its caller
 
 
 def sampler_for(sampling: Sampling) -> Sampler:
@@ -69,7 +72,8 @@ class Tracing:
         attributes: Mapping[str, str] | None = None,
     ) -> None:
         resource = Resource.create({**(attributes or {}), SERVICE_NAME: plan.service_name})
-        self._provider = TracerProvider(sampler=sampler_for(plan.sampling), resource=resource)
+        # shutdown_on_exit=False: no atexit hook that could hold the exit for the exporter's retries
+        self._provider = TracerProvider(sampler=sampler_for(plan.sampling), resource=resource, shutdown_on_exit=False)
         processor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
         self._provider.add_span_processor(processor)
         self._tracer = self._provider.get_tracer(INSTRUMENTATION)
@@ -80,8 +84,16 @@ class Tracing:
     ) -> trace.RequestTrace:
         return trace.start(self._tracer, headers, name, attributes)
 
-    def shutdown(self) -> None:
-        """Flushes queued spans (bounded) and stops the exporter thread. Blocking: call it off the event loop."""
+    def shutdown(self, timeout: float = SHUTDOWN_SECONDS) -> bool:
+        """Flushes queued spans and stops the exporter, waiting at most `timeout` seconds (an unreachable collector
+        holds the SDK's own shutdown for its retries, seconds); False when it was still at it. Blocking: call it
+        off the event loop. The SDK's threads are daemons, so what is left of it never holds the process's exit."""
+        stopper = threading.Thread(target=self._stop, name="kvpush-tracing-shutdown", daemon=True)
+        stopper.start()
+        stopper.join(timeout)
+        return not stopper.is_alive()
+
+    def _stop(self) -> None:
         self._provider.force_flush(FLUSH_MILLIS)
         self._provider.shutdown()
 

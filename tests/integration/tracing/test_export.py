@@ -55,3 +55,11 @@ def test_one_request_arrives_as_a_tree(receiver: OtlpReceiver, protocol: str) ->
         assert by[name].parent_span_id == server.span_id and by[name].kind == "client"
     assert by[semconv.PREFILL_SPAN].attributes[semconv.ATTEMPT] == 1
     assert by[semconv.DECODE_SPAN].events == (semconv.FIRST_BYTE_EVENT,)
+
+
+def test_shutdown_with_the_collector_gone_is_bounded() -> None:
+    plan = resolve(parse_tracing({"endpoint": "http://127.0.0.1:9", "protocol": GRPC}), {})  # nothing listens
+    tracing = provider.build(plan)
+    assert tracing is not None
+    tracing.start(w3c.NO_HEADERS, "chat tiny", {}).end("ok")
+    assert tracing.shutdown(timeout=0.5) is False  # the SDK still retries; the caller goes on
