@@ -255,7 +255,7 @@ REPRODUCE = [
 def extra_sections(rows: Sequence[Row], results_dir: Path | None) -> list[str]:
     """Suites that render their own section: a module-level `section(rows, results_dir) -> list[str]`
     (multiturn; see loadtest/README.md), given the latest run's rows. Missing modules are skipped."""
-    from loadtest.bench import suite_module
+    from loadtest.bench.run import suite_module
 
     out: list[str] = []
     for name in ("multiturn",):

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from loadtest import report_multiturn as report
-from loadtest import suite_multiturn as suite
+from loadtest.bench.suites import multiturn as suite
 
 
 def row(front: str, repeat: int, later: float, first: float = 100.0, **extra: Any) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from typing import Any
 
 from loadtest import multiturn, promtext
 from loadtest import report_multiturn as report
-from loadtest import suite_multiturn as suite
+from loadtest.bench.suites import multiturn as suite
 
 # what prometheus_client renders for the decider collector's counters (a counter gets the `_total` suffix)
 METRICS = """\

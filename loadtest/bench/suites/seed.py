@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from loadtest import calibrate
-from loadtest.benchkit import Point, measure, router_proc, sim_proc, url
+from loadtest.bench.point import Point, measure
+from loadtest.bench.procs import router_proc, sim_proc, url
 from loadtest.job import REPO
 from loadtest.results import RowLabels
 from loadtest.sim.profile import PROFILE_DIR

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest import benchkit as kit
-from loadtest import profiling
+from loadtest.bench import procs, profiling
+from loadtest.bench.point import Point, measure
 from loadtest.job import REPO
 from loadtest.results import RowLabels, git_commit
 from router.config import LEG_CLIENTS, SERVERS, Settings
@@ -121,14 +121,14 @@ def _start(fleet: Fleet, proc: ManagedProcess) -> ManagedProcess:
 
 def _fronts(fleet: Fleet, plan: OverheadPlan, logs: Path, prof_out: Path | None) -> tuple[list[Front], str]:
     d_port = free_port()
-    fleet.start(kit.sim_proc("sim-zero-d", "decode", d_port, PROFILE, "both", logs))
+    fleet.start(procs.sim_proc("sim-zero-d", "decode", d_port, PROFILE, "both", logs))
     p_urls: dict[str, str] = {}
     for mode in ("push", "pull"):
         p_port = free_port()
-        fleet.start(kit.sim_proc(f"sim-zero-p-{mode}", "prefill", p_port, PROFILE, mode, logs))
-        p_urls[mode] = kit.url(p_port)
+        fleet.start(procs.sim_proc(f"sim-zero-p-{mode}", "prefill", p_port, PROFILE, mode, logs))
+        p_urls[mode] = procs.url(p_port)
     fleet.wait_all_healthy(timeout=60.0)
-    d_url = kit.url(d_port)
+    d_url = procs.url(d_port)
     fronts = [Front("direct", "direct", d_url, None, None)]
     for k in kvpush_fronts(plan):
         port, mode = free_port(), k.mode
@@ -136,19 +136,19 @@ def _fronts(fleet: Fleet, plan: OverheadPlan, logs: Path, prof_out: Path | None)
         out = prof_out if mode == "push" and k.default else None
         with _router_env(k):
             proc = _start(
-                fleet, kit.router_proc(k.name, port, mode, spec, d_url, logs, cprofile_to=out, flags=ROUTER_FLAGS)
+                fleet, procs.router_proc(k.name, port, mode, spec, d_url, logs, cprofile_to=out, flags=ROUTER_FLAGS)
             )
-        fronts.append(Front("kvpush", mode, kit.url(port), proc, p_urls[mode], k.leg_client, k.server))
-    binary = kit.vrouter_binary()
+        fronts.append(Front("kvpush", mode, procs.url(port), proc, p_urls[mode], k.leg_client, k.server))
+    binary = procs.vrouter_binary()
     if binary is None:
-        hint = f"pip install vllm-router=={kit.VROUTER_VERSION} into .venv-vrouter"
+        hint = f"pip install vllm-router=={procs.VROUTER_VERSION} into .venv-vrouter"
         print(f"overhead: vllm-router not found ({hint}); its rows are skipped")
         return fronts, d_url
     for mode in ("push", "pull"):
         port, prom = free_port(), free_port()
         name = f"vllm-router-{mode}"
-        proc = _start(fleet, kit.vrouter_proc(name, port, prom, p_urls[mode], d_url, logs, binary))
-        fronts.append(Front("vllm-router", mode, kit.url(port), proc, p_urls[mode]))
+        proc = _start(fleet, procs.vrouter_proc(name, port, prom, p_urls[mode], d_url, logs, binary))
+        fronts.append(Front("vllm-router", mode, procs.url(port), proc, p_urls[mode]))
     return fronts, d_url
 
 
@@ -217,7 +217,7 @@ def _point(
         if _is_profiled(front):
             extra["profiled"] = True
     labels = RowLabels("overhead", front.router, front.mode, "sim", None, conc, plan.input_len, plan.output_len, extra)
-    point = kit.Point(
+    point = Point(
         labels,
         front.base,
         n,
@@ -227,4 +227,4 @@ def _point(
         router_timings=front.leg_client is not None,
         legs_of=(front.p_url, d_url) if front.p_url else None,
     )
-    return kit.measure(point, run_dir, summary, progress, cpu_pid=front.proc.pid if front.proc else None)
+    return measure(point, run_dir, summary, progress, cpu_pid=front.proc.pid if front.proc else None)

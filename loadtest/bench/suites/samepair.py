@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.benchkit import measure_together, vllm_lock, vrouter_binary
-from loadtest.suite_cpu import (
+from loadtest.bench.point import measure_together
+from loadtest.bench.procs import vllm_lock, vrouter_binary
+from loadtest.bench.suites.cpu import (
     FAMILIES,
     MODEL_SIZE,
     Front,

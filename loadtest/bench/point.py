@@ -1,14 +1,10 @@
-"""Shared machinery of the benchmark suites: child processes (sims, routers), probes, one measured point."""
+"""One measured point of a suite: a load run against a front, its row in summary.json, and what the workers
+saw (KV sources, simulator fidelity, the order the legs arrived in)."""
 
 import asyncio
-import contextlib
-import fcntl
-import os
-import shutil
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -17,105 +13,11 @@ import httpx
 
 from loadtest import promtext
 from loadtest.arrivals import ArrivalSpec
+from loadtest.bench import procs
 from loadtest.job import REPO, Job, execute, execute_together
 from loadtest.results import RowLabels, append_rows, build_row, git_commit
 from loadtest.runner import LoadConfig, RunResult
 from loadtest.stats import Summary, paired_ttft
-from stack.procs import LOOPBACK, ManagedProcess, ProcessSpec
-from stack.routers import Router, router_spec
-
-VROUTER_VERSION = "0.1.17"
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
-def url(port: int) -> str:
-    return f"http://{LOOPBACK}:{port}"
-
-
-def sim_proc(
-    name: str, role: str, port: int, profile: str, kv_mode: str, log_dir: Path, write_at: str | None = None
-) -> ManagedProcess:
-    """A simulated engine; `write_at` (writes.WriteAt) is when a push P posts its WRITE (default: completing-step)."""
-    argv: tuple[str, ...] = (
-        sys.executable,
-        "-m",
-        "loadtest",
-        "sim",
-        "--role",
-        role,
-        "--port",
-        str(port),
-        "--profile",
-        profile,
-        "--engine-id",
-        name,
-        "--kv-mode",
-        kv_mode,
-        *(("--write-at", write_at) if write_at else ()),
-    )
-    return ManagedProcess(ProcessSpec(name, argv, _env(), log_dir / f"{name}.log", f"{url(port)}/health", REPO))
-
-
-def router_proc(
-    name: str,
-    port: int,
-    mode: str,
-    prefill: str,
-    decode: str,
-    log_dir: Path,
-    cprofile_to: Path | None = None,
-    flags: Sequence[str] = (),
-) -> ManagedProcess:
-    """Our router. `prefill` is a SPEC: URL or URL,engine_id=..,side_port=.. (see router's contract).
-
-    `cprofile_to`: run it under loadtest.profiled (SIGUSR1 starts cProfile, SIGUSR2 writes that file).
-    `flags`: further `kvpush serve` flags (a suite's own router settings).
-    """
-    runner = ("-m", "loadtest.profiled", str(cprofile_to)) if cprofile_to else ("-m",)
-    spec = router_spec(port, mode, [prefill], [decode], "--log-level", "warning", *flags, name=name, runner=runner)
-    return Router(spec, log_dir=log_dir)
-
-
-def vrouter_binary() -> str | None:
-    """vllm-router from $VLLM_ROUTER, the repo's .venv-vrouter, or PATH (in that order)."""
-    for candidate in (os.environ.get("VLLM_ROUTER"), str(REPO / ".venv-vrouter" / "bin" / "vllm-router")):
-        if candidate and Path(candidate).exists():
-            return candidate
-    return shutil.which("vllm-router")
-
-
-def vrouter_proc(
-    name: str, port: int, prom_port: int, prefill: str, decode: str, log_dir: Path, binary: str
-) -> ManagedProcess:
-    """vllm-router 0.1.17 in P/D mode with the NIXL connector (the anchors' flags, section 1)."""
-    argv = (
-        binary,
-        "--vllm-pd-disaggregation",
-        "--prefill",
-        prefill,
-        "--decode",
-        decode,
-        "--kv-connector",
-        "nixl",
-        "--host",
-        LOOPBACK,
-        "--port",
-        str(port),
-        "--policy",
-        "round_robin",
-        "--worker-startup-check-interval",
-        "1",
-        "--prometheus-port",
-        str(prom_port),
-        "--log-level",
-        "warning",
-    )
-    return ManagedProcess(ProcessSpec(name, argv, _env(), log_dir / f"{name}.log", f"{url(port)}/health", REPO))
 
 
 def scrape(base_url: str, timeout_s: float = 10.0) -> dict[promtext.Sample, float]:
@@ -148,40 +50,6 @@ def sim_fidelity(before: Mapping[promtext.Sample, float], after: Mapping[promtex
 def kv_external_frac(sources: Mapping[str, float]) -> float | None:
     total = sum(sources.values())
     return None if total <= 0 else sources.get("external_kv_transfer", 0.0) / total
-
-
-def group_cpu_seconds(pid: int) -> float:
-    """utime + stime of every live process in `pid`'s process group (Linux /proc)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pid:  # field 5 of stat: pgrp
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
-
-
-def group_peak_rss_mb(pid: int) -> float:
-    """Sum of VmHWM (peak resident set) over the group's live processes, in MiB."""
-    total_kb = 0
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) != pid:
-                continue
-            for line in (entry / "status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    total_kb += int(line.split()[1])
-        except OSError:
-            continue
-    return total_kb / 1024
 
 
 @dataclass(frozen=True)
@@ -254,15 +122,15 @@ def measure(
     job = _job(point, run_dir, progress)
     if cpu_pid:
         # read before the router timings are fetched: serving GET /debug/timings is the harness's cost
-        job = replace(job, on_loaded=lambda: cpu.append(group_cpu_seconds(cpu_pid)))
-        cpu.append(group_cpu_seconds(cpu_pid))
+        job = replace(job, on_loaded=lambda: cpu.append(procs.group_cpu_seconds(cpu_pid)))
+        cpu.append(procs.group_cpu_seconds(cpu_pid))
     since = time.monotonic()
     result, summary = asyncio.run(execute(job))
     extra: dict[str, Any] = dict(point.labels.extra) | dict(point.extra)
     if cpu_pid is not None and len(cpu) == 2:
         done = max(summary.n + point.warmup, 1)
         extra["cpu_s_per_1k"] = (cpu[1] - cpu[0]) / done * 1000
-        extra["peak_rss_mb"] = group_peak_rss_mb(cpu_pid)
+        extra["peak_rss_mb"] = procs.group_peak_rss_mb(cpu_pid)
     if p_before is not None and point.prefill_url:
         extra["sim_prefill_fidelity"] = sim_fidelity(p_before, scrape(point.prefill_url))
     if before is not None and point.decode_url:
@@ -343,7 +211,7 @@ def wire_order_or_note(
         return {"wire_order": wire_order(read(legs_of[0]), read(legs_of[1]), since)}
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
         note = f"/debug/legs unreadable: {type(exc).__name__}: {str(exc)[:200]}"
-        print(f"benchkit: {note}; the row records no wire order", file=sys.stderr)
+        print(f"bench.point: {note}; the row records no wire order", file=sys.stderr)
         return {"wire_order": None, "wire_order_note": note}
 
 
@@ -366,112 +234,4 @@ def wire_order(
     if gaps:
         out["d_after_p_ms_p50"] = gaps[len(gaps) // 2]
         out["d_after_p_ms_max"] = gaps[-1]
-    return out
-
-
-LOCK = Path("/tmp/kvpush-vllm.lock")
-
-
-def _ancestors() -> set[int]:
-    out, pid = set(), os.getppid()
-    while pid > 1 and pid not in out:
-        out.add(pid)
-        try:
-            pid = int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
-    return out
-
-
-def lock_held_by_ancestor(path: Path = LOCK) -> bool:
-    """True when a process above us (e.g. `flock /tmp/kvpush-vllm.lock ...`) holds an flock on `path` (/proc/locks)."""
-    try:
-        inode = path.stat().st_ino
-        table = Path("/proc/locks").read_text()
-    except OSError:
-        return False
-    mine = _ancestors()
-    for line in table.splitlines():
-        parts = line.split()
-        # "1: FLOCK  ADVISORY  WRITE 1234 00:2a:5678 0 EOF" (a "->" marks a blocked waiter)
-        if len(parts) < 6 or parts[1] != "FLOCK" or "->" in parts:
-            continue
-        try:
-            pid, ino = int(parts[4]), int(parts[5].rsplit(":", 1)[1])
-        except (ValueError, IndexError):
-            continue
-        if ino == inode and pid in mine:
-            return True
-    return False
-
-
-@contextlib.contextmanager
-def vllm_lock(path: Path = LOCK) -> Iterator[None]:
-    """The machine's one-vLLM-run-at-a-time lock; a no-op when an ancestor process already holds it."""
-    path.touch(exist_ok=True)
-    if lock_held_by_ancestor(path):
-        yield
-        return
-    with path.open("a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
-def _load(base_url: str, client: httpx.Client) -> float:
-    """Requests running + waiting on a vLLM engine (waiting includes those waiting for remote KV)."""
-    samples = promtext.parse(client.get(base_url.rstrip("/") + "/metrics", timeout=5.0).text)
-    return promtext.total(samples, "vllm:num_requests_running") + promtext.total(samples, "vllm:num_requests_waiting")
-
-
-def concurrency_probe(
-    front: str, p_url: str, d_url: str, prompt_tokens: int = 1500, polls: int = 2000
-) -> dict[str, Any]:
-    """Does `front` send D's leg while P is still prefilling? Seen from the engines, not from the front.
-
-    Two short requests first (vllm-router learns a push prefill's identity from its first answer). Then P's
-    prefill time of a long prompt, measured directly on P; then the same length through the front while only
-    D's /metrics is polled: `d_seen_ms` is when D first holds the request (running or waiting, which includes
-    waiting for remote KV). A sequential front cannot show it before P's prefill is done, so "concurrent" is
-    d_seen_ms < 0.75 x P's prefill time (D's own tokenization and the polls take some of it). Prompts start
-    with distinct words, so no prefix cache helps.
-    """
-    out: dict[str, Any] = {}
-    with httpx.Client(timeout=120.0) as c:
-        model = c.get(front.rstrip("/") + "/v1/models").json()["data"][0]["id"]
-        sample = "hello " * 100
-        count = c.post(p_url.rstrip("/") + "/tokenize", json={"model": model, "prompt": sample}).json()["count"]
-        words = max(int(prompt_tokens * 100 / max(int(count), 1)) - 8, 16)
-
-        def body(tag: str, n: int, max_tokens: int) -> dict[str, Any]:
-            return {"model": model, "prompt": f"{tag} " + "hello " * n, "max_tokens": max_tokens}
-
-        for i in range(2):
-            c.post(front.rstrip("/") + "/v1/completions", json=body(f"warm{i}-{time.time_ns()}", 16, 2))
-        t = time.monotonic()
-        r = c.post(p_url.rstrip("/") + "/v1/completions", json=body(f"direct-{time.time_ns()}", words, 1))
-        out["p_prefill_ms"] = 1000 * (time.monotonic() - t)
-        if r.status_code != 200:
-            return out | {"concurrent": False, "error": f"direct prefill: {r.status_code} {r.text[:200]}"}
-
-    def send() -> None:
-        with httpx.Client(timeout=120.0) as c:
-            r = c.post(front.rstrip("/") + "/v1/completions", json=body(f"probe-{time.time_ns()}", words, 2))
-            out["status"] = r.status_code
-
-    worker = threading.Thread(target=send, daemon=True)
-    with httpx.Client() as client:
-        t0 = time.monotonic()
-        worker.start()
-        for _ in range(polls):
-            if _load(d_url, client) > 0:
-                out["d_seen_ms"] = 1000 * (time.monotonic() - t0)
-                break
-            if not worker.is_alive():
-                break
-    worker.join(timeout=120.0)
-    seen = out.get("d_seen_ms")
-    out["concurrent"] = out.get("status") == 200 and seen is not None and seen < 0.75 * out["p_prefill_ms"]
     return out

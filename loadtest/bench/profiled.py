@@ -1,4 +1,4 @@
-"""Run a module under cProfile that is switched on and off by signals: `python -m loadtest.profiled OUT MODULE ARGS`.
+"""Run a module under cProfile switched on and off by signals: `python -m loadtest.bench.profiled OUT MODULE ARGS`.
 
 SIGUSR1 starts profiling (so start-up and imports stay out), SIGUSR2 stops it and writes OUT (pstats format).
 Used by the overhead suite to see where the router's time goes under load; the router itself is unchanged.
@@ -13,7 +13,7 @@ from types import FrameType
 
 def main(argv: list[str]) -> None:
     if len(argv) < 2:
-        raise SystemExit("usage: python -m loadtest.profiled OUT MODULE [ARGS...]")
+        raise SystemExit("usage: python -m loadtest.bench.profiled OUT MODULE [ARGS...]")
     out, module, args = argv[0], argv[1], argv[2:]
     prof = cProfile.Profile()
 

@@ -1,8 +1,7 @@
 """`loadtest bench`: run the suites, append their rows to summary.json, redraw plots and bench/README.md.
 
 Every suite is a module with FULL and SMOKE plans and `run(plan, run_dir, summary, progress, run_id)` (the
-shape is in loadtest/README.md); modules are imported when run, so a suite that has not landed yet (multiturn)
-is reported as missing instead of breaking the others.
+shape is in loadtest/README.md), named in `loadtest.bench.suites.SUITES` and imported when run.
 """
 
 import dataclasses
@@ -17,28 +16,15 @@ from typing import Any
 import httpx
 
 from loadtest import plots, report
+from loadtest.bench.suites import SUITES
 from loadtest.job import REPO
-from loadtest.results import SUITES, load_rows
+from loadtest.results import load_rows
 from stack.procs import StartupError
 
-MODULES = {
-    "seed-sim": "loadtest.suite_seed",
-    "cpu-vllm": "loadtest.suite_cpu",
-    "same-pair": "loadtest.suite_samepair",
-    "overhead": "loadtest.suite_overhead",
-    "multiturn": "loadtest.suite_multiturn",
-}
 
-
-def suite_module(name: str) -> ModuleType | None:
-    """The suite's module, or None while it does not exist (an import error inside it still raises)."""
-    target = MODULES[name]
-    try:
-        return importlib.import_module(target)
-    except ModuleNotFoundError as exc:
-        if exc.name == target:
-            return None
-        raise
+def suite_module(name: str) -> ModuleType:
+    """The suite's module (imported now: a suite pulls in the stack only when it runs)."""
+    return importlib.import_module(SUITES[name])
 
 
 def _parse(text: str, like: Any) -> Any:
@@ -78,7 +64,7 @@ def with_overrides(plan: Any, overrides: Sequence[str], strict: bool = True) -> 
 
 def _check_overrides(names: Sequence[str], smoke: bool, overrides: Sequence[str]) -> None:
     """With several suites, each override must name a field of at least one of their plans."""
-    plans = [getattr(m, "SMOKE" if smoke else "FULL") for n in names if (m := suite_module(n)) is not None]
+    plans = [getattr(suite_module(n), "SMOKE" if smoke else "FULL") for n in names]
     fields = {f.name for p in plans for f in dataclasses.fields(p)}
     for item in overrides:
         key = item.partition("=")[0].strip().replace("-", "_")
@@ -104,16 +90,11 @@ def run_suites(
     results_dir = results or (REPO / "bench" / "runs" / "smoke" if smoke else REPO / "bench" / "results")
     summary = results_dir / "summary.json"
     run_dir = REPO / "bench" / "runs" / run_id
-    names = SUITES if suite == "all" else (suite,)
+    names = tuple(SUITES) if suite == "all" else (suite,)
     _check_overrides(names, smoke, overrides)
     failed: list[str] = []
     for name in names:
         module = suite_module(name)
-        if module is None:
-            print(f"== {name}: skipped ({MODULES[name]} is not in this tree yet)")
-            if suite != "all":
-                failed.append(name)
-            continue
         plan = with_overrides(getattr(module, "SMOKE" if smoke else "FULL"), overrides, strict=len(names) == 1)
         print(f"== {name} ({'smoke' if smoke else 'full'}) run {run_id}: {plan}; data and logs in {run_dir}")
         try:

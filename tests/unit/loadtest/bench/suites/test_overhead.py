@@ -5,9 +5,9 @@ from dataclasses import replace
 
 import pytest
 
-from loadtest import suite_overhead
-from loadtest.bench import with_overrides
-from loadtest.suite_overhead import FULL, KvpushFront, kvpush_fronts
+from loadtest.bench.run import with_overrides
+from loadtest.bench.suites import overhead as suite_overhead
+from loadtest.bench.suites.overhead import FULL, KvpushFront, kvpush_fronts
 
 
 def test_by_default_one_push_and_one_pull_front_on_the_default_client_and_server() -> None:

@@ -2,7 +2,8 @@
 
 import pytest
 
-from loadtest import bench, suite_cpu
+from loadtest.bench import run as bench
+from loadtest.bench.suites import cpu as suite_cpu
 
 
 def test_every_pair_boots_by_default_in_the_suites_order() -> None:

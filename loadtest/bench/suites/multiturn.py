@@ -31,7 +31,8 @@ from typing import Any
 import httpx
 
 from loadtest import multiturn, promtext, report_multiturn
-from loadtest.benchkit import kv_sources, scrape, url, vllm_lock, vrouter_binary
+from loadtest.bench.point import kv_sources, scrape
+from loadtest.bench.procs import url, vllm_lock, vrouter_binary
 from loadtest.job import REPO
 from loadtest.records import write_jsonl
 from loadtest.results import RowLabels, append_rows, build_row, git_commit

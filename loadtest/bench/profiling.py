@@ -51,7 +51,7 @@ BY_FILE: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("tasks + event loop", ("asyncio/", "uvloop", "selectors.py", "contextvars", "_weakrefset.py")),
     ("copies (deepcopy, dataclass asdict)", ("/copy.py", "/dataclasses.py")),
-    ("profiler switch", ("loadtest/profiled.py",)),
+    ("profiler switch", ("loadtest/bench/profiled.py",)),
 )
 BY_BUILTIN: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("parse + shaping (protocol, JSON)", ("json", "msgspec", "orjson", "loads", "dumps", "encode", "decode")),

@@ -4,7 +4,7 @@ import cProfile
 import json
 from pathlib import Path
 
-from loadtest import profiling
+from loadtest.bench import profiling
 
 
 def test_categories_follow_the_file_or_the_builtin_name() -> None:

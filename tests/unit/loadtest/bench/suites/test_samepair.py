@@ -5,9 +5,10 @@ from typing import Any
 
 import pytest
 
-from loadtest import bench, suite_samepair
-from loadtest.benchkit import Point
-from loadtest.suite_cpu import FAMILIES, Front
+from loadtest.bench import run as bench
+from loadtest.bench.point import Point
+from loadtest.bench.suites import samepair as suite_samepair
+from loadtest.bench.suites.cpu import FAMILIES, Front
 from stack.engines import Engine, EngineSpec, Role
 
 PORTS: tuple[tuple[Role, int], ...] = (

@@ -10,7 +10,7 @@ neighbour either by connector (same front) or by front (same pair).
 Every QPS point runs `repeats` times; even repeats take the fronts in one order, odd repeats in the reverse
 order, so drift on these shared cores shows up as spread between repeats, not as a difference between fronts.
 `pairs` picks which pairs boot (all three by default; `--set pairs=kvpush-push` runs one).
-Holds the machine's vLLM lock throughout (benchkit.vllm_lock). Every row records decode's prompt tokens by
+Holds the machine's vLLM lock throughout (procs.vllm_lock). Every row records decode's prompt tokens by
 source, to show the KV arrived by transfer.
 """
 
@@ -19,16 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.benchkit import (
-    Point,
-    concurrency_probe,
-    measure,
-    router_proc,
-    url,
-    vllm_lock,
-    vrouter_binary,
-    vrouter_proc,
-)
+from loadtest.bench.point import Point, measure
+from loadtest.bench.probes import concurrency_probe
+from loadtest.bench.procs import router_proc, url, vllm_lock, vrouter_binary, vrouter_proc
 from loadtest.results import RowLabels
 from stack.engines import Engine, Fleet
 from stack.family import PdFamily, pd_family, start_family
@@ -151,7 +144,7 @@ def run(plan: CpuPlan, run_dir: Path, summary: Path, progress: bool, run_id: str
 
 
 def probe_legs(front: Front, prompt_tokens: int) -> dict[str, Any]:
-    """The startup concurrency probe of a push front (benchkit.concurrency_probe), printed and returned."""
+    """The startup concurrency probe of a push front (probes.concurrency_probe), printed and returned."""
     result = concurrency_probe(front.base, front.p.url, front.d.url, prompt_tokens=prompt_tokens)
     state = "concurrent" if result.get("concurrent") else "NOT concurrent"
     print(f"cpu-vllm: {front.router} on {front.family.label}: legs {state} ({result})")

@@ -1,19 +1,18 @@
 import asyncio
-import os
 from pathlib import Path
 
 import httpx
 import pytest
 
-from loadtest import benchkit, timings
 from loadtest import job as job_module
-from loadtest.benchkit import group_cpu_seconds, group_peak_rss_mb, kv_external_frac, kv_sources, sim_fidelity
+from loadtest import timings
+from loadtest.bench import point, procs
+from loadtest.bench.point import kv_external_frac, kv_sources, sim_fidelity
 from loadtest.job import Job
 from loadtest.promtext import parse
 from loadtest.results import RowLabels
 from loadtest.runner import LoadConfig, RunResult
 from loadtest.stats import Summary, summarize
-from loadtest.suite_seed import FULL, SMOKE
 
 BEFORE = parse(
     'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"} 100\n'
@@ -42,51 +41,12 @@ def test_sim_fidelity_is_lag_per_step_and_share_of_modeled_time() -> None:
     assert sim_fidelity(BEFORE, BEFORE) == {}
 
 
-def test_own_process_group_has_cpu_time_and_memory() -> None:
-    pgid = os.getpgid(0)
-    assert group_cpu_seconds(pgid) > 0
-    assert group_peak_rss_mb(pgid) > 0
-
-
-def test_seed_plan_sizes_points_by_rate() -> None:
-    assert FULL.n_for(0.5) == 40 and FULL.n_for(2.0) == 60 and FULL.n_for(8.0) == 120
-    assert FULL.input_len == 16384 and 8.0 in FULL.qps
-    assert SMOKE.n_for(1.0) == 3 and SMOKE.n_for(2.0) == 4
-
-
 def test_wire_order_joins_p_and_d_legs_by_key_after_since() -> None:
     p = [("old", "prefill", 1.0), ("a", "prefill", 10.0), ("b", "prefill", 11.0)]
     d = [("old", "pull", 1.5), ("a", "push", 10.0002), ("b", "push", 11.0005), ("c", "push", 12.0)]
-    out = benchkit.wire_order(p, d, since=5.0)
+    out = point.wire_order(p, d, since=5.0)
     assert out["joined"] == 2 and out["d_kinds"] == {"push": 3}
     assert abs(out["d_after_p_ms_max"] - 0.5) < 1e-6
-
-
-def test_the_vllm_lock_is_not_taken_twice_under_an_ancestor_that_holds_it(tmp_path: Path) -> None:
-    lock = tmp_path / "l.lock"
-    assert not benchkit.lock_held_by_ancestor(lock)
-    with benchkit.vllm_lock(lock):  # nobody holds it: taken here
-        assert lock.exists()
-
-
-def test_a_child_of_flock_sees_the_lock_as_held_and_does_not_take_it_again(tmp_path: Path) -> None:
-    """`flock FILE python ...` (the team's wrapper) must not deadlock a suite that takes the same lock."""
-    import shutil
-    import subprocess
-    import sys
-
-    if shutil.which("flock") is None:
-        pytest.skip("no flock(1)")
-    lock = tmp_path / "l.lock"
-    code = (
-        "import sys; from pathlib import Path; from loadtest import benchkit as b; p = Path(sys.argv[1]); "
-        "held = b.lock_held_by_ancestor(p)\nwith b.vllm_lock(p): print(held)"
-    )
-    out = subprocess.run(
-        ["flock", str(lock), sys.executable, "-c", code, str(lock)], capture_output=True, text=True, timeout=30
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "True"
 
 
 def test_an_unreadable_leg_log_is_noted_in_the_row_and_does_not_end_the_run() -> None:
@@ -99,23 +59,17 @@ def test_an_unreadable_leg_log_is_noted_in_the_row_and_does_not_end_the_run() ->
             raise httpx.ReadTimeout("timed out")
         return logs[url]
 
-    noted = benchkit.wire_order_or_note(("http://p", "http://d"), 5.0, read=starved)
+    noted = point.wire_order_or_note(("http://p", "http://d"), 5.0, read=starved)
     assert noted["wire_order"] is None and "ReadTimeout" in noted["wire_order_note"]
-    fine = benchkit.wire_order_or_note(("http://p", "http://d"), 5.0, read=logs.__getitem__)
-    assert fine == {"wire_order": benchkit.wire_order(logs["http://p"], logs["http://d"], 5.0)}
-
-
-def test_a_suite_s_router_flags_reach_the_router_command(tmp_path: Path) -> None:
-    proc = benchkit.router_proc("r", 8123, "push", "http://p", "http://d", tmp_path, flags=("--timeout", "health=10"))
-    argv = proc.spec.argv
-    assert argv[-4:] == ("--log-level", "warning", "--timeout", "health=10")
+    fine = point.wire_order_or_note(("http://p", "http://d"), 5.0, read=logs.__getitem__)
+    assert fine == {"wire_order": point.wire_order(logs["http://p"], logs["http://d"], 5.0)}
 
 
 def test_fronts_loaded_together_need_distinct_labels_and_are_refused_before_any_load(tmp_path: Path) -> None:
     labels = RowLabels("same-pair", "kvpush", "push", "sim", 4.0, None, 64, 4)
-    twins = [benchkit.Point(labels, "http://127.0.0.1:9", 3, seed=k) for k in range(2)]
+    twins = [point.Point(labels, "http://127.0.0.1:9", 3, seed=k) for k in range(2)]
     with pytest.raises(ValueError, match="distinct labels"):
-        benchkit.measure_together(twins, tmp_path, tmp_path / "summary.json", progress=False)
+        point.measure_together(twins, tmp_path, tmp_path / "summary.json", progress=False)
     assert not (tmp_path / "summary.json").exists()
 
 
@@ -124,19 +78,19 @@ def test_the_fronts_cpu_is_read_when_the_load_is_done_not_after_the_harness_read
 ) -> None:
     """Serving GET /debug/timings (thousands of records) is the harness's cost, which vllm-router never pays."""
     readings = iter((10.0, 12.0, 50.0))  # before the load, when it is done, after the timings were read
-    monkeypatch.setattr(benchkit, "group_cpu_seconds", lambda pid: next(readings))
-    monkeypatch.setattr(benchkit, "group_peak_rss_mb", lambda pid: 1.0)
+    monkeypatch.setattr(procs, "group_cpu_seconds", lambda pid: next(readings))
+    monkeypatch.setattr(procs, "group_peak_rss_mb", lambda pid: 1.0)
 
     async def execute(job: Job) -> tuple[RunResult, Summary]:
         assert job.on_loaded is not None
         job.on_loaded()  # the load is done ...
-        benchkit.group_cpu_seconds(1)  # ... then the router timings are fetched (more CPU on the router)
+        procs.group_cpu_seconds(1)  # ... then the router timings are fetched (more CPU on the router)
         return RunResult([], 1.0, []), summarize([], 1.0)
 
-    monkeypatch.setattr(benchkit, "execute", execute)
+    monkeypatch.setattr(point, "execute", execute)
     labels = RowLabels("overhead", "kvpush", "push", "sim", None, 1, 64, 4)
-    point = benchkit.Point(labels, "http://127.0.0.1:9", 0, seed=1, warmup=1, router_timings=True)
-    row = benchkit.measure(point, tmp_path, tmp_path / "summary.json", False, cpu_pid=1)
+    measured = point.Point(labels, "http://127.0.0.1:9", 0, seed=1, warmup=1, router_timings=True)
+    row = point.measure(measured, tmp_path, tmp_path / "summary.json", False, cpu_pid=1)
     assert row["cpu_s_per_1k"] == pytest.approx(2.0 / 1 * 1000)  # (12 - 10) s over the 1 warm-up request
 
 
