@@ -15,10 +15,10 @@ from typing import Any
 
 import httpx
 
-from loadtest import plots, report
 from loadtest.bench.suites import SUITES
 from loadtest.job import REPO
-from loadtest.results import load_rows
+from loadtest.report import plots, readme
+from loadtest.results import latest, latest_what_if, load_rows
 from stack.procs import StartupError
 
 
@@ -107,13 +107,13 @@ def run_suites(
             failed.append(name)
     rows_all = load_rows(summary)
     for name in names:
-        for path in plots.suite_plots(name, report.latest(rows_all, name), results_dir):
+        for path in plots.suite_plots(name, latest(rows_all, name), results_dir):
             print(f"   plot {path}")
-        what_if = report.latest_what_if(rows_all) if name == "seed-sim" else []
+        what_if = latest_what_if(rows_all) if name == "seed-sim" else []
         for path in plots.suite_plots(name, what_if, results_dir, prefix="seed-sim-whatif"):
             print(f"   plot {path}")
     results_dir.mkdir(parents=True, exist_ok=True)
-    readme = results_dir / "README.md" if smoke or results is not None else REPO / "bench" / "README.md"
-    readme.write_text(report.render(rows_all, results_dir), encoding="utf-8")
-    print(f"== report {readme}")
+    readme_path = results_dir / "README.md" if smoke or results is not None else REPO / "bench" / "README.md"
+    readme_path.write_text(readme.render(rows_all, results_dir), encoding="utf-8")
+    print(f"== report {readme_path}")
     return 1 if failed else 0

@@ -11,7 +11,7 @@ P runs on core 0, both decodes share core 1. Every engine reports cached tokens 
 (--enable-prompt-tokens-details) and runs with VLLM_SERVER_DEV_MODE=1, so the prefix caches are reset
 (POST /reset_prefix_cache) before each front: no front profits from an earlier front's turns. The plan's `repeats`
 (2 by default) each take new sessions (seed + repeat) and, every other time, the fronts in reverse order, so that
-drift on the shared cores shows as spread between repeats (loadtest/report_multiturn.py folds them: median and
+drift on the shared cores shows as spread between repeats (loadtest/report/multiturn.py folds them: median and
 range, targets judged on the ratio within each repeat). One row per front and repeat:
 TTFT per turn index, TTFT over turns >= 2, TPOT, decode's prompt tokens by source (both decodes summed), the
 share of an ideal router's reusable tokens that were local cache hits on decode, how many answers equal the
@@ -30,11 +30,12 @@ from typing import Any
 
 import httpx
 
-from loadtest import multiturn, promtext, report_multiturn
+from loadtest import multiturn, promtext
 from loadtest.bench.point import kv_sources, scrape
 from loadtest.bench.procs import url, vllm_lock, vrouter_binary
 from loadtest.job import REPO
 from loadtest.records import write_jsonl
+from loadtest.report import multiturn as report_multiturn
 from loadtest.results import RowLabels, append_rows, build_row, git_commit
 from loadtest.stats import summarize
 from stack.engines import Engine, Fleet
@@ -46,7 +47,6 @@ from stack.routers import Router, router_spec
 DETAILS = "--enable-prompt-tokens-details"
 CONNECTORS = {"upstream-push": ("NixlPushConnector", None), "kvpush-push": ("KvpushConnector", "connector.plugin")}
 FRONTS = ("kvpush", "kvpush-decider", "vllm-router")  # the first one is the answers' reference
-section = report_multiturn.section  # bench/README.md's multiturn part (loadtest/report.py looks it up here)
 
 
 @dataclass(frozen=True)

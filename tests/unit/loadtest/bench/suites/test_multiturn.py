@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from loadtest import multiturn, promtext
-from loadtest import report_multiturn as report
 from loadtest.bench.suites import multiturn as suite
+from loadtest.report import multiturn as report
 
 # what prometheus_client renders for the decider collector's counters (a counter gets the `_total` suffix)
 METRICS = """\

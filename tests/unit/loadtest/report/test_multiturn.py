@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from loadtest import report_multiturn as report
 from loadtest.bench.suites import multiturn as suite
+from loadtest.report import multiturn as report
 
 
 def row(front: str, repeat: int, later: float, first: float = 100.0, **extra: Any) -> dict[str, Any]:

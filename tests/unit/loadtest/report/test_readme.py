@@ -1,6 +1,7 @@
 from typing import Any
 
-from loadtest.report import latest, latest_what_if, render
+from loadtest.report.readme import render
+from loadtest.results import latest, latest_what_if
 
 
 def row(suite: str, router: str, mode: str, run_id: str, ttft: float, **kw: Any) -> dict[str, Any]:

@@ -4,8 +4,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from loadtest import report_cpu, report_overhead, report_sim
-from loadtest.reportkit import Verdict, agg, verdict_table
+from loadtest.report import cpu as report_cpu
+from loadtest.report import overhead as report_overhead
+from loadtest.report import seed as report_sim
+from loadtest.report.kit import Verdict, agg, verdict_table
 
 
 def dist(v: float) -> dict[str, float]:

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtest.reportkit import Agg, Row, Verdict, agg, agg_of, group, verdict_table
+from loadtest.report.kit import Agg, Row, Verdict, agg, agg_of, group, verdict_table
 from router.config import Settings
 
 

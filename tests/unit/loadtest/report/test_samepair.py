@@ -2,8 +2,9 @@
 
 from typing import Any
 
-from loadtest import report, report_samepair
-from tests.unit.loadtest.test_report_targets import cpu_row
+from loadtest.report import readme as report
+from loadtest.report import samepair as report_samepair
+from tests.unit.loadtest.report.test_targets import cpu_row
 
 
 def row(router: str, conn: str, qps: float, rep: int, ttft: float, diff: float = 0.0) -> dict[str, Any]:

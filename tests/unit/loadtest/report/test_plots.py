@@ -2,8 +2,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from loadtest.plots import suite_plots
 from loadtest.records import RequestRecord, write_jsonl
+from loadtest.report.plots import suite_plots
 
 
 def row(mode: str, qps: float, records: Path) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 
 from typing import Any
 
-from loadtest import report_overhead
-from tests.unit.loadtest.test_report_targets import over_row
+from loadtest.report import overhead as report_overhead
+from tests.unit.loadtest.report.test_targets import over_row
 
 
 def test_a_kvpush_front_on_another_server_is_its_own_row_and_stays_out_of_the_targets() -> None:
