@@ -50,7 +50,7 @@ def _add_sim(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--role", choices=("prefill", "decode", "both"), required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
-    p.add_argument("--profile", default="zero", help="a name under loadtest/profiles/ or a YAML path")
+    p.add_argument("--profile", default="zero", help="a name under loadtest/sim/profiles/ or a YAML path")
     p.add_argument("--engine-id", default="", help="default: sim-<role>-<port>")
     p.add_argument("--model", default="sim", help="served model name")
     p.add_argument(
@@ -172,8 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _calibrate(a: argparse.Namespace) -> int:
-    from loadtest import calibrate
     from loadtest.job import REPO
+    from loadtest.sim import calibrate
     from loadtest.sim.profile import PROFILE_DIR
 
     results = a.results or REPO / "bench" / "results"

@@ -4,7 +4,8 @@ same push pair)."""
 
 from collections.abc import Sequence
 
-from loadtest.report.kit import Row, Verdict, agg, agg_of, cell, fmt, group, kv_ext_pct, verdict_table
+from loadtest.report.kit import Verdict, agg, agg_of, cell, fmt, group, kv_ext_pct, verdict_table
+from loadtest.results import Row
 
 OURS, UPSTREAM, PULL = "kvpush-push", "upstream-push", "upstream-pull"
 

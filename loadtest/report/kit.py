@@ -4,7 +4,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-Row = dict[str, Any]
+from loadtest.results import Row
 
 
 def stat(row: Row | None, metric: str, name: str) -> float | None:

@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtest.report.kit import Agg, Row, Verdict, agg, agg_of, group, verdict_table
+from loadtest.report.kit import Agg, Verdict, agg, agg_of, group, verdict_table
+from loadtest.results import Row
 from router.config import Settings
 
 

@@ -6,8 +6,7 @@ from typing import Any
 
 from loadtest.job import REPO
 from loadtest.records import RequestRecord, read_jsonl
-
-Row = dict[str, Any]
+from loadtest.results import Row
 
 
 def _pyplot() -> Any:

@@ -4,7 +4,8 @@ from collections.abc import Sequence
 
 from loadtest.report.cpu import issue9_verdicts
 from loadtest.report.cpu import paired_lines as repeat_lines
-from loadtest.report.kit import Row, agg, agg_of, cell, group, kv_ext_pct, verdict_table
+from loadtest.report.kit import agg, agg_of, cell, group, kv_ext_pct, verdict_table
+from loadtest.results import Row
 
 
 def table(rows: Sequence[Row]) -> list[str]:

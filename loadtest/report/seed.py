@@ -107,7 +107,7 @@ def calibration_section(path: Path | None) -> list[str]:
         f"exceed {100 * d.get('max_rho', 1.0):.0f} % of its time: no steady state, the mean TTFT would grow with the "
         f"run's length). P's utilisation at the fit: {100 * d.get('rho', float('nan')):.0f} %. "
         f"Only the pull row was fitted; FITTED: {fitted}. Profile: "
-        "`loadtest/profiles/qwen3-32b-h200-calibrated.yaml` (the a-priori one is unchanged). An `mfu` above 1.0 is "
+        "`loadtest/sim/profiles/qwen3-32b-h200-calibrated.yaml` (the a-priori one is unchanged). An `mfu` above 1.0 is "
         "more compute than the H200's BF16 dense peak: the seed's P must have run FP8 or computed fewer prompt "
         "tokens than 16k (prefix hits); with BF16 at mfu <= 1, one P cannot prefill 8 x 16k tokens per second.",
         "",
@@ -262,7 +262,7 @@ def seed_section(rows: Sequence[Row], prefix: str = "seed-sim") -> list[str]:
     by = {(r["qps"], r["mode"]): r for r in rows}
     out = [
         f"Simulator profile `{rows[0].get('profile')}` (a-priori numbers and their sources: "
-        "`loadtest/profiles/qwen3-32b-h200.yaml`), 1 prefill + 1 decode simulated engine, our router in each mode, "
+        "`loadtest/sim/profiles/qwen3-32b-h200.yaml`), 1 prefill + 1 decode simulated engine, our router in each mode, "
         f"{rows[0]['input_len']}-token prompts, {rows[0]['output_len']} output tokens, Poisson arrivals (same seed "
         "for both modes at a point). Ratios are pull / push: above 1 means push is better.",
         "",

@@ -4,7 +4,7 @@ Four stacks run side by side, each behind its own kvpush router: pull (P states 
 push stacks that differ only in when P posts its WRITE (writes.WriteAt): `upstream-push` (vLLM's
 NixlPushConnector: one P step late), `kvpush-push` (in the completing step), `kvpush-progressive` (per chunked
 prefill step). At every QPS point all stacks get the same arrival seed; their order rotates. The full run
-also calibrates (loadtest/calibrate.py, virtual time): calibration.json next to summary.json, and the
+also calibrates (loadtest/sim/calibrate.py, virtual time): calibration.json next to summary.json, and the
 calibrated profile next to the a-priori one.
 """
 
@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest import calibrate
 from loadtest.bench.point import Point, measure
 from loadtest.bench.procs import router_proc, sim_proc, url
 from loadtest.job import REPO
 from loadtest.results import RowLabels
+from loadtest.sim import calibrate
 from loadtest.sim.profile import PROFILE_DIR
 from loadtest.sim.writes import CONNECTOR_WRITE_AT
 from stack.engines import Fleet, prefill_arg

@@ -185,7 +185,7 @@ def calibrated_yaml(apriori_text: str, values: Mapping[str, float], fit_error: f
     """The a-priori YAML with each fitted number replaced and marked FITTED (its a-priori value kept in the note)."""
     lines = apriori_text.splitlines()
     out = [
-        f"# CALIBRATED copy of {APRIORI}.yaml, written by `python -m loadtest calibrate` (loadtest/calibrate.py).",
+        f"# CALIBRATED copy of {APRIORI}.yaml, written by `python -m loadtest calibrate` (loadtest/sim/calibrate.py).",
         "# Only the numbers marked FITTED differ: fitted to the seed's PULL row (TTFT mean 1744 ms, TPOT mean 10.4 ms",
         f"# at 8 QPS, 16k prompts, 1P1D); squared log error of the fit {fit_error:.4f}. The push row is not fitted.",
     ]

@@ -4,8 +4,7 @@ from pathlib import Path
 
 import yaml
 
-from loadtest import calibrate
-from loadtest.sim import pair
+from loadtest.sim import calibrate, pair
 from loadtest.sim.profile import PROFILE_DIR, from_mapping
 
 TEXT = (PROFILE_DIR / f"{calibrate.APRIORI}.yaml").read_text(encoding="utf-8")
