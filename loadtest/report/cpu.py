@@ -33,7 +33,7 @@ def _med(rows: Sequence[Row], metric: str, name: str) -> float | None:
     return None if a is None else a.med
 
 
-def issue8_verdicts(rows: Sequence[Row]) -> list[Verdict]:
+def connector_verdicts(rows: Sequence[Row]) -> list[Verdict]:
     """Our connector against upstream push and pull, all through kvpush, medians over the repeats."""
     by = group([r for r in rows if r["router"] == "kvpush"], "qps", "connector")
     out: list[Verdict] = []
@@ -80,7 +80,7 @@ def issue8_verdicts(rows: Sequence[Row]) -> list[Verdict]:
     return out
 
 
-def issue9_verdicts(rows: Sequence[Row]) -> list[Verdict]:
+def router_verdicts(rows: Sequence[Row]) -> list[Verdict]:
     """kvpush TTFT p50 <= vllm-router's on the same push pair (upstream's connector and ours), every point."""
     by = group([r for r in rows if r["mode"] == "push"], "qps", "connector", "router")
     out: list[Verdict] = []
@@ -165,11 +165,11 @@ def cpu_section(rows: Sequence[Row]) -> list[str]:
         "",
         "### Issue 8 targets: our connector vs upstream push and pull (all through kvpush, medians of repeats)",
         "",
-        *verdict_table(issue8_verdicts(rows)),
+        *verdict_table(connector_verdicts(rows)),
         "",
         "### Issue 9 target: kvpush vs vllm-router on the same push pair",
         "",
-        *verdict_table(issue9_verdicts(rows)),
+        *verdict_table(router_verdicts(rows)),
         "",
         *[line for text in paired_lines(rows) for line in (text, "")],
         "![cpu-vllm](results/cpu-vllm.png)",

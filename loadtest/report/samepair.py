@@ -2,8 +2,8 @@
 
 from collections.abc import Sequence
 
-from loadtest.report.cpu import issue9_verdicts
 from loadtest.report.cpu import paired_lines as repeat_lines
+from loadtest.report.cpu import router_verdicts
 from loadtest.report.kit import agg, agg_of, cell, group, kv_ext_pct, verdict_table
 from loadtest.results import Row
 
@@ -77,7 +77,7 @@ def section(rows: Sequence[Row]) -> list[str]:
         "",
         "### Issue 9 target: kvpush vs vllm-router on the same push pair, at once (medians of repeats)",
         "",
-        *verdict_table(issue9_verdicts(rows)),
+        *verdict_table(router_verdicts(rows)),
         "",
         *[line for text in paired_lines(rows) for line in (text, "")],
         *[line for text in repeat_lines(rows, "At once, per repeat") for line in (text, "")],

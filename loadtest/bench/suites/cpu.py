@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loadtest.bench.fronts import Front
 from loadtest.bench.point import Point, measure
 from loadtest.bench.probes import concurrency_probe
 from loadtest.bench.procs import router_proc, url, vllm_lock, vrouter_binary, vrouter_proc
@@ -87,15 +88,6 @@ FULL = CpuPlan(1024, 64, (0.5, 1.5, 3.0, 4.5, 6.0, 8.0), requests=40, warmup=2, 
 SMOKE = CpuPlan(256, 8, (1.0,), requests=3, warmup=0)
 
 
-@dataclass(frozen=True)
-class Front:
-    router: str
-    family: Family
-    base: str
-    p: Engine
-    d: Engine
-
-
 def pair_family(family: Family, model: Path) -> PdFamily:
     """One prefill (core 0, engine id `vllm-{label}-p0`) and one decode (core 1) on the family's connector."""
     return pd_family(f"vllm-{family.label}", model, family.connector, module=family.module)
@@ -107,13 +99,13 @@ def start_fronts(fleet: Fleet, family: Family, p: Engine, d: Engine, logs: Path,
     port = free_port()
     proc = fleet.start(router_proc(f"router-{tag}", port, mode, p.engine_spec.prefill_arg(), d.url, logs))
     proc.wait_healthy(timeout=60.0)
-    out = [Front("kvpush", family, url(port), p, d)]
+    out = [Front("kvpush", mode, url(port), proc, p.url, d.url, family.label)]
     binary = vrouter_binary() if vrouter else None
     if binary is not None:
         port, prom = free_port(), free_port()
         proc = fleet.start(vrouter_proc(f"vllm-router-{tag}", port, prom, p.url, d.url, logs, binary))
         proc.wait_healthy(timeout=120.0)
-        out.append(Front("vllm-router", family, url(port), p, d))
+        out.append(Front("vllm-router", mode, url(port), proc, p.url, d.url, family.label))
     elif vrouter:
         print("cpu-vllm: vllm-router not found (.venv-vrouter); its rows are skipped")
     return out
@@ -131,23 +123,23 @@ def run(plan: CpuPlan, run_dir: Path, summary: Path, progress: bool, run_id: str
             pair = start_family(fleet, pair_family(family, model), timeout=600.0)
             engines[family.label] = (pair.prefills[0], pair.decode)
         fronts = [f for fam in plan.families for f in start_fronts(fleet, fam, *engines[fam.label], logs, plan.vrouter)]
-        probes = {
-            (f.router, f.family.label): probe_legs(f, plan.probe_tokens) for f in fronts if f.family.mode == "push"
-        }
+        probes = {(f.router, f.connector): probe_legs(f, plan.probe_tokens) for f in fronts if f.mode == "push"}
         for i, qps in enumerate(plan.qps):
             for rep in range(plan.repeats):
                 order = fronts if rep % 2 == 0 else fronts[::-1]
                 for j, front in enumerate(order):
-                    probe = probes.get((front.router, front.family.label))
+                    probe = probes.get((front.router, front.connector))
                     rows.append(_point(front, plan, qps, i, rep, j, probe, run_id, run_dir, summary, progress))
     return rows
 
 
 def probe_legs(front: Front, prompt_tokens: int) -> dict[str, Any]:
     """The startup concurrency probe of a push front (probes.concurrency_probe), printed and returned."""
-    result = concurrency_probe(front.base, front.p.url, front.d.url, prompt_tokens=prompt_tokens)
+    if front.p_url is None or front.d_url is None:
+        raise ValueError(f"cpu-vllm: {front.router} has no pair behind it to probe")
+    result = concurrency_probe(front.base, front.p_url, front.d_url, prompt_tokens=prompt_tokens)
     state = "concurrent" if result.get("concurrent") else "NOT concurrent"
-    print(f"cpu-vllm: {front.router} on {front.family.label}: legs {state} ({result})")
+    print(f"cpu-vllm: {front.router} on {front.connector}: legs {state} ({result})")
     return result
 
 
@@ -174,8 +166,7 @@ def _point(
 
 
 def front_labels(suite: str, front: Front, qps: float, input_len: int, output_len: int) -> RowLabels:
-    fam = front.family
-    return RowLabels(suite, front.router, fam.mode, fam.label, qps, None, input_len, output_len)
+    return RowLabels(suite, front.router, front.mode, front.connector, qps, None, input_len, output_len)
 
 
 def engine_point(
@@ -189,9 +180,9 @@ def engine_point(
         seed=seed,
         warmup=warmup,
         tokenizer="server",
-        tokenizer_url=front.p.url,
+        tokenizer_url=front.p_url,
         router_timings=front.router == "kvpush",
-        decode_url=front.d.url,
+        decode_url=front.d_url,
         timeout_s=120.0,
         extra=extra,
         **more,

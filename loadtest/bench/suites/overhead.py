@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.bench import procs, profiling
+from loadtest.bench.fronts import Front
 from loadtest.bench.point import Point, measure
 from loadtest.job import REPO
 from loadtest.results import RowLabels, git_commit
@@ -60,18 +61,7 @@ SMOKE = OverheadPlan(32, 4, ((1, 5), (4, 8)), repeats=1)
 
 
 @dataclass(frozen=True)
-class Front:
-    router: str
-    mode: str
-    base: str
-    proc: ManagedProcess | None
-    p_url: str | None  # the simulated P behind it (for wire_order)
-    leg_client: str | None = None  # kvpush only
-    server: str | None = None  # kvpush only
-
-
-@dataclass(frozen=True)
-class KvpushFront:
+class KvpushVariant:
     """One kvpush router the suite starts: its mode, leg client and HTTP server."""
 
     mode: str
@@ -88,17 +78,17 @@ class KvpushFront:
         return "-".join([f"router-{self.mode}", *tags])
 
 
-def kvpush_fronts(plan: OverheadPlan) -> list[KvpushFront]:
+def kvpush_fronts(plan: OverheadPlan) -> list[KvpushVariant]:
     """A push front per leg client and server the plan names, then one pull front on the defaults."""
     for what, names, known in (("leg_clients", plan.leg_clients, LEG_CLIENTS), ("servers", plan.servers, SERVERS)):
         if not names or set(names) - set(known):
             raise ValueError(f"overhead: {what} must name some of {', '.join(known)}, got {names}")
-    push = [KvpushFront("push", c, s) for s in dict.fromkeys(plan.servers) for c in dict.fromkeys(plan.leg_clients)]
-    return [*push, KvpushFront("pull", Settings.leg_client, Settings.server)]
+    push = [KvpushVariant("push", c, s) for s in dict.fromkeys(plan.servers) for c in dict.fromkeys(plan.leg_clients)]
+    return [*push, KvpushVariant("pull", Settings.leg_client, Settings.server)]
 
 
 @contextlib.contextmanager
-def _router_env(front: KvpushFront) -> Iterator[None]:
+def _router_env(front: KvpushVariant) -> Iterator[None]:
     """The router started meanwhile uses the front's leg client and server (KVPUSH_LEG_CLIENT, KVPUSH_SERVER)."""
     changes = {"KVPUSH_LEG_CLIENT": front.leg_client, "KVPUSH_SERVER": front.server}
     before = {k: os.environ.get(k) for k in changes}
@@ -129,7 +119,7 @@ def _fronts(fleet: Fleet, plan: OverheadPlan, logs: Path, prof_out: Path | None)
         p_urls[mode] = procs.url(p_port)
     fleet.wait_all_healthy(timeout=60.0)
     d_url = procs.url(d_port)
-    fronts = [Front("direct", "direct", d_url, None, None)]
+    fronts = [Front("direct", "direct", d_url)]
     for k in kvpush_fronts(plan):
         port, mode = free_port(), k.mode
         spec = f"{p_urls[mode]},engine_id=sim-zero-p-{mode},side_port={p_urls[mode].rsplit(':', 1)[1]}"
@@ -138,7 +128,9 @@ def _fronts(fleet: Fleet, plan: OverheadPlan, logs: Path, prof_out: Path | None)
             proc = _start(
                 fleet, procs.router_proc(k.name, port, mode, spec, d_url, logs, cprofile_to=out, flags=ROUTER_FLAGS)
             )
-        fronts.append(Front("kvpush", mode, procs.url(port), proc, p_urls[mode], k.leg_client, k.server))
+        fronts.append(
+            Front("kvpush", mode, procs.url(port), proc, p_urls[mode], leg_client=k.leg_client, server=k.server)
+        )
     binary = procs.vrouter_binary()
     if binary is None:
         hint = f"pip install vllm-router=={procs.VROUTER_VERSION} into .venv-vrouter"

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loadtest.bench.fronts import Front
 from loadtest.bench.point import measure_together
 from loadtest.bench.procs import vllm_lock, vrouter_binary
 from loadtest.bench.suites.cpu import (
     FAMILIES,
     MODEL_SIZE,
-    Front,
     engine_point,
     front_labels,
     pair_family,
@@ -80,7 +80,7 @@ def run(plan: SamePairPlan, run_dir: Path, summary: Path, progress: bool, run_id
     families = [f for f in FAMILIES if f.label in plan.pairs]
     with vllm_lock(), Fleet(logs) as fleet:
         pairs: list[list[tuple[Front, dict[str, Any]]]] = []
-        for family in families:  # one pair at a time (suite_cpu.run says why)
+        for family in families:  # one pair at a time (suites/cpu.py run says why)
             pair = start_family(fleet, pair_family(family, model), timeout=600.0)
             started = start_fronts(fleet, family, pair.prefills[0], pair.decode, logs, vrouter=True)
             pairs.append([(f, probe_legs(f, plan.probe_tokens)) for f in started])

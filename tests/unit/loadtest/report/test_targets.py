@@ -64,7 +64,7 @@ def test_issue8_uses_0_85x_from_3_qps_and_medians_of_repeats() -> None:
             cpu_row("kvpush", "upstream-push", 3.0, rep, 100.0),
             cpu_row("kvpush", "upstream-pull", 3.0, rep, 100.0),
         ]
-    vs = {(v.target, v.point): v for v in report_cpu.issue8_verdicts(rows)}
+    vs = {(v.target, v.point): v for v in report_cpu.connector_verdicts(rows)}
     assert vs[("TTFT p50 <= 1x upstream push", "1 QPS")].met
     three = vs[("TTFT p50 <= 0.85x upstream push", "3 QPS")]
     assert three.ours == 85.0 and three.limit == 85.0 and three.met
@@ -80,7 +80,7 @@ def test_issue9_compares_fronts_on_the_same_pair() -> None:
         cpu_row("kvpush", "kvpush-push", 3.0, 0, 100.0),
         cpu_row("vllm-router", "kvpush-push", 3.0, 0, 105.0),
     ]
-    vs = {v.target: v for v in report_cpu.issue9_verdicts(rows)}
+    vs = {v.target: v for v in report_cpu.router_verdicts(rows)}
     assert vs["kvpush TTFT p50 <= vllm-router's (upstream-push pair)"].met is False
     assert vs["kvpush TTFT p50 <= vllm-router's (kvpush-push pair)"].met is True
     text = "\n".join(report_cpu.cpu_section(rows))

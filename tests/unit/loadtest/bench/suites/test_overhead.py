@@ -7,11 +7,11 @@ import pytest
 
 from loadtest.bench.run import with_overrides
 from loadtest.bench.suites import overhead as suite_overhead
-from loadtest.bench.suites.overhead import FULL, KvpushFront, kvpush_fronts
+from loadtest.bench.suites.overhead import FULL, KvpushVariant, kvpush_fronts
 
 
 def test_by_default_one_push_and_one_pull_front_on_the_default_client_and_server() -> None:
-    assert kvpush_fronts(FULL) == [KvpushFront("push", "http1", "uvicorn"), KvpushFront("pull", "http1", "uvicorn")]
+    assert kvpush_fronts(FULL) == [KvpushVariant("push", "http1", "uvicorn"), KvpushVariant("pull", "http1", "uvicorn")]
     assert [f.name for f in kvpush_fronts(FULL)] == ["router-push", "router-pull"]
 
 
@@ -44,7 +44,7 @@ def test_each_router_starts_with_its_client_and_server_and_the_environment_is_re
 ) -> None:
     monkeypatch.setenv("KVPUSH_LEG_CLIENT", "aiohttp")
     monkeypatch.delenv("KVPUSH_SERVER", raising=False)
-    with suite_overhead._router_env(KvpushFront("push", "http1", "granian")):
+    with suite_overhead._router_env(KvpushVariant("push", "http1", "granian")):
         assert (os.environ["KVPUSH_LEG_CLIENT"], os.environ["KVPUSH_SERVER"]) == ("http1", "granian")
     assert os.environ["KVPUSH_LEG_CLIENT"] == "aiohttp" and "KVPUSH_SERVER" not in os.environ
 

@@ -6,9 +6,10 @@ from typing import Any
 import pytest
 
 from loadtest.bench import run as bench
+from loadtest.bench.fronts import Front
 from loadtest.bench.point import Point
 from loadtest.bench.suites import samepair as suite_samepair
-from loadtest.bench.suites.cpu import FAMILIES, Front
+from loadtest.bench.suites.cpu import FAMILIES
 from stack.engines import Engine, EngineSpec, Role
 
 PORTS: tuple[tuple[Role, int], ...] = (
@@ -44,7 +45,10 @@ def test_one_point_loads_every_front_together_taking_one_arrival_stream_in_turn_
     monkeypatch.setattr(suite_samepair, "measure_together", together)
     fam = next(f for f in FAMILIES if f.label == "kvpush-push")
     p, d = (Engine(EngineSpec(role, role, tmp_path, http_port=port), log_dir=tmp_path) for role, port in PORTS)
-    fronts = [(Front(r, fam, f"http://{r}", p, d), {"concurrent": True}) for r in ("kvpush", "vllm-router")]
+    fronts = [
+        (Front(r, fam.mode, f"http://{r}", None, p.url, d.url, fam.label), {"concurrent": True})
+        for r in ("kvpush", "vllm-router")
+    ]
     plan = suite_samepair.FULL
     rows = suite_samepair._point(fronts, plan, 3.0, 1, 2, "run", tmp_path, tmp_path / "s.json", False)
     assert rows == [{"router": "kvpush"}, {"router": "vllm-router"}]
