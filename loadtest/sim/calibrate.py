@@ -29,13 +29,15 @@ PROMPT, OUTPUT, QPS = 16384, 256, 8.0
 
 
 @dataclass(frozen=True)
-class Row:
+class SeedRow:
+    """The seed's published figures for one mode, the target of the fit."""
+
     ttft_mean_ms: float
     tpot_mean_ms: float
 
 
-SEED_PULL = Row(1744.0, 10.4)
-SEED_PUSH = Row(540.0, 7.0)
+SEED_PULL = SeedRow(1744.0, 10.4)
+SEED_PUSH = SeedRow(540.0, 7.0)
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ def measure(profile: Profile, mode: str, plan: Plan, qps: float = QPS, pull_seri
     )
 
 
-def error(stats: pair.Stats, target: Row) -> float:
+def error(stats: pair.Stats, target: SeedRow) -> float:
     """Squared log error of TTFT mean and TPOT mean (a factor of 2 off either way weighs the same)."""
     if not (stats.ttft_mean_ms > 0 and stats.tpot_mean_ms > 0) or stats.unfinished:
         return math.inf

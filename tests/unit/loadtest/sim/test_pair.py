@@ -10,7 +10,7 @@ from loadtest.sim.profile import load
 QWEN = load("qwen3-32b-h200")
 
 
-def one(mode: str, prompt: int = 16384) -> pair.Outcome:
+def one(mode: str, prompt: int = 16384) -> pair.RequestTimes:
     p = pair.Pair(QWEN, mode, output_len=4)
     p.arrive("a", 0.0, prompt)
     p.clock.run()
