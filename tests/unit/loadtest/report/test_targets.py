@@ -6,7 +6,7 @@ from typing import Any
 
 from loadtest.report import cpu as report_cpu
 from loadtest.report import overhead as report_overhead
-from loadtest.report import seed as report_sim
+from loadtest.report import seed as report_seed
 from loadtest.report.kit import Verdict, agg, verdict_table
 
 
@@ -165,11 +165,11 @@ def test_calibration_section_names_the_missing_mechanism(tmp_path: Path) -> None
     }
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps(data))
-    text = "\n".join(report_sim.calibration_section(path))
+    text = "\n".join(report_seed.calibration_section(path))
     assert "FITTED: `efficiency.mfu` = 1.3 (a-priori 0.5)" in text
     assert "cannot reproduce both rows" in text and "2.96x" in text
 
 
 def test_mdl_service_time_inverts_the_waiting_time() -> None:
-    s = report_sim.mdl_service_s(1.0, 8.0)
+    s = report_seed.mdl_service_s(1.0, 8.0)
     assert abs(8.0 * s * s / (2 * (1 - 8.0 * s)) - 1.0) < 1e-9
