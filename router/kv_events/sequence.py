@@ -8,16 +8,18 @@ index, `Reset` the index, `RequestReplay`, `EndReplay`).
     FRESH ──seq 0──────────────────────────────▶ IN_SYNC ◀─────────────── replay ended / deadline ──┐
       │  seq > 0 (joined late) ─▶ REPLAY_REQUESTED(0)                                               │
     IN_SYNC ──seq > next (gap)──▶ REPLAY_REQUESTED(next) ──first answer──▶ REPLAYING ───────────────┘
-    IN_SYNC ──seq < next (the publisher restarted: its counter went back)──▶ Reset, then as FRESH
+    not FRESH ──live seq <= the last live one (the publisher restarted: its counter went back)──▶ Reset, as FRESH
     any ──restarted() (the pool saw the worker come back)──▶ Reset, FRESH
     any ──removed()──▶ Reset, REMOVED (everything after is ignored)
 
-While a replay runs, live messages are held (at most `max_held`; more ends the replay early) and applied after it.
-A seq that is missing for good (the publisher's replay buffer no longer has it, it has no replay socket, the
-replay's deadline passed, or a message's batch could not be read) is a *hole*: the events in it may have removed
-blocks, so the index is reset there and the stream is no longer `complete` (it holds a subset of what the engine
-holds) until the engine clears its cache (`cache_cleared`). A stream that starts at seq 0 or replays from 0 is
-complete. `caught_up` = in sync and complete: what the deciders may trust alone.
+A live seq below `next_seq` but above the last live one was already replayed (the replay answered before the SUB
+socket's queue was read) and is skipped. While a replay runs, live messages are held (at most `max_held`; more
+ends the replay early) and applied after it. A seq that is missing for good (the publisher's replay buffer no
+longer has it, it has no replay socket, the replay's deadline passed, or a message's batch could not be read) is
+a *hole*: the events in it may have removed blocks, so the index is reset there and the stream is no longer
+`complete` (it holds a subset of what the engine holds) until the engine clears its cache (`cache_cleared`). A
+stream that starts at seq 0 or replays from 0 is complete. `caught_up` = in sync and complete: what the deciders
+may trust alone.
 """
 
 from __future__ import annotations
