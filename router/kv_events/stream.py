@@ -46,6 +46,7 @@ class FrameCounters:
     oversized: int = 0
     unknown_events: int = 0  # events of a type we do not know, skipped
     rank_mismatch: int = 0  # batches whose data_parallel_rank is not their endpoint's
+    disconnects: int = 0  # publisher connections dropped (the stream started over)
     layouts: dict[str, int] = field(default_factory=dict)
 
 

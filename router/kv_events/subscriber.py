@@ -14,7 +14,10 @@ replay under `replay_timeout_s`, `max_blocks_per_stream` in the index (router/kv
 
 Workers come and go through `add` (configured, discovered or added by the admin API), `remove` (the stream's
 index is dropped, its sockets closed) and `restarted` (the pool saw the worker come back: its index is dropped,
-the stream starts over).
+the stream starts over). The SUB socket's monitor reports a dropped connection: the stream starts over too (an
+engine that restarted numbers from 0 again, but may be past the last seq seen before its first message arrives;
+a network blip that was not a restart costs a replay from 0, and the history if the publisher's replay buffer no
+longer reaches back to 0).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from router.kv_events.endpoints import Endpoint
 from router.kv_events.frames import replay_request
@@ -47,14 +51,18 @@ class SubscriberLimits:
 
 
 class _Live:
-    """A stream and its sockets."""
+    """A stream and its sockets: SUB, the SUB's monitor (disconnects), the DEALER of a running replay."""
 
-    __slots__ = ("dealer", "stream", "sub")
+    __slots__ = ("dealer", "monitor", "stream", "sub")
 
-    def __init__(self, stream: Stream, sub: zmq.Socket[bytes]) -> None:
+    def __init__(self, stream: Stream, sub: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
         self.stream = stream
         self.sub = sub
+        self.monitor = monitor
         self.dealer: zmq.Socket[bytes] | None = None
+
+    def sockets(self) -> list[zmq.Socket[bytes]]:
+        return [self.sub, self.monitor] if self.dealer is None else [self.sub, self.monitor, self.dealer]
 
 
 class KvEventSubscriber:
@@ -108,6 +116,7 @@ class KvEventSubscriber:
     def _open(self, endpoint: Endpoint) -> None:
         sub = self._socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, endpoint.topic.encode())
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sub.connect(endpoint.publisher)
         stream = Stream(
             endpoint,
@@ -117,14 +126,18 @@ class KvEventSubscriber:
             self.frames,
             self.sequence,
         )
-        live = self._streams[endpoint.key] = _Live(stream, sub)
+        live = self._streams[endpoint.key] = _Live(stream, sub, monitor)
         self._watch(live.sub)
+        self._watch(live.monitor)
 
     def _close(self, key: tuple[str, int]) -> None:
         live = self._streams.pop(key)
         live.stream.removed()
         self._end_replay(live)
         self._unwatch(live.sub)
+        self._unwatch(live.monitor)
+        live.sub.disable_monitor()
+        live.monitor.close(linger=0)
         live.sub.close(linger=0)
         self.index.drop(key[0], key[1])
 
@@ -141,13 +154,13 @@ class KvEventSubscriber:
         """Read every publisher until cancelled."""
         self._loop = asyncio.get_running_loop()
         for live in self._streams.values():
-            self._watch(live.sub)
-            if live.dealer is not None:
-                self._watch(live.dealer)
+            for sock in live.sockets():
+                self._watch(sock)
         try:
             while True:
                 busy = False
                 for live in list(self._streams.values()):
+                    self._disconnects(live)
                     busy |= self._drain(live, replay=False)
                     busy |= self._drain(live, replay=True)
                     self._execute(live, live.stream.tick())
@@ -190,10 +203,22 @@ class KvEventSubscriber:
             self._execute(live, ops)
         return True
 
+    def _disconnects(self, live: _Live) -> None:
+        """The publisher's connection dropped: its process most likely ended (a restarted engine numbers its
+        messages from 0 again, but may be past the last seq seen before anything arrives), so its state goes."""
+        while True:
+            try:
+                event = recv_monitor_message(live.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.frames.disconnects += 1
+                self._execute(live, live.stream.restarted())
+
     def _readable(self) -> bool:
         for live in self._streams.values():
-            for sock in (live.sub, live.dealer):
-                if sock is not None and int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            for sock in live.sockets():
+                if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     return True
         return False
 
