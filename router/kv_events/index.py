@@ -30,6 +30,7 @@ from router.kv_events.frames import BlockHash, Cleared, Event, Removed, Stored
 _ROOT = 0x6B76707573680000  # the content key a prompt's first block chains from ("kvpush")
 _MEDIA = {None: 1, "GPU": 1, "CPU": 2, "STORAGE": 4}
 _OTHER_MEDIUM = 8
+_FIRST_KEYS = 8  # prompt blocks keyed first, half as many again after: a lookup that stops early keys little
 
 StreamKey = tuple[str, int]  # (worker id, data-parallel rank)
 
@@ -49,7 +50,8 @@ class IndexCounters:
 
 
 class PromptKeys:
-    """A prompt's chain keys, block by block, computed lazily once for every stream that asks (per block size)."""
+    """A prompt's chain keys, block by block: computed once for every stream that asks (per block size), and
+    only as far as some stream matches (8 blocks first, then half as many again as matched so far)."""
 
     __slots__ = ("_keys", "_token_ids")
 
@@ -57,18 +59,26 @@ class PromptKeys:
         self._token_ids = token_ids
         self._keys: dict[int, list[int]] = {}
 
-    def key(self, block_size: int, block: int) -> int | None:
-        """The content key of the prompt's `block`-th block (0-based) at this block size; None past its last full
-        block."""
+    def blocks(self, block_size: int) -> int:
+        return len(self._token_ids) // block_size
+
+    def keys(self, block_size: int, at_least: int) -> list[int]:
+        """The keys of the prompt's first `at_least` whole blocks (all of them if it has fewer), maybe more."""
         keys = self._keys.setdefault(block_size, [])
+        if len(keys) >= at_least:
+            return keys
         tokens = self._token_ids
-        while len(keys) <= block:
-            start = len(keys) * block_size
-            if start + block_size > len(tokens):
-                return None
-            parent = keys[-1] if keys else _ROOT
-            keys.append(hash((parent, tuple(tokens[start : start + block_size]))))
-        return keys[block]
+        parent = keys[-1] if keys else _ROOT
+        end = min(at_least, len(tokens) // block_size) * block_size
+        for start in range(len(keys) * block_size, end, block_size):
+            parent = hash((parent, tuple(tokens[start : start + block_size])))
+            keys.append(parent)
+        return keys
+
+    def key(self, block_size: int, block: int) -> int | None:
+        """The content key of the prompt's `block`-th block (0-based); None past its last whole block."""
+        keys = self.keys(block_size, block + 1)
+        return keys[block] if block < len(keys) else None
 
 
 def content_keys(token_ids: Sequence[int], block_size: int, parent: int = _ROOT) -> list[int]:
@@ -196,14 +206,19 @@ class StreamIndex:
 
     def longest(self, prompt: PromptKeys) -> int:
         """How many leading whole blocks of the prompt this engine holds."""
-        if self.block_size is None:
+        size = self.block_size
+        if size is None:
             return 0
+        by_key = self._by_key
+        total = prompt.blocks(size)
         held = 0
-        while True:
-            key = prompt.key(self.block_size, held)
-            if key is None or key not in self._by_key:
-                return held
-            held += 1
+        while held < total:
+            keys = prompt.keys(size, held + max(_FIRST_KEYS, held // 2))
+            for i in range(held, len(keys)):
+                if keys[i] not in by_key:
+                    return i
+            held = len(keys)
+        return held
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import uvloop
 import zmq
 
 from router.kv_events.endpoints import endpoints_for
@@ -166,24 +167,28 @@ def forwarder(publisher: Publisher) -> Iterator[Forwarder]:
     found.close()
 
 
-@pytest.fixture
-async def subscriber(publisher: Publisher, forwarder: Forwarder) -> AsyncIterator[KvEventSubscriber]:
-    found = KvEventSubscriber(KvIndex(1000), SubscriberLimits(tick_s=0.05))
-    port = forwarder._pub.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
-    found.add(
-        endpoints_for("w", f"tcp://127.0.0.1:{port}", publisher.real.get_publisher_config().replay_endpoint, TOPIC)
-    )
-    task = asyncio.create_task(found.run())
-    yield found
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    found.close()
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_gap_replay_garbage_eviction_restart_and_removal(publisher: Publisher, forwarder: Forwarder, loop: str) -> None:
+    """On both event loops the router may run (uvloop is its default)."""
+    run = uvloop.run if loop == "uvloop" else asyncio.run
+    run(subscribed(publisher, forwarder))
 
 
-async def test_gap_replay_garbage_eviction_restart_and_removal(
-    publisher: Publisher, forwarder: Forwarder, subscriber: KvEventSubscriber
-) -> None:
+async def subscribed(publisher: Publisher, forwarder: Forwarder) -> None:
+    subscriber = KvEventSubscriber(KvIndex(1000), SubscriberLimits(tick_s=0.05))
+    replay = publisher.real.get_publisher_config().replay_endpoint
+    subscriber.add(endpoints_for("w", forwarder.endpoint, replay, TOPIC))
+    task = asyncio.create_task(subscriber.run())
+    try:
+        await scenario(publisher, forwarder, subscriber)
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        subscriber.close()
+
+
+async def scenario(publisher: Publisher, forwarder: Forwarder, subscriber: KvEventSubscriber) -> None:
     view = KvEventView(subscriber.index, subscriber.status)
 
     def held() -> int:

@@ -144,3 +144,15 @@ def test_bounds_are_positive() -> None:
         StreamIndex(0)
     with pytest.raises(ValueError):
         KvIndex(0)
+
+
+def test_a_lookup_keys_the_prompt_only_as_far_as_it_matches() -> None:
+    index = StreamIndex(1000)
+    index.stored(stored([1], None, PROMPT[:4]))
+    long_prompt = PROMPT[:4] + list(range(400))
+    prompt = PromptKeys(long_prompt)
+    assert index.longest(prompt) == 1
+    assert len(prompt.keys(BS, 0)) == 8  # of 101 blocks
+    chain = list(range(1, 102))
+    index.stored(stored(chain, None, long_prompt[:404]))
+    assert index.longest(PromptKeys(long_prompt)) == 101
