@@ -94,6 +94,7 @@ def content_keys(token_ids: Sequence[int], block_size: int, parent: int = _ROOT)
 class _Block:
     key: int | None  # the content key; None: not matchable
     media: int
+    session: str | None  # the session of the request that stored it last (vLLM's BlockStored.session_id)
 
 
 @dataclass
@@ -104,6 +105,7 @@ class StreamIndex:
     block_size: int | None = None
     _blocks: OrderedDict[BlockHash, _Block] = field(default_factory=OrderedDict)
     _by_key: dict[int, BlockHash] = field(default_factory=dict)
+    _sessions: dict[str, int] = field(default_factory=dict)  # session -> blocks held that it stored last
 
     def __post_init__(self) -> None:
         if self.max_blocks < 1:
@@ -140,12 +142,12 @@ class StreamIndex:
             key = None
             if parent_key is not None:
                 key = hash((parent_key, event.token_ids[i * size : (i + 1) * size]))
-            self._put(block_hash, key, medium)
+            self._put(block_hash, key, medium, event.session_id)
             parent_key = key
         self.counters.stored += len(event.hashes)
         while len(self._blocks) > self.max_blocks:
             block_hash, block = self._blocks.popitem(last=False)
-            self._unkey(block_hash, block)
+            self._forget(block_hash, block)
             self.counters.capacity += 1
 
     def _parent_key(self, event: Stored) -> int | None:
@@ -162,10 +164,10 @@ class StreamIndex:
             self.counters.orphans += len(event.hashes)
         return parent.key
 
-    def _put(self, block_hash: BlockHash, key: int | None, medium: int) -> None:
+    def _put(self, block_hash: BlockHash, key: int | None, medium: int, session: str | None) -> None:
         block = self._blocks.get(block_hash)
         if block is None:
-            self._blocks[block_hash] = _Block(key, medium)
+            block = self._blocks[block_hash] = _Block(key, medium, None)
         else:
             block.media |= medium
             if block.key != key:
@@ -174,10 +176,33 @@ class StreamIndex:
             self._blocks.move_to_end(block_hash)
         if key is not None:
             self._by_key[key] = block_hash
+        if session is not None and session != block.session:
+            self._unsession(block)
+            block.session = session
+            self._sessions[session] = self._sessions.get(session, 0) + 1
+
+    def _forget(self, block_hash: BlockHash, block: _Block) -> None:
+        """A block left the index: its content key and its session's count go with it."""
+        self._unkey(block_hash, block)
+        self._unsession(block)
 
     def _unkey(self, block_hash: BlockHash, block: _Block) -> None:
         if block.key is not None and self._by_key.get(block.key) == block_hash:
             del self._by_key[block.key]
+
+    def _unsession(self, block: _Block) -> None:
+        if block.session is None:
+            return
+        left = self._sessions[block.session] - 1
+        if left:
+            self._sessions[block.session] = left
+        else:
+            del self._sessions[block.session]
+        block.session = None
+
+    def session_blocks(self, session: str) -> int:
+        """How many blocks this engine holds that `session`'s requests stored last."""
+        return self._sessions.get(session, 0)
 
     def removed(self, event: Removed) -> None:
         if (event.group or 0) != self.group:
@@ -191,7 +216,7 @@ class StreamIndex:
             block.media &= ~medium
             if block.media == 0:
                 del self._blocks[block_hash]
-                self._unkey(block_hash, block)
+                self._forget(block_hash, block)
                 self.counters.removed += 1
 
     def cleared(self) -> None:
@@ -203,6 +228,7 @@ class StreamIndex:
         self.counters.dropped += len(self._blocks)
         self._blocks.clear()
         self._by_key.clear()
+        self._sessions.clear()
 
     def longest(self, prompt: PromptKeys) -> int:
         """How many leading whole blocks of the prompt this engine holds."""
@@ -265,6 +291,16 @@ class KvIndex:
                 index.drop()
         if not ranks:
             self._streams.pop(worker, None)
+
+    def session_holders(self, session: str) -> dict[str, int]:
+        """Per worker, the blocks `session` stored last that it still holds (its best rank); workers holding
+        none are left out."""
+        found = {}
+        for worker, ranks in self._streams.items():
+            blocks = max((index.session_blocks(session) for index in ranks.values()), default=0)
+            if blocks:
+                found[worker] = blocks
+        return found
 
     def longest_held_prefix(self, worker: str, token_ids: Sequence[int] | PromptKeys) -> HeldPrefix:
         prompt = token_ids if isinstance(token_ids, PromptKeys) else PromptKeys(token_ids)

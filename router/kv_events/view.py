@@ -27,6 +27,11 @@ class KvEventView:
         prompt = PromptKeys(token_ids)
         return {worker: self._index.longest_held_prefix(worker, prompt) for worker in workers}
 
+    def session_holders(self, session_id: str) -> dict[str, int]:
+        """Per worker, how many blocks the session's requests stored (vLLM's `session_id`, sent by the router as
+        `X-Session-ID` or the body's `session_id`) that its engine still holds; no tokenizer needed."""
+        return self._index.session_holders(session_id)
+
     def subscribed(self, worker: str) -> bool:
         return bool(self._status(worker))
 

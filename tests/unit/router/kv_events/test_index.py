@@ -19,8 +19,9 @@ def stored(
     group: int | None = 0,
     keyed: bool = False,
     block_size: int = BS,
+    session: str | None = None,
 ) -> Stored:
-    return Stored(tuple(hashes), parent, tuple(tokens), block_size, medium, group, keyed, None)
+    return Stored(tuple(hashes), parent, tuple(tokens), block_size, medium, group, keyed, session)
 
 
 def held(index: StreamIndex, tokens: list[int]) -> int:
@@ -156,3 +157,22 @@ def test_a_lookup_keys_the_prompt_only_as_far_as_it_matches() -> None:
     chain = list(range(1, 102))
     index.stored(stored(chain, None, long_prompt[:404]))
     assert index.longest(PromptKeys(long_prompt)) == 101
+
+
+def test_blocks_are_counted_for_the_session_that_stored_them_last() -> None:
+    index = KvIndex(4)
+    w0 = index.stream("w", 0)
+    w0.stored(stored([1, 2, 3], None, PROMPT[:12], session="s1"))
+    w0.stored(stored([3], 2, PROMPT[8:12], session="s2"))  # a reused block, reported for s2's request
+    w0.stored(stored([4], 3, PROMPT[12:16]))  # no session
+    assert (w0.session_blocks("s1"), w0.session_blocks("s2"), w0.session_blocks("s3")) == (2, 1, 0)
+    w0.removed(Removed((2,), "GPU", 0))
+    assert w0.session_blocks("s1") == 1
+    w0.stored(stored([5, 6], None, [0] * 8, session="s3"))  # the bound (4) pushes out block 1
+    assert (w0.session_blocks("s1"), w0.session_blocks("s2"), w0.session_blocks("s3")) == (0, 1, 2)
+    index.stream("w", 1).stored(stored([7], None, [1] * 4, session="s3"))
+    index.stream("v", 0).stored(stored([7], None, [1] * 4, session="s3"))
+    assert index.session_holders("s3") == {"w": 2, "v": 1}
+    assert index.session_holders("s1") == {}
+    w0.cleared()
+    assert index.session_holders("s3") == {"w": 1, "v": 1}

@@ -132,3 +132,5 @@ def test_the_view_trusts_a_worker_when_every_rank_is_caught_up() -> None:
     found = view.held_prefixes([5, 6, 7, 8], ["w", "v"])
     assert (found["w"].tokens, found["w"].rank, found["v"].tokens) == (4, 1, 0)
     assert view.held_prefix("w", [5, 6]).blocks == 1 and len(view.status("w")) == 2
+    streams[0].published(frame(1, {**store([3], None, [1, 1]), "session_id": "s"}))
+    assert view.session_holders("s") == {"w": 1}
