@@ -61,6 +61,18 @@ class StreamLimits:
             raise ValueError("stream limits must be positive")
 
 
+@dataclass(frozen=True)
+class SubscriberLimits:
+    stream: StreamLimits = field(default_factory=StreamLimits)
+    rcv_hwm: int = 10_000  # messages queued per socket
+    tick_s: float = 0.1  # how often replay deadlines are checked when nothing arrives
+    max_drain: int = 256  # messages read from one socket before the task yields
+
+    def __post_init__(self) -> None:
+        if self.rcv_hwm < 1 or self.tick_s <= 0 or self.max_drain < 1:
+            raise ValueError("subscriber limits must be positive")
+
+
 class Stream:
     def __init__(
         self,

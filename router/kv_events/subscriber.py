@@ -26,28 +26,17 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
+
+__all__ = ["KvEventSubscriber", "SubscriberLimits"]
 
 from router.kv_events.endpoints import Endpoint
 from router.kv_events.frames import replay_request
 from router.kv_events.index import KvIndex
 from router.kv_events.sequence import EndReplay, RequestReplay, SeqCounters
-from router.kv_events.stream import FrameCounters, IoOp, Stream, StreamLimits, StreamStatus, status_of
-
-
-@dataclass(frozen=True)
-class SubscriberLimits:
-    stream: StreamLimits = field(default_factory=StreamLimits)
-    rcv_hwm: int = 10_000  # messages queued per socket
-    tick_s: float = 0.1  # how often replay deadlines are checked when nothing arrives
-    max_drain: int = 256  # messages read from one socket before the task yields
-
-    def __post_init__(self) -> None:
-        if self.rcv_hwm < 1 or self.tick_s <= 0 or self.max_drain < 1:
-            raise ValueError("subscriber limits must be positive")
+from router.kv_events.stream import FrameCounters, IoOp, Stream, StreamStatus, SubscriberLimits, status_of
 
 
 class _Live:
