@@ -142,6 +142,7 @@ class KvEventSubscriber:
     async def run(self) -> None:
         """Read every publisher until cancelled."""
         self._loop = asyncio.get_running_loop()
+        self._wakeup = asyncio.Event()  # bound to this loop
         for live in self._streams.values():
             for sock in live.sockets():
                 self._watch(sock)
