@@ -1,5 +1,6 @@
 """A real vLLM CPU engine started with --kv-events-config: a prompt's blocks appear in the subscriber's index,
-block by block with the prompt's own token ids, so `held_prefix` finds the whole prompt on that engine.
+block by block with the prompt's own token ids, so `held_prefix` finds the whole prompt on that engine, and
+counted for the request's X-Session-ID.
 
 Starts one engine (about 30 s on the test box) under /tmp/kvpush-vllm.lock (taken here unless a parent such as
 `flock /tmp/kvpush-vllm.lock pytest ...` holds it already). The engine publishes on ipc:// and answers replays
@@ -59,6 +60,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, E
 
 async def test_a_prompts_blocks_appear_with_its_token_ids(engine: tuple[Engine, Endpoint], tmp_path: Path) -> None:
     server, endpoint = engine
+    session = f"kv-events-{uuid.uuid4().hex[:8]}"
     subscriber = KvEventSubscriber(KvIndex(100_000))
     view = KvEventView(subscriber.index, subscriber.status)
     subscriber.add([endpoint])
@@ -66,7 +68,7 @@ async def test_a_prompts_blocks_appear_with_its_token_ids(engine: tuple[Engine, 
     try:
         async with httpx.AsyncClient(base_url=server.url, timeout=120.0) as client:
             body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
-            answer = await client.post("/v1/completions", json=body)
+            answer = await client.post("/v1/completions", json=body, headers={"X-Session-ID": session})
             assert answer.status_code == 200, answer.text
         stream = subscriber.index.stream("e0", 0)
         deadline = time.monotonic() + 30
@@ -79,6 +81,7 @@ async def test_a_prompts_blocks_appear_with_its_token_ids(engine: tuple[Engine, 
         assert (held.blocks, held.tokens, held.rank) == (whole, whole * stream.block_size, 0)
         assert view.held_prefix("e0", [PROMPT[0] + 1, *PROMPT[1:]]).blocks == 0  # another first token: nothing
         assert view.caught_up("e0"), view.status("e0")
+        assert view.session_holders(session).get("e0", 0) >= whole  # the engine tagged them with the session
         assert subscriber.frames.layouts.get(Layout.ARRAY_MAP.value, 0) >= 1
         assert (subscriber.frames.malformed, subscriber.frames.oversized, subscriber.sequence.holes) == (0, 0, 0)
     finally:
