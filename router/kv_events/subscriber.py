@@ -96,6 +96,18 @@ class KvEventSubscriber:
             if key[0] == worker:
                 self._execute(live, live.stream.restarted())
 
+    def counters(self) -> dict[str, int]:
+        """Every counter and gauge, flat, for /metrics: `frames.*`, `sequence.*`, `index.*`, `layout.<layout>`,
+        and the gauges `streams`, `streams_caught_up`, `blocks`."""
+        found = {f"frames.{name}": value for name, value in vars(self.frames).items() if isinstance(value, int)}
+        found |= {f"layout.{name}": value for name, value in self.frames.layouts.items()}
+        found |= {f"sequence.{name}": value for name, value in vars(self.sequence).items()}
+        found |= {f"index.{name}": value for name, value in vars(self.index.counters).items()}
+        found["streams"] = len(self._streams)
+        found["streams_caught_up"] = sum(live.stream.tracker.caught_up for live in self._streams.values())
+        found["blocks"] = self.index.blocks()
+        return found
+
     def workers(self) -> list[str]:
         return sorted({worker for worker, _ in self._streams})
 

@@ -110,6 +110,9 @@ async def test_two_ranks_a_silent_replay_socket_and_bad_frames(
     await until(lambda: view.held_prefix("w", [5, 6, 7, 8, 9, 9]).blocks == 3, "rank 1's blocks")
     assert view.held_prefix("w", [5, 6, 7, 8]).rank == 1
     assert subscriber.frames.layouts == {"map-batch/map-events": subscriber.frames.batches}
+    counters = subscriber.counters()
+    assert counters["streams"] == 2 and counters["blocks"] == 4 and counters["index.stored"] == 4
+    assert counters["layout.map-batch/map-events"] == counters["frames.batches"] > 0
 
     # a gap on rank 0: the replay socket never answers; at the deadline the gap is a hole and the index resets
     while silent.poll(0):  # the join's replay requests (the first seq seen may not have been 0)
