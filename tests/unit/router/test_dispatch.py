@@ -274,6 +274,7 @@ class Recording:
     name: ClassVar[str] = "recording"
     wants_answer = True
     wants_token_ids = False
+    wants_headers = True
 
     def __init__(self, route: Route = Route.BYPASS) -> None:
         self.route = route
