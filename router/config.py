@@ -35,7 +35,7 @@ __all__ = [  # the worker builders live in router.specs; config is where callers
 ]
 
 
-LEG_CLIENTS = ("aiohttp", "http1")  # the legs' HTTP client (router/transport.py legs_for)
+LEG_CLIENTS = ("aiohttp", "http1")  # the legs' HTTP client (router/legs/base.py legs_for)
 SERVERS = ("granian", "uvicorn")  # the client-facing HTTP server (router/cli.py serve; router/README.md)
 
 

@@ -32,13 +32,14 @@ from router.errors import (
     UpstreamStatus,
     UpstreamTimeout,
 )
+from router.legs.base import LegTransport
+from router.legs.httpx import HttpxLegs
 from router.metrics import Metrics
 from router.policy import LeastInFlight, Policy, make_policy
 from router.pool import Pool, Tracked, WorkerState
 from router.retokenize import Retokenizer
 from router.sse import EventFramer, RelayCheck, error_of
 from router.timings import RequestRecord, TimingLog
-from router.transport import HttpxLegs, LegTransport
 
 logger = logging.getLogger("kvpush.dispatch")
 

@@ -6,19 +6,18 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import httpx
 
-from router.domain import EngineLoad, NixlIdentity, Role, WorkerSpec, WorkerView
+from router.domain import EngineLoad, NixlIdentity, Role, Sleep, WorkerSpec, WorkerView
 from router.health import HealthPolicy, WorkerHealth
 from router.metrics import Metrics
 
 logger = logging.getLogger("kvpush.pool")
 
-Sleep = Callable[[float], Awaitable[None]]
 ProbeErrorHook = Callable[[WorkerSpec, BaseException], None]  # a probe raised something that is not HTTP's
 
 

@@ -21,12 +21,13 @@ from router.dispatch import Dispatcher
 from router.domain import Fallback, RequestInfo, Role, WorkerSpec
 from router.errors import BadRequest, ConfigError, NoHealthyWorker
 from router.health import HealthPolicy
+from router.legs.base import LegTransport
+from router.legs.httpx import HttpxLegs
 from router.loops import Supervisor
 from router.metrics import Metrics
 from router.pool import Pool
 from router.scrape import Scraper
 from router.timings import RequestRecord, TimingLog
-from router.transport import HttpxLegs, LegTransport
 from router.upstream import make_client, make_legs, translate
 
 logger = logging.getLogger("kvpush.service")

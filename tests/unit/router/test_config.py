@@ -25,7 +25,7 @@ from router.deciders import registry
 from router.discovery.settings import Discovery, DnsConfig, KubernetesConfig
 from router.domain import Fallback, Mode, NixlIdentity, Role, WorkerSpec
 from router.errors import ConfigError
-from router.transport import legs_for
+from router.legs.base import legs_for
 
 MIN = {"prefill": ["http://p:8100"], "decode": ["http://d:8200"]}
 
