@@ -23,14 +23,26 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from router.domain import Mode, RequestInfo, WorkerView
+from router.domain import Fallback, Mode, RequestInfo, WorkerView
 
 
 class Route(enum.StrEnum):
+    """How one attempt is served. The value is the decisions metric's label; `label` is the request's mode."""
+
     PUSH = "push"
     PULL = "pull"
     BYPASS = "bypass"
     FALLBACK = "fallback"
+
+    @classmethod
+    def of(cls, mode: Mode) -> Route:
+        """The route of the router's mode (both legs)."""
+        return cls.PUSH if mode is Mode.PUSH else cls.PULL
+
+    @property
+    def label(self) -> str:
+        """The request's mode in its log line, its record and the metrics' `mode` label (API: unchanged)."""
+        return str(Fallback.DECODE_ONLY) if self is Route.FALLBACK else self.value
 
 
 @dataclass(frozen=True)
@@ -146,7 +158,7 @@ class NoDecider:
     wants_headers = False
 
     def decide(self, turn: Turn, decode: Sequence[WorkerView], prefill: Sequence[WorkerView], now: float) -> Decision:
-        return Decision(Route.PUSH if turn.mode is Mode.PUSH else Route.PULL)
+        return Decision(Route.of(turn.mode))
 
     def record(self, turn: Turn, decision: Decision, outcome: Outcome, now: float) -> AnswerCheck | None:
         return None

@@ -26,7 +26,7 @@ from router import values
 from router.decider import AnswerCheck, DeciderStats, Decision, Outcome, Route, Turn
 from router.deciders.conversation import Chain, ConversationKey, Link, conversation_key
 from router.deciders.prefix_index import Match, PrefixIndex, SessionTable, TokenRatio, prorated, reusable_answer_tokens
-from router.domain import Mode, WorkerView
+from router.domain import WorkerView
 from router.errors import ConfigError
 
 logger = logging.getLogger("kvpush.decider")
@@ -136,7 +136,7 @@ class SessionAffinity:
                 uncached,
                 held,
             )
-        route = Route.PUSH if turn.mode is Mode.PUSH else Route.PULL
+        route = Route.of(turn.mode)
         warm = self._longest(self.prefill_index, key.chain, self._usable(prefill), now)
         reason = "session or prefix on decode" if held is not None else "no affinity"
         return self._count(

@@ -43,6 +43,8 @@ IO = {
     "router.app": "the HTTP layer (fastapi)",
     "router.service": "wires the running router",
     "router.dispatch": "sends both legs",
+    "router.feedback": "the decider's answer checks (upstream HTTP calls, router/retokenize.py)",
+    "router.finish": "counts each request's end (prometheus_client)",
     "router.answer": "relays upstream streams",
     "router.upstream": "upstream HTTP calls",
     "router.retokenize": "asks decode workers to tokenize answers (upstream HTTP calls)",
