@@ -103,7 +103,7 @@ class Settings:
     timings_capacity: int = 4096  # requests kept for GET /debug/timings
     log_level: str = "info"
     log_format: str = "json"  # "json" (one object per line) or "text"
-    decider: str = "none"  # the P/D decider (router.deciders.REGISTRY); "none": the mode, policies pick
+    decider: str = "none"  # the P/D decider (router.deciders.registry.REGISTRY); "none": the mode, policies pick
     decider_options: Mapping[str, Any] = field(default_factory=dict)  # the decider's own settings
 
 
