@@ -1,19 +1,11 @@
-"""The router's seams to workers, over aiohttp's connection pool.
+"""The legs and the router's other worker calls over aiohttp's connection pool.
 
-- `LegTransport` carries the two legs of every client request (the hot path): `post(url, body, headers)` gives
-  a `LegResponse` once status and headers are in. Production: `AiohttpLegs`, straight on aiohttp (httpx's
-  request and response models cost more CPU per leg than aiohttp's whole client call). Tests: `HttpxLegs` over
-  any httpx transport (httpx.MockTransport), so both run the same dispatcher code.
-- `Http1Legs` (router/http1.py, router/http1_pool.py): the same seam over this project's own HTTP/1.1 client
-  (asyncio.Protocol and httptools' parser), chosen by the `leg_client` setting (`legs_for`).
+- `AiohttpLegs`: the production leg transport (router/legs/base.py's `LegTransport`).
 - `AiohttpTransport`, an httpx transport, carries everything else (health probes, scrapes, /v1/models).
   httpcore's pool scans every pooled connection (a poll() syscall each) whenever a request starts or ends,
   which at tens of connections cost more CPU than the rest of a request; aiohttp's pool does not.
 
-Neither puts a read timeout on a leg: every leg runs under its own deadline (router/dispatch.py), and a
-transport-wide read timeout would cut those short. Errors come out as httpx's exception classes whatever
-carries the bytes, so router/upstream.py maps one family. Closing a response before its end closes its
-connection (the worker sees the client leave and aborts the request); one read to its end goes back to the pool.
+aiohttp's exceptions come out as httpx's (router/upstream.py maps one family).
 """
 
 from __future__ import annotations
@@ -22,36 +14,13 @@ import asyncio
 import functools
 import io
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from typing import Protocol, cast
+from typing import cast
 
 import aiohttp
 import httpx
 from aiohttp.client_proto import ResponseHandler
 
 _LARGE_BODY = 2**20
-
-
-class LegResponse(Protocol):
-    status: int
-    content_type: str
-
-    async def read(self) -> bytes:
-        """The whole body; the connection is released (or dropped) after."""
-        ...
-
-    def chunks(self) -> AsyncGenerator[bytes, None]:
-        """The body as it arrives."""
-        ...
-
-    async def aclose(self) -> None:
-        """Read to its end: back to the pool; else the connection is dropped. Idempotent."""
-        ...
-
-
-class LegTransport(Protocol):
-    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> LegResponse: ...
-
-    async def aclose(self) -> None: ...
 
 
 def _client_error(exc: BaseException, during: str) -> httpx.HTTPError:
@@ -146,7 +115,7 @@ class AiohttpLegs:
             )
         return self._session
 
-    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> LegResponse:
+    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> _AiohttpLeg:
         # past aiohttp's 1 MiB mark a body is written in chunks that wait for the socket (and no warning)
         data: bytes | io.BytesIO = body if len(body) <= _LARGE_BODY else io.BytesIO(body)
         try:
@@ -159,64 +128,6 @@ class AiohttpLegs:
         if self._session is not None:
             await self._session.close()
             self._session = None
-
-
-def legs_for(client: str, *, max_connections: int, connect_timeout: float) -> LegTransport:
-    """The production leg transport named by the `leg_client` setting (router/config.py LEG_CLIENTS)."""
-    if client == "http1":
-        from router.http1_pool import Http1Legs
-
-        return Http1Legs(max_connections=max_connections, connect_timeout=connect_timeout)
-    if client == "aiohttp":
-        return AiohttpLegs(max_connections=max_connections, connect_timeout=connect_timeout)
-    raise ValueError(f"unknown leg client {client!r}")
-
-
-class _HttpxLeg:
-    def __init__(self, response: httpx.Response) -> None:
-        self._response = response
-        self._raw: AsyncIterator[bytes] | None = None
-        self.status = response.status_code
-        self.content_type = response.headers.get("content-type", "")
-
-    async def read(self) -> bytes:
-        try:
-            return await self._response.aread()
-        finally:
-            await self._response.aclose()
-
-    async def chunks(self) -> AsyncGenerator[bytes, None]:
-        self._raw = self._response.aiter_raw()
-        async for chunk in self._raw:
-            yield chunk
-
-    async def aclose(self) -> None:
-        raw, self._raw = self._raw, None
-        if isinstance(raw, AsyncGenerator):
-            await raw.aclose()
-        # `async for` never closes what it iterates, and httpx's stream wrappers keep the body's own iterator
-        # (a MockTransport handler's generator): close it, as AiohttpLegs closes the connection
-        inner: object = self._response.stream
-        for _ in range(4):
-            inner = getattr(inner, "_stream", None)
-            if isinstance(inner, AsyncGenerator):
-                await inner.aclose()
-                break
-        await self._response.aclose()
-
-
-class HttpxLegs:
-    """Legs over an httpx client (tests: httpx.MockTransport), with the same semantics as AiohttpLegs."""
-
-    def __init__(self, client: httpx.AsyncClient) -> None:
-        self._client = client
-
-    async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> LegResponse:
-        request = self._client.build_request("POST", url, content=body, headers=headers)
-        return _HttpxLeg(await self._client.send(request, stream=True))
-
-    async def aclose(self) -> None:
-        return None
 
 
 class _Body(httpx.AsyncByteStream):

@@ -7,7 +7,6 @@ from typing import Any
 import pytest
 
 from router.decider import (
-    REGISTRY,
     AnswerCheck,
     DeciderStats,
     Decision,
@@ -15,11 +14,11 @@ from router.decider import (
     Outcome,
     Route,
     Turn,
-    make_decider,
     matched_tokens,
     stats_of,
 )
-from router.deciders import AffinityOptions, SessionAffinity
+from router.deciders.registry import REGISTRY, make_decider
+from router.deciders.session_affinity import AffinityOptions, SessionAffinity
 from router.domain import Endpoint, Mode, RequestInfo, WorkerView
 from router.errors import ConfigError
 
@@ -102,14 +101,15 @@ def test_registered_and_built_from_options() -> None:
     ("options", "message"),
     [
         ({"bypass_tokens": 3}, "unknown option"),
-        ({"bypass_max_uncached_tokens": "256"}, "must be an integer"),
-        ({"bypass_max_uncached_tokens": True}, "must be an integer"),
-        ({"bypass_max_uncached_tokens": -1}, ">= 0"),
+        ({"bypass_max_uncached_tokens": "25.6"}, "bypass_max_uncached_tokens: expected an integer"),
+        ({"bypass_max_uncached_tokens": True}, "expected an integer"),
+        ({"bypass_max_uncached_tokens": -1}, r"out of range \[0, inf\]"),
         ({"ttl_s": 0}, "positive"),
         ({"ttl_s": float("inf")}, "positive"),
-        ({"chars_per_token": "4"}, "must be a number"),
-        ({"overload_in_flight_gap": 0}, ">= 1"),
-        ({"max_sessions": 0}, ">= 1"),
+        ({"chars_per_token": "four"}, "chars_per_token: expected a number"),
+        ({"chars_per_token": 0}, "positive"),
+        ({"overload_in_flight_gap": 0}, r"out of range \[1, inf\]"),
+        ({"max_sessions": 0}, r"out of range \[1, inf\]"),
         ({"verify_answers": "yes"}, "true or false"),
     ],
 )
@@ -120,6 +120,12 @@ def test_bad_options_are_config_errors(options: dict[str, Any], message: str) ->
 
 def test_options_accept_ints_for_floats() -> None:
     assert AffinityOptions.from_mapping({"ttl_s": 120, "chars_per_token": 3}).ttl_s == 120
+
+
+def test_options_follow_the_value_rules_of_every_setting() -> None:
+    """router/values.py's rules, as for the policies: numbers may come as strings (environment, flags)."""
+    parsed = AffinityOptions.from_mapping({"bypass_max_uncached_tokens": "256", "chars_per_token": "4"})
+    assert (parsed.bypass_max_uncached_tokens, parsed.chars_per_token) == (256, 4.0)
 
 
 def test_a_first_turn_is_pushed_and_the_policies_pick() -> None:
@@ -356,7 +362,7 @@ def stats(decider: SessionAffinity) -> DeciderStats:
 
 
 def _chars(t: Turn) -> int:
-    from router.conversation import chain_of
+    from router.deciders.conversation import chain_of
 
     return chain_of(t.info.endpoint, t.body).chars
 
@@ -390,7 +396,6 @@ def test_accurate_bypasses_keep_answers_credited() -> None:
 
 
 def test_the_none_decider_refuses_options() -> None:
-    from router.decider import make_decider
     from router.errors import ConfigError
 
     with pytest.raises(ConfigError, match="takes no options"):

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from router.conversation import Chain, chain_of
+from router.deciders.conversation import Chain, chain_of
+from router.deciders.prefix_index import PrefixIndex, SessionTable, TokenRatio, prorated, reusable_answer_tokens
 from router.domain import Endpoint
-from router.prefix_index import PrefixIndex, SessionTable, TokenRatio, prorated, reusable_answer_tokens
 
 
 def chat(*contents: str) -> Chain:

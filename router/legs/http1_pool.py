@@ -1,4 +1,4 @@
-"""The keep-alive pool of router/http1.py's connections and the leg transport over it (`Http1Legs`).
+"""The keep-alive pool of router/legs/http1.py's connections and the leg transport over it (`Http1Legs`).
 
 The pool holds at most `limit` connections (busy, idle or connecting, every origin together); an idle one of
 another origin is closed to make room; idle ones are closed after `keepalive` s. A place is taken by `acquire`
@@ -15,10 +15,10 @@ from collections.abc import Mapping
 
 import httpx
 
-from router.http1 import Connection, Origin, Response, Target, request_head, target_of
+from router.legs.http1 import Connection, Origin, Response, Target, request_head, target_of
 
 
-class Pool:
+class ConnectionPool:
     """The keep-alive connections of one Http1Legs, per origin (newest idle first), at most `limit` in all."""
 
     def __init__(
@@ -177,19 +177,19 @@ class Http1Legs:
         connect_timeout: float,
         keepalive: float = 4.0,
         high_water: int = 2**18,
-        pool: Pool | None = None,  # tests: a pool over a fake loop
+        pool: ConnectionPool | None = None,  # tests: a pool over a fake loop
     ) -> None:
         self._limit = max_connections
         self._connect_timeout = connect_timeout
         self._keepalive = keepalive
         self._high_water = high_water
-        self._pool: Pool | None = pool
+        self._pool: ConnectionPool | None = pool
         self._targets: dict[str, Target] = {}
 
     @property
-    def pool(self) -> Pool:
+    def pool(self) -> ConnectionPool:
         if self._pool is None:
-            self._pool = Pool(
+            self._pool = ConnectionPool(
                 asyncio.get_running_loop(),
                 limit=self._limit,
                 connect_timeout=self._connect_timeout,

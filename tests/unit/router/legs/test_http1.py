@@ -1,4 +1,4 @@
-"""router/http1.py and router/http1_pool.py without sockets: the protocol driven through a fake transport, the
+"""router/legs/http1.py and router/legs/http1_pool.py without sockets: the protocol driven through a fake transport, the
 pool over a fake loop (its create_connection hands out fake transports). Parsing split at every byte, keep-alive
 reuse rules, pool limits, aborts on cancel, close or drop, and every failure as the httpx class
 router/upstream.py maps."""
@@ -15,8 +15,8 @@ import pytest
 
 from router.domain import Role
 from router.errors import UpstreamConnectError, UpstreamTimeout
-from router.http1 import Connection, Response, request_head, target_of
-from router.http1_pool import Http1Legs, Pool
+from router.legs.http1 import Connection, Response, request_head, target_of
+from router.legs.http1_pool import ConnectionPool, Http1Legs
 from router.upstream import translate
 
 URL = "http://w:8100/v1/completions"
@@ -121,9 +121,9 @@ class FakeLoop:
         return transport, protocol
 
 
-def make(limit: int = 4, *, keepalive: float = 4.0, high_water: int = 64) -> tuple[Http1Legs, Pool, FakeLoop]:
+def make(limit: int = 4, *, keepalive: float = 4.0, high_water: int = 64) -> tuple[Http1Legs, ConnectionPool, FakeLoop]:
     loop = FakeLoop()
-    pool = Pool(
+    pool = ConnectionPool(
         cast(asyncio.AbstractEventLoop, loop),
         limit=limit,
         connect_timeout=0.05,

@@ -1,9 +1,9 @@
 """What the router believes each worker's prefix cache holds, learned from what it sent and relayed. Pure.
 
-A `PrefixIndex` maps, per worker, chain links (router/conversation.py) to the tokens held up to that link. It is
-an estimate of the engine's own LRU prefix cache: bounded per worker (least recently used links go first) and
-aged out after `ttl_s`, which should stay below the horizon at which the engines evict an idle prefix. A worker
-that is ejected, removed or restarted is forgotten whole (its cache is gone or unknown).
+A `PrefixIndex` maps, per worker, chain links (router/deciders/conversation.py) to the tokens held up to that
+link. It is an estimate of the engine's own LRU prefix cache: bounded per worker (least recently used links go
+first) and aged out after `ttl_s`, which should stay below the horizon at which the engines evict an idle prefix.
+A worker that is ejected, removed or restarted is forgotten whole (its cache is gone or unknown).
 
 `SessionTable` remembers the decode worker that served a client's session last (bounded, aged the same way).
 `TokenRatio` learns tokens per character from the prompt sizes the engines report, for the parts of a prompt the
@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from router.conversation import Chain, Link
+from router.deciders.conversation import Chain, Link
 
 
 @dataclass(frozen=True)

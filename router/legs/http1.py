@@ -1,5 +1,6 @@
 """A lean HTTP/1.1 client for the legs (`LegTransport`): an asyncio.Protocol per connection and httptools'
-response parser (this module), a keep-alive pool per origin and the seam, `Http1Legs` (router/http1_pool.py).
+response parser (this module), a keep-alive pool per origin and the seam, `Http1Legs` (router/legs/http1_pool.py).
+A connection knows its pool only as a `ConnectionHome` (four members), so this module imports nothing of the pool.
 Only what a leg needs: a POST, its status and headers, its body whole or as it arrives.
 
 - The request is written in one `transport.write` (the request line and Host per URL built once, the rest of the
@@ -28,13 +29,10 @@ import contextlib
 import socket
 import weakref
 from collections.abc import AsyncGenerator, Mapping
-from typing import TYPE_CHECKING, NamedTuple, cast
+from typing import NamedTuple, Protocol, cast
 
 import httptools
 import httpx
-
-if TYPE_CHECKING:
-    from router.http1_pool import Pool
 
 Origin = tuple[str, str, int]  # scheme, host, port
 
@@ -209,10 +207,25 @@ class Response:
             conn.abort()
 
 
+class ConnectionHome(Protocol):
+    """What a connection needs of the pool that holds it (router/legs/http1_pool.py's ConnectionPool)."""
+
+    loop: asyncio.AbstractEventLoop
+    high_water: int  # bytes of a body buffered before the socket stops being read
+
+    def put(self, conn: Connection) -> None:
+        """Its answer was read to its end and both sides keep it: idle again."""
+        ...
+
+    def forget(self, conn: Connection) -> None:
+        """It closed: its place is given back."""
+        ...
+
+
 class Connection(asyncio.Protocol):
     """One keep-alive connection: the protocol, its parser and the answer it is reading (one at a time)."""
 
-    def __init__(self, pool: Pool, origin: Origin) -> None:
+    def __init__(self, pool: ConnectionHome, origin: Origin) -> None:
         self.pool = pool
         self.loop = pool.loop
         self.origin = origin

@@ -1,4 +1,4 @@
-"""P/D deciders beyond "none" (router/decider.py holds the seam and the registry). Pure.
+"""The session-affinity decider (router/decider.py holds the seam, router/deciders/registry.py the registry). Pure.
 
 "session-affinity": multi-turn traffic stays where its KV is.
 - Decode: the healthy, not overloaded candidate that holds the longest prefix of the request (the index of what
@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from router.conversation import Chain, ConversationKey, Link, conversation_key
+from router import values
 from router.decider import AnswerCheck, DeciderStats, Decision, Outcome, Route, Turn
-from router.domain import Mode, WorkerView
+from router.deciders.conversation import Chain, ConversationKey, Link, conversation_key
+from router.deciders.prefix_index import Match, PrefixIndex, SessionTable, TokenRatio, prorated, reusable_answer_tokens
+from router.domain import WorkerView
 from router.errors import ConfigError
-from router.prefix_index import Match, PrefixIndex, SessionTable, TokenRatio, prorated, reusable_answer_tokens
 
 logger = logging.getLogger("kvpush.decider")
 ACCURATE = 0.2  # a bypass prediction is "accurate" when uncached tokens are within 20 % of the actual
@@ -55,39 +55,31 @@ class AffinityOptions:
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> AffinityOptions:
-        known = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - set(known) - {"name"})
+        """The options checked by router/values.py's rules, as the policies' are (ConfigError names the option)."""
+        unknown = sorted(set(options) - set(_RULES) - {"name"})
         if unknown:
-            raise ConfigError(f"decider session-affinity: unknown option(s) {unknown}; known: {sorted(known)}")
-        values: dict[str, Any] = {}
-        for name, value in options.items():
-            if name == "name":
-                continue
-            kind = known[name].type
-            if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ConfigError(f"decider session-affinity: {name} must be an integer, got {value!r}")
-            if kind == "float" and (isinstance(value, bool) or not isinstance(value, int | float)):
-                raise ConfigError(f"decider session-affinity: {name} must be a number, got {value!r}")
-            if kind == "bool" and not isinstance(value, bool):
-                raise ConfigError(f"decider session-affinity: {name} must be true or false, got {value!r}")
-            values[name] = value
-        built = cls(**values)
-        built._check()
-        return built
+            raise ConfigError(f"decider session-affinity: unknown option(s) {unknown}; known: {sorted(_RULES)}")
+        where = "decider session-affinity"
+        return cls(**{k: _RULES[k](v, f"{where}: {k}") for k, v in options.items() if k != "name"})
 
-    def _check(self) -> None:
-        for name in ("bypass_max_uncached_tokens", "bypass_min_cached_tokens"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"decider session-affinity: {name} must be >= 0")
-        for name in ("overload_in_flight_gap", "overload_engine_waiting", "max_links_per_worker", "block_tokens"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"decider session-affinity: {name} must be >= 1")
-        if self.max_sessions < 1 or self.chunk_chars < 1:
-            raise ConfigError("decider session-affinity: max_sessions and chunk_chars must be >= 1")
-        for name in ("ttl_s", "chars_per_token"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ConfigError(f"decider session-affinity: {name} must be a positive number")
+
+def _at_least(low: int) -> Callable[[Any, str], int]:
+    return lambda value, where: values.integer(value, where, low=low)
+
+
+_RULES: dict[str, Callable[[Any, str], Any]] = {
+    "bypass_max_uncached_tokens": _at_least(0),
+    "bypass_min_cached_tokens": _at_least(0),
+    "overload_in_flight_gap": _at_least(1),
+    "overload_engine_waiting": _at_least(1),
+    "ttl_s": values.seconds,
+    "max_links_per_worker": _at_least(1),
+    "max_sessions": _at_least(1),
+    "chunk_chars": _at_least(1),
+    "chars_per_token": values.positive,
+    "block_tokens": _at_least(1),
+    "verify_answers": values.boolean,
+}
 
 
 @dataclass(frozen=True)
@@ -114,6 +106,7 @@ class _Counters:
 class SessionAffinity:
     name: ClassVar[str] = "session-affinity"
     wants_answer = True
+    wants_headers = True  # the session id header keys the conversation
 
     def __init__(self, options: AffinityOptions | None = None) -> None:
         self.options = o = options or AffinityOptions()
@@ -143,7 +136,7 @@ class SessionAffinity:
                 uncached,
                 held,
             )
-        route = Route.PUSH if turn.mode is Mode.PUSH else Route.PULL
+        route = Route.of(turn.mode)
         warm = self._longest(self.prefill_index, key.chain, self._usable(prefill), now)
         reason = "session or prefix on decode" if held is not None else "no affinity"
         return self._count(

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from router.conversation import (
+from router.deciders.conversation import (
     DEFAULT_CHUNK_CHARS,
     MESSAGE_OVERHEAD_CHARS,
     PROMPT_SHAPING,
