@@ -16,9 +16,8 @@ BY_FILE: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "legs: upstream client",
         (
-            "router/transport.py",
+            "router/legs/",
             "router/upstream.py",
-            "router/http1",
             "/httptools/",
             "aiohttp",
             "httpx",

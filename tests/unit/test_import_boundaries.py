@@ -32,6 +32,7 @@ HEAVY = (
     "nixl",
     "torch",
     "dns",
+    "zmq",
 )
 WEB = {"fastapi", "starlette"}
 OURS_ABOVE_ROUTER = {"loadtest", "stack", "connector", "kvpush"}  # the router imports none of these
@@ -62,6 +63,7 @@ IO = {
     "router.discovery.build": "builds the discovery sources",
     "router.discovery.dns": "DNS queries",
     "router.discovery.kubernetes": "the Kubernetes API",
+    "router.kv_events.subscriber": "ZMQ sockets to the engines' KV-event publishers",
     "connector.plugin": "vLLM's connector base",
     "connector.worker": "vLLM's connector base",
     "connector.stats": "vLLM's stats base",

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loadtest.benchkit import vllm_lock
+from loadtest.bench.procs import vllm_lock
 from router.kv_events.endpoints import Endpoint, endpoints_for
 from router.kv_events.frames import Layout
 from router.kv_events.index import KvIndex

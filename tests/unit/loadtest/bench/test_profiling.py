@@ -10,7 +10,7 @@ from loadtest.bench import profiling
 def test_categories_follow_the_file_or_the_builtin_name() -> None:
     assert profiling.category("/x/router/protocol.py", "prefill_body") == "parse + shaping (protocol, JSON)"
     assert profiling.category("/v/site-packages/aiohttp/client.py", "_request") == "legs: upstream client"
-    assert profiling.category("/x/router/http1.py", "send") == "legs: upstream client"
+    assert profiling.category("/x/router/legs/http1.py", "send") == "legs: upstream client"
     server = profiling.category("/v/site-packages/uvicorn/protocols/http/httptools_impl.py", "send")
     assert server == "HTTP server (uvicorn, ASGI, FastAPI)", "uvicorn's httptools protocol is the server, not a leg"
     assert profiling.category("/v/site-packages/prometheus_client/metrics.py", "inc") == "metrics"
