@@ -25,6 +25,7 @@ __all__ = [
     "NOMINAL_PREFILL_S_PER_TOKEN",
     "PRESETS",
     "LinkPlan",
+    "Place",
     "Preset",
     "Shaping",
     "Subnet",
@@ -222,6 +223,23 @@ def engine_env(base: Mapping[str, str], address: str, device: str = DEVICE) -> d
         }
     )
     return env
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Where an engine sits on the link: its namespace (a path for `nsenter --net=`), address and NIC."""
+
+    name: str
+    netns: str
+    address: str
+    device: str = DEVICE
+
+    def argv_prefix(self) -> tuple[str, ...]:
+        """Prefix of the engine's command: enter the namespace, then exec the rest (same PID and group)."""
+        return ("nsenter", f"--net={self.netns}", "--")
+
+    def env(self, base: Mapping[str, str]) -> dict[str, str]:
+        return engine_env(base, self.address, self.device)
 
 
 def bytes_verdict(crossed_bytes: int, kv_bytes: int) -> str | None:
