@@ -28,6 +28,7 @@ from types import TracebackType
 
 from stack.link.access import require_access
 from stack.link.holders import Holder, NetnsError, run
+from stack.link.meter import NicMeter
 from stack.link.plan import DEVICE, Place, Shaping, Subnet, pick_subnet
 
 __all__ = ["BRIDGE", "LOCK_PATH", "Link", "NicBytes", "remove_stale_host_links"]
@@ -223,6 +224,10 @@ class Link:
                 values = [int(v) for v in counters.split()]
                 return NicBytes(rx=values[0], tx=values[8])
         raise NetnsError(f"{name}: no {DEVICE} in its namespace")
+
+    def meter(self, name: str) -> NicMeter:
+        """A byte meter on engine `name`'s NIC from now on: its `check(kv_bytes)` is a row's honesty check."""
+        return NicMeter(self, name)
 
     def drops(self) -> int:
         """Packets the shapers dropped so far, over every engine NIC (both ends): should stay 0."""
