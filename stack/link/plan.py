@@ -225,6 +225,13 @@ def engine_env(base: Mapping[str, str], address: str, device: str = DEVICE) -> d
     return env
 
 
+# Run "$0" "$@" with /sys showing this network namespace's interfaces (a fresh sysfs: the old one may need
+# a lazy unmount first, as `ip netns exec` does it).
+_OWN_SYSFS = (
+    'mount -t sysfs kvn-sysfs /sys 2>/dev/null || { umount -l /sys && mount -t sysfs kvn-sysfs /sys; }; exec "$0" "$@"'
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Place:
     """Where an engine sits on the link: its namespace (a path for `nsenter --net=`), address and NIC."""
@@ -235,8 +242,10 @@ class Place:
     device: str = DEVICE
 
     def argv_prefix(self) -> tuple[str, ...]:
-        """Prefix of the engine's command: enter the namespace, then exec the rest (same PID and group)."""
-        return ("nsenter", f"--net={self.netns}", "--")
+        """Prefix of the engine's command: enter the namespace with a private mount namespace whose /sys is the
+        namespace's own sysfs (UCX finds its NIC in /sys/class/net, as under `ip netns exec`), then exec the
+        rest: same PID, same process group."""
+        return ("nsenter", f"--net={self.netns}", "--", "unshare", "--mount", "--", "sh", "-c", _OWN_SYSFS)
 
     def env(self, base: Mapping[str, str]) -> dict[str, str]:
         return engine_env(base, self.address, self.device)

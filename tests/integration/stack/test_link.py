@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from stack.engines import vllm_env
 from stack.link.access import LinkUnavailable, require_access, user_namespace_argv
 from stack.link.fabric import Link
 from stack.link.plan import Place, Shaping
@@ -174,3 +175,59 @@ def test_without_root_the_link_refuses_with_one_line_and_works_inside_a_user_nam
     assert rootless.returncode == 0, rootless.stderr
     made = json.loads(rootless.stdout)
     assert made["addresses"][0].startswith("10.231.") and made["nic"] >= 0
+
+
+NIXL_PEER = Path(__file__).with_name("link_nixl_peer.py")
+
+
+def nixl_write(link: Link, p: Place, d: Place, size: int, *, tcp: bool) -> dict[str, object]:
+    """A NIXL WRITE of `size` bytes from p to d, each peer in its namespace with the engines' environment of the
+    link (tcp) or the same without UCX_TLS (UCX's default: cma for processes of one kernel)."""
+    base = vllm_env(core=0, side_port=None)
+
+    def env(place: Place) -> dict[str, str]:
+        chosen = place.env(base)
+        if not tcp:
+            del chosen["UCX_TLS"]
+        return chosen
+
+    peer = [sys.executable, str(NIXL_PEER)]
+    with subprocess.Popen(
+        [*d.argv_prefix(), *peer, "target", d.address, "7100", str(size)],
+        env=env(d),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as target:
+        done = subprocess.run(
+            [*p.argv_prefix(), *peer, "initiator", d.address, "7100", str(size)],
+            env=env(p),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        target.wait(timeout=30)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["arrived"] == result["sha"]  # every byte landed in D's buffer
+    return result
+
+
+def test_a_nixl_write_between_two_namespaces_follows_the_rate_and_a_cma_bypass_is_caught() -> None:
+    pytest.importorskip("nixl", reason="needs nixl")
+    size = 2 * 1024 * KIB
+    shaping = Shaping.for_rate(4e7)
+    with Link(shaping) as link:
+        p, d = link.add("n-p"), link.add("n-d")
+        meter = link.meter("n-p")
+        over_tcp = nixl_write(link, p, d, size, tcp=True)
+        check = meter.check(size)
+        assert check.ok, check.verdict
+        assert float(over_tcp["seconds"]) >= 0.8 * shaping.wire_seconds(size - shaping.burst_bytes)  # type: ignore[arg-type]
+        meter = link.meter("n-p")
+        nixl_write(link, p, d, size, tcp=False)
+        bypass = meter.check(size)
+        assert not bypass.ok and bypass.crossed_bytes < size // 4, bypass
+        assert "bypassed the link" in (bypass.verdict or "")
+        assert check.drops == bypass.drops == 0

@@ -115,3 +115,11 @@ def test_the_bytes_check_fails_when_fewer_bytes_crossed_than_kv_moved() -> None:
     assert verdict is not None and "bypassed" in verdict
     with pytest.raises(ValueError):
         bytes_verdict(-1, 0)
+
+
+def test_an_engine_enters_its_namespace_with_its_own_sysfs_and_execs_the_command() -> None:
+    place = plan.Place("p0", "/proc/42/ns/net", "10.231.3.1")
+    prefix = place.argv_prefix()
+    assert prefix[:6] == ("nsenter", "--net=/proc/42/ns/net", "--", "unshare", "--mount", "--")
+    assert prefix[6:8] == ("sh", "-c") and "mount -t sysfs" in prefix[8] and prefix[8].endswith('exec "$0" "$@"')
+    assert place.env({})["VLLM_HOST_IP"] == "10.231.3.1"
