@@ -41,6 +41,7 @@ from stack.link.access import (
 )
 from stack.link.calibrate import Calibration, calibrate
 from stack.link.fabric import Link
+from stack.link.holders import NetnsError
 from stack.link.plan import PRESETS, nominal_prefill_s, preset, resolve
 from stack.procs import LOOPBACK, ManagedProcess, StartupError, port_is_free, tail_lines
 from stack.routers import Router, RouterSpec, router_spec
@@ -307,8 +308,16 @@ def main(argv: list[str] | None = None) -> int:
     first = preset(options.link)
     kv_bytes = options.link_prompt_tokens * tiny_model.SIZES[options.model_size].kv_bytes_per_token()
     nominal = resolve(first, prefill_s=nominal_prefill_s(options.link_prompt_tokens), kv_bytes=kv_bytes)
-    with Link(nominal.shaping) as link:  # closed after the fleet has stopped every engine
+    link = Link(nominal.shaping)
+    try:
+        link.open()
+    except (LinkUnavailable, NetnsError) as exc:
+        _say(f"cannot make the link: {exc}")
+        return 1
+    try:
         return run_supervised(options.log_dir, lambda fleet: _serve(options, fleet, link))
+    finally:
+        link.close()  # after the fleet has stopped every engine
 
 
 def _rerun_in_user_namespace(argv: Sequence[str]) -> None:
@@ -359,15 +368,18 @@ def _serve(options: StackOptions, fleet: Fleet, link: Link | None) -> int:
         if link is not None and options.link is not None:
             _say(f"timing the prefill of {options.link_prompt_tokens} tokens to set the {options.link} rate ...")
             kv_per_token = tiny_model.SIZES[options.model_size].kv_bytes_per_token()
-            measured.append(
-                calibrate(
-                    link,
-                    preset(options.link),
-                    prefill.url,
-                    prompt_tokens=options.link_prompt_tokens,
-                    kv_bytes_per_token=kv_per_token,
+            try:
+                measured.append(
+                    calibrate(
+                        link,
+                        preset(options.link),
+                        prefill.url,
+                        prompt_tokens=options.link_prompt_tokens,
+                        kv_bytes_per_token=kv_per_token,
+                    )
                 )
-            )
+            except (OSError, RuntimeError) as exc:  # NetnsError is a RuntimeError
+                raise StartupError("link calibration", str(exc), prefill.log_path, prefill.log_tail(20)) from exc
 
     return run_stack(
         fleet,
