@@ -234,3 +234,4 @@ def test_a_nixl_write_between_two_namespaces_follows_the_rate_and_a_cma_bypass_i
         assert not bypass.ok and bypass.crossed_bytes < size // 4, bypass
         assert "bypassed the link" in (bypass.verdict or "")
         assert check.drops == bypass.drops == 0
+        print(f"tcp: {over_tcp['seconds']} s, {check.record()}; cma: {bypass.record()}")
