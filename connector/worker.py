@@ -24,9 +24,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from connector.kvcache import KVCaches, compatibility_fields, compatibility_signature, describe_kv_caches
 from connector.metadata import StepPlan, compatibility_hash
+from connector.options import Options
 from connector.stats import KvpushStats
 from connector.transfer import NixlBackend
-from connector.transfer_thread import CancelOrder, Options, Order, TransferThread
+from connector.transfer_thread import CancelOrder, Order, TransferThread
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -28,9 +28,10 @@ def peer_main(conn: Connection, engine: str, seed: int | None) -> None:
     import numpy as np
 
     from connector.metadata import KVLayout, PeerAddress, PrefillFailed, PrefillFinished, Region, RegisterOrder
+    from connector.options import Options
     from connector.rendezvous import Timeouts
     from connector.transfer import NixlBackend
-    from connector.transfer_thread import CancelOrder, Options, Results, TransferThread
+    from connector.transfer_thread import CancelOrder, Results, TransferThread
 
     rng = np.random.default_rng(seed)
     kv = [

@@ -28,8 +28,9 @@ from connector.metadata import (
     Region,
     RegisterOrder,
 )
+from connector.options import Options, Polling
 from connector.rendezvous import Timeouts
-from connector.transfer_thread import CancelOrder, Options, Polling, Results, TransferThread
+from connector.transfer_thread import CancelOrder, Results, TransferThread
 from tests.unit.connector.side_channel_fake import LoopbackSideChannel
 
 BLOCKS, BLOCK_LEN = 8, 64
