@@ -10,7 +10,8 @@ Threading model (guarantee G6):
 * **When it runs** (guarantee G7): it sleeps on ``_wake`` until something needs it: a submission
   (``submit``), a step hook (``kick``, once per engine step from ``get_transfer_results``), a
   side-channel event, the next deadline of either machine (a heap: O(1) to look at), or, only
-  while a WRITE is in flight, a short backoff timer (``Polling.write_poll_min_s`` doubling up to
+  while a WRITE is in flight or an order waits for its step's ``ReadyEvent`` (G15,
+  ``connector.ready``), a short backoff timer (``Polling.write_poll_min_s`` doubling up to
   ``write_poll_max_s``) that notices its completion. With nothing in flight it wakes at most every
   ``Polling.idle_wait_s`` as a safety net for notices that arrive while no engine steps (NIXL
   offers no wake-up on a notification without its busy progress thread).
@@ -36,7 +37,7 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import assert_never
@@ -65,6 +66,7 @@ from connector.metadata import (
     is_notice,
 )
 from connector.options import Options
+from connector.ready import READY, HostFence, ReadyEvent, StepFence
 from connector.rendezvous import (
     AbandonWrite,
     Action,
@@ -118,7 +120,17 @@ Order = (
     | CancelOrder
     | CancelUnallocated
 )
-_Command = Order | _PeerReady | _PeerLost | _AddPeer
+
+
+@dataclass(frozen=True)
+class _Gated:
+    """An order and the event after which its blocks hold the step's KV (``connector.ready``)."""
+
+    order: Order
+    ready: ReadyEvent
+
+
+_Command = _Gated | _PeerReady | _PeerLost | _AddPeer
 
 
 @dataclass(frozen=True)
@@ -174,8 +186,11 @@ class TransferThread:
         options: Options | None = None,
         clock: Callable[[], float] = time.monotonic,
         side_channel: SideChannel | None = None,
+        fence: StepFence | None = None,
     ) -> None:
         options = options or Options()
+        self._fence: StepFence = fence or HostFence()
+        self._gated: deque[_Gated] = deque()  # orders in submission order, the first maybe not ready yet
         self.engine_id = engine_id
         self._backend = backend
         self._layout = layout
@@ -221,8 +236,10 @@ class TransferThread:
 
     # ---- worker-thread API -------------------------------------------------------------
 
-    def submit(self, order: Order) -> None:
-        self._inbox.put(order)
+    def submit(self, order: Order, ready: ReadyEvent = READY) -> None:
+        """Queue an order; it reaches the machines (and may post a WRITE) only once ``ready`` completed
+        and every order submitted before it did (``connector.ready``: the forward stream on a GPU)."""
+        self._inbox.put(_Gated(order, ready))
         self._wake.set()
 
     def kick(self) -> None:
@@ -279,6 +296,7 @@ class TransferThread:
     # ---- owner thread --------------------------------------------------------------------
 
     def _run(self) -> None:
+        self._fence.bind_thread()  # before any backend call on this thread (CUDA: the KV cache's device)
         while not self._stop.is_set():
             self._wake.clear()
             self.wakes += 1
@@ -294,7 +312,7 @@ class TransferThread:
     def _sleep_s(self, now: float) -> float:
         """Until the next deadline, the next WRITE check (only with WRITEs in flight) or the safety net."""
         timeout = self._polling.idle_wait_s
-        if self._writes:
+        if self._writes or self._gated:  # no wake-up comes from a WRITE's or a CUDA event's completion
             timeout = self._write_backoff
             self._write_backoff = min(2 * self._write_backoff, self._polling.write_poll_max_s)
         for deadline in (self._prefill.next_deadline(), self._decode.next_deadline()):
@@ -308,7 +326,12 @@ class TransferThread:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            self._handle(cmd, now)
+            if isinstance(cmd, _Gated):
+                self._gated.append(cmd)
+            else:
+                self._handle(cmd, now)
+        while self._gated and self._gated[0].ready.query():
+            self._handle(self._gated.popleft().order, now)
         for sender, raw in self._backend.poll_notices():
             self._on_raw_notice(sender, raw, now)
         if self._writes:
@@ -331,7 +354,7 @@ class TransferThread:
             self._outbox.put(self._pending)
             self._pending = Results()
 
-    def _handle(self, cmd: _Command, now: float) -> None:
+    def _handle(self, cmd: Order | _PeerReady | _PeerLost | _AddPeer, now: float) -> None:
         match cmd:
             case RegisterOrder():
                 actions = self._decode.on_register(
@@ -488,9 +511,7 @@ class TransferThread:
             agent = self._agents[reg.d_engine_id]
             done = encode_notice(Done(reg.key, reg.d_request_id)) if action.final else b""
             remote = reg.block_ids if action.remote_blocks is None else action.remote_blocks
-            # GPU note: with a design-A WRITE (posted in the step that computed the KV) on VRAM, the
-            # forward's CUDA stream must be synchronised here (an event recorded after the forward,
-            # waited on before postXfer); on CPU the forward is synchronous and the KV is in place.
+            # The order behind this WRITE reached the machine only after its step's ReadyEvent completed.
             ticket = self._backend.write(agent, action.local_blocks, remote, done)
         except (KeyError, TransferError, ValueError) as exc:
             logger.warning("WRITE for %s not posted: %r", action.key, exc)

@@ -29,6 +29,7 @@ from connector.metadata import (
     RegisterOrder,
 )
 from connector.options import Options, Polling
+from connector.ready import StepFence
 from connector.rendezvous import Timeouts
 from connector.transfer_thread import CancelOrder, Results, TransferThread
 from tests.unit.connector.side_channel_fake import LoopbackSideChannel
@@ -59,7 +60,13 @@ CHANNEL = LoopbackSideChannel()
 
 
 def make_side(
-    fabric: MemoryFabric, engine: str, seed: int | None, compat: str = "c1", options: Options = OPTIONS
+    fabric: MemoryFabric,
+    engine: str,
+    seed: int | None,
+    compat: str = "c1",
+    options: Options = OPTIONS,
+    fence: StepFence | None = None,
+    backend_cls: type[MemoryBackend] = MemoryBackend,
 ) -> Side:
     rng = np.random.default_rng(seed)
     kv = [
@@ -69,7 +76,7 @@ def make_side(
         for _ in range(2)
     ]
     layout = KVLayout("DRAM", 0, 16, tuple(Region(a.ctypes.data, BLOCK_LEN, BLOCKS) for a in kv))
-    backend = MemoryBackend(fabric, f"agent-{engine}", layout)
+    backend = backend_cls(fabric, f"agent-{engine}", layout)
     thread = TransferThread(
         backend,
         engine_id=engine,
@@ -79,6 +86,7 @@ def make_side(
         side_port=0,
         options=options,
         side_channel=CHANNEL,
+        fence=fence,
     )
     thread.start()
     return Side(thread, backend, kv, Results())
