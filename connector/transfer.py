@@ -13,6 +13,8 @@ is only safe under that rule; the owner thread keeps UCX progressing by polling
 from __future__ import annotations
 
 import logging
+import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -78,6 +80,40 @@ class TransferBackend(Protocol):
     def close(self) -> None: ...
 
 
+def make_agent(name: str, backends: tuple[str, ...], progress_thread_delay_us: int | None) -> Any:
+    """A NIXL agent; with a progress thread, one that sleeps on UCX's event fd instead of spinning.
+
+    NIXL's Python API builds its ``nixlAgentConfig`` with ``pthrDelay = 0`` (a busy loop, about one core
+    per agent) and offers no parameter for it, so the native constructor is wrapped for this one call
+    to set the delay (the module attribute is restored before returning)."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    if progress_thread_delay_us is None:
+        return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=list(backends)))
+    module = sys.modules[type(nixl_agent_config()).__module__]  # nixl_cu12/13._api: the one NIXL loaded
+    native = module.nixlBind
+    delay = int(progress_thread_delay_us)
+
+    class _Bind:
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(native, attr)
+
+        @staticmethod
+        def nixlAgent(agent_name: str, config: Any) -> Any:  # NIXL's name
+            config.pthrDelay = delay
+            return native.nixlAgent(agent_name, config)
+
+    with _PATCH_LOCK:
+        setattr(module, "nixlBind", _Bind())  # noqa: B010 (a module attribute mypy cannot see)
+        try:
+            return nixl_agent(name, nixl_agent_config(enable_prog_thread=True, backends=list(backends)))
+        finally:
+            setattr(module, "nixlBind", native)  # noqa: B010
+
+
+_PATCH_LOCK = threading.Lock()
+
+
 class NixlBackend:
     """``TransferBackend`` over a NIXL agent (UCX by default), DRAM or VRAM."""
 
@@ -87,14 +123,14 @@ class NixlBackend:
         layout: KVLayout,
         backends: tuple[str, ...] = ("UCX",),
         registrations: npt.NDArray[np.uint64] | None = None,
+        progress_thread_delay_us: int | None = None,
     ) -> None:
         """``registrations``: ``(K, 3)`` rows ``(address, length, device id)`` to register with NIXL,
         one per backing storage (``connector.kvcache.KVCaches.registrations``); without them, each
-        region is registered on its own (tests over plain arrays)."""
-        from nixl._api import nixl_agent, nixl_agent_config
-
-        config = nixl_agent_config(enable_prog_thread=False, backends=list(backends))
-        self._agent: Any = nixl_agent(name, config)
+        region is registered on its own (tests over plain arrays). ``progress_thread_delay_us``: run
+        NIXL's UCX progress thread, sleeping in ``poll()`` up to that long (``connector.options``);
+        None: no progress thread (the owner thread progresses UCX when it polls)."""
+        self._agent: Any = make_agent(name, backends, progress_thread_delay_us)
         self._name = name
         self._layout = layout
         if registrations is None:

@@ -10,11 +10,12 @@ Threading model (guarantee G6):
 * **When it runs** (guarantee G7): it sleeps on ``_wake`` until something needs it: a submission
   (``submit``), a step hook (``kick``, once per engine step from ``get_transfer_results``), a
   side-channel event, the next deadline of either machine (a heap: O(1) to look at), or, only
-  while a WRITE is in flight or an order waits for its step's ``ReadyEvent`` (G15,
-  ``connector.ready``), a short backoff timer (``Polling.write_poll_min_s`` doubling up to
-  ``write_poll_max_s``) that notices its completion. With nothing in flight it wakes at most every
-  ``Polling.idle_wait_s`` as a safety net for notices that arrive while no engine steps (NIXL
-  offers no wake-up on a notification without its busy progress thread).
+  while a transfer is in flight on this side (P: a WRITE posted; D: a receive waiting for its
+  ``Done``, so a notice never waits for the idle tick; either: an order waiting for its step's
+  ``ReadyEvent``, G15 ``connector.ready``), a short backoff timer (``Polling.write_poll_min_s``
+  doubling up to ``write_poll_max_s``) that notices its completion. With nothing in flight it wakes
+  at most every ``Polling.idle_wait_s`` as a safety net (NIXL offers no wake-up on a notification).
+  Who moves UCX's bytes is the progress model (``connector.options``: ``poll`` or ``thread``).
 * **Worker thread** (vLLM's model runner, via ``connector.worker``): only calls ``submit``,
   ``kick`` and ``collect_results`` (empties the outbox). It never waits on the owner thread, so
   the forward loop never waits on NIXL.
@@ -312,7 +313,8 @@ class TransferThread:
     def _sleep_s(self, now: float) -> float:
         """Until the next deadline, the next WRITE check (only with WRITEs in flight) or the safety net."""
         timeout = self._polling.idle_wait_s
-        if self._writes or self._gated:  # no wake-up comes from a WRITE's or a CUDA event's completion
+        if self._writes or self._gated or self._decode.live:  # nothing wakes us when a WRITE ends, a CUDA
+            # event completes or a notice arrives: poll while a transfer is in flight on this side
             timeout = self._write_backoff
             self._write_backoff = min(2 * self._write_backoff, self._polling.write_poll_max_s)
         for deadline in (self._prefill.next_deadline(), self._decode.next_deadline()):
@@ -357,6 +359,7 @@ class TransferThread:
     def _handle(self, cmd: Order | _PeerReady | _PeerLost | _AddPeer, now: float) -> None:
         match cmd:
             case RegisterOrder():
+                self._write_backoff = self._polling.write_poll_min_s  # a receive in flight: poll (G7)
                 actions = self._decode.on_register(
                     cmd.request_id, cmd.key, cmd.peer, cmd.block_ids, now, cmd.num_tokens
                 )

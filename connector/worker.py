@@ -66,7 +66,13 @@ class WorkerHalf:
         layout = caches.layout(self._block_size)
         # Unique per incarnation: a restarted peer (same engine id, even the same pid) is a new agent.
         name = f"kvpush-{self.engine_id}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        backend = NixlBackend(name, layout, self._options.backends, registrations=caches.registrations())
+        backend = NixlBackend(
+            name,
+            layout,
+            self._options.backends,
+            registrations=caches.registrations(),
+            progress_thread_delay_us=self._options.progress_thread_delay_us,
+        )
         self._fence = fence_for(caches.mem_type, caches.device_id)  # CUDA event + device for VRAM
         self._thread = TransferThread(
             backend,
