@@ -380,7 +380,7 @@ class TransferThread:
                 self._perform(self._prefill.on_prefill_restarted(cmd.key, now), now)
             case _AddPeer():
                 try:
-                    self._load_peer(cmd.payload)
+                    self._load_peer(cmd.payload, writes_to=True)  # a decode dialled us: we WRITE to it
                 except TransferError as exc:
                     cmd.error = str(exc)
                 cmd.done.set()
@@ -393,7 +393,7 @@ class TransferThread:
 
     def _on_peer_ready(self, cmd: _PeerReady, now: float) -> None:
         try:
-            self._load_peer(cmd.payload)
+            self._load_peer(cmd.payload, writes_to=False)  # the prefill we dialled: notices only
         except TransferError:
             logger.exception("could not load prefill agent %s", cmd.payload.engine_id)
             self._on_peer_lost(cmd.payload.engine_id, now)
@@ -412,8 +412,9 @@ class TransferThread:
         self._perform(self._decode.on_peer_lost(engine_id, now), now)
         self._perform(self._prefill.on_peer_lost(engine_id, now), now)
 
-    def _load_peer(self, payload: HandshakePayload) -> None:
-        self._backend.add_peer(payload)  # reloads when the metadata changed (a restarted peer)
+    def _load_peer(self, payload: HandshakePayload, writes_to: bool) -> None:
+        # Reloads when the metadata changed (a restarted peer). Decode loads prefill for notices only.
+        self._backend.add_peer(payload, writes_to=writes_to)
         previous = self._agents.get(payload.engine_id)
         if previous is not None and previous != payload.agent_name:
             self._retired.add(previous)  # an older incarnation of that engine

@@ -31,6 +31,7 @@ from connector.metadata import (
 from connector.options import Options, Polling
 from connector.ready import StepFence
 from connector.rendezvous import Timeouts
+from connector.transfer import TransferError
 from connector.transfer_thread import CancelOrder, Results, TransferThread
 from tests.unit.connector.side_channel_fake import LoopbackSideChannel
 
@@ -449,3 +450,14 @@ def test_the_default_write_timeout_outlasts_the_slowest_presets_transfer() -> No
     t = Options.from_extra({}).timeouts
     assert t.write_timeout_s >= 6 * 4.7
     assert t.kv_timeout_s - t.write_grace_s >= 60
+
+
+def test_decode_loads_prefill_for_notices_only_and_prefill_loads_decode_to_write(pair: tuple[Side, Side]) -> None:
+    """Descriptors at scale: decode never WRITEs, so it prepares no list for prefill's blocks."""
+    p, d = pair
+    register(p, d)
+    p.thread.submit(PrefillFinished("p1", "t:1", (1, 2)))
+    wait_for(lambda: "d1" in d.collect().received)
+    assert not d.backend.peers["agent-P"].writable and p.backend.peers["agent-D"].writable
+    with pytest.raises(TransferError, match="notices-only"):
+        d.backend.write("agent-P", (1,), (1,), b"")
