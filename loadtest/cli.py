@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from loadtest.arrivals import ArrivalSpec
+from loadtest.bench.suites import SUITES
 from loadtest.job import Job, execute
-from loadtest.results import CONNECTORS, MODES, ROUTERS, SUITES, RowLabels
+from loadtest.results import CONNECTORS, MODES, ROUTERS, RowLabels
 from loadtest.runner import LoadConfig
 from loadtest.sim.writes import WriteAt
 from loadtest.stats import parse_goodput
@@ -37,7 +38,7 @@ def _add_run(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--router-timings", action="store_true", help="join GET /debug/timings from --base-url")
     p.add_argument("--out-dir", type=Path, default=None, help="writes requests.jsonl and summary.json")
     p.add_argument("--summary", type=Path, default=None, help="append a row to this summary.json list")
-    p.add_argument("--suite", choices=SUITES, default=None, help="row label (needed with --summary)")
+    p.add_argument("--suite", choices=tuple(SUITES), default=None, help="row label (needed with --summary)")
     p.add_argument("--router", choices=ROUTERS, default="kvpush")
     p.add_argument("--mode", choices=MODES, default="push")
     p.add_argument("--connector", choices=CONNECTORS, default="sim")
@@ -49,7 +50,7 @@ def _add_sim(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--role", choices=("prefill", "decode", "both"), required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
-    p.add_argument("--profile", default="zero", help="a name under loadtest/profiles/ or a YAML path")
+    p.add_argument("--profile", default="zero", help="a name under loadtest/sim/profiles/ or a YAML path")
     p.add_argument("--engine-id", default="", help="default: sim-<role>-<port>")
     p.add_argument("--model", default="sim", help="served model name")
     p.add_argument(
@@ -69,7 +70,7 @@ def _add_sim(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
 
 def _add_bench(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     p = sub.add_parser("bench", help="run benchmark suites and write bench/results")
-    p.add_argument("--suite", choices=(*SUITES, "all"), default="all")  # multiturn: once suite_multiturn lands
+    p.add_argument("--suite", choices=(*SUITES, "all"), default="all")
     p.add_argument("--smoke", action="store_true", help="a tiny version of each suite (for make test)")
     p.add_argument("--results", type=Path, default=None, help="default: bench/results (smoke: bench/runs/smoke)")
     p.add_argument("--no-progress", action="store_true")
@@ -158,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve(a.role, a.host, a.port, a.profile, engine_id, a.model, a.kv_mode, a.write_at)
     if a.cmd == "calibrate":
         return _calibrate(a)
-    from loadtest.bench import run_suites
+    from loadtest.bench.run import run_suites
 
     return run_suites(
         a.suite,
@@ -171,8 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _calibrate(a: argparse.Namespace) -> int:
-    from loadtest import calibrate
     from loadtest.job import REPO
+    from loadtest.sim import calibrate
     from loadtest.sim.profile import PROFILE_DIR
 
     results = a.results or REPO / "bench" / "results"

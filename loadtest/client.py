@@ -2,7 +2,7 @@
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,11 +110,18 @@ async def send(
     clock: Clock,
     timeout_s: float,
     expect_output: int | None = None,
+    *,
+    headers: Mapping[str, str] | None = None,
+    listen: Callable[[str], None] | None = None,
 ) -> RequestRecord:
-    """POST one streamed request; never raises for request failures, they land in `rec.error`."""
+    """POST one streamed request; never raises for request failures, they land in `rec.error`.
+
+    `headers` go with x-request-id (theirs wins); `listen` also reads every SSE line (the caller's own fields:
+    multiturn's answer text and cached tokens); a bad line there is a bad stream like one here.
+    """
     t0 = clock()
     tracker = StreamTracker(rec, t0)
-    headers = {"x-request-id": rec.request_id}
+    headers = {"x-request-id": rec.request_id, **(headers or {})}
     try:
         async with asyncio.timeout(timeout_s):
             async with client.stream("POST", url, json=body, headers=headers, timeout=timeout_s) as resp:
@@ -127,6 +134,8 @@ async def send(
                 else:
                     async for line in resp.aiter_lines():
                         tracker.feed(line, clock())
+                        if listen is not None:
+                            listen(line)
                         if tracker.done:
                             break
     except TimeoutError:

@@ -14,7 +14,7 @@ import json
 import random
 import time
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -22,12 +22,11 @@ from typing import Any
 import httpx
 
 from loadtest.arrivals import ArrivalSpec, schedule
-from loadtest.client import StreamTracker
+from loadtest.client import Clock, send
 from loadtest.records import RequestRecord
 from loadtest.stats import dist_ms
 
 SESSION_HEADER = "X-Session-ID"
-Clock = Callable[[], float]
 
 
 @dataclass(frozen=True)
@@ -118,16 +117,14 @@ class TurnRecord:
         return out
 
 
-class _Collector:
-    """Reads one turn's SSE lines: timing through StreamTracker, plus the answer text and cached tokens."""
+class _Answer:
+    """What multi-turn reads from a turn's SSE lines besides the timing: the answer text and cached tokens."""
 
-    def __init__(self, rec: RequestRecord, t0: float) -> None:
-        self.tracker = StreamTracker(rec, t0)
+    def __init__(self) -> None:
         self.pieces: list[str] = []
         self.cached: int | None = None
 
-    def feed(self, line: str, now: float) -> None:
-        self.tracker.feed(line, now)
+    def feed(self, line: str) -> None:
         if not line.startswith("data:") or line[5:].strip() == "[DONE]":
             return
         event = json.loads(line[5:])
@@ -148,27 +145,10 @@ async def send_turn(
     timeout_s: float,
     expect_output: int,
 ) -> tuple[RequestRecord, str, int | None]:
-    """POST one streamed chat turn; failures land in `rec.error`, never raise."""
-    t0 = clock()
-    got = _Collector(rec, t0)
-    try:
-        async with asyncio.timeout(timeout_s):
-            async with client.stream("POST", url, json=body, headers=dict(headers), timeout=timeout_s) as resp:
-                rec.status = resp.status_code
-                if resp.status_code != 200:
-                    rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300].decode('utf-8', 'replace')}"
-                else:
-                    async for line in resp.aiter_lines():
-                        got.feed(line, clock())
-                        if got.tracker.done:
-                            break
-    except TimeoutError:
-        rec.error = f"timeout after {timeout_s:.0f}s"
-    except httpx.HTTPError as exc:
-        rec.error = f"{type(exc).__name__}: {exc}"
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        rec.error = f"bad stream: {exc}"
-    return got.tracker.finish(expect_output), "".join(got.pieces), got.cached
+    """POST one streamed chat turn (client.send, reading the answer too); failures land in `rec.error`."""
+    got = _Answer()
+    rec = await send(client, url, body, rec, clock, timeout_s, expect_output, headers=headers, listen=got.feed)
+    return rec, "".join(got.pieces), got.cached
 
 
 @dataclass(frozen=True)

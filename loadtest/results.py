@@ -4,14 +4,14 @@ import datetime as dt
 import json
 import os
 import subprocess
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from loadtest.stats import Summary
 
-SUITES = ("seed-sim", "cpu-vllm", "same-pair", "overhead", "multiturn")
+Row = dict[str, Any]  # one row of summary.json
 ROUTERS = ("kvpush", "vllm-router", "direct")
 MODES = ("push", "pull", "direct")
 CONNECTORS = ("upstream-push", "upstream-pull", "kvpush-push", "kvpush-progressive", "sim")
@@ -52,8 +52,9 @@ class RowLabels:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not self.suite:  # the suites' names: loadtest.bench.suites.SUITES (the bench room, above this one)
+            raise ValueError("a row needs a suite")
         for value, allowed in (
-            (self.suite, SUITES),
             (self.router, ROUTERS),
             (self.mode, MODES),
             (self.connector, CONNECTORS),
@@ -131,3 +132,33 @@ def append_rows(path: Path, rows: Iterable[Mapping[str, Any]]) -> None:
     tmp = path.with_suffix(path.suffix + f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(current, indent=1, allow_nan=False) + "\n", encoding="utf-8")
     tmp.replace(path)
+
+
+A_PRIORI = "qwen3-32b-h200"  # the seed-sim headline profile; runs on any other profile are what-ifs
+
+
+def _what_if(row: Row) -> bool:
+    return row.get("suite") == "seed-sim" and row.get("profile") not in (None, A_PRIORI)
+
+
+def latest(rows: Sequence[Row], suite: str) -> list[Row]:
+    """Rows of the newest run_id of a suite (run ids are UTC stamps, so they sort by time); what-ifs and
+    profiling runs (overhead with cprofile: the profiled router is slowed) excluded."""
+    mine = [
+        r
+        for r in rows
+        if r.get("suite") == suite and r.get("run_id") and not _what_if(r) and not r.get("profiling_run")
+    ]
+    if not mine:
+        return []
+    newest = max(str(r["run_id"]) for r in mine)
+    return [r for r in mine if r["run_id"] == newest]
+
+
+def latest_what_if(rows: Sequence[Row]) -> list[Row]:
+    """Rows of the newest seed-sim run on a what-if profile."""
+    mine = [r for r in rows if _what_if(r) and r.get("run_id")]
+    if not mine:
+        return []
+    newest = max(str(r["run_id"]) for r in mine)
+    return [r for r in mine if r["run_id"] == newest]

@@ -1,4 +1,4 @@
-"""`python -m router` runs the `kvpush` command line."""
+"""`python -m router [serve] [options]` runs the router (`kvpush serve`)."""
 
 from router.cli import main
 

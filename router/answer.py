@@ -21,8 +21,8 @@ import httpx
 
 from router.domain import Role
 from router.errors import RouterError, UpstreamError, UpstreamProtocolError, UpstreamTimeout
+from router.legs.base import LegResponse
 from router.sse import EventFramer, EventTooLarge, RelayCheck, error_event, payload_of
-from router.transport import LegResponse
 from router.upstream import translate
 
 logger = logging.getLogger("kvpush.answer")

@@ -147,8 +147,10 @@ class HotPath:
         request = ClientRequest(
             body=body,
             info=info,
-            record=self._service.dispatcher.new_record(request_id, info),
-            headers={k.decode("latin-1"): v.decode("latin-1") for k, v in headers} if self._wants_headers() else {},
+            record=self._service.new_record(request_id, info),
+            headers={k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
+            if self._service.wants_headers
+            else {},
         )
         try:
             async with self._service.admission.slot():
@@ -156,9 +158,6 @@ class HotPath:
         except Overloaded as refused:
             self._count(endpoint, refused, errors=False)
             await _send_error(send, refused, request_id)
-
-    def _wants_headers(self) -> bool:
-        return self._service.dispatcher.decider.name != "none"
 
     async def _body(self, receive: Receive, length: bytes | None) -> bytes:
         limit, deadline = self._limits.max_body_bytes, self._timeouts.client_body

@@ -1,4 +1,7 @@
-"""The `kvpush` command: `serve` (the router), `stack` (the local P/D stack), `load` and `bench` (load tests)."""
+"""`kvpush serve` and `python -m router [serve]`: the router's flags, its settings from file, env and flags, the server.
+
+The umbrella `kvpush` command (stack, load, bench, ...) lives in kvpush/cli.py: the router imports no harness.
+"""
 
 from __future__ import annotations
 
@@ -12,19 +15,6 @@ import yaml
 
 from router.config import LEG_CLIENTS, SERVERS, Settings, build_settings, from_env, with_environment
 from router.errors import ConfigError
-
-USAGE = """kvpush <command> [options]
-
-commands:
-  serve   run the router (OpenAI-compatible front door for prefill/decode vLLM pools)
-  stack   start the local stack: tiny model, one prefill + one decode vLLM CPU instance, the router
-  load    run the load generator against an OpenAI endpoint
-  sim     run the engine simulator (a fake vLLM prefill or decode worker)
-  bench   run the benchmark suites
-  calibrate  fit the seed-sim profile's unmeasured numbers to the seed's pull row
-
-`kvpush <command> --help` describes each command's options."""
-
 
 _LIMIT_FLAGS = {  # limits: what one client request may hold (router/README.md)
     "max_body_bytes": "largest request body, bytes (413 beyond; default 16 MiB)",
@@ -183,20 +173,6 @@ def serve(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m router [serve] [options]`: serves (a leading `serve` is accepted, as `kvpush serve` spells it)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help", "help"):
-        print(USAGE)
-        return 0 if args else 2
-    command, rest = args[0], args[1:]
-    if command == "serve":
-        return serve(rest)
-    if command == "stack":
-        from stack.local import main as stack_main
-
-        return stack_main(rest)
-    if command in ("load", "bench", "sim", "calibrate"):
-        from loadtest.cli import main as load_main
-
-        return load_main([{"load": "run"}.get(command, command), *rest])
-    print(f"kvpush: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
-    return 2
+    return serve(args[1:] if args[:1] == ["serve"] else args)

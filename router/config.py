@@ -3,7 +3,7 @@
 
 Where things live: the value checks (one rule per kind of value) in router/values.py, the worker specs (SPEC
 strings, typed fields) in router/specs.py, the `discovery:` block in router/discovery/settings.py, each policy's
-and decider's options in its own factory (router/policy.py, router/decider.py)."""
+and decider's options in its own factory (router/policy.py, router/deciders/registry.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from router import decider, values
+from router import values
+from router.deciders import registry as deciders
 from router.discovery.settings import Discovery, parse_discovery, resolve_in_cluster
 from router.domain import Fallback, Mode, Role, WorkerSpec
 from router.errors import ConfigError
@@ -34,7 +35,7 @@ __all__ = [  # the worker builders live in router.specs; config is where callers
 ]
 
 
-LEG_CLIENTS = ("aiohttp", "http1")  # the legs' HTTP client (router/transport.py legs_for)
+LEG_CLIENTS = ("aiohttp", "http1")  # the legs' HTTP client (router/legs/base.py legs_for)
 SERVERS = ("granian", "uvicorn")  # the client-facing HTTP server (router/cli.py serve; router/README.md)
 
 
@@ -102,7 +103,7 @@ class Settings:
     timings_capacity: int = 4096  # requests kept for GET /debug/timings
     log_level: str = "info"
     log_format: str = "json"  # "json" (one object per line) or "text"
-    decider: str = "none"  # the P/D decider (router.decider.REGISTRY); "none": the mode, policies pick
+    decider: str = "none"  # the P/D decider (router.deciders.registry.REGISTRY); "none": the mode, policies pick
     decider_options: Mapping[str, Any] = field(default_factory=dict)  # the decider's own settings
 
 
@@ -214,10 +215,10 @@ def _named(value: Any, where: str) -> tuple[str, dict[str, Any]]:
 def _decider(value: Any) -> tuple[str, dict[str, Any]]:
     """The decider and its options, checked by the decider's own factory."""
     name, options = _named(value, "decider")
-    if name not in decider.REGISTRY:
-        known = ", ".join(sorted(decider.REGISTRY))
+    if name not in deciders.REGISTRY:
+        known = ", ".join(sorted(deciders.REGISTRY))
         raise ConfigError(f"decider: unknown decider {name!r}; known deciders: {known}")
-    decider.make_decider(name, options)  # its factory refuses bad options with a ConfigError
+    deciders.make_decider(name, options)  # its factory refuses bad options with a ConfigError
     return name, options
 
 

@@ -6,7 +6,9 @@ learns from every answer. `record` may hand back an `AnswerCheck`: the dispatche
 tokenize the answer's text (off the request's path: router/retokenize.py) and settles the check with how many
 generated tokens the text re-tokenizes to, which is how far the next turn can match decode's prefix cache.
 Deciders are small registered classes chosen by the `decider` setting, like the selection policies; "none" is
-the behaviour without a decider: the configured mode, workers chosen by the policies.
+the behaviour without a decider: the configured mode, workers chosen by the policies. This module is the seam
+only: the registry and the implementations live in router/deciders/ (registry.py imports every decider; the seam
+imports none).
 
 Routes:
 - PUSH / PULL: both legs, as the router's mode says (a decider never changes the mode; it may only bypass).
@@ -21,15 +23,26 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from router.domain import Mode, RequestInfo, WorkerView
-from router.errors import ConfigError
+from router.domain import Fallback, Mode, RequestInfo, WorkerView
 
 
 class Route(enum.StrEnum):
+    """How one attempt is served. The value is the decisions metric's label; `label` is the request's mode."""
+
     PUSH = "push"
     PULL = "pull"
     BYPASS = "bypass"
     FALLBACK = "fallback"
+
+    @classmethod
+    def of(cls, mode: Mode) -> Route:
+        """The route of the router's mode (both legs)."""
+        return cls.PUSH if mode is Mode.PUSH else cls.PULL
+
+    @property
+    def label(self) -> str:
+        """The request's mode in its log line, its record and the metrics' `mode` label (API: unchanged)."""
+        return str(Fallback.DECODE_ONLY) if self is Route.FALLBACK else self.value
 
 
 @dataclass(frozen=True)
@@ -97,6 +110,7 @@ class Decider(Protocol):
     name: ClassVar[str]
     wants_answer: bool  # the dispatcher collects the generated text for `record` only when True
     wants_token_ids: bool  # ... and asks decode for its token ids (scrubbed from what the client gets)
+    wants_headers: bool  # the HTTP layer copies the client's headers into the `Turn` only when True
 
     def decide(
         self, turn: Turn, decode: Sequence[WorkerView], prefill: Sequence[WorkerView], now: float
@@ -141,46 +155,13 @@ class NoDecider:
     name: ClassVar[str] = "none"
     wants_answer = False
     wants_token_ids = False
+    wants_headers = False
 
     def decide(self, turn: Turn, decode: Sequence[WorkerView], prefill: Sequence[WorkerView], now: float) -> Decision:
-        return Decision(Route.PUSH if turn.mode is Mode.PUSH else Route.PULL)
+        return Decision(Route.of(turn.mode))
 
     def record(self, turn: Turn, decision: Decision, outcome: Outcome, now: float) -> AnswerCheck | None:
         return None
 
     def forget(self, worker_id: str) -> None:
         return None
-
-
-DeciderFactory = Callable[[Mapping[str, Any]], Decider]  # takes the decider's own settings block
-
-
-def _no_decider(options: Mapping[str, Any]) -> Decider:
-    if options:
-        raise ConfigError(f"decider 'none' takes no options, got {sorted(options)}")
-    return NoDecider()
-
-
-REGISTRY: dict[str, DeciderFactory] = {NoDecider.name: _no_decider}
-
-
-def _session_affinity(options: Mapping[str, Any]) -> Decider:
-    from router.deciders import SessionAffinity  # imported when chosen: router.deciders imports this module
-
-    return SessionAffinity.from_options(options)
-
-
-REGISTRY["session-affinity"] = _session_affinity
-
-
-def register(name: str, factory: DeciderFactory) -> None:
-    REGISTRY[name] = factory
-
-
-def make_decider(name: str, options: Mapping[str, Any] | None = None) -> Decider:
-    try:
-        factory = REGISTRY[name]
-    except KeyError:
-        known = ", ".join(sorted(REGISTRY))
-        raise ConfigError(f"unknown decider {name!r}; known deciders: {known}") from None
-    return factory(options or {})

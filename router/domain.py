@@ -1,9 +1,15 @@
-"""Value types shared by the router's modules: roles, modes, endpoints, workers and request facts. No I/O."""
+"""Value types shared by the router's modules: roles, modes, endpoints, workers, request facts, the sleep seam.
+
+No I/O.
+"""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+
+Sleep = Callable[[float], Awaitable[None]]  # asyncio.sleep, or a test's fake clock's
 
 
 class Role(enum.StrEnum):

@@ -15,10 +15,11 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from router.domain import Sleep
+
 logger = logging.getLogger("kvpush.loops")
 
 ErrorHook = Callable[[str, BaseException], None]
-Sleep = Callable[[float], Awaitable[None]]
 
 
 class LoopEnded(RuntimeError):

@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import httpx
 
-from router.domain import EngineLoad, NixlIdentity, Role, WorkerSpec, WorkerView
+from router.domain import EngineLoad, NixlIdentity, Role, Sleep, WorkerSpec, WorkerView
+from router.errors import UpstreamError
 from router.health import HealthPolicy, WorkerHealth
 from router.metrics import Metrics
 
 logger = logging.getLogger("kvpush.pool")
 
-Sleep = Callable[[float], Awaitable[None]]
 ProbeErrorHook = Callable[[WorkerSpec, BaseException], None]  # a probe raised something that is not HTTP's
 
 
@@ -56,6 +57,49 @@ class Tracked:
             self.loss, self.reason = loss, reason
             if self._listener is not None:
                 self._listener()
+
+
+class WorkerLost(UpstreamError):
+    """The leg's worker was ejected, drained or removed before the leg answered (retryable elsewhere). With no
+    other worker to retry on, the client gets a 503: the service is unavailable, the request itself was fine."""
+
+    status = 503
+    type = "service_unavailable"
+    kind = "worker_lost"
+
+
+@contextlib.asynccontextmanager
+async def unless_lost(tracked: Tracked, leg: Role) -> AsyncIterator[None]:
+    """Runs the block unless the leg's worker is lost first; then the block is cancelled and WorkerLost raised.
+
+    The loss cancels the task only while it is suspended inside the block (the listener is called synchronously
+    and removed on the way out), so a cancellation can never land on whatever the task does next."""
+    task = asyncio.current_task()
+    assert task is not None
+    if tracked.is_lost:
+        raise WorkerLost(f"was out of rotation ({tracked.reason})", leg=leg, worker=tracked.worker_id)
+    fired = False
+
+    def fire() -> None:
+        nonlocal fired
+        if asyncio.current_task() is not task:  # the task itself marking its own worker: it is not waiting
+            fired = True
+            task.cancel()
+
+    tracked.listen(fire)
+    try:
+        yield
+    except asyncio.CancelledError:
+        if fired and task.uncancel() == 0:
+            raise WorkerLost(
+                f"was taken out of rotation before it answered ({tracked.loss})", leg=leg, worker=tracked.worker_id
+            ) from None
+        raise
+    else:
+        if fired:  # the block swallowed the cancellation and finished: the request goes on, uncancelled
+            task.uncancel()
+    finally:
+        tracked.listen(None)
 
 
 @dataclass

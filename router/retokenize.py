@@ -20,7 +20,7 @@ from router import protocol, upstream
 from router.decider import AnswerCheck, matched_tokens
 from router.domain import Role
 from router.errors import UpstreamError
-from router.transport import LegTransport
+from router.legs.base import LegTransport
 
 logger = logging.getLogger("kvpush.retokenize")
 

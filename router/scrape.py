@@ -6,12 +6,12 @@ import asyncio
 import logging
 import math
 import re
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import httpx
 
-from router.domain import EngineLoad, WorkerSpec
+from router.domain import EngineLoad, Sleep, WorkerSpec
 
 __all__ = ["EngineLoad", "LoadSink", "ScrapeError", "Scraper", "parse_engine_load", "samples"]
 
@@ -36,7 +36,6 @@ class LoadSink(Protocol):
 
 
 ScrapeErrorHook = Callable[[WorkerSpec, str], None]
-Sleep = Callable[[float], Awaitable[None]]
 
 
 def _labels_end(line: str, start: int) -> int:

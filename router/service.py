@@ -13,19 +13,21 @@ import httpx
 
 from router.admission import Admission
 from router.config import Settings, decode_from_mapping, prefill_from_mapping
-from router.decider import make_decider, stats_of
+from router.decider import stats_of
+from router.deciders.registry import make_decider
 from router.discovery.build import build_source
 from router.discovery.settings import parse_discovery
 from router.dispatch import Dispatcher
-from router.domain import Fallback, Role, WorkerSpec
+from router.domain import Fallback, RequestInfo, Role, WorkerSpec
 from router.errors import BadRequest, ConfigError, NoHealthyWorker
 from router.health import HealthPolicy
+from router.legs.base import LegTransport
+from router.legs.httpx import HttpxLegs
 from router.loops import Supervisor
 from router.metrics import Metrics
 from router.pool import Pool
 from router.scrape import Scraper
-from router.timings import TimingLog
-from router.transport import HttpxLegs, LegTransport
+from router.timings import RequestRecord, TimingLog
 from router.upstream import make_client, make_legs, translate
 
 logger = logging.getLogger("kvpush.service")
@@ -51,11 +53,16 @@ class Service:
         decider = make_decider(settings.decider, settings.decider_options)
         self.metrics.watch_decider(lambda: stats_of(decider))
         self.dispatcher = Dispatcher(settings, self.pool, legs, self.metrics, self.timings, clock, decider)
+        self.wants_headers = decider.wants_headers  # the HTTP layer copies client headers into requests only then
         self.admission = Admission(
             settings.max_in_flight, settings.admission_queue, settings.admission_wait, self.metrics
         )
         self.draining = False
         self._loops = Supervisor(on_error=self._loop_failed)
+
+    def new_record(self, request_id: str, info: RequestInfo) -> RequestRecord:
+        """A client request's record, started now (the HTTP layer makes one per request it accepts)."""
+        return self.dispatcher.new_record(request_id, info)
 
     async def start(self) -> None:
         """First probe of every worker, then the health, discovery and scrape loops."""

@@ -18,7 +18,8 @@ from router.errors import (
     UpstreamStatus,
     UpstreamTimeout,
 )
-from router.transport import AiohttpTransport, LegResponse, LegTransport, legs_for
+from router.legs.aiohttp import AiohttpTransport
+from router.legs.base import LegResponse, LegTransport, legs_for
 
 _decode = msgspec.json.Decoder().decode
 

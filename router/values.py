@@ -71,6 +71,14 @@ def number(value: Any, where: str, *, low: float = 0.0, high: float | None = Non
     return result
 
 
+def positive(value: Any, where: str) -> float:
+    """A finite number above 0; a string is accepted, a boolean is not."""
+    result = number(value, where)
+    if result == 0:
+        raise ConfigError(f"{where}: must be a positive, finite number, got {value!r}")
+    return result
+
+
 def seconds(value: Any, where: str, *, zero_off: bool = False) -> float:
     """A positive, finite number of seconds; 0 too when `zero_off` (0 switches the feature off)."""
     if isinstance(value, bool):

@@ -29,7 +29,7 @@ class RouterSpec:
     `mode` None leaves the mode to the router (its default or the config file's). `flags` are further
     `serve` flags, passed verbatim after the ones this spec names (a later flag wins in the router's parser).
     `runner` is what goes between the interpreter and `router serve`: `-m` by default; a wrapper module that
-    runs the module named after it fits too, e.g. `("-m", "loadtest.profiled", "/tmp/router.prof")`.
+    runs the module named after it fits too, e.g. `("-m", "loadtest.bench.profiled", "/tmp/router.prof")`.
     """
 
     name: str = "router"

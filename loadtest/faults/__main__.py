@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
-    from loadtest.benchkit import vllm_lock
+    from loadtest.bench.procs import vllm_lock
 
     if any(r.bed == "vllm" for r in rows):
         with vllm_lock():

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 
 from loadtest.faults.bed import KV_TIMEOUT_S, REPO, Bed, standin_bed, vllm_bed
-from loadtest.faults.rows import Row, selected
-from loadtest.faults.scenarios import SCENARIOS, Outcome
+from loadtest.faults.rows import FaultRow, selected
+from loadtest.faults.scenarios import SCENARIOS, FaultOutcome
 
 logger = logging.getLogger("kvpush.faults")
 SETTLE_S = 90.0  # longest wait for a bed to settle (leases: 30 s on P, the bed's kv_timeout_s 30 s on D)
@@ -65,13 +65,13 @@ def observe(bed: Bed, timeout: float = SETTLE_S) -> After:
             time.sleep(0.25)
 
 
-def run_row(bed: Bed, row: Row) -> RowResult:
+def run_row(bed: Bed, row: FaultRow) -> RowResult:
     logger.info("fault row: %s", row.name)
     try:
         outcome = SCENARIOS[row.fault](bed, row)
     except Exception as exc:  # a row that breaks is a result, and the rest still run
         logger.exception("fault row %s failed to run", row.name)
-        outcome = Outcome(f"row failed to run: {type(exc).__name__}: {exc}", False, float("inf"))
+        outcome = FaultOutcome(f"row failed to run: {type(exc).__name__}: {exc}", False, float("inf"))
     after = observe(bed)
     return RowResult(
         row=asdict(row),
@@ -82,7 +82,7 @@ def run_row(bed: Bed, row: Row) -> RowResult:
     )
 
 
-def run(rows: Iterable[Row], progress: Callable[[RowResult], None] = lambda _: None) -> list[RowResult]:
+def run(rows: Iterable[FaultRow], progress: Callable[[RowResult], None] = lambda _: None) -> list[RowResult]:
     rows = list(rows)
     results: dict[str, RowResult] = {}
     with tempfile.TemporaryDirectory(prefix="kvpush-faults-") as kv:
@@ -183,5 +183,5 @@ def readme(results: list[RowResult], meta: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def rows_for(short: bool) -> tuple[Row, ...]:
+def rows_for(short: bool) -> tuple[FaultRow, ...]:
     return selected(short)

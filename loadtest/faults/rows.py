@@ -10,7 +10,7 @@ Target = Literal["prefill", "decode", "client", "router"]
 
 
 @dataclass(frozen=True)
-class Row:
+class FaultRow:
     name: str
     target: Target
     fault: str  # the scenario that injects it (scenarios.SCENARIOS)
@@ -21,10 +21,10 @@ class Row:
 
 
 # Order matters on the vLLM bed: the killed engines come last (nothing restarts them).
-ROWS: tuple[Row, ...] = (
-    Row("prefill 5xx", "prefill", "status500", "standin", 5.0, "one of two prefills answers 500 to every leg"),
-    Row("decode 5xx", "decode", "status500", "standin", 5.0, "one of two decodes answers 500 to every leg"),
-    Row(
+ROWS: tuple[FaultRow, ...] = (
+    FaultRow("prefill 5xx", "prefill", "status500", "standin", 5.0, "one of two prefills answers 500 to every leg"),
+    FaultRow("decode 5xx", "decode", "status500", "standin", 5.0, "one of two decodes answers 500 to every leg"),
+    FaultRow(
         "prefill slow to read",
         "prefill",
         "slow-read",
@@ -33,7 +33,7 @@ ROWS: tuple[Row, ...] = (
         "a prefill reads a 64 KiB body at 10 KiB/s",
         short=False,
     ),
-    Row(
+    FaultRow(
         "decode slow to read",
         "decode",
         "slow-read",
@@ -42,11 +42,15 @@ ROWS: tuple[Row, ...] = (
         "a decode reads a 64 KiB body at 10 KiB/s",
         short=False,
     ),
-    Row("prefill never reads", "prefill", "never-read", "standin", 10.0, "a prefill never reads an 8 MiB body"),
-    Row("client leaves before first byte", "client", "leave-before-first-byte", "vllm", 5.0, "socket closed at once"),
-    Row("client leaves mid-stream", "client", "leave-mid-stream", "vllm", 5.0, "socket closed after 3 events"),
-    Row("client leaves mid-upload", "client", "leave-mid-upload", "vllm", 5.0, "10 KiB of a 1 MiB body, then closed"),
-    Row(
+    FaultRow("prefill never reads", "prefill", "never-read", "standin", 10.0, "a prefill never reads an 8 MiB body"),
+    FaultRow(
+        "client leaves before first byte", "client", "leave-before-first-byte", "vllm", 5.0, "socket closed at once"
+    ),
+    FaultRow("client leaves mid-stream", "client", "leave-mid-stream", "vllm", 5.0, "socket closed after 3 events"),
+    FaultRow(
+        "client leaves mid-upload", "client", "leave-mid-upload", "vllm", 5.0, "10 KiB of a 1 MiB body, then closed"
+    ),
+    FaultRow(
         "slow reader",
         "client",
         "slow-reader",
@@ -55,10 +59,10 @@ ROWS: tuple[Row, ...] = (
         "reads 512 B every 0.2 s with a 4 KiB receive buffer",
         short=False,
     ),
-    Row(
+    FaultRow(
         "burst over admission", "client", "burst", "vllm", 30.0, "48 at once with max_in_flight 8, queue 8", short=False
     ),
-    Row(
+    FaultRow(
         "lost registration",
         "decode",
         "lost-registration",
@@ -67,12 +71,14 @@ ROWS: tuple[Row, ...] = (
         "decode registers with a wrong engine id and side port",
         short=False,
     ),
-    Row("prefill hung", "prefill", "hang", "vllm", 5.0, "SIGSTOP on one of two prefills, requests in flight"),
-    Row("decode hung", "decode", "hang", "vllm", 5.0, "SIGSTOP on the only decode before its first byte"),
-    Row("prefill killed", "prefill", "kill", "vllm", 5.0, "SIGKILL on one of two prefills, requests in flight"),
-    Row("decode killed", "decode", "kill", "vllm", 5.0, "SIGKILL on the only decode, streams in flight", short=False),
+    FaultRow("prefill hung", "prefill", "hang", "vllm", 5.0, "SIGSTOP on one of two prefills, requests in flight"),
+    FaultRow("decode hung", "decode", "hang", "vllm", 5.0, "SIGSTOP on the only decode before its first byte"),
+    FaultRow("prefill killed", "prefill", "kill", "vllm", 5.0, "SIGKILL on one of two prefills, requests in flight"),
+    FaultRow(
+        "decode killed", "decode", "kill", "vllm", 5.0, "SIGKILL on the only decode, streams in flight", short=False
+    ),
 )
 
 
-def selected(short: bool) -> tuple[Row, ...]:
+def selected(short: bool) -> tuple[FaultRow, ...]:
     return tuple(row for row in ROWS if row.short or not short)

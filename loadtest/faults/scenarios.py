@@ -13,12 +13,12 @@ import httpx
 from loadtest import promtext
 from loadtest.faults import client
 from loadtest.faults.bed import Bed, RouterProc, Worker, start_router
-from loadtest.faults.rows import Row
+from loadtest.faults.rows import FaultRow
 from stack.procs import free_port
 
 
 @dataclass
-class Outcome:
+class FaultOutcome:
     summary: str  # e.g. "200 x5, 503 x1"
     acceptable: bool  # every client was served or got a clear OpenAI-style error
     fault_to_outcome_s: float  # from the fault to the last client outcome (or to the router's release)
@@ -45,9 +45,9 @@ def _clients(url: str, n: int, make: Callable[[], dict[str, object]]) -> list[Fu
     return futures
 
 
-def _outcome(results: list[client.Result], t_fault: float, note: str = "") -> Outcome:
+def _outcome(results: list[client.Result], t_fault: float, note: str = "") -> FaultOutcome:
     last = max(r.t_end for r in results) if results else t_fault
-    return Outcome(client.summary(results), all(r.acceptable for r in results), max(0.0, last - t_fault), note)
+    return FaultOutcome(client.summary(results), all(r.acceptable for r in results), max(0.0, last - t_fault), note)
 
 
 def _wait_running(worker: Worker, timeout: float = 10.0) -> None:
@@ -61,7 +61,7 @@ def _wait_running(worker: Worker, timeout: float = 10.0) -> None:
             time.sleep(0.01)
 
 
-def standin_fault(bed: Bed, row: Row) -> Outcome:
+def standin_fault(bed: Bed, row: FaultRow) -> FaultOutcome:
     """The faulty stand-in is in the pool from the start: sequential requests, each must be served or fail
     clearly; the time is the slowest request's."""
     big = row.fault == "never-read"
@@ -74,10 +74,10 @@ def standin_fault(bed: Bed, row: Row) -> Outcome:
         result = client.request(bed.router.url, payload)
         results.append(result)
         slowest = max(slowest, result.t_end - t0)
-    return Outcome(client.summary(results), all(r.acceptable for r in results), slowest, "slowest request")
+    return FaultOutcome(client.summary(results), all(r.acceptable for r in results), slowest, "slowest request")
 
 
-def hang(bed: Bed, row: Row) -> Outcome:
+def hang(bed: Bed, row: FaultRow) -> FaultOutcome:
     victim = bed.of(row.target)[0]
     if row.target == "decode":  # hung before its first byte: the requests come after the hang
         victim.hang()
@@ -97,7 +97,7 @@ def hang(bed: Bed, row: Row) -> Outcome:
     return _outcome(results, t_fault)
 
 
-def kill(bed: Bed, row: Row) -> Outcome:
+def kill(bed: Bed, row: FaultRow) -> FaultOutcome:
     victim = bed.of(row.target)[-1]
     tokens = 200 if row.target == "decode" else 16
     futures = _clients(bed.router.url, 3, lambda: client.body(max_tokens=tokens, words=120))
@@ -110,32 +110,32 @@ def kill(bed: Bed, row: Row) -> Outcome:
     return _outcome([f.result() for f in futures], t_fault)
 
 
-def leave_before_first_byte(bed: Bed, row: Row) -> Outcome:
+def leave_before_first_byte(bed: Bed, row: FaultRow) -> FaultOutcome:
     t_fault = client.leave_before_first_byte(bed.router.url, client.body(max_tokens=200))
-    return Outcome("client gone", True, _released(bed, t_fault), "until the router released the request")
+    return FaultOutcome("client gone", True, _released(bed, t_fault), "until the router released the request")
 
 
-def leave_mid_stream(bed: Bed, row: Row) -> Outcome:
+def leave_mid_stream(bed: Bed, row: FaultRow) -> FaultOutcome:
     t_fault = client.leave_mid_stream(bed.router.url, client.body(max_tokens=200))
-    return Outcome("client gone", True, _released(bed, t_fault), "until the router released the request")
+    return FaultOutcome("client gone", True, _released(bed, t_fault), "until the router released the request")
 
 
-def leave_mid_upload(bed: Bed, row: Row) -> Outcome:
+def leave_mid_upload(bed: Bed, row: FaultRow) -> FaultOutcome:
     t_fault = client.leave_mid_upload(bed.router.url)
-    return Outcome("client gone", True, _released(bed, t_fault), "until the router released the request")
+    return FaultOutcome("client gone", True, _released(bed, t_fault), "until the router released the request")
 
 
-def slow_reader(bed: Bed, row: Row) -> Outcome:
+def slow_reader(bed: Bed, row: FaultRow) -> FaultOutcome:
     t0 = time.monotonic()
     result = client.slow_reader(bed.router.url, client.body(max_tokens=64))
-    return Outcome(client.summary([result]), result.acceptable, result.t_end - t0, "whole slow read")
+    return FaultOutcome(client.summary([result]), result.acceptable, result.t_end - t0, "whole slow read")
 
 
-def burst(bed: Bed, row: Row) -> Outcome:
+def burst(bed: Bed, row: FaultRow) -> FaultOutcome:
     t0 = time.monotonic()
     results = [f.result() for f in _clients(bed.router.url, 48, lambda: client.body(max_tokens=16))]
     served = all(r.status in (200, 429) and r.acceptable for r in results)
-    return Outcome(
+    return FaultOutcome(
         client.summary(results),
         served and any(r.status == 429 for r in results),
         max(r.t_end for r in results) - t0,
@@ -143,7 +143,7 @@ def burst(bed: Bed, row: Row) -> Outcome:
     )
 
 
-def lost_registration(bed: Bed, row: Row) -> Outcome:
+def lost_registration(bed: Bed, row: FaultRow) -> FaultOutcome:
     """A second router names the prefills with an engine id and side port they do not have: decode registers
     for KV with a peer that is not there, and the prefill's finished KV waits for a registration that never
     comes. (A wrong side port alone was not enough on our connector: the KV still arrived.)"""
@@ -182,7 +182,7 @@ def _await_ready(bed: Bed, timeout: float = 60.0) -> None:
             time.sleep(0.2)
 
 
-SCENARIOS: dict[str, Callable[[Bed, Row], Outcome]] = {
+SCENARIOS: dict[str, Callable[[Bed, FaultRow], FaultOutcome]] = {
     "status500": standin_fault,
     "slow-read": standin_fault,
     "never-read": standin_fault,

@@ -29,7 +29,7 @@ MODES = ("pull", *CONNECTOR_WRITE_AT)
 
 
 @dataclass
-class Outcome:
+class RequestTimes:
     """One request's times (seconds from its arrival); None where it never got there."""
 
     arrival: float
@@ -102,7 +102,7 @@ class Pair:
     clock: Clock = field(default_factory=Clock)
     link: Fifo = field(default_factory=Fifo)
     writer: Fifo = field(default_factory=Fifo)
-    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    outcomes: dict[str, RequestTimes] = field(default_factory=dict)
     _legs: dict[Req, Req] = field(default_factory=dict)  # P leg -> D leg, and D leg -> P leg
     _plans: dict[Req, WritePlan] = field(default_factory=dict)  # P leg -> its WRITE plan (push)
     _contact: bool = False
@@ -117,7 +117,7 @@ class Pair:
 
     # arrivals ----------------------------------------------------------------------------------------
     def arrive(self, rid: str, t: float, prompt: int) -> None:
-        self.outcomes[rid] = Outcome(t)
+        self.outcomes[rid] = RequestTimes(t)
         api = costs.api_time(self.profile, prompt)
         p_leg = Req(rid, Kind.PREFILL, prompt, 1)
         self.clock.at(t + api, lambda: self._add(self.p, p_leg))

@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles"
+PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def from_mapping(doc: dict[str, Any]) -> Profile:
 
 
 def load(name_or_path: str) -> Profile:
-    """A profile by name (loadtest/profiles/NAME.yaml) or by path to a YAML file."""
+    """A profile by name (loadtest/sim/profiles/NAME.yaml) or by path to a YAML file."""
     path = Path(name_or_path)
     if not path.suffix:
         path = PROFILE_DIR / f"{name_or_path}.yaml"

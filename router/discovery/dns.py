@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import dns.asyncresolver
@@ -12,12 +11,10 @@ import dns.exception
 import dns.resolver
 
 from router.discovery.base import ErrorHook, MembershipSink, Publisher, specs_from_addresses
-from router.domain import Role
+from router.domain import Role, Sleep
 from router.errors import ConfigError
 
 logger = logging.getLogger("kvpush.discovery")
-
-Sleep = Callable[[float], Awaitable[None]]
 
 
 class LookupFailed(Exception):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +22,10 @@ from router.discovery.pods import (
     parse_event,
 )
 from router.discovery.settings import KubernetesConfig, in_cluster
-from router.domain import Role
+from router.domain import Role, Sleep
 
 logger = logging.getLogger("kvpush.discovery")
 
-Sleep = Callable[[float], Awaitable[None]]
 TokenSource = Callable[[], str | None]
 
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from loadtest.benchkit import vllm_lock
+from loadtest.bench.procs import vllm_lock
 from stack.engines import EngineSpec, Fleet
 from tests.integration.support import LOGS, STARTUP_TIMEOUT, VLLM, require_vllm, tiny_model
 from tests.integration.vllm_support import prompt_text

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.benchkit import vllm_lock
+from loadtest.bench.procs import vllm_lock
 from loadtest.faults.matrix import readme, rows_for, run, write
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]

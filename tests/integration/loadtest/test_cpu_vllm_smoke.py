@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench import run_suites
-from loadtest.benchkit import vrouter_binary
+from loadtest.bench.procs import vrouter_binary
+from loadtest.bench.run import run_suites
 
 pytestmark = [
     pytest.mark.integration,

@@ -1,10 +1,11 @@
-"""benchkit.measure_together on real processes: two routers in front of one simulated pair, loaded at once."""
+"""bench.point.measure_together on real processes: two routers in front of one simulated pair, loaded at once."""
 
 from pathlib import Path
 
 import pytest
 
-from loadtest.benchkit import Point, measure_together, router_proc, sim_proc, url
+from loadtest.bench.point import Point, measure_together
+from loadtest.bench.procs import router_proc, sim_proc, url
 from loadtest.results import RowLabels, load_rows
 from stack.engines import Fleet, prefill_arg
 from stack.procs import free_port

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from loadtest import promtext
-from loadtest.benchkit import sim_proc, url
+from loadtest.bench.procs import sim_proc, url
 from loadtest.sim.profile import PROFILE_DIR
 from stack.engines import Fleet
 from stack.procs import free_port

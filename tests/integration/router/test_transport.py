@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from router.config import LEG_CLIENTS
-from router.transport import AiohttpTransport, LegTransport, legs_for
+from router.legs.aiohttp import AiohttpTransport
+from router.legs.base import LegTransport, legs_for
 from stack.procs import ManagedProcess, ProcessSpec, free_port
 from tests.integration.router.hostile import sockets_to
 from tests.integration.vllm_support import LOGS, REPO

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from router.cli import load_serve_settings
-from router.conversation import SESSION_HEADER
+from router.deciders.conversation import SESSION_HEADER
 from tests.unit.deploy.kustomize import (
     AFFINITY,
     GATEWAY_KINDS,

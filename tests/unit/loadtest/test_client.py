@@ -1,6 +1,6 @@
 import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 
@@ -95,3 +95,38 @@ def test_send_records_http_errors_and_transport_failures() -> None:
 
     r = run_send(httpx.MockTransport(boom))
     assert not r.ok and r.error is not None and "ConnectError" in r.error
+
+
+def test_send_adds_the_caller_s_headers_and_lets_it_read_every_line_and_fail_on_a_bad_one() -> None:
+    body = "\n".join(sse(comp("a"), comp("b"), comp("c"), USAGE, "[DONE]")).encode()
+    seen: list[str] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        assert req.headers["x-session-id"] == "s1" and req.headers["x-request-id"] == "mine"
+        return httpx.Response(200, content=body)
+
+    async def go(listen: Callable[[str], None]) -> RequestRecord:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            rec = RequestRecord(0, "mine")
+            clock = iter(range(100))
+            return await send(
+                client,
+                "http://x/v1",
+                {},
+                rec,
+                lambda: next(clock),
+                5.0,
+                3,
+                headers={"x-session-id": "s1"},
+                listen=listen,
+            )
+
+    assert asyncio.run(go(seen.append)).ok
+    assert [line for line in seen if line.startswith("data:")][-1] == "data: [DONE]"
+
+    def bad(line: str) -> None:
+        if line.startswith("data:"):
+            json.loads("{")
+
+    r = asyncio.run(go(bad))
+    assert not r.ok and r.error is not None and r.error.startswith("bad stream")

@@ -109,7 +109,7 @@ def test_send_turn_records_an_http_error() -> None:
 def test_the_suite_plans_fit_the_issue_and_its_engines() -> None:
     from pathlib import Path
 
-    from loadtest import suite_multiturn as suite
+    from loadtest.bench.suites import multiturn as suite
 
     shape = suite.FULL.shape()
     assert (shape.turns, shape.message_tokens, shape.answer_tokens) == ((6, 10), (50, 500), (32, 128))

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-from router import decider
 from router.cli import load_serve_settings
 from router.config import (
     LEG_CLIENTS,
@@ -22,10 +21,11 @@ from router.config import (
     with_environment,
 )
 from router.decider import NoDecider
+from router.deciders import registry
 from router.discovery.settings import Discovery, DnsConfig, KubernetesConfig
 from router.domain import Fallback, Mode, NixlIdentity, Role, WorkerSpec
 from router.errors import ConfigError
-from router.transport import legs_for
+from router.legs.base import legs_for
 
 MIN = {"prefill": ["http://p:8100"], "decode": ["http://d:8200"]}
 
@@ -171,7 +171,7 @@ def test_the_decider_is_a_name_or_a_mapping_with_its_options(monkeypatch: pytest
         seen.append(dict(options))
         return NoDecider()
 
-    monkeypatch.setitem(decider.REGISTRY, "prefix", factory)
+    monkeypatch.setitem(registry.REGISTRY, "prefix", factory)
     assert (build_settings(MIN).decider, build_settings(MIN).decider_options) == ("none", {})
     s = build_settings(MIN, {"decider": {"name": "prefix", "min_tokens": 64}})
     assert (s.decider, dict(s.decider_options)) == ("prefix", {"min_tokens": 64})

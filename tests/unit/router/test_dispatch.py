@@ -14,11 +14,11 @@ import pytest
 from router.answer import JsonAnswer, StreamAnswer
 from router.config import build_settings
 from router.decider import AnswerCheck, Decider, Decision, Outcome, Route, Turn
-from router.dispatch import ClientRequest, Dispatcher, _unless_lost
+from router.dispatch import ClientRequest, Dispatcher
 from router.domain import Endpoint, Role, WorkerView
 from router.errors import NoHealthyWorker, UpstreamError, UpstreamProtocolError, UpstreamStatus, UpstreamTimeout
 from router.metrics import Metrics
-from router.pool import Loss, Pool, Tracked
+from router.pool import Loss, Pool, Tracked, unless_lost
 from router.protocol import parse_request
 from router.timings import TimingLog
 from tests.unit.router.fake_workers import FakeWorkers, decode_error_event, decode_ok, hang, prefill_ok, status
@@ -274,6 +274,7 @@ class Recording:
     name: ClassVar[str] = "recording"
     wants_answer = True
     wants_token_ids = False
+    wants_headers = True
 
     def __init__(self, route: Route = Route.BYPASS) -> None:
         self.route = route
@@ -437,7 +438,7 @@ async def test_a_worker_lost_as_its_leg_answers_never_cancels_what_the_request_d
 
     async def leg() -> str:
         try:
-            async with _unless_lost(tracked, Role.PREFILL):
+            async with unless_lost(tracked, Role.PREFILL):
                 got = await answered
         except UpstreamError as lost:
             got = lost.kind
@@ -455,7 +456,7 @@ async def test_a_worker_lost_as_its_leg_answers_never_cancels_what_the_request_d
 
 async def test_a_loss_marked_by_the_leg_itself_inside_the_block_does_not_cancel_it() -> None:
     tracked = Tracked("p0")
-    async with _unless_lost(tracked, Role.PREFILL):
+    async with unless_lost(tracked, Role.PREFILL):
         tracked.mark_lost(Loss.DOWN, "its own passive check")
     await asyncio.sleep(0)
     assert tracked.is_lost and asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]

@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from router.decider import AnswerCheck
+from router.legs.httpx import HttpxLegs
 from router.retokenize import Retokenizer
-from router.transport import HttpxLegs
 
 
 def legs(handler: Any) -> HttpxLegs:

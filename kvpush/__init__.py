@@ -1,0 +1,1 @@
+"""kvpush: the umbrella command over the router, the local stack and the load harness."""

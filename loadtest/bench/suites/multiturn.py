@@ -1,0 +1,381 @@
+"""Suite "multiturn": multi-turn chat sessions on real vLLM CPU engines (one prefill, two decodes, prefix caching
+on), through three fronts in turn with the same sessions and arrival times:
+
+- kvpush with the session-affinity decider (push; short uncached suffixes bypass prefill on the decode that holds
+  the conversation);
+- kvpush without a decider (push, every turn prefilled and transferred whole);
+- vllm-router 0.1.17 in push mode (it detects push from prefill's `transfer_mode`) with `consistent_hash` on
+  X-Session-ID for decode (when its binary is installed: `make bench` puts it in .venv-vrouter).
+
+P runs on core 0, both decodes share core 1. Every engine reports cached tokens per request
+(--enable-prompt-tokens-details) and runs with VLLM_SERVER_DEV_MODE=1, so the prefix caches are reset
+(POST /reset_prefix_cache) before each front: no front profits from an earlier front's turns. The plan's `repeats`
+(2 by default) each take new sessions (seed + repeat) and, every other time, the fronts in reverse order, so that
+drift on the shared cores shows as spread between repeats (loadtest/report/multiturn.py folds them: median and
+range, targets judged on the ratio within each repeat). One row per front and repeat:
+TTFT per turn index, TTFT over turns >= 2, TPOT, decode's prompt tokens by source (both decodes summed), the
+share of an ideal router's reusable tokens that were local cache hits on decode, how many answers equal the
+first front's (greedy: all must) and, for a kvpush front, the decider's bypass predictions within 20 % of the
+actual uncached tokens (its router's kvpush_bypass_accurate / kvpush_bypass_checked counters at the end of the
+run; issue 11's target: >= 90 % of bypass decisions). A PNG of TTFT p50 by turn goes next to summary.json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loadtest import multiturn, promtext
+from loadtest.bench.point import kv_sources, scrape
+from loadtest.bench.procs import url, vllm_lock, vrouter_binary
+from loadtest.job import REPO
+from loadtest.records import write_jsonl
+from loadtest.report import multiturn as report_multiturn
+from loadtest.results import RowLabels, append_rows, build_row, git_commit
+from loadtest.stats import summarize
+from stack.engines import Engine, Fleet
+from stack.family import PdFamily, pd_family, start_family
+from stack.local import StackOptions, ensure_model
+from stack.procs import LOOPBACK, ManagedProcess, ProcessSpec, free_port
+from stack.routers import Router, router_spec
+
+DETAILS = "--enable-prompt-tokens-details"
+CONNECTORS = {"upstream-push": ("NixlPushConnector", None), "kvpush-push": ("KvpushConnector", "connector.plugin")}
+FRONTS = ("kvpush", "kvpush-decider", "vllm-router")  # the first one is the answers' reference
+
+
+@dataclass(frozen=True)
+class MultiTurnPlan:
+    sessions: int
+    session_rate: float  # sessions started per second (Poisson)
+    turns_min: int = 6
+    turns_max: int = 10
+    message_min: int = 50  # tokens of each turn's new message
+    message_max: int = 500
+    answer_min: int = 32
+    answer_max: int = 128
+    think_s: float = 2.0  # mean think time between turns (exponential)
+    system_tokens: int = 0
+    seed: int = 11
+    connector: str = "upstream-push"  # or "kvpush-push" (our connector on the three engines)
+    model_size: str = "bench"
+    max_model_len: int = 8192  # ten turns of up to 500 + 128 tokens
+    decider_options: tuple[tuple[str, float], ...] = ()  # e.g. (("bypass_max_uncached_tokens", 256),)
+    vrouter_decode_policy: str = "consistent_hash"
+    timeout_s: float = 300.0
+    repeats: int = 2  # each with new sessions (seed + repeat); odd repeats take the fronts in reverse order
+    warmup_sessions: int = 4  # short 2-turn sessions through every front first (P-D handshakes, first shapes)
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError("multiturn repeats: at least 1")
+
+    def shape(self, repeat: int = 0) -> multiturn.SessionShape:
+        return multiturn.SessionShape(
+            sessions=self.sessions,
+            session_rate=self.session_rate,
+            turns=(self.turns_min, self.turns_max),
+            message_tokens=(self.message_min, self.message_max),
+            answer_tokens=(self.answer_min, self.answer_max),
+            think_s=self.think_s,
+            system_tokens=self.system_tokens,
+            seed=self.seed + repeat,
+        )
+
+
+FULL = MultiTurnPlan(sessions=24, session_rate=0.2)
+SMOKE = MultiTurnPlan(
+    sessions=2,
+    session_rate=1.0,
+    turns_min=2,
+    turns_max=3,
+    message_min=40,
+    message_max=120,
+    answer_min=8,
+    answer_max=16,
+    think_s=0.2,
+    model_size="tiny",
+    max_model_len=2048,
+    timeout_s=120.0,
+    repeats=1,
+    warmup_sessions=0,
+)
+
+
+def engine_family(plan: MultiTurnPlan, model: Path) -> PdFamily:
+    """mt-p0 on core 0, mt-d0 and mt-d1 sharing core 1, all on the plan's connector."""
+    connector, module = CONNECTORS[plan.connector]
+    return pd_family(
+        "mt", model, connector, module=module, n_decode=2, extra_args=(DETAILS,), max_model_len=plan.max_model_len
+    )
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def decider_yaml(plan: MultiTurnPlan, block_tokens: int | None = None) -> str:
+    """The router's decider block; the engines' block size unless the plan sets one."""
+    options = dict(plan.decider_options)
+    if block_tokens is not None:
+        options.setdefault("block_tokens", block_tokens)
+    lines = ["decider:", "  name: session-affinity"] + [f"  {k}: {v:g}" for k, v in options.items()]
+    return "\n".join(lines) + "\n"
+
+
+def block_size(engine_url: str) -> int | None:
+    """The engine's KV block size, from its vllm:cache_config_info labels."""
+    text = httpx.get(f"{engine_url}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith("vllm:cache_config_info{") and 'block_size="' in line:
+            return int(line.split('block_size="', 1)[1].split('"', 1)[0])
+    return None
+
+
+def kvpush_proc(
+    name: str, port: int, prefill: str, decodes: list[str], logs: Path, config: Path | None
+) -> ManagedProcess:
+    spec = router_spec(port, "push", [prefill], decodes, "--log-level", "warning", name=name, config=config)
+    return Router(spec, log_dir=logs)
+
+
+def vrouter_push_proc(
+    plan: MultiTurnPlan, port: int, prom: int, prefill: str, decodes: list[str], logs: Path, binary: str
+) -> ManagedProcess:
+    argv = [binary, "--vllm-pd-disaggregation", "--prefill", prefill]
+    for d in decodes:
+        argv += ["--decode", d]
+    argv += ["--kv-connector", "nixl", "--host", LOOPBACK, "--port", str(port)]
+    argv += ["--prefill-policy", "round_robin", "--decode-policy", plan.vrouter_decode_policy]
+    argv += ["--worker-startup-check-interval", "1", "--prometheus-port", str(prom), "--log-level", "warning"]
+    return ManagedProcess(
+        ProcessSpec("vllm-router-mt", tuple(argv), _env(), logs / "vllm-router-mt.log", f"{url(port)}/health", REPO)
+    )
+
+
+def words_per_token(prefill_url: str) -> float:
+    """Measured on the engine's own tokenizer: words of message_text per token."""
+    sample = multiturn.message_text(400, "user", 1, 1.0)
+    resp = httpx.post(
+        f"{prefill_url}/tokenize", json={"model": "tiny", "prompt": sample, "add_special_tokens": False}, timeout=30
+    )
+    resp.raise_for_status()
+    return len(sample.split()) / max(1, len(resp.json()["tokens"]))
+
+
+def reset_caches(engines: list[Engine]) -> None:
+    for engine in engines:
+        httpx.post(f"{engine.url}/reset_prefix_cache", timeout=30).raise_for_status()
+
+
+def decode_sources(decodes: list[Engine]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for engine in decodes:
+        for k, v in kv_sources({}, scrape(engine.url)).items():
+            total[k] = total.get(k, 0.0) + v
+    return total
+
+
+def _start_front(
+    front: str, plan: MultiTurnPlan, fleet: Fleet, p: Engine, decodes: list[str], logs: Path, run_dir: Path
+) -> str | None:
+    prefill = p.engine_spec.prefill_arg()
+    port = free_port()
+    if front == "vllm-router":
+        binary = vrouter_binary()
+        if binary is None:
+            print("multiturn: vllm-router not found (.venv-vrouter, `make bench` installs it); its row is skipped")
+            return None
+        proc = fleet.start(vrouter_push_proc(plan, port, free_port(), p.url, decodes, logs, binary))
+        proc.wait_healthy(timeout=120.0)
+        return url(port)
+    config = None
+    if front == "kvpush-decider":
+        config = run_dir / "multiturn-decider.yaml"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(decider_yaml(plan, block_size(p.url)), encoding="utf-8")
+    proc = fleet.start(kvpush_proc(f"router-mt-{front}", port, prefill, decodes, logs, config))
+    proc.wait_healthy(timeout=60.0)
+    return url(port)
+
+
+def run(plan: MultiTurnPlan, run_dir: Path, summary: Path, progress: bool, run_id: str) -> list[dict[str, Any]]:
+    logs = run_dir / "logs"
+    model = ensure_model(StackOptions(model_size=plan.model_size))
+    rows: list[dict[str, Any]] = []
+    with vllm_lock(), Fleet(logs, base_env=_env() | {"VLLM_SERVER_DEV_MODE": "1"}) as fleet:
+        family = start_family(fleet, engine_family(plan, model), timeout=600.0)
+        engines, p, decodes = list(family.members), family.prefills[0], list(family.decodes)
+        ratio = words_per_token(p.url)
+        bases = {f: _start_front(f, plan, fleet, p, [d.url for d in decodes], logs, run_dir) for f in FRONTS}
+        for base in bases.values():
+            if base is not None and plan.warmup_sessions:
+                asyncio.run(multiturn.run_sessions(multiturn.Target(base, "tiny", ratio, plan.timeout_s), warmup(plan)))
+        for repeat in range(plan.repeats):
+            shape = plan.shape(repeat)
+            sessions, prefix = multiturn.plan_sessions(shape), multiturn.session_prefix(shape.seed)
+            order = FRONTS if repeat % 2 == 0 else tuple(reversed(FRONTS))
+            ran: dict[str, _FrontRun] = {}
+            for front in order:
+                base = bases[front]
+                if base is not None:
+                    ran[front] = _run_front(front, base, plan, sessions, prefix, engines, decodes, ratio, progress)
+            baseline = ran[FRONTS[0]].turns if FRONTS[0] in ran else []
+            for front in FRONTS:
+                if front in ran:
+                    rows.append(_row(plan, ran[front], baseline, repeat, run_id, run_dir))
+    append_rows(summary, rows)
+    report_multiturn.plot_ttft_by_turn(rows, summary.parent / "multiturn-ttft-by-turn.png")
+    return rows
+
+
+def warmup(plan: MultiTurnPlan) -> list[multiturn.Session]:
+    """Sessions that warm every front before the first measured one (the first push to each decode pays its NIXL
+    handshake with the prefill, and the first front would pay it alone); their ids never meet a measured one's."""
+    shape = multiturn.SessionShape(
+        sessions=plan.warmup_sessions,
+        session_rate=10.0,
+        turns=(2, 2),
+        message_tokens=(plan.message_min, plan.message_min),
+        answer_tokens=(plan.answer_min, plan.answer_min),
+        think_s=0.0,
+        seed=plan.seed + 1000,
+    )
+    return multiturn.plan_sessions(shape)
+
+
+@dataclass
+class _FrontRun:
+    front: str
+    turns: list[multiturn.TurnRecord]
+    duration: float
+    sources: dict[str, float]  # decode's prompt tokens by source during this front's run
+    routes: dict[str, int] | None  # kvpush fronts: how its router served this run's turns
+    accuracy: dict[str, int] | None  # the decider's bypass counters' growth during this run
+
+
+def _run_front(
+    front: str,
+    base: str,
+    plan: MultiTurnPlan,
+    sessions: list[multiturn.Session],
+    prefix: str,  # the sessions' id prefix: their requests among the router's records
+    engines: list[Engine],
+    decodes: list[Engine],
+    ratio: float,
+    progress: bool,
+) -> _FrontRun:
+    kvpush = front != "vllm-router"
+    reset_caches(engines)
+    before, counted = decode_sources(decodes), scrape_bypass_accuracy(base) if kvpush else None
+    target = multiturn.Target(base, "tiny", ratio, plan.timeout_s)
+    turns, duration = asyncio.run(multiturn.run_sessions(target, sessions))
+    after = decode_sources(decodes)
+    if progress:
+        print(f"multiturn {front}: {sum(t.rec.ok for t in turns)}/{len(turns)} turns ok in {duration:.1f} s")
+    sources = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(set(after) | set(before))}
+    accuracy = grown(counted, scrape_bypass_accuracy(base)) if kvpush else None
+    return _FrontRun(front, turns, duration, sources, routes(base, prefix) if kvpush else None, accuracy)
+
+
+def grown(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, int] | None:
+    """What a router's counters gained between two scrapes (None when either scrape had none)."""
+    if before is None or after is None:
+        return after if before is None else None
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
+def routes(router_url: str, prefix: str = "") -> dict[str, int]:
+    """How the kvpush router served the requests whose id starts with `prefix` (its /debug/timings records by
+    mode: push, bypass, ...)."""
+    try:
+        records = httpx.get(f"{router_url}/debug/timings", timeout=30).raise_for_status().json()["requests"]
+    except (httpx.HTTPError, KeyError, ValueError) as error:
+        print(f"multiturn: no route counts from {router_url}: {error}")
+        return {}
+    out: dict[str, int] = {}
+    for record in records:
+        if str(record.get("request_id", "")).startswith(prefix):
+            out[str(record.get("mode"))] = out.get(str(record.get("mode")), 0) + 1
+    return out
+
+
+def scrape_bypass_accuracy(router_url: str) -> dict[str, int] | None:
+    """The kvpush router's bypass-prediction counters now (its /metrics); None when it has none or is gone."""
+    try:
+        return bypass_accuracy(scrape(router_url))
+    except httpx.HTTPError as error:
+        print(f"multiturn: no bypass accuracy from {router_url}: {error}")
+        return None
+
+
+def bypass_accuracy(samples: Mapping[promtext.Sample, float]) -> dict[str, int] | None:
+    """{"checked", "accurate"} from kvpush_bypass_checked / kvpush_bypass_accurate (counters: exported with a
+    `_total` suffix); None when the router exports neither (it runs no decider)."""
+    names = {name for name, _ in samples}
+    counts: dict[str, int] = {}
+    for key in ("checked", "accurate"):
+        found = [n for n in (f"kvpush_bypass_{key}_total", f"kvpush_bypass_{key}") if n in names]
+        if not found:
+            return None
+        counts[key] = int(promtext.total(samples, found[0]))
+    return counts
+
+
+def _row(
+    plan: MultiTurnPlan,
+    ran: _FrontRun,
+    baseline: list[multiturn.TurnRecord],
+    repeat: int,
+    run_id: str,
+    run_dir: Path,
+) -> dict[str, Any]:
+    front, turns, sources = ran.front, ran.turns, ran.sources
+    where = run_dir / f"multiturn-{front}-r{repeat}"
+    multiturn.write_turns(where / "turns.jsonl", turns)
+    write_jsonl(where / "requests.jsonl", [t.rec for t in turns])
+    figures = multiturn.by_turn(turns)
+    ideal = figures["ideal_reusable_tokens"]
+    equal, compared = multiturn.answers_agree(turns, baseline)
+    extra: dict[str, Any] = {
+        "run_id": run_id,
+        "front": front,
+        "repeat": repeat,
+        "decider": "session-affinity" if front == "kvpush-decider" else None,
+        "model": plan.model_size,
+        "plan": asdict(plan),
+        "decode_prompt_tokens_by_source": sources,
+        "local_hit_frac_of_ideal": sources.get("local_cache_hit", 0.0) / ideal if ideal else None,
+        "answers_equal_first_front": [equal, compared],
+        "errors": sorted({t.rec.error for t in turns if t.rec.error})[:5],
+        "records": _relative(where / "requests.jsonl"),  # RequestRecord lines (CDF plots)
+        "turn_records": _relative(where / "turns.jsonl"),  # + session, turn, answer
+        "routes": ran.routes,
+        "bypass_accuracy": ran.accuracy,
+        **figures,
+    }
+    labels = RowLabels(
+        "multiturn",
+        "vllm-router" if front == "vllm-router" else "kvpush",
+        "push",
+        plan.connector,
+        plan.session_rate,
+        None,
+        (plan.message_min + plan.message_max) // 2,
+        (plan.answer_min + plan.answer_max) // 2,
+        extra,
+    )
+    return build_row(summarize([t.rec for t in turns], ran.duration), labels, git_commit(REPO))
+
+
+def _relative(path: Path) -> str:
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)

@@ -1,0 +1,222 @@
+"""Suite "overhead": what a front door adds, on zero-cost simulated workers (profile "zero").
+
+Fronts on the same fake D: direct to D (baseline); kvpush push and vllm-router push on a P that answers like a
+push prefill (`transfer_mode: push`, so vllm-router 0.1.17 learns the push identity and sends both legs at
+once: every row records how the legs reached the workers, `wire_order`); kvpush pull and vllm-router pull on a
+P that states pull. Closed loop at each concurrency, `repeats` times per point with the fronts' order rotated;
+the front door's own CPU time and peak RSS are read from /proc for its process group.
+
+`leg_clients` (e.g. `--set leg_clients=aiohttp,http1`) runs one kvpush push front per leg client side by side
+(KVPUSH_LEG_CLIENT, router/config.py); every kvpush row records its client (`leg_client`), which is how rows of
+several clients are told apart (the report shows a non-default client as its own front, `kvpush (aiohttp legs)`).
+`servers` (e.g. `--set servers=uvicorn,granian`) does the same for the router's HTTP server (KVPUSH_SERVER): one
+kvpush push front per leg client and server, each row records its `server`, and a non-default server is its own
+front (`kvpush (granian)`), kept out of the targets like another leg client.
+
+The routers here probe their workers with a 10 s deadline (`--timeout health=10`, not the router's 1 s default):
+at concurrency 256 on 2 cores the zero-cost simulated prefill, CPU-starved but alive, missed two 1 s probes in
+a row and was taken down mid-run. Two timeouts in a row still take a worker down (router/health.py
+`probe_timeouts`, not a setting), so a live but starved simulator now has 2 x 10 s to answer.
+
+`cprofile=True` runs the kvpush push router under cProfile (its rows are marked `profiled` and left out of
+the targets) and writes router-profile.json next to summary.json: where its time went, by category.
+"""
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loadtest.bench import procs, profiling
+from loadtest.bench.fronts import Front
+from loadtest.bench.point import Point, measure
+from loadtest.job import REPO
+from loadtest.results import RowLabels, git_commit
+from router.config import LEG_CLIENTS, SERVERS, Settings
+from stack.engines import Fleet
+from stack.procs import ManagedProcess, free_port
+
+PROFILE = "zero"
+ROUTER_FLAGS = ("--timeout", "health=10")  # a starved but live simulator is not ejected (docstring)
+
+
+@dataclass(frozen=True)
+class OverheadPlan:
+    input_len: int
+    output_len: int
+    levels: tuple[tuple[int, int], ...]  # (concurrency, requests)
+    repeats: int = 3
+    cprofile: bool = False
+    leg_clients: tuple[str, ...] = (Settings.leg_client,)  # kvpush push fronts, one per leg client
+    servers: tuple[str, ...] = (Settings.server,)  # ... and per HTTP server (router/config.py SERVERS)
+
+
+# 5 fronts x 3 repeats x (300 + 1500 + 3000 requests): about 5-7 minutes on 2 idle cores.
+FULL = OverheadPlan(128, 16, ((1, 300), (64, 1500), (256, 3000)))
+SMOKE = OverheadPlan(32, 4, ((1, 5), (4, 8)), repeats=1)
+
+
+@dataclass(frozen=True)
+class KvpushVariant:
+    """One kvpush router the suite starts: its mode, leg client and HTTP server."""
+
+    mode: str
+    leg_client: str
+    server: str
+
+    @property
+    def default(self) -> bool:
+        return self.leg_client == Settings.leg_client and self.server == Settings.server
+
+    @property
+    def name(self) -> str:
+        tags = [t for t, d in ((self.leg_client, Settings.leg_client), (self.server, Settings.server)) if t != d]
+        return "-".join([f"router-{self.mode}", *tags])
+
+
+def kvpush_fronts(plan: OverheadPlan) -> list[KvpushVariant]:
+    """A push front per leg client and server the plan names, then one pull front on the defaults."""
+    for what, names, known in (("leg_clients", plan.leg_clients, LEG_CLIENTS), ("servers", plan.servers, SERVERS)):
+        if not names or set(names) - set(known):
+            raise ValueError(f"overhead: {what} must name some of {', '.join(known)}, got {names}")
+    push = [KvpushVariant("push", c, s) for s in dict.fromkeys(plan.servers) for c in dict.fromkeys(plan.leg_clients)]
+    return [*push, KvpushVariant("pull", Settings.leg_client, Settings.server)]
+
+
+@contextlib.contextmanager
+def _router_env(front: KvpushVariant) -> Iterator[None]:
+    """The router started meanwhile uses the front's leg client and server (KVPUSH_LEG_CLIENT, KVPUSH_SERVER)."""
+    changes = {"KVPUSH_LEG_CLIENT": front.leg_client, "KVPUSH_SERVER": front.server}
+    before = {k: os.environ.get(k) for k in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+
+
+def _start(fleet: Fleet, proc: ManagedProcess) -> ManagedProcess:
+    fleet.start(proc)
+    proc.wait_healthy(timeout=60.0)
+    return proc
+
+
+def _fronts(fleet: Fleet, plan: OverheadPlan, logs: Path, prof_out: Path | None) -> tuple[list[Front], str]:
+    d_port = free_port()
+    fleet.start(procs.sim_proc("sim-zero-d", "decode", d_port, PROFILE, "both", logs))
+    p_urls: dict[str, str] = {}
+    for mode in ("push", "pull"):
+        p_port = free_port()
+        fleet.start(procs.sim_proc(f"sim-zero-p-{mode}", "prefill", p_port, PROFILE, mode, logs))
+        p_urls[mode] = procs.url(p_port)
+    fleet.wait_all_healthy(timeout=60.0)
+    d_url = procs.url(d_port)
+    fronts = [Front("direct", "direct", d_url)]
+    for k in kvpush_fronts(plan):
+        port, mode = free_port(), k.mode
+        spec = f"{p_urls[mode]},engine_id=sim-zero-p-{mode},side_port={p_urls[mode].rsplit(':', 1)[1]}"
+        out = prof_out if mode == "push" and k.default else None
+        with _router_env(k):
+            proc = _start(
+                fleet, procs.router_proc(k.name, port, mode, spec, d_url, logs, cprofile_to=out, flags=ROUTER_FLAGS)
+            )
+        fronts.append(
+            Front("kvpush", mode, procs.url(port), proc, p_urls[mode], leg_client=k.leg_client, server=k.server)
+        )
+    binary = procs.vrouter_binary()
+    if binary is None:
+        hint = f"pip install vllm-router=={procs.VROUTER_VERSION} into .venv-vrouter"
+        print(f"overhead: vllm-router not found ({hint}); its rows are skipped")
+        return fronts, d_url
+    for mode in ("push", "pull"):
+        port, prom = free_port(), free_port()
+        name = f"vllm-router-{mode}"
+        proc = _start(fleet, procs.vrouter_proc(name, port, prom, p_urls[mode], d_url, logs, binary))
+        fronts.append(Front("vllm-router", mode, procs.url(port), proc, p_urls[mode]))
+    return fronts, d_url
+
+
+def run(plan: OverheadPlan, run_dir: Path, summary: Path, progress: bool, run_id: str) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    logs = run_dir / "logs"
+    prof_out = run_dir / "router-push.prof" if plan.cprofile else None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with Fleet(logs) as fleet:
+        fronts, d_url = _fronts(fleet, plan, logs, prof_out)
+        profiled = [f.proc.pid for f in fronts if _is_profiled(f) and f.proc and f.proc.pid and prof_out]
+        for pid in profiled:
+            os.kill(pid, signal.SIGUSR1)  # start-up done: profile from here on
+        k = len(fronts)
+        for li, (conc, n) in enumerate(plan.levels):
+            for rep in range(plan.repeats):
+                for j in range(k):
+                    front = fronts[(j + rep + li) % k]
+                    rows.append(_point(front, plan, conc, n, rep, j, run_id, d_url, run_dir, summary, progress))
+        for pid in profiled:
+            os.kill(pid, signal.SIGUSR2)  # stop and write the profile
+            _wait_for(prof_out)
+    if prof_out is not None and prof_out.exists():
+        done = plan.repeats * sum(n + min(2 * c, 200) for c, n in plan.levels)  # warm-up requests included
+        data = profiling.breakdown(prof_out, requests=done)
+        data["git_commit"], data["run_id"] = git_commit(REPO), run_id
+        profiling.write(data, summary.parent / "router-profile.json")
+        print(f"overhead: router profile of {done} requests -> {summary.parent / 'router-profile.json'}")
+    return rows
+
+
+def _is_profiled(front: Front) -> bool:
+    """The one front run under cProfile with `cprofile=True`: kvpush push on the default client and server."""
+    return front.leg_client == Settings.leg_client and front.server == Settings.server and front.mode == "push"
+
+
+def _wait_for(path: Path | None, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while path is not None and time.monotonic() < deadline:
+        if path.exists() and path.stat().st_size > 0:
+            time.sleep(0.5)  # let the writer finish
+            return
+        time.sleep(0.1)
+
+
+def _point(
+    front: Front,
+    plan: OverheadPlan,
+    conc: int,
+    n: int,
+    rep: int,
+    order: int,
+    run_id: str,
+    d_url: str,
+    run_dir: Path,
+    summary: Path,
+    progress: bool,
+) -> dict[str, Any]:
+    extra: dict[str, Any] = {"run_id": run_id, "profile": PROFILE, "repeat": rep, "order": order}
+    if front.leg_client is not None:
+        extra["leg_client"] = front.leg_client
+    if front.server is not None:
+        extra["server"] = front.server
+    if plan.cprofile:
+        extra["profiling_run"] = True  # the report keeps such runs out of the overhead tables
+        if _is_profiled(front):
+            extra["profiled"] = True
+    labels = RowLabels("overhead", front.router, front.mode, "sim", None, conc, plan.input_len, plan.output_len, extra)
+    point = Point(
+        labels,
+        front.base,
+        n,
+        seed=2000 + 10 * rep + order,
+        warmup=min(2 * conc, 200),
+        timeout_s=60.0,
+        router_timings=front.leg_client is not None,
+        legs_of=(front.p_url, d_url) if front.p_url else None,
+    )
+    return measure(point, run_dir, summary, progress, cpu_pid=front.proc.pid if front.proc else None)

@@ -1,0 +1,176 @@
+"""The overhead part of bench/README.md: fronts on zero-cost workers (min/median/max over repeats), the issue 9
+targets (kvpush push vs vllm-router push), how the legs reached the workers, and the router's profile."""
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from loadtest.report.kit import Agg, Verdict, agg, agg_of, group, verdict_table
+from loadtest.results import Row
+from router.config import Settings
+
+
+def _scored(rows: Sequence[Row]) -> list[Row]:
+    """Unprofiled rows; a kvpush front on a leg client or an HTTP server other than the default is its own front
+    in the tables (`kvpush (aiohttp legs)`, `kvpush (granian)`, `kvpush (granian, aiohttp legs)`), so the targets
+    compare the default client and server with vllm-router."""
+    return [_front(r) for r in rows if not r.get("profiled")]
+
+
+def _front(row: Row) -> Row:
+    if row.get("router") != "kvpush":
+        return row
+    client, server = row.get("leg_client"), row.get("server")
+    tags = [] if server in (None, Settings.server) else [str(server)]
+    tags += [] if client in (None, Settings.leg_client) else [f"{client} legs"]
+    return {**row, "router": f"kvpush ({', '.join(tags)})"} if tags else row
+
+
+def _added(rows: Sequence[Row], direct: Sequence[Row], name: str) -> Agg | None:
+    """TTFT `name` minus direct's median at the same concurrency, per repeat."""
+    base = agg(direct, "ttft_ms", name)
+    if base is None:
+        return None
+    return agg_of(rows, lambda r: None if not r.get("ttft_ms") else float(r["ttft_ms"][name]) - base.med)
+
+
+def _t(a: Agg | None, digits: int = 2, signed: bool = False) -> str:
+    """median (min-max) over the repeats; just the value for a single run."""
+    if a is None:
+        return "-"
+    f = f"{{:{'+' if signed else ''}.{digits}f}}"
+    return f.format(a.med) if a.k == 1 else f"{f.format(a.med)} ({f.format(a.lo)} to {f.format(a.hi)})"
+
+
+def _wire(rs: Sequence[Row]) -> str:
+    kinds: dict[str, int] = {}
+    gaps = []
+    for r in rs:
+        w = r.get("wire_order") or {}
+        for k, v in (w.get("d_kinds") or {}).items():
+            kinds[k] = kinds.get(k, 0) + int(v)
+        if w.get("d_after_p_ms_p50") is not None:
+            gaps.append(float(w["d_after_p_ms_p50"]))
+    if not kinds:
+        return "-"
+    gap = f", D {min(gaps):.2f}-{max(gaps):.2f} ms after P" if gaps else ""
+    return " ".join(f"{k} {v}" for k, v in sorted(kinds.items())) + gap
+
+
+def table(rows: Sequence[Row]) -> list[str]:
+    direct = group([r for r in rows if r["router"] == "direct"], "concurrency")
+    out = [
+        "| conc | front | mode | repeats | failed | TTFT p50 | added TTFT p50 | added TTFT p99 | req/s "
+        "| CPU s / 1k req | peak RSS MiB | D legs (kind), D after P |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (conc, router, mode), rs in sorted(group(rows, "concurrency", "router", "mode").items()):
+        d = direct.get((conc,), [])
+        out.append(
+            f"| {conc} | {router} | {mode} | {len(rs)} | {sum(int(r['failed']) for r in rs)} "
+            f"| {_t(agg(rs, 'ttft_ms', 'p50'))} | {_t(_added(rs, d, 'p50'), signed=True)} "
+            f"| {_t(_added(rs, d, 'p99'), signed=True)} "
+            f"| {_t(agg(rs, 'req_per_s', ''), 0)} | {_t(agg(rs, 'cpu_s_per_1k', ''))} "
+            f"| {_t(agg(rs, 'peak_rss_mb', ''), 0)} | {_wire(rs)} |"
+        )
+    return out
+
+
+def verdicts(rows: Sequence[Row]) -> list[Verdict]:
+    """Issue 9's overhead targets, on medians over the repeats (kvpush push vs vllm-router push)."""
+    direct = group([r for r in rows if r["router"] == "direct"], "concurrency")
+    by = group(rows, "concurrency", "router", "mode")
+    levels = sorted({int(r["concurrency"]) for r in rows if r.get("concurrency") is not None})
+    out: list[Verdict] = []
+
+    def med(a: Agg | None) -> float | None:
+        return None if a is None else a.med
+
+    if 1 in levels:
+        d = direct.get((1,), [])
+        mine = med(_added(by.get((1, "kvpush", "push"), []), d, "p50"))
+        ref = med(_added(by.get((1, "vllm-router", "push"), []), d, "p50"))
+        out.append(
+            Verdict("added TTFT p50 <= vllm-router push + 0.2 ms", "c=1", mine, ref, None if ref is None else ref + 0.2)
+        )
+    for mode in ("push", "pull"):
+        for c in levels:
+            ours_rows, their_rows = by.get((c, "kvpush", mode), []), by.get((c, "vllm-router", mode), [])
+            ref = med(agg(their_rows, "cpu_s_per_1k", ""))
+            out.append(
+                Verdict(
+                    f"CPU / 1k req <= 1.0x vllm-router {mode}",
+                    f"c={c}",
+                    med(agg(ours_rows, "cpu_s_per_1k", "")),
+                    ref,
+                    ref,
+                    unit="s",
+                )
+            )
+    best: dict[str, float | None] = {}
+    for key, router in (("ours", "kvpush"), ("theirs", "vllm-router")):
+        vals = [a.med for c in levels if (a := agg(by.get((c, router, "push"), []), "req_per_s", "")) is not None]
+        best[key] = max(vals) if vals else None
+    out.append(
+        Verdict(
+            "max req/s >= vllm-router push", "all levels", best["ours"], best["theirs"], best["theirs"], False, "req/s"
+        )
+    )
+    if 64 in levels:
+        d = direct.get((64,), [])
+        p99_ours = med(_added(by.get((64, "kvpush", "push"), []), d, "p99"))
+        p99_theirs = med(_added(by.get((64, "vllm-router", "push"), []), d, "p99"))
+        out.append(Verdict("added TTFT p99 <= vllm-router push", "c=64", p99_ours, p99_theirs, p99_theirs))
+    return out
+
+
+def profile_lines(path: Path | None) -> list[str]:
+    """router-profile.json (overhead suite with --set cprofile=true), if one was written."""
+    if path is None or not path.exists():
+        return [
+            "No router profile yet: `kvpush bench --suite overhead --set cprofile=true --set repeats=1 "
+            "--set levels=1:300,64:1500` writes bench/results/router-profile.json."
+        ]
+    data: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+    out = [
+        f"cProfile of the kvpush push router (commit {str(data.get('git_commit', '?'))[:12]}, run "
+        f"{data.get('run_id', '?')}) over {data['requests']} requests of the overhead load, warm-up included (self "
+        "time per category; cProfile slows Python code several-fold, so read the shares):",
+        "",
+        "| category | ms / request (profiled) | share |",
+        "|---|---|---|",
+    ]
+    for k, v in data["per_request_ms"].items():
+        out.append(f"| {k} | {v:.3f} | {100 * data['share'].get(k, 0.0):.1f} % |")
+    out += ["", "Top functions by self time (ms per request, profiled):", ""]
+    out += [f"- {ms:.3f} `{name}`" for name, ms in data["top"][:10]]
+    return out
+
+
+def overhead_section(rows: Sequence[Row], results_dir: Path | None = None) -> list[str]:
+    if not rows:
+        return ["No overhead run yet."]
+    scored = _scored(rows)
+    reps = max(int(r.get("repeat", 0)) for r in rows) + 1
+    return [
+        "Zero-cost simulated workers (profile `zero`), closed loop at each concurrency, "
+        f"{rows[0]['input_len']}-token prompts, {rows[0]['output_len']} streamed tokens, {reps} repeat(s) per "
+        "point with the fronts' order rotated: cells are median (min-max). Added = front minus direct-to-decode's "
+        "median at the same concurrency. CPU and RSS are the front door's own process group. Push fronts sit on a "
+        "P that answers like a push prefill (`transfer_mode: push`), so vllm-router learns the push identity; "
+        "`D legs` says how the legs reached the workers: `push` = D was not given P's block ids (sent before P "
+        "answered: concurrent), `pull` = after P's answer.",
+        "",
+        *table(scored),
+        "",
+        "### Issue 9 targets (overhead, medians of repeats)",
+        "",
+        *verdict_table(verdicts(scored)),
+        "",
+        "### Where the router's time goes",
+        "",
+        *profile_lines(None if results_dir is None else results_dir / "router-profile.json"),
+        "",
+        "![overhead](results/overhead.png)",
+    ]

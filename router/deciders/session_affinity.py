@@ -1,0 +1,300 @@
+"""The session-affinity decider (router/decider.py holds the seam, router/deciders/registry.py the registry). Pure.
+
+"session-affinity": multi-turn traffic stays where its KV is.
+- Decode: the healthy, not overloaded candidate that holds the longest prefix of the request (the index of what
+  each worker was sent and generated), the session's last decode worker when it holds as much; with nothing held
+  anywhere, the session's last worker; else the policy picks.
+- BYPASS (no prefill leg) when that worker holds at least `bypass_min_cached_tokens` and the uncached suffix is
+  estimated at most `bypass_max_uncached_tokens`: decode computes the suffix from its own prefix cache.
+- Otherwise the router's mode (push or pull), with prefill on the candidate that holds the longest prefix (its
+  cache holds earlier turns' prompts); none held: the policy picks.
+- An answer is credited at first by `reusable_answer_tokens` (no tokenizer here). With `verify_answers` (the
+  default) decode is asked for its generated token ids, and each answer is checked once it is relayed: decode
+  tokenizes the text (router/retokenize.py) and the credit becomes exactly the generated tokens it re-tokenizes
+  to, before the next turn comes (a random model's output often does not re-tokenize as generated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from router import values
+from router.decider import AnswerCheck, DeciderStats, Decision, Outcome, Route, Turn
+from router.deciders.conversation import Chain, ConversationKey, Link, conversation_key
+from router.deciders.prefix_index import Match, PrefixIndex, SessionTable, TokenRatio, prorated, reusable_answer_tokens
+from router.domain import WorkerView
+from router.errors import ConfigError
+
+logger = logging.getLogger("kvpush.decider")
+ACCURATE = 0.2  # a bypass prediction is "accurate" when uncached tokens are within 20 % of the actual
+MISS_WINDOW, MISS_LIMIT = 16, 4  # this many of the last checked bypasses holding under half the predicted cache:
+# the answers the router relays are not what the engines cache (e.g. reasoning the relay does not show), so
+# generated text stops being credited
+
+
+@dataclass(frozen=True)
+class AffinityOptions:
+    """The `decider:` block's options for "session-affinity" (all optional)."""
+
+    bypass_max_uncached_tokens: int = 256  # bypass when decode lacks at most this many prompt tokens
+    bypass_min_cached_tokens: int = 64  # ... and holds at least this many (a first turn is never bypassed)
+    overload_in_flight_gap: int = 8  # a worker with this many more legs in flight than the least busy is skipped
+    overload_engine_waiting: int = 8  # ... as is one whose engine queues this many (when its load is scraped)
+    ttl_s: float = 300.0  # keep below the engines' prefix-cache eviction horizon
+    max_links_per_worker: int = 200_000  # index bound per worker (a chat turn adds one link per message)
+    max_sessions: int = 100_000
+    chunk_chars: int = 256  # completions: one link per this many prompt characters
+    chars_per_token: float = 4.0  # the first guess, replaced by what the engines report
+    block_tokens: int = 16  # the engines' KV block size (--block-size; vLLM's CPU backend defaults to 128):
+    # a prefix cache holds whole blocks only
+    verify_answers: bool = True  # ask decode for the answer's token ids and check what its text re-tokenizes to
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any]) -> AffinityOptions:
+        """The options checked by router/values.py's rules, as the policies' are (ConfigError names the option)."""
+        unknown = sorted(set(options) - set(_RULES) - {"name"})
+        if unknown:
+            raise ConfigError(f"decider session-affinity: unknown option(s) {unknown}; known: {sorted(_RULES)}")
+        where = "decider session-affinity"
+        return cls(**{k: _RULES[k](v, f"{where}: {k}") for k, v in options.items() if k != "name"})
+
+
+def _at_least(low: int) -> Callable[[Any, str], int]:
+    return lambda value, where: values.integer(value, where, low=low)
+
+
+_RULES: dict[str, Callable[[Any, str], Any]] = {
+    "bypass_max_uncached_tokens": _at_least(0),
+    "bypass_min_cached_tokens": _at_least(0),
+    "overload_in_flight_gap": _at_least(1),
+    "overload_engine_waiting": _at_least(1),
+    "ttl_s": values.seconds,
+    "max_links_per_worker": _at_least(1),
+    "max_sessions": _at_least(1),
+    "chunk_chars": _at_least(1),
+    "chars_per_token": values.positive,
+    "block_tokens": _at_least(1),
+    "verify_answers": values.boolean,
+}
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What `decide` worked out, handed back in `record`."""
+
+    key: ConversationKey
+    predicted_uncached: int
+    held: Match | None = None  # the prefix decode was found holding
+
+
+@dataclass
+class _Counters:
+    decisions: dict[str, int] = field(default_factory=lambda: {str(r): 0 for r in Route})
+    predicted_cached_tokens: int = 0
+    actual_cached_tokens: int = 0
+    checked_bypasses: int = 0
+    accurate_bypasses: int = 0
+    recent_misses: list[bool] = field(default_factory=list)
+    answers_checked: int = 0  # answers whose re-tokenization decode reported
+    answers_short: int = 0  # ... and re-tokenized to fewer of the generated tokens than were credited
+
+
+class SessionAffinity:
+    name: ClassVar[str] = "session-affinity"
+    wants_answer = True
+    wants_headers = True  # the session id header keys the conversation
+
+    def __init__(self, options: AffinityOptions | None = None) -> None:
+        self.options = o = options or AffinityOptions()
+        self.decode_index = PrefixIndex(o.max_links_per_worker, o.ttl_s)
+        self.prefill_index = PrefixIndex(o.max_links_per_worker, o.ttl_s)
+        self.sessions = SessionTable(o.max_sessions, o.ttl_s)
+        self.ratio = TokenRatio(1.0 / o.chars_per_token)  # whole prompts: for what the index has no count of
+        self.suffix_ratio = TokenRatio(1.0 / o.chars_per_token)  # what turns add beyond a held prefix: predicts it
+        self.answers_trusted = True  # generated text is credited as held on decode (until bypasses prove wrong)
+        self.wants_token_ids = o.verify_answers
+        self._counts = _Counters()
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> SessionAffinity:
+        return cls(AffinityOptions.from_mapping(options))
+
+    def decide(self, turn: Turn, decode: Sequence[WorkerView], prefill: Sequence[WorkerView], now: float) -> Decision:
+        key = conversation_key(turn.info.endpoint, turn.body, turn.headers, self.options.chunk_chars)
+        held = self._pick_decode(key, self._usable(decode), now)
+        o = self.options
+        cached = (held.reusable // o.block_tokens) * o.block_tokens if held is not None else 0  # whole blocks only
+        uncached = self._uncached(key.chain, held) + (held.tokens - cached if held is not None else 0)
+        if held is not None and cached >= o.bypass_min_cached_tokens and uncached <= o.bypass_max_uncached_tokens:
+            return self._count(
+                Decision(Route.BYPASS, held.worker, None, cached, "decode holds all but a short suffix"),
+                key,
+                uncached,
+                held,
+            )
+        route = Route.of(turn.mode)
+        warm = self._longest(self.prefill_index, key.chain, self._usable(prefill), now)
+        reason = "session or prefix on decode" if held is not None else "no affinity"
+        return self._count(
+            Decision(route, held.worker if held else None, warm.worker if warm else None, cached, reason),
+            key,
+            uncached,
+            held,
+        )
+
+    def record(self, turn: Turn, decision: Decision, outcome: Outcome, now: float) -> AnswerCheck | None:
+        plan = decision.state
+        if not isinstance(plan, _Plan) or not outcome.ok:
+            return None  # a failed attempt tells nothing certain about what a cache holds
+        chain = plan.key.chain
+        if outcome.prompt_tokens is not None:
+            self.ratio.learn(outcome.prompt_tokens, chain.chars)
+            if plan.held is not None and plan.held.chars > 0:  # what this turn added beyond the prefix held
+                self.suffix_ratio.learn(outcome.prompt_tokens - plan.held.tokens, chain.chars - plan.held.chars)
+        tokens = outcome.prompt_tokens if outcome.prompt_tokens is not None else self.ratio.tokens(chain.chars)
+        prompt_counts = prorated(chain.links, chain.chars, tokens)
+        if outcome.prefill is not None:
+            self.prefill_index.record(outcome.prefill, chain.links, prompt_counts, now)
+        held_links, held_counts, reusable = list(chain.links), prompt_counts, tokens
+        check: AnswerCheck | None = None
+        if outcome.answer is not None and chain.links and self.answers_trusted:
+            grown = chain.extend(outcome.answer)
+            generated = outcome.completion_tokens
+            if generated is None:
+                generated = self.ratio.tokens(len(outcome.answer))
+            total = tokens + generated
+            extra = grown.links[len(chain.links) :]
+            base = chain.chars
+            held_links = [*chain.links, *extra]
+            spread = [tokens + round((total - tokens) * (x.chars - base) / max(1, grown.chars - base)) for x in extra]
+            held_counts = [*prompt_counts, *spread]
+            credited = reusable_answer_tokens(outcome.answer, generated)
+            reusable = tokens + credited
+            check = self._answer_check(outcome, extra, spread, tokens, credited, now)
+        self.decode_index.record(outcome.decode, held_links, held_counts, now, reusable)
+        if plan.key.session is not None:
+            self.sessions.set(plan.key.session, outcome.decode, now)
+        self._check_prediction(decision, plan, outcome)
+        return check
+
+    def _answer_check(
+        self,
+        outcome: Outcome,
+        links: Sequence[Link],
+        counts: Sequence[int],
+        prompt_tokens: int,
+        credited: int,
+        recorded_at: float,
+    ) -> AnswerCheck | None:
+        """The check of an answer whose generated ids came whole (as many as usage counts)."""
+        ids, answer = outcome.answer_token_ids, outcome.answer
+        if not self.wants_token_ids or ids is None or answer is None or not links:
+            return None
+        if outcome.completion_tokens is not None and len(ids) != outcome.completion_tokens:
+            return None
+        worker, held, generated = outcome.decode, tuple(links), len(ids)
+
+        def settle(matched: int, count: int, now: float) -> None:
+            """The answer's links sit `count` re-tokenized tokens past the prompt, `matched` of them cached."""
+            c = self._counts
+            c.answers_checked += 1
+            c.answers_short += matched < credited
+            at = [prompt_tokens + round((n - prompt_tokens) * count / generated) for n in counts]
+            self.decode_index.refine(worker, held, recorded_at, prompt_tokens + matched, at)
+
+        return AnswerCheck(worker, answer, ids, settle)
+
+    def forget(self, worker_id: str) -> None:
+        self.decode_index.forget(worker_id)
+        self.prefill_index.forget(worker_id)
+        self.sessions.forget(worker_id)
+
+    def stats(self) -> DeciderStats:
+        c = self._counts
+        d, p, s = self.decode_index.evictions, self.prefill_index.evictions, self.sessions.evictions
+        evictions = {}
+        for role, ev in (("decode", d), ("prefill", p), ("sessions", s)):
+            for cause, n in dataclasses.asdict(ev).items():
+                evictions[f"{role}/{cause}"] = n
+        return DeciderStats(
+            decisions=dict(c.decisions),
+            index_links={"decode": len(self.decode_index), "prefill": len(self.prefill_index)},
+            sessions=len(self.sessions),
+            evictions=evictions,
+            predicted_cached_tokens=c.predicted_cached_tokens,
+            actual_cached_tokens=c.actual_cached_tokens,
+            checked_bypasses=c.checked_bypasses,
+            accurate_bypasses=c.accurate_bypasses,
+            tokens_per_char=self.ratio.value,
+            answers_trusted=self.answers_trusted,
+            answers_checked=c.answers_checked,
+            answers_short=c.answers_short,
+        )
+
+    def _usable(self, workers: Sequence[WorkerView]) -> list[WorkerView]:
+        """The candidates that are not clearly overloaded (all of them if every one is)."""
+        if not workers:
+            return []
+        least = min(w.in_flight for w in workers)
+        o = self.options
+        calm = [
+            w
+            for w in workers
+            if w.in_flight - least < o.overload_in_flight_gap
+            and not (w.load_known and w.engine_waiting >= o.overload_engine_waiting)
+        ]
+        return calm or list(workers)
+
+    def _pick_decode(self, key: ConversationKey, usable: Sequence[WorkerView], now: float) -> Match | None:
+        best = self._longest(self.decode_index, key.chain, usable, now)
+        last = self.sessions.get(key.session, now) if key.session is not None else None
+        if last is not None and any(w.id == last for w in usable):
+            mine = self.decode_index.longest(last, key.chain, now)
+            if best is None or mine.reusable >= best.reusable:
+                return mine
+        return best
+
+    def _longest(self, index: PrefixIndex, chain: Chain, usable: Sequence[WorkerView], now: float) -> Match | None:
+        """The worker holding the longest prefix (ties: configuration order); None when none holds any."""
+        found = [index.longest(w.id, chain, now) for w in usable]
+        best = max(found, key=lambda m: m.reusable, default=None)
+        return best if best is not None and best.tokens > 0 else None
+
+    def _uncached(self, chain: Chain, held: Match | None) -> int:
+        if held is None:
+            return self.ratio.tokens(chain.chars)
+        ratio = self.suffix_ratio if self.suffix_ratio.samples else self.ratio
+        return ratio.tokens(max(0, chain.chars - held.chars))
+
+    def _count(self, decision: Decision, key: ConversationKey, uncached: int, held: Match | None) -> Decision:
+        self._counts.decisions[str(decision.route)] += 1
+        return dataclasses.replace(decision, state=_Plan(key, uncached, held))
+
+    def _check_prediction(self, decision: Decision, plan: _Plan, outcome: Outcome) -> None:
+        """Predicted vs actual, on bypasses only: there decode's usage counts its own prefix-cache hits (in push
+        mode decode reports transferred tokens as cached, so its figure says nothing about the prediction)."""
+        if decision.route is not Route.BYPASS or outcome.cached_tokens is None or outcome.prompt_tokens is None:
+            return
+        c = self._counts
+        c.predicted_cached_tokens += decision.predicted_cached_tokens
+        c.actual_cached_tokens += outcome.cached_tokens
+        c.checked_bypasses += 1
+        actual = outcome.prompt_tokens - outcome.cached_tokens
+        if abs(plan.predicted_uncached - actual) <= ACCURATE * max(actual, 1):
+            c.accurate_bypasses += 1
+        c.recent_misses = [*c.recent_misses, 2 * outcome.cached_tokens < decision.predicted_cached_tokens][
+            -MISS_WINDOW:
+        ]
+        if self.answers_trusted and sum(c.recent_misses) >= MISS_LIMIT:
+            self.answers_trusted = False
+            logger.warning(
+                "decider %s: %d of the last %d bypasses found under half the predicted prefix cached on decode; "
+                "generated text is no longer credited as cached (is reasoning or tool-call output stripped?)",
+                self.name,
+                sum(c.recent_misses),
+                len(c.recent_misses),
+            )

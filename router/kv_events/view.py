@@ -1,0 +1,43 @@
+"""What the deciders read: per worker, the longest prefix of a prompt its engine holds, and whether to trust it.
+
+`KvEventView` is read-only over the index the subscriber fills. A decider asks `held_prefixes(token_ids, workers)`
+(the prompt's chain keys are computed once, lazily, for all workers) and `caught_up(worker)`: every DP rank of the
+worker is in sync and its history complete, so the view alone may decide. Otherwise (events off for that worker,
+a replay running, or a hole since the engine's cache was last cleared) the view is a subset of the truth: the
+decider keeps its request-learned estimate as the fallback (e.g. the larger of the two).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from router.kv_events.index import HeldPrefix, KvIndex, PromptKeys
+from router.kv_events.stream import StreamStatus
+
+
+class KvEventView:
+    def __init__(self, index: KvIndex, status: Callable[[str], list[StreamStatus]]) -> None:
+        self._index = index
+        self._status = status
+
+    def held_prefix(self, worker: str, token_ids: Sequence[int] | PromptKeys) -> HeldPrefix:
+        return self._index.longest_held_prefix(worker, token_ids)
+
+    def held_prefixes(self, token_ids: Sequence[int], workers: Iterable[str]) -> dict[str, HeldPrefix]:
+        prompt = PromptKeys(token_ids)
+        return {worker: self._index.longest_held_prefix(worker, prompt) for worker in workers}
+
+    def session_holders(self, session_id: str) -> dict[str, int]:
+        """Per worker, how many blocks the session's requests stored (vLLM's `session_id`, sent by the router as
+        `X-Session-ID` or the body's `session_id`) that its engine still holds; no tokenizer needed."""
+        return self._index.session_holders(session_id)
+
+    def subscribed(self, worker: str) -> bool:
+        return bool(self._status(worker))
+
+    def caught_up(self, worker: str) -> bool:
+        streams = self._status(worker)
+        return bool(streams) and all(stream.caught_up for stream in streams)
+
+    def status(self, worker: str) -> list[StreamStatus]:
+        return self._status(worker)

@@ -1,0 +1,27 @@
+"""The cpu-vllm plan's `pairs`: all three by default, one or several through `--set`, unknown labels refused."""
+
+import pytest
+
+from loadtest.bench import run as bench
+from loadtest.bench.suites import cpu as suite_cpu
+
+
+def test_every_pair_boots_by_default_in_the_suites_order() -> None:
+    for plan in (suite_cpu.FULL, suite_cpu.SMOKE):
+        assert plan.pairs == ("upstream-pull", "upstream-push", "kvpush-push")
+        assert plan.families == suite_cpu.FAMILIES
+
+
+def test_set_pairs_picks_pairs_and_keeps_the_suites_order() -> None:
+    one = bench.with_overrides(suite_cpu.SMOKE, ["pairs=kvpush-push"])
+    assert one.pairs == ("kvpush-push",)
+    assert [f.connector for f in one.families] == ["KvpushConnector"]
+    two = bench.with_overrides(suite_cpu.SMOKE, ["pairs=kvpush-push, upstream-pull"])
+    assert [f.label for f in two.families] == ["upstream-pull", "kvpush-push"]
+
+
+@pytest.mark.parametrize(("value", "says"), [("kvpush-pull", "unknown kvpush-pull"), ("", "none given")])
+def test_unknown_or_no_pairs_are_refused_naming_the_known_ones(value: str, says: str) -> None:
+    with pytest.raises(ValueError, match=says) as error:
+        bench.with_overrides(suite_cpu.SMOKE, [f"pairs={value}"])
+    assert "known: upstream-pull, upstream-push, kvpush-push" in str(error.value)

@@ -1,0 +1,53 @@
+"""The overhead suite's plan of kvpush fronts and the environment each router starts with (pure)."""
+
+import os
+from dataclasses import replace
+
+import pytest
+
+from loadtest.bench.run import with_overrides
+from loadtest.bench.suites import overhead as suite_overhead
+from loadtest.bench.suites.overhead import FULL, KvpushVariant, kvpush_fronts
+
+
+def test_by_default_one_push_and_one_pull_front_on_the_default_client_and_server() -> None:
+    assert kvpush_fronts(FULL) == [KvpushVariant("push", "http1", "uvicorn"), KvpushVariant("pull", "http1", "uvicorn")]
+    assert [f.name for f in kvpush_fronts(FULL)] == ["router-push", "router-pull"]
+
+
+def test_servers_from_set_add_one_push_front_per_server_and_client() -> None:
+    plan = with_overrides(FULL, ["servers=uvicorn,granian", "leg_clients=http1,aiohttp"])
+    fronts = kvpush_fronts(plan)
+    assert [(f.mode, f.leg_client, f.server) for f in fronts] == [
+        ("push", "http1", "uvicorn"),
+        ("push", "aiohttp", "uvicorn"),
+        ("push", "http1", "granian"),
+        ("push", "aiohttp", "granian"),
+        ("pull", "http1", "uvicorn"),
+    ]
+    names = [f.name for f in fronts]
+    assert names[:2] == ["router-push", "router-push-aiohttp"]
+    assert names[2:] == ["router-push-granian", "router-push-aiohttp-granian", "router-pull"]
+    assert [f.default for f in fronts] == [True, False, False, False, True]
+
+
+@pytest.mark.parametrize("bad", [(), ("hypercorn",)])
+def test_unknown_or_no_servers_and_clients_are_refused(bad: tuple[str, ...]) -> None:
+    with pytest.raises(ValueError, match="overhead: servers must name some of"):
+        kvpush_fronts(replace(FULL, servers=bad))
+    with pytest.raises(ValueError, match="overhead: leg_clients must name some of"):
+        kvpush_fronts(replace(FULL, leg_clients=bad))
+
+
+def test_each_router_starts_with_its_client_and_server_and_the_environment_is_restored(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVPUSH_LEG_CLIENT", "aiohttp")
+    monkeypatch.delenv("KVPUSH_SERVER", raising=False)
+    with suite_overhead._router_env(KvpushVariant("push", "http1", "granian")):
+        assert (os.environ["KVPUSH_LEG_CLIENT"], os.environ["KVPUSH_SERVER"]) == ("http1", "granian")
+    assert os.environ["KVPUSH_LEG_CLIENT"] == "aiohttp" and "KVPUSH_SERVER" not in os.environ
+
+
+def test_the_suite_s_routers_give_a_starved_simulator_a_long_health_deadline() -> None:
+    assert suite_overhead.ROUTER_FLAGS == ("--timeout", "health=10")

@@ -1,0 +1,58 @@
+import os
+from pathlib import Path
+
+import pytest
+
+from loadtest.bench import procs
+from loadtest.bench.procs import group_cpu_seconds, group_peak_rss_mb
+from loadtest.promtext import parse
+
+BEFORE = parse(
+    'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"} 100\n'
+    'vllm:prompt_tokens_by_source_total{source="local_compute"} 5\n'
+    "kvpush_sim_steps_total 10\nkvpush_sim_modeled_seconds_total 1.0\nkvpush_sim_lag_seconds_total 0.01\n"
+)
+AFTER = parse(
+    'vllm:prompt_tokens_by_source_total{source="external_kv_transfer"} 400\n'
+    'vllm:prompt_tokens_by_source_total{source="local_compute"} 5\n'
+    "kvpush_sim_steps_total 110\nkvpush_sim_modeled_seconds_total 2.0\nkvpush_sim_lag_seconds_total 0.11\n"
+)
+
+
+def test_own_process_group_has_cpu_time_and_memory() -> None:
+    pgid = os.getpgid(0)
+    assert group_cpu_seconds(pgid) > 0
+    assert group_peak_rss_mb(pgid) > 0
+
+
+def test_the_vllm_lock_is_not_taken_twice_under_an_ancestor_that_holds_it(tmp_path: Path) -> None:
+    lock = tmp_path / "l.lock"
+    assert not procs.lock_held_by_ancestor(lock)
+    with procs.vllm_lock(lock):  # nobody holds it: taken here
+        assert lock.exists()
+
+
+def test_a_child_of_flock_sees_the_lock_as_held_and_does_not_take_it_again(tmp_path: Path) -> None:
+    """`flock FILE python ...` (the team's wrapper) must not deadlock a suite that takes the same lock."""
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("flock") is None:
+        pytest.skip("no flock(1)")
+    lock = tmp_path / "l.lock"
+    code = (
+        "import sys; from pathlib import Path; from loadtest.bench import procs as b; p = Path(sys.argv[1]); "
+        "held = b.lock_held_by_ancestor(p)\nwith b.vllm_lock(p): print(held)"
+    )
+    out = subprocess.run(
+        ["flock", str(lock), sys.executable, "-c", code, str(lock)], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
+
+
+def test_a_suite_s_router_flags_reach_the_router_command(tmp_path: Path) -> None:
+    proc = procs.router_proc("r", 8123, "push", "http://p", "http://d", tmp_path, flags=("--timeout", "health=10"))
+    argv = proc.spec.argv
+    assert argv[-4:] == ("--log-level", "warning", "--timeout", "health=10")

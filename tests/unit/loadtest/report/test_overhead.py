@@ -1,0 +1,36 @@
+"""The overhead report's fronts: a kvpush router on another HTTP server or leg client is its own row (pure)."""
+
+from typing import Any
+
+from loadtest.report import overhead as report_overhead
+from tests.unit.loadtest.report.test_targets import over_row
+
+
+def test_a_kvpush_front_on_another_server_is_its_own_row_and_stays_out_of_the_targets() -> None:
+    rows: list[dict[str, Any]] = []
+    for rep in range(2):
+        rows += [
+            over_row("direct", "direct", 1, rep, 1.0),
+            over_row("kvpush", "push", 1, rep, 2.1, cpu_s_per_1k=1.0, leg_client="http1", server="uvicorn"),
+            over_row("kvpush", "push", 1, rep, 9.0, cpu_s_per_1k=7.0, leg_client="http1", server="granian"),
+            over_row("kvpush", "push", 1, rep, 8.0, cpu_s_per_1k=6.0, leg_client="aiohttp", server="granian"),
+            over_row("vllm-router", "push", 1, rep, 2.0, cpu_s_per_1k=0.5),
+        ]
+    scored = report_overhead._scored(rows)
+    vs = {(v.target, v.point): v for v in report_overhead.verdicts(scored)}
+    assert vs[("CPU / 1k req <= 1.0x vllm-router push", "c=1")].ours == 1.0  # uvicorn's row only
+    text = "\n".join(report_overhead.table(scored))
+    assert "| kvpush | push | 2 |" in text
+    assert "| kvpush (granian) | push | 2 |" in text
+    assert "| kvpush (granian, aiohttp legs) | push | 2 |" in text
+
+
+def test_rows_without_a_server_field_are_the_default_front() -> None:
+    row = over_row("kvpush", "push", 1, 0, 2.0, leg_client="http1")
+    assert report_overhead._scored([row])[0]["router"] == "kvpush"
+
+
+def test_a_point_whose_leg_logs_were_unreadable_shows_no_wire_order() -> None:
+    rows = [over_row("direct", "direct", 1, 0, 1.0), over_row("kvpush", "push", 1, 0, 2.0, wire_order=None)]
+    line = next(t for t in report_overhead.table(rows) if "| kvpush |" in t)
+    assert line.endswith("| - |")

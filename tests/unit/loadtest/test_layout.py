@@ -1,0 +1,117 @@
+"""loadtest's rooms: no import cycle (lazy and type-only imports included) and no arrow from a lower room to a
+higher one. Read from the source with ast; nothing is imported.
+
+Floors, lowest first: the load generator (the package root), the simulator (sim/), the report (report/), the
+suites and their kit (bench/), the fault matrix (faults/), and the door (cli.py, __main__.py), which may reach
+every room.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3] / "loadtest"
+FLOORS = ("generator", "sim", "report", "bench", "faults", "door")
+DOOR = {"loadtest.cli", "loadtest.__main__"}
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _targets(node: ast.AST, package: str, known: set[str]) -> set[str]:
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+            up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+            base = ".".join([*up, base] if base else up)
+        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+    else:
+        return set()
+    return {n for n in names if n in known}
+
+
+def graph() -> dict[str, set[str]]:
+    """Every import of a loadtest module by a loadtest module, wherever it is written (top, function, TYPE_CHECKING)."""
+    mods = modules()
+    out: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            edges |= _targets(node, package, set(mods))
+        out[name] = edges - {name}
+    return out
+
+
+def floor(module: str) -> int:
+    if module in DOOR:
+        return FLOORS.index("door")
+    parts = module.split(".")
+    room = parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in FLOORS) else "generator"
+    return FLOORS.index(room) if room in FLOORS else FLOORS.index("generator")
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(g[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_sees_every_room_and_a_lazy_import() -> None:
+    g = graph()
+    assert {floor(m) for m in g} == set(range(len(FLOORS)))
+    assert "loadtest.sim.server" in g["loadtest.cli"]  # imported inside main(): still an arrow
+
+
+def test_loadtest_has_no_import_cycle() -> None:
+    assert cycles(graph()) == []
+
+
+def test_no_arrow_runs_from_a_lower_room_to_a_higher_one() -> None:
+    g = graph()
+    up = sorted(f"{a} ({FLOORS[floor(a)]}) -> {b} ({FLOORS[floor(b)]})" for a in g for b in g[a] if floor(b) > floor(a))
+    assert up == []
+
+
+def test_a_cycle_and_an_arrow_up_would_be_seen() -> None:
+    assert cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+    assert floor("loadtest.results") < floor("loadtest.sim.calibrate") < floor("loadtest.report.readme")
+    assert floor("loadtest.report.readme") < floor("loadtest.bench.run") < floor("loadtest.faults.matrix")
+    assert floor("loadtest.faults.matrix") < floor("loadtest.cli")

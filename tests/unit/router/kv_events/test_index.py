@@ -1,0 +1,178 @@
+"""The block index: chains of stored blocks matched by a prompt's token ids, removal, media, groups, bounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.kv_events.frames import Cleared, Removed, Stored
+from router.kv_events.index import HeldPrefix, KvIndex, PromptKeys, StreamIndex, content_keys
+
+BS = 4
+PROMPT = list(range(100, 118))  # 4 whole blocks and 2 tokens
+
+
+def stored(
+    hashes: list[int],
+    parent: int | None,
+    tokens: list[int],
+    medium: str | None = "GPU",
+    group: int | None = 0,
+    keyed: bool = False,
+    block_size: int = BS,
+    session: str | None = None,
+) -> Stored:
+    return Stored(tuple(hashes), parent, tuple(tokens), block_size, medium, group, keyed, session)
+
+
+def held(index: StreamIndex, tokens: list[int]) -> int:
+    return index.longest(PromptKeys(tokens))
+
+
+def test_a_stored_chain_matches_its_tokens_block_by_block() -> None:
+    index = StreamIndex(100)
+    index.stored(stored([1, 2], None, PROMPT[:8]))
+    index.stored(stored([3], 2, PROMPT[8:12]))
+    assert held(index, PROMPT) == 3
+    assert held(index, PROMPT[:11]) == 2  # the third block is not whole in this prompt
+    assert held(index, PROMPT[:4] + [0] * 8) == 1
+    assert held(index, [0, *PROMPT[1:]]) == 0
+    assert (len(index), index.matchable(), index.block_size) == (3, 3, BS)
+
+
+def test_a_block_whose_parent_is_unknown_is_held_but_never_matches() -> None:
+    index = StreamIndex(100)
+    index.stored(stored([2], 1, PROMPT[4:8]))
+    index.stored(stored([3], 2, PROMPT[8:12]))
+    assert held(index, PROMPT) == 0
+    assert (len(index), index.matchable(), index.counters.orphans) == (2, 0, 2)
+    index.removed(Removed((2, 3), "GPU", 0))
+    assert len(index) == 0 and index.counters.removed == 2
+
+
+def test_keyed_blocks_and_their_children_never_match() -> None:
+    index = StreamIndex(100)
+    index.stored(stored([1], None, PROMPT[:4], keyed=True))
+    index.stored(stored([2], 1, PROMPT[4:8]))
+    assert held(index, PROMPT) == 0
+    assert index.counters.keyed == 1 and index.counters.orphans == 1
+
+
+def test_removing_a_middle_block_cuts_the_match_there() -> None:
+    index = StreamIndex(100)
+    index.stored(stored([1, 2, 3], None, PROMPT[:12]))
+    index.removed(Removed((2,), "GPU", 0))
+    assert held(index, PROMPT) == 1
+    index.removed(Removed((99,), "GPU", 0))
+    assert index.counters.unknown_removed == 1
+
+
+def test_a_block_goes_when_its_last_medium_removes_it() -> None:
+    index = StreamIndex(100)
+    index.stored(stored([1], None, PROMPT[:4], medium=None))  # unspecified: the GPU pool
+    index.stored(stored([1], None, PROMPT[:4], medium="CPU"))
+    index.removed(Removed((1,), "GPU", 0))
+    assert held(index, PROMPT) == 1
+    index.removed(Removed((1,), "CPU", 0))
+    assert held(index, PROMPT) == 0 and len(index) == 0
+    index.stored(stored([1], None, PROMPT[:4], medium="NVME"))
+    index.removed(Removed((1,), "GPU", 0))
+    assert held(index, PROMPT) == 1
+
+
+def test_other_groups_and_other_block_sizes_are_not_indexed() -> None:
+    index = StreamIndex(100)
+    index.stored(stored([1], None, PROMPT[:4], group=1))
+    assert len(index) == 0 and index.counters.other_group == 1
+    index.stored(stored([1], None, PROMPT[:4], group=None))  # unspecified: group 0
+    index.stored(stored([7], 1, PROMPT[4:6], block_size=2))
+    assert (len(index), index.counters.other_size) == (1, 1)
+    index.removed(Removed((1,), "GPU", 1))
+    assert len(index) == 1
+
+
+def test_the_bound_drops_the_block_stored_longest_ago() -> None:
+    index = StreamIndex(3)
+    index.stored(stored([1, 2, 3], None, PROMPT[:12]))
+    index.stored(stored([1], None, PROMPT[:4]))  # stored again (reused): now the newest
+    index.stored(stored([4], 3, PROMPT[12:16]))
+    assert len(index) == 3 and index.counters.capacity == 1
+    assert held(index, PROMPT) == 1  # block 2 went: the chain stops after block 1
+    index.stored(stored([5, 6, 7, 8], None, [0] * 16))
+    assert len(index) == 3 and index.counters.capacity == 5
+
+
+def test_cleared_empties_the_stream() -> None:
+    index = StreamIndex(100)
+    index.apply([stored([1, 2], None, PROMPT[:8]), Cleared(), stored([3], None, PROMPT[:4])])
+    assert held(index, PROMPT) == 1 and len(index) == 1 and index.counters.cleared == 1
+    assert index.counters.dropped == 2
+
+
+def test_a_hash_stored_again_under_other_content_is_rekeyed() -> None:
+    index = StreamIndex(100)
+    index.stored(stored([1], None, PROMPT[:4]))
+    index.stored(stored([1], None, PROMPT[4:8]))
+    assert held(index, PROMPT) == 0
+    assert held(index, PROMPT[4:8]) == 1 and index.matchable() == 1
+
+
+def test_the_prompts_keys_are_the_chain_of_its_blocks() -> None:
+    keys = content_keys(PROMPT, BS)
+    prompt = PromptKeys(PROMPT)
+    assert [prompt.key(BS, i) for i in range(5)] == [*keys, None]
+    assert len(keys) == 4 and len(set(keys)) == 4
+    assert content_keys(PROMPT[4:8], BS, parent=keys[0]) == [keys[1]]
+
+
+def test_a_worker_is_matched_on_its_best_rank() -> None:
+    index = KvIndex(100)
+    index.stream("w", 0).stored(stored([1], None, PROMPT[:4]))
+    index.stream("w", 1).stored(stored([1, 2], None, PROMPT[:8]))
+    index.stream("v", 0).stored(stored([9], None, [0] * 4))
+    assert index.longest_held_prefix("w", PROMPT) == HeldPrefix("w", 8, 2, 1)
+    assert index.longest_held_prefix("v", PROMPT) == HeldPrefix("v", 0, 0, None)
+    assert index.longest_held_prefix("nobody", PROMPT) == HeldPrefix("nobody", 0, 0, None)
+    assert (index.workers(), index.blocks(), index.blocks("w")) == (["v", "w"], 4, 3)
+    assert index.counters.stored == 4  # one set of counters for every stream
+    index.drop("w", 1)
+    assert index.longest_held_prefix("w", PROMPT).blocks == 1
+    index.drop("w")
+    assert index.workers() == ["v"] and index.counters.dropped == 3
+
+
+def test_bounds_are_positive() -> None:
+    with pytest.raises(ValueError):
+        StreamIndex(0)
+    with pytest.raises(ValueError):
+        KvIndex(0)
+
+
+def test_a_lookup_keys_the_prompt_only_as_far_as_it_matches() -> None:
+    index = StreamIndex(1000)
+    index.stored(stored([1], None, PROMPT[:4]))
+    long_prompt = PROMPT[:4] + list(range(400))
+    prompt = PromptKeys(long_prompt)
+    assert index.longest(prompt) == 1
+    assert len(prompt.keys(BS, 0)) == 8  # of 101 blocks
+    chain = list(range(1, 102))
+    index.stored(stored(chain, None, long_prompt[:404]))
+    assert index.longest(PromptKeys(long_prompt)) == 101
+
+
+def test_blocks_are_counted_for_the_session_that_stored_them_last() -> None:
+    index = KvIndex(4)
+    w0 = index.stream("w", 0)
+    w0.stored(stored([1, 2, 3], None, PROMPT[:12], session="s1"))
+    w0.stored(stored([3], 2, PROMPT[8:12], session="s2"))  # a reused block, reported for s2's request
+    w0.stored(stored([4], 3, PROMPT[12:16]))  # no session
+    assert (w0.session_blocks("s1"), w0.session_blocks("s2"), w0.session_blocks("s3")) == (2, 1, 0)
+    w0.removed(Removed((2,), "GPU", 0))
+    assert w0.session_blocks("s1") == 1
+    w0.stored(stored([5, 6], None, [0] * 8, session="s3"))  # the bound (4) pushes out block 1
+    assert (w0.session_blocks("s1"), w0.session_blocks("s2"), w0.session_blocks("s3")) == (0, 1, 2)
+    index.stream("w", 1).stored(stored([7], None, [1] * 4, session="s3"))
+    index.stream("v", 0).stored(stored([7], None, [1] * 4, session="s3"))
+    assert index.session_holders("s3") == {"w": 2, "v": 1}
+    assert index.session_holders("s1") == {}
+    w0.cleared()
+    assert index.session_holders("s3") == {"w": 1, "v": 1}
