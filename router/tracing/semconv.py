@@ -57,6 +57,16 @@ DECODE_SPAN = "kvpush.decode"
 FIRST_BYTE_EVENT = "kvpush.first_byte"
 OK = "ok"
 CLIENT_GONE = "client_gone"
+CANCELLED = "cancelled"  # a leg given up: the client left, or the other leg failed first
+NOT_ERRORS = frozenset({OK, CLIENT_GONE, CANCELLED})  # outcomes that are no error of the span's own
+
+
+MAX_MODEL_CHARS = 128  # the client names the model: what goes into a span name or attribute is bounded
+
+
+def model_of(value: Any) -> str | None:
+    """The client's model name as it may appear in a span (a string, at most MAX_MODEL_CHARS), else None."""
+    return value[:MAX_MODEL_CHARS] if isinstance(value, str) and value else None
 
 
 def operation(endpoint: str) -> str:
@@ -64,14 +74,15 @@ def operation(endpoint: str) -> str:
     return OPERATIONS.get(endpoint, endpoint)
 
 
-def server_span_name(endpoint: str, model: str | None) -> str:
+def server_span_name(endpoint: str, model: Any) -> str:
     """`{gen_ai.operation.name} {gen_ai.request.model}`, as the GenAI conventions name inference spans."""
-    op = operation(endpoint)
-    return f"{op} {model}" if model else op
+    op, name = operation(endpoint), model_of(model)
+    return f"{op} {name}" if name else op
 
 
-def request_attributes(*, endpoint: str, model: str | None, max_tokens: Any, request_id: str) -> Attributes:
+def request_attributes(*, endpoint: str, model: Any, max_tokens: Any, request_id: str) -> Attributes:
     """The server span's attributes known on arrival (the client's body already parsed and checked)."""
+    model = model_of(model)
     out: Attributes = {
         GEN_AI_OPERATION_NAME: operation(endpoint),
         GEN_AI_PROVIDER_NAME: PROVIDER,
@@ -105,7 +116,7 @@ def outcome_attributes(outcome: str, *, status: int | None = None) -> Attributes
     """`kvpush.outcome`, `error.type` (the error kind) unless ok or the client left, the HTTP status if known
     (the server span's)."""
     out: Attributes = {OUTCOME: outcome}
-    if outcome not in (OK, CLIENT_GONE):
+    if outcome not in NOT_ERRORS:
         out[ERROR_TYPE] = outcome
     if status is not None:
         out[HTTP_RESPONSE_STATUS_CODE] = status
@@ -117,7 +128,7 @@ def leg_failure_attributes(outcome: str, *, status: int | None = None) -> Attrib
     worker's HTTP status when it answered with one. An "ok" leg adds nothing."""
     if outcome == OK:
         return {}
-    out: Attributes = {OUTCOME: outcome} if outcome == CLIENT_GONE else {ERROR_TYPE: outcome}
+    out: Attributes = {OUTCOME: outcome} if outcome in NOT_ERRORS else {ERROR_TYPE: outcome}
     if status is not None:
         out[HTTP_RESPONSE_STATUS_CODE] = status
     return out

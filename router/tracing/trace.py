@@ -70,7 +70,7 @@ class LegSpan:
         assert span is not None
         if outcome != semconv.OK:
             span.set_attributes(semconv.leg_failure_attributes(outcome, status=status))
-            if outcome != semconv.CLIENT_GONE:
+            if outcome not in semconv.NOT_ERRORS:
                 span.set_status(Status(StatusCode.ERROR, outcome))
         span.end()
 
@@ -117,7 +117,7 @@ class RequestTrace:
             self._span.set_attributes(semconv.outcome_attributes(outcome, status=status))
             if attributes:
                 self._span.set_attributes(attributes)
-            if outcome not in (semconv.OK, semconv.CLIENT_GONE):
+            if outcome not in semconv.NOT_ERRORS:
                 self._span.set_status(Status(StatusCode.ERROR, outcome))
         self._span.end()
 

@@ -78,3 +78,14 @@ def test_usage_maps_to_token_counts() -> None:
     }
     assert semconv.usage_attributes({"prompt_tokens": "12", "completion_tokens": None}) == {}
     assert semconv.usage_attributes(None) == {}
+
+
+def test_the_client_s_model_name_is_bounded() -> None:
+    long = "m" * 10_000
+    assert semconv.server_span_name("chat", long) == "chat " + "m" * semconv.MAX_MODEL_CHARS
+    attrs = semconv.request_attributes(endpoint="chat", model=long, max_tokens=None, request_id="r")
+    assert attrs["gen_ai.request.model"] == "m" * semconv.MAX_MODEL_CHARS
+    assert semconv.server_span_name("chat", {"not": "a string"}) == "chat"
+    assert "gen_ai.request.model" not in semconv.request_attributes(
+        endpoint="chat", model=7, max_tokens=None, request_id="r"
+    )
