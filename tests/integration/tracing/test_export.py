@@ -7,9 +7,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
+from loadtest.bench.otlp_sink import OtlpSink
 from router.tracing import context as w3c
 from router.tracing import provider, semconv
+from router.tracing.grpc_export import LeanGrpcSpanExporter
 from router.tracing.settings import GRPC, HTTP, parse_tracing, resolve
 from tests.integration.otlp_receiver import OtlpReceiver
 
@@ -63,3 +67,12 @@ def test_shutdown_with_the_collector_gone_is_bounded() -> None:
     assert tracing is not None
     tracing.start(w3c.NO_HEADERS, "chat tiny", {}).end("ok")
     assert tracing.shutdown(timeout=0.5) is False  # the SDK still retries; the caller goes on
+
+
+def test_the_sink_takes_an_export_without_decoding_it() -> None:
+    with OtlpSink() as sink:
+        provider = TracerProvider(shutdown_on_exit=False)
+        provider.add_span_processor(SimpleSpanProcessor(LeanGrpcSpanExporter(sink.endpoint)))
+        provider.get_tracer("t").start_span("s").end()
+        provider.shutdown()
+        assert sink.requests == 1 and sink.bytes > 0
