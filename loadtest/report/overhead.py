@@ -137,6 +137,8 @@ def tracing_lines(rows: Sequence[Row]) -> list[str]:
     out = [
         "### Tracing overhead (issue 23)",
         "",
+        f"Run {rows[0].get('run_id', '?')} (commit {str(rows[0].get('git_commit', '?'))[:7]}, "
+        f"{max(int(r.get('repeat', 0)) for r in rows) + 1} repeat(s), the overhead load): "
         "kvpush push with OpenTelemetry tracing on (OTLP/gRPC to a sink that drops the spans; sampler "
         "parentbased_traceidratio at the ratio shown) against the same router untraced, in the same run. CPU is "
         "the router process's own, the export thread included; medians of the repeats (min-max). Targets: at most "
@@ -182,7 +184,8 @@ def profile_lines(path: Path | None) -> list[str]:
     return out
 
 
-def overhead_section(rows: Sequence[Row], results_dir: Path | None = None) -> list[str]:
+def overhead_section(rows: Sequence[Row], results_dir: Path | None = None, tracing: Sequence[Row] = ()) -> list[str]:
+    """`rows`: the latest overhead run; `tracing`: the latest run that measured tracing (its own table)."""
     if not rows:
         return ["No overhead run yet."]
     scored = _scored(rows)
@@ -202,7 +205,7 @@ def overhead_section(rows: Sequence[Row], results_dir: Path | None = None) -> li
         "",
         *verdict_table(verdicts(scored)),
         "",
-        *tracing_lines(rows),
+        *tracing_lines(tracing),
         "### Where the router's time goes",
         "",
         *profile_lines(None if results_dir is None else results_dir / "router-profile.json"),

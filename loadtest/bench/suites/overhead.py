@@ -256,6 +256,8 @@ def _point(
         extra["server"] = front.server
     if front.tracing is not None:
         extra["tracing"] = front.tracing
+    if any(t != "off" for t in plan.tracings):
+        extra["tracing_run"] = True  # the report's tracing table reads such runs, the overhead tables do not
     if plan.cprofile:
         extra["profiling_run"] = True  # the report keeps such runs out of the overhead tables
         if _is_profiled(front):

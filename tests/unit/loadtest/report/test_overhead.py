@@ -54,3 +54,18 @@ def test_traced_fronts_are_their_own_rows_and_get_the_tracing_table() -> None:
     assert "| 1 | 100 % | 1.10 (1.10 to 1.10) | +10.0 % | +0.50 |" in lines
     assert "| 1 | 1 % | 1.01 (1.01 to 1.01) | +1.0 % | +0.10 |" in lines
     assert report_overhead.tracing_lines([r for r in rows if r.get("tracing") == "off"]) == []
+
+
+def test_a_tracing_run_stays_out_of_the_latest_overhead_run_and_feeds_its_own_table() -> None:
+    from loadtest.results import latest, latest_tracing
+
+    full = [{**over_row("kvpush", "push", 1, 0, 2.0, cpu_s_per_1k=1.0), "run_id": "20261204T100000Z"}]
+    traced = [
+        {**over_row("kvpush", "push", 1, 0, 2.0, cpu_s_per_1k=1.0, tracing=t), "run_id": "20261204T170000Z"}
+        for t in ("off", "1")
+    ]
+    for row in traced:
+        row["tracing_run"] = True
+    assert latest([*full, *traced], "overhead") == full
+    assert latest_tracing([*full, *traced]) == traced
+    assert "Run 20261204T170000Z" in "\n".join(report_overhead.overhead_section(full, None, traced))
