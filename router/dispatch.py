@@ -237,7 +237,9 @@ class Dispatcher:
         trace = request.trace
         if trace is None:
             return await self._prefill_leg(request, worker, ids, self._headers(ids))
-        span = trace.leg(semconv.PREFILL_SPAN, _leg_attributes(request.record, worker, ids))
+        span = trace.leg(
+            semconv.PREFILL_SPAN, attempt=request.record.attempts, pairing_id=ids.request_id, worker=worker.spec.url
+        )
         try:
             params = await self._prefill_leg(request, worker, ids, {**self._headers(ids), **span.headers})
         except BaseException as error:
@@ -299,7 +301,11 @@ class Dispatcher:
         """Opens the decode leg and waits for its first event (stream) or its whole answer (non-stream). Traced, the
         leg's span ends here on failure or with a JSON answer, else when the stream closes (StreamClose)."""
         rec, wid, trace = request.record, worker.spec.id, request.trace
-        span = None if trace is None else trace.leg(semconv.DECODE_SPAN, _leg_attributes(rec, worker, ids))
+        span = (
+            None
+            if trace is None
+            else trace.leg(semconv.DECODE_SPAN, attempt=rec.attempts, pairing_id=ids.request_id, worker=worker.spec.url)
+        )
         headers = self._headers(ids) if span is None else {**self._headers(ids), **span.headers}
         leg = _DecodeLeg(wid, f"{worker.spec.url}{request.info.endpoint.path}", headers)
         scrub = self.feedback.asks_ids_for_us(request.body)
@@ -432,12 +438,6 @@ async def _give_up(prefill_leg: asyncio.Task[Any], decode_leg: asyncio.Task[Any]
         await asyncio.shield(opened.aclose())  # it opened just as we gave up
     if _failed(prefill_leg) and not prefill_leg.cancelled():
         raise prefill_leg.exception() from None  # type: ignore[misc]  # the root cause
-
-
-def _leg_attributes(rec: RequestRecord, worker: WorkerState, ids: protocol.PairingIds) -> semconv.Attributes:
-    return semconv.leg_attributes(
-        attempt=rec.attempts, pairing_id=ids.request_id, address=semconv.address_of(worker.spec.url)
-    )
 
 
 def _end_failed(span: LegSpan, error: BaseException) -> None:

@@ -63,7 +63,7 @@ class Finisher:
         if rec.t_end is not None:
             return  # finished already (a stream that opened as the request was given up closed first)
         if trace is not None:
-            trace.end(outcome, status=status, attributes=_end_attributes(rec, usage))
+            trace.end(outcome, status=status, attributes=_end_attributes(rec, usage) if trace.recording else None)
         t_end = self._clock()
         rec.outcome, rec.t_end = outcome, t_end
         leftover = self._background.get(rec.pairing_id or "")

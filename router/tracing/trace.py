@@ -97,10 +97,12 @@ class RequestTrace:
         state = ctx.trace_state.items() if ctx.trace_state else ()
         return w3c.leg_headers(ctx.trace_id, ctx.span_id, ctx.trace_flags.sampled, state, self._baggage)
 
-    def leg(self, name: str, attributes: Attributes) -> LegSpan:
-        """A leg span (semconv.PREFILL_SPAN / DECODE_SPAN) started now, with the headers its request carries."""
+    def leg(self, name: str, *, attempt: int, pairing_id: str, worker: str) -> LegSpan:
+        """A leg span (semconv.PREFILL_SPAN / DECODE_SPAN) started now, with the headers its request carries. An
+        unsampled request builds nothing: every leg shares one ended LegSpan with the server span's headers."""
         if self._unrecorded is not None:
             return self._unrecorded
+        attributes = semconv.leg_attributes(attempt=attempt, pairing_id=pairing_id, address=semconv.address_of(worker))
         span = self._tracer.start_span(name, self._context, SpanKind.CLIENT, attributes)
         return LegSpan(span, self._headers_for(span.get_span_context()))
 

@@ -35,9 +35,8 @@ def test_one_request_arrives_as_a_tree(receiver: OtlpReceiver, protocol: str) ->
     client = w3c.read([(b"traceparent", f"00-{'ab' * 16}-{'cd' * 8}-01".encode())])
     attrs = semconv.request_attributes(endpoint="chat", model="tiny", max_tokens=4, request_id=f"r-{protocol}")
     trace = tracing.start(client, "chat tiny", attrs)
-    address = semconv.address_of("http://127.0.0.1:1")
     legs = [
-        trace.leg(name, semconv.leg_attributes(attempt=1, pairing_id="p", address=address))
+        trace.leg(name, attempt=1, pairing_id="p", worker="http://127.0.0.1:1")
         for name in (semconv.PREFILL_SPAN, semconv.DECODE_SPAN)
     ]
     legs[0].end()

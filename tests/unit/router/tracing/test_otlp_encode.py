@@ -47,10 +47,9 @@ def test_the_router_s_spans_encode_as_the_sdk_encodes_them() -> None:
         trace = tracing.start(
             parent, "chat tiny", semconv.request_attributes(endpoint="chat", model="t", max_tokens=3, request_id="r")
         )
-        address = semconv.address_of("http://127.0.0.1:8100")
-        prefill = trace.leg(semconv.PREFILL_SPAN, semconv.leg_attributes(attempt=1, pairing_id="p", address=address))
+        prefill = trace.leg(semconv.PREFILL_SPAN, attempt=1, pairing_id="p", worker="http://127.0.0.1:8100")
         prefill.end("status", status=500)
-        decode = trace.leg(semconv.DECODE_SPAN, semconv.leg_attributes(attempt=2, pairing_id="q", address=address))
+        decode = trace.leg(semconv.DECODE_SPAN, attempt=2, pairing_id="q", worker="http://127.0.0.1:8100")
         decode.first_byte(0.25)
         decode.end()
         usage = {"prompt_tokens": 7, "completion_tokens": 3}

@@ -3,6 +3,8 @@ them, the handoff event, outcomes, idempotent ends, the unsampled path (no child
 
 from __future__ import annotations
 
+from typing import Any
+
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
@@ -20,9 +22,9 @@ def client(sampled: bool = True, state: tuple[tuple[str, str], ...] = ()) -> w3c
     return w3c.TraceHeaders(w3c.ParentContext(TRACE, CLIENT_SPAN, sampled, state), "user=alice")
 
 
-def leg_attrs(leg: str, attempt: int = 1) -> semconv.Attributes:
+def leg_attrs(leg: str, attempt: int = 1) -> dict[str, Any]:
     port = 8100 if leg == "prefill" else 8200
-    return semconv.leg_attributes(attempt=attempt, pairing_id="p1", address=semconv.address_of(f"http://h:{port}"))
+    return {"attempt": attempt, "pairing_id": "p1", "worker": f"http://h:{port}"}
 
 
 def test_a_request_without_a_parent_is_a_root_server_span() -> None:
@@ -42,8 +44,8 @@ def test_a_request_without_a_parent_is_a_root_server_span() -> None:
 def test_the_client_context_is_the_parent_and_reaches_both_legs() -> None:
     tracing, exported = in_memory()
     trace = tracing.start(client(state=(("vendor", "x1"),)), "chat tiny", ATTRS)
-    prefill = trace.leg(semconv.PREFILL_SPAN, leg_attrs("prefill"))
-    decode = trace.leg(semconv.DECODE_SPAN, leg_attrs("decode"))
+    prefill = trace.leg(semconv.PREFILL_SPAN, **leg_attrs("prefill"))
+    decode = trace.leg(semconv.DECODE_SPAN, **leg_attrs("decode"))
     for leg in (prefill, decode):
         parent = w3c.parse_traceparent(leg.headers["traceparent"].encode())
         assert parent is not None and parent.trace_id == TRACE and parent.sampled
@@ -76,9 +78,9 @@ def test_the_client_context_is_the_parent_and_reaches_both_legs() -> None:
 def test_a_failed_leg_and_request_carry_the_error_type() -> None:
     tracing, exported = in_memory()
     trace = tracing.start(w3c.NO_HEADERS, "chat tiny", ATTRS)
-    first = trace.leg(semconv.PREFILL_SPAN, leg_attrs("prefill", 1))
+    first = trace.leg(semconv.PREFILL_SPAN, **leg_attrs("prefill", 1))
     first.end("connect")
-    second = trace.leg(semconv.PREFILL_SPAN, leg_attrs("prefill", 2))
+    second = trace.leg(semconv.PREFILL_SPAN, **leg_attrs("prefill", 2))
     second.end("timeout", status=504)
     trace.end("timeout", status=504, attributes={semconv.ATTEMPTS: 2})
     spans = by_name(exported.get_finished_spans())
@@ -94,7 +96,7 @@ def test_a_failed_leg_and_request_carry_the_error_type() -> None:
 def test_a_client_that_left_is_not_an_error() -> None:
     tracing, exported = in_memory()
     trace = tracing.start(w3c.NO_HEADERS, "chat tiny", ATTRS)
-    leg = trace.leg(semconv.DECODE_SPAN, leg_attrs("decode"))
+    leg = trace.leg(semconv.DECODE_SPAN, **leg_attrs("decode"))
     leg.end(semconv.CLIENT_GONE)
     trace.end(semconv.CLIENT_GONE)
     for span in exported.get_finished_spans():
@@ -106,7 +108,7 @@ def test_a_client_that_left_is_not_an_error() -> None:
 def test_ends_are_idempotent_and_late_calls_do_nothing() -> None:
     tracing, exported = in_memory()
     trace = tracing.start(w3c.NO_HEADERS, "chat tiny", ATTRS)
-    leg = trace.leg(semconv.DECODE_SPAN, leg_attrs("decode"))
+    leg = trace.leg(semconv.DECODE_SPAN, **leg_attrs("decode"))
     leg.end("ok")
     leg.end("timeout")
     leg.first_byte()
@@ -124,7 +126,7 @@ def test_ends_are_idempotent_and_late_calls_do_nothing() -> None:
 def test_the_first_byte_without_a_prefill_leg_has_no_handoff() -> None:
     tracing, exported = in_memory()
     trace = tracing.start(w3c.NO_HEADERS, "chat tiny", ATTRS)
-    leg = trace.leg(semconv.DECODE_SPAN, leg_attrs("decode"))
+    leg = trace.leg(semconv.DECODE_SPAN, **leg_attrs("decode"))
     leg.first_byte()
     leg.end()
     trace.end("ok")
@@ -135,7 +137,7 @@ def test_the_first_byte_without_a_prefill_leg_has_no_handoff() -> None:
 def test_a_negative_handoff_is_zero() -> None:
     tracing, exported = in_memory()
     trace = tracing.start(w3c.NO_HEADERS, "chat tiny", ATTRS)
-    leg = trace.leg(semconv.DECODE_SPAN, leg_attrs("decode"))
+    leg = trace.leg(semconv.DECODE_SPAN, **leg_attrs("decode"))
     leg.first_byte(-0.5)  # decode's first byte came before prefill's answer
     leg.end()
     trace.end("ok")
@@ -147,8 +149,8 @@ def test_an_unsampled_request_makes_no_child_spans_and_turns_the_flag_off() -> N
     tracing, exported = in_memory(ratio=0.0)
     trace = tracing.start(w3c.NO_HEADERS, "chat tiny", ATTRS)
     assert not trace.recording and trace.exemplar() is None
-    prefill = trace.leg(semconv.PREFILL_SPAN, leg_attrs("prefill"))
-    decode = trace.leg(semconv.DECODE_SPAN, leg_attrs("decode"))
+    prefill = trace.leg(semconv.PREFILL_SPAN, **leg_attrs("prefill"))
+    decode = trace.leg(semconv.DECODE_SPAN, **leg_attrs("decode"))
     assert prefill is decode  # one shared, already ended leg: nothing is made per leg
     parent = w3c.parse_traceparent(prefill.headers["traceparent"].encode())
     assert parent is not None and not parent.sampled and parent.trace_id == trace.trace_id
@@ -161,7 +163,7 @@ def test_an_unsampled_request_makes_no_child_spans_and_turns_the_flag_off() -> N
 def test_a_client_that_says_not_sampled_is_not_traced_and_keeps_its_trace_id() -> None:
     tracing, exported = in_memory(ratio=1.0)
     trace = tracing.start(client(sampled=False), "chat tiny", ATTRS)
-    leg = trace.leg(semconv.DECODE_SPAN, leg_attrs("decode"))
+    leg = trace.leg(semconv.DECODE_SPAN, **leg_attrs("decode"))
     assert leg.headers["traceparent"].startswith(f"00-{TRACE:032x}-") and leg.headers["traceparent"].endswith("-00")
     trace.end("ok")
     assert exported.get_finished_spans() == ()
