@@ -17,9 +17,11 @@ from collections.abc import Mapping
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import (
     ALWAYS_OFF,
     ALWAYS_ON,
+    Decision,
     ParentBased,
     Sampler,
     TraceIdRatioBased,
@@ -72,8 +74,11 @@ class Tracing:
         attributes: Mapping[str, str] | None = None,
     ) -> None:
         resource = Resource.create({**(attributes or {}), SERVICE_NAME: plan.service_name})
-        # shutdown_on_exit=False: no atexit hook that could hold the exit for the exporter's retries
-        self._provider = TracerProvider(sampler=sampler_for(plan.sampling), resource=resource, shutdown_on_exit=False)
+        # The configured sampler decides in `start`, before the SDK makes anything; the SDK records what it is
+        # given (ALWAYS_ON). shutdown_on_exit=False: no atexit hook that could hold the exit for the exporter.
+        self._sampler = sampler_for(plan.sampling)
+        self._ids = RandomIdGenerator()
+        self._provider = TracerProvider(sampler=ALWAYS_ON, resource=resource, shutdown_on_exit=False)
         processor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
         self._provider.add_span_processor(processor)
         self._tracer = self._provider.get_tracer(INSTRUMENTATION)
@@ -82,6 +87,13 @@ class Tracing:
     def start(
         self, headers: w3c.TraceHeaders, name: str, attributes: Mapping[str, str | bool | int | float]
     ) -> trace.RequestTrace:
+        """The request's trace. The configured sampler decides first, on the client's trace id (else a fresh one):
+        a dropped request costs an id and one sampler call, not an SDK span (at 1 % sampling, the common case)."""
+        parent = headers.parent
+        trace_id = parent.trace_id if parent is not None else self._ids.generate_trace_id()
+        decision = self._sampler.should_sample(trace.parent_context(headers), trace_id, name)
+        if decision.decision is not Decision.RECORD_AND_SAMPLE:
+            return trace.dropped(self._tracer, headers, trace_id, self._ids.generate_span_id())
         return trace.start(self._tracer, headers, name, attributes)
 
     def shutdown(self, timeout: float = SHUTDOWN_SECONDS) -> bool:

@@ -10,9 +10,10 @@ Who ends what, once each (every `end` is idempotent, so an owner that ends twice
   deadline, possibly after the request ended), a decode leg on failure, on a JSON answer, or when its stream closes.
 - the handoff: an attribute of the decode leg's first-byte event (`LegSpan.first_byte`).
 
-An unsampled request (`recording` false) makes no child spans at all: its legs carry the server span's
-`traceparent` with the sampled flag off, so the engines do not trace it either, and the request costs one span
-start and end. With tracing off there is no `RequestTrace` (the callers hold None).
+An unsampled request (`recording` false) makes no span at all (router/tracing/provider.py asks the configured
+sampler before the SDK is called): its legs carry a `traceparent` with its trace id, a fresh parent id and the
+sampled flag off, so the engines do not trace it either. With tracing off there is no `RequestTrace` (the callers
+hold None).
 """
 
 from __future__ import annotations
@@ -80,14 +81,19 @@ class RequestTrace:
 
     __slots__ = ("_baggage", "_context", "_ended", "_span", "_tracer", "_unrecorded", "recording")
 
-    def __init__(self, tracer: otel.Tracer, span: otel.Span, baggage: str | None) -> None:
+    def __init__(self, tracer: otel.Tracer, span: otel.Span | SpanContext, baggage: str | None) -> None:
+        """`span`: the server span, or, for a request the sampler dropped, the context its legs carry."""
         self._tracer = tracer
-        self._span = span
         self._baggage = baggage
         self._ended = False
-        self.recording = span.is_recording()
-        self._context = otel.set_span_in_context(span, _EMPTY) if self.recording else _EMPTY
-        self._unrecorded = None if self.recording else LegSpan(None, self._headers_for(span.get_span_context()))
+        if isinstance(span, SpanContext):
+            self._span: otel.Span = NonRecordingSpan(span)
+            self.recording = False
+        else:
+            self._span = span
+            self.recording = span.is_recording()
+        self._context = otel.set_span_in_context(self._span, _EMPTY) if self.recording else _EMPTY
+        self._unrecorded = None if self.recording else LegSpan(None, self._headers_for(self._span.get_span_context()))
 
     @property
     def trace_id(self) -> int:
@@ -121,7 +127,7 @@ class RequestTrace:
                 self._span.set_attributes(attributes)
             if outcome not in semconv.NOT_ERRORS:
                 self._span.set_status(Status(StatusCode.ERROR, outcome))
-        self._span.end()
+            self._span.end()
 
     @property
     def ended(self) -> bool:
@@ -139,6 +145,17 @@ class RequestTrace:
 def start(
     tracer: otel.Tracer, headers: w3c.TraceHeaders, name: str, attributes: Mapping[str, str | bool | int | float]
 ) -> RequestTrace:
-    """The server span of a request that arrived with `headers` (checked trace headers)."""
+    """The server span of a sampled request that arrived with `headers` (checked trace headers)."""
     span = tracer.start_span(name, parent_context(headers), SpanKind.SERVER, attributes)
     return RequestTrace(tracer, span, headers.baggage)
+
+
+def dropped(tracer: otel.Tracer, headers: w3c.TraceHeaders, trace_id: int, span_id: int) -> RequestTrace:
+    """A request the sampler dropped: no span; its legs carry `trace_id` (the client's, else a fresh one) under
+    the fresh parent id `span_id`, with the sampled flag off and the client's tracestate."""
+    parent = headers.parent
+    state = TraceState(list(parent.trace_state)) if parent is not None and parent.trace_state else None
+    context = SpanContext(
+        trace_id, span_id, is_remote=False, trace_flags=TraceFlags(TraceFlags.DEFAULT), trace_state=state
+    )
+    return RequestTrace(tracer, context, headers.baggage)

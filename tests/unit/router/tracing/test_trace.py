@@ -193,3 +193,24 @@ def test_shutdown_flushes_the_batch() -> None:
     tracing.start(w3c.NO_HEADERS, "chat tiny", ATTRS).end("ok")
     tracing.shutdown()
     assert len(exporter.get_finished_spans()) == 1
+
+
+def test_the_configured_ratio_decides_before_the_sdk_makes_a_span() -> None:
+    tracing, exported = in_memory(ratio=0.5)
+    traces = [tracing.start(w3c.NO_HEADERS, "chat tiny", ATTRS) for _ in range(2000)]
+    for trace in traces:
+        trace.end("ok")
+    sampled = sum(t.recording for t in traces)
+    assert 800 < sampled < 1200  # binomial(2000, 0.5): 10 standard deviations either side
+    assert len(exported.get_finished_spans()) == sampled  # a dropped request made no span at all
+
+
+def test_a_dropped_request_passes_the_client_s_trace_id_and_tracestate_on() -> None:
+    tracing, exported = in_memory(ratio=1.0)
+    trace = tracing.start(client(sampled=False, state=(("vendor", "x1"),)), "chat tiny", ATTRS)
+    leg = trace.leg(semconv.PREFILL_SPAN, **leg_attrs("prefill"))
+    parent = w3c.parse_traceparent(leg.headers["traceparent"].encode())
+    assert parent is not None and parent.trace_id == TRACE and not parent.sampled and parent.span_id != CLIENT_SPAN
+    assert leg.headers["tracestate"] == "vendor=x1" and leg.headers["baggage"] == "user=alice"
+    trace.end("ok")
+    assert exported.get_finished_spans() == ()
