@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from connector.metadata import KVLayout
+from connector.metadata import KVLayout, Region
 
 DescArray = npt.NDArray[np.uint64]
 IndexArray = npt.NDArray[np.int32]
@@ -64,6 +64,28 @@ def strided_descriptors(layout: KVLayout) -> DescArray:
     for i, region in enumerate(layout.regions):
         out[i] = (region.base, region.block_len, layout.device_id, region.block_len, region.num_blocks)
     return out
+
+
+def sliced_strided_descriptors(layout: KVLayout, parts: Sequence[tuple[int, int]]) -> DescArray:
+    """Compact rows for byte ranges inside each block (head slices under TP, ``connector.topology``): for each
+    region, for each part ``(offset, length)``, ``(base + offset, length, device id, block_len, num_blocks)``.
+    Index with ``descriptor_indices(sliced_layout(layout, parts), block_ids)``."""
+    out = np.empty((len(layout.regions) * len(parts), 5), dtype=np.uint64)
+    row = 0
+    for region in layout.regions:
+        for offset, length in parts:
+            if offset < 0 or length < 1 or offset + length > region.block_len:
+                raise ValueError(f"slice ({offset}, {length}) outside a block of {region.block_len} bytes")
+            out[row] = (region.base + offset, length, layout.device_id, region.block_len, region.num_blocks)
+            row += 1
+    return out
+
+
+def sliced_layout(layout: KVLayout, parts: Sequence[tuple[int, int]]) -> KVLayout:
+    """The layout as ``sliced_strided_descriptors`` lists it (one region per region x part), for
+    ``descriptor_indices``: only block counts and order matter there, not addresses."""
+    regions = tuple(Region(r.base + off, length, r.num_blocks) for r in layout.regions for off, length in parts)
+    return KVLayout(layout.mem_type, layout.device_id, layout.block_size, regions)
 
 
 def descriptor_indices(layout: KVLayout, block_ids: Sequence[int] | npt.NDArray[np.integer]) -> IndexArray:

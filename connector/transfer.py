@@ -23,8 +23,15 @@ from typing import Any, Literal, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from connector.layout import descriptor_indices, pair_blocks, strided_descriptors
+from connector.layout import (
+    descriptor_indices,
+    pair_blocks,
+    sliced_layout,
+    sliced_strided_descriptors,
+    strided_descriptors,
+)
 from connector.metadata import HandshakePayload, KVLayout
+from connector.topology import Slice
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +96,8 @@ class _Peer:
     layout: KVLayout
     dlist: Any  # NIXL's prepared remote descriptor list; None: notices only (never written to)
     metadata: bytes
+    slices: tuple[Slice, ...] | None = None  # head slices of a TP leg; None: whole blocks
+    local_dlist: Any = None  # with slices: our list of the source slices
 
 
 def make_agent(name: str, backends: tuple[str, ...], progress_thread_delay_us: int | None) -> Any:
@@ -164,9 +173,12 @@ class NixlBackend:
     def agent_metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
 
-    def add_peer(self, payload: HandshakePayload, *, writes_to: bool = True) -> None:
+    def add_peer(
+        self, payload: HandshakePayload, *, writes_to: bool = True, slices: tuple[Slice, ...] | None = None
+    ) -> None:
+        """``slices``: a TP leg (``connector.topology``) writes only these byte ranges of each block."""
         known = self._peers.get(payload.agent_name)
-        if known is not None and known.metadata == payload.agent_metadata:
+        if known is not None and known.metadata == payload.agent_metadata and known.slices == slices:
             if writes_to and known.dlist is None:
                 known.dlist = self._prep_remote(payload.agent_name, payload.layout)
             return
@@ -179,8 +191,16 @@ class NixlBackend:
         name = added.decode() if isinstance(added, bytes) else str(added)
         if name != payload.agent_name:
             raise TransferError(f"peer metadata names agent {name!r}, handshake said {payload.agent_name!r}")
-        dlist = self._prep_remote(name, payload.layout) if writes_to else None
-        self._peers[name] = _Peer(payload.layout, dlist, payload.agent_metadata)
+        if slices is None:
+            dlist = self._prep_remote(name, payload.layout) if writes_to else None
+            self._peers[name] = _Peer(payload.layout, dlist, payload.agent_metadata)
+            return
+        src, dst = [(s.src, s.length) for s in slices], [(s.dst, s.length) for s in slices]
+        rows = sliced_strided_descriptors(payload.layout, dst)
+        remote = self._agent.prep_xfer_dlist(name, rows, payload.layout.mem_type)
+        local_rows = sliced_strided_descriptors(self._layout, src)
+        local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", local_rows, self._layout.mem_type)
+        self._peers[name] = _Peer(payload.layout, remote, payload.agent_metadata, slices, local)
 
     def _prep_remote(self, name: str, layout: KVLayout) -> Any:
         return self._agent.prep_xfer_dlist(name, strided_descriptors(layout), layout.mem_type)
@@ -190,8 +210,9 @@ class NixlBackend:
         if peer is None:
             return
         try:
-            if peer.dlist is not None:
-                peer.dlist.release()
+            for dlist in (peer.dlist, peer.local_dlist):
+                if dlist is not None:
+                    dlist.release()
             self._agent.remove_remote_agent(agent_name)
         except Exception:  # nixl raises its own binding exceptions
             logger.warning("could not remove NIXL agent %s", agent_name, exc_info=True)
@@ -216,10 +237,16 @@ class NixlBackend:
         if peer is None or peer.dlist is None:
             raise TransferError(f"WRITE to unknown or notices-only agent {agent_name!r}")
         local_blocks, remote_blocks = pair_blocks(local_blocks, remote_blocks)
-        local_idx = descriptor_indices(self._layout, local_blocks)
-        remote_idx = descriptor_indices(peer.layout, remote_blocks)
+        local_layout, remote_layout, local_dlist = self._layout, peer.layout, self._local_dlist
+        block_bytes = self._block_bytes
+        if peer.slices is not None:
+            local_layout = sliced_layout(self._layout, [(s.src, s.length) for s in peer.slices])
+            remote_layout = sliced_layout(peer.layout, [(s.dst, s.length) for s in peer.slices])
+            local_dlist, block_bytes = peer.local_dlist, sum(r.block_len for r in local_layout.regions)
+        local_idx = descriptor_indices(local_layout, local_blocks)
+        remote_idx = descriptor_indices(remote_layout, remote_blocks)
         try:
-            xfer = self._agent.make_prepped_xfer("WRITE", self._local_dlist, local_idx, peer.dlist, remote_idx, notice)
+            xfer = self._agent.make_prepped_xfer("WRITE", local_dlist, local_idx, peer.dlist, remote_idx, notice)
             state = self._agent.transfer(xfer)
         except Exception as exc:
             raise TransferError(f"WRITE to {agent_name!r} could not be posted: {exc}") from exc
@@ -228,7 +255,7 @@ class NixlBackend:
             raise TransferError(f"WRITE to {agent_name!r} failed at post")
         self._next_handle += 1
         self._handles[self._next_handle] = xfer
-        num_bytes = self._block_bytes * len(local_blocks)
+        num_bytes = block_bytes * len(local_blocks)
         return WriteTicket(self._next_handle, num_bytes, len(local_idx))
 
     def write_state(self, handle: int) -> WriteState:
@@ -251,7 +278,8 @@ class NixlBackend:
         for handle in list(self._handles):
             self.release(handle)
         for peer in self._peers.values():
-            if peer.dlist is not None:
-                peer.dlist.release()
+            for dlist in (peer.dlist, peer.local_dlist):
+                if dlist is not None:
+                    dlist.release()
         self._local_dlist.release()
         self._agent.deregister_memory(self._registered)

@@ -106,3 +106,19 @@ def test_back_to_back_layers_coalesce_into_one_registration_range() -> None:
 def test_separate_buffers_stay_separate_and_overlaps_merge() -> None:
     layout = layout_of(Region(3000, 100, 2), Region(1000, 100, 2), Region(1100, 100, 4))
     assert coalesced_ranges(layout).tolist() == [[1000, 500, 0], [3000, 200, 0]]
+
+
+def test_sliced_rows_address_each_slice_of_each_block_in_index_order() -> None:
+    from connector.layout import sliced_layout, sliced_strided_descriptors
+
+    layout = KVLayout("DRAM", 0, 16, (Region(1000, 40, 3), Region(5000, 40, 3)))
+    parts = [(10, 10), (30, 10)]
+    rows = sliced_strided_descriptors(layout, parts)
+    expanded = [
+        (int(base) + i * int(stride), int(length)) for base, length, _, stride, count in rows for i in range(int(count))
+    ]
+    idx = descriptor_indices(sliced_layout(layout, parts), [2, 0])
+    got = [expanded[i] for i in idx]
+    assert got == [(1090, 10), (1010, 10), (1110, 10), (1030, 10), (5090, 10), (5010, 10), (5110, 10), (5030, 10)]
+    with pytest.raises(ValueError, match="outside a block"):
+        sliced_strided_descriptors(layout, [(35, 10)])
