@@ -234,6 +234,7 @@ class _Ctx:
             "order": order,
             "headline": step.headline,
             "qps_asked": asked,
+            "chunk_tokens": self.plan.chunk_tokens,
             "outputs_equal_single": agreed,
             **prompt_record(self.cal),
         }
