@@ -91,6 +91,8 @@ REPRODUCE = [
     "kvpush bench --suite overhead --set cprofile=true --set repeats=1 --set levels=1:300,64:1500   # profile",
     "kvpush bench --suite seed-sim                      # 4 stacks + calibration",
     "python -m loadtest calibrate                       # calibration alone (virtual time, minutes)",
+    "kvpush bench --suite link                         # as root: the fronts on an emulated link (~25 min)",
+    "kvpush bench --suite multiturn --set link=ethernet-25g-like ...   # multi-turn on a link (make bench-link)",
     "```",
 ]
 
