@@ -168,7 +168,9 @@ def sim_rows(rows: Sequence[Row], chunk_tokens: int) -> list[str]:
         if prefill is None or tpot is None or conn not in SIM_MODE:
             continue
         m = Measured(prefill, tpot / 1000, _f(rs[0].get("link_rate_bit_s")), int(n))
-        s = predict(m, SIM_MODE[conn], float(qps), int(rs[0]["output_len"]), chunk_tokens)
+        # as many arrivals as the measured point sent (warm-up included), averaged over 20 seeds
+        sent = int(rs[0]["n"]) + int(rs[0].get("warmup") or 1)
+        s = predict(m, SIM_MODE[conn], float(qps), int(rs[0]["output_len"]), chunk_tokens, sent, 1, seeds=20)
         ttft, hand = _med(rs, "ttft_ms", "mean"), _med(rs, "handoff_ms", "p50")
         out.append(
             f"| {preset} | {n} | {qps:g} | {conn} | {fmt(ttft)} / {s.ttft_mean_ms:.1f} "
@@ -247,7 +249,8 @@ def section(
 SIM_TEXT = (
     "Predicted by the virtual-time pair (loadtest/sim/scaled.py) on a profile built from each row's own "
     "measurements: P's prefill (the calibration median), the decode step (the row's TPOT), the shaped goodput as "
-    "the network, the bench model's 4 KiB of KV per token, the same Poisson load; router, HTTP and API time are "
+    "the network, the bench model's 4 KiB of KV per token, Poisson arrivals at the row's QPS, as many as the row "
+    "sent (the mean over 20 seeds: a short point does not queue like a long run); router, HTTP and API time are "
     "not modelled. `gap` = (measured - predicted) / predicted."
 )
 

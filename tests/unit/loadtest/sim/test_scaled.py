@@ -34,3 +34,11 @@ def test_poisson_arrivals_start_at_zero_and_average_the_rate() -> None:
     ts = poisson(2.0, 2001, 1)
     assert ts[0] == 0.0 and ts == sorted(ts)
     assert ts[-1] / 2000 == pytest.approx(0.5, rel=0.1)
+
+
+def test_a_short_points_prediction_averages_seeds_of_its_own_length() -> None:
+    m = Measured(prefill_s=0.3, step_s=0.009, rate_bit_s=1.2e8, prompt=1024)
+    long = predict(m, "pull", 2.5, 16)  # the link at ~73 %: a long run queues
+    short = predict(m, "pull", 2.5, 16, n=9, warmup=1, seeds=20)
+    assert short.n == 20 * 8 and short.unfinished == 0
+    assert short.ttft_mean_ms < long.ttft_mean_ms
