@@ -5,12 +5,15 @@ multi-turn run on a link; and the simulator's predictions (sim/scaled.py) agains
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+from loadtest.job import REPO
+from loadtest.records import read_jsonl
 from loadtest.report import multiturn as report_multiturn
 from loadtest.report.kit import Verdict, agg, agg_of, cell, fmt, group, kv_ext_pct, median, verdict_table
 from loadtest.results import Row
-from loadtest.sim.scaled import Measured, predict
+from loadtest.sim.scaled import Measured, predict, predict_at
 
 HEADLINE = "ethernet-100g-like"
 EFA = "efa-like"
@@ -153,28 +156,54 @@ def efa_verdicts(rows: Sequence[Row], loopback: Sequence[Row]) -> list[Verdict]:
     return out
 
 
+def sent_times(row: Row) -> list[float] | None:
+    """The measured point's send times from its request records (bench/runs/, kept locally), or None."""
+    rel = row.get("records")
+    if not rel:
+        return None
+    path = Path(rel) if Path(rel).is_absolute() else REPO / rel
+    if not path.exists():
+        return None
+    sent = [r.sent for r in read_jsonl(path)]
+    return sent if len(sent) >= 2 else None
+
+
+def predicted(r: Row, conn: str, chunk_tokens: int) -> tuple[float, float, str] | None:
+    """(TTFT mean, handoff p50, basis) the simulator predicts for one measured row."""
+    prefill, tpot = _f(r.get("link_prefill_s")), _f((r.get("tpot_ms") or {}).get("mean"))
+    if prefill is None or tpot is None or conn not in SIM_MODE:
+        return None
+    m = Measured(prefill, tpot / 1000, _f(r.get("link_rate_bit_s")), int(r["input_len"]))
+    out_len = int(r["output_len"])
+    if (sent := sent_times(r)) is not None:
+        s, basis = predict_at(m, SIM_MODE[conn], sent, out_len, chunk_tokens), "sent"
+    else:  # as many arrivals as the point sent (its warm-up too), averaged over 20 seeds
+        n = int(r["n"]) + 1
+        s, basis = predict(m, SIM_MODE[conn], float(r["qps"]), out_len, chunk_tokens, n, 1, seeds=20), "seeds"
+    return s.ttft_mean_ms, s.handoff_p50_ms, basis
+
+
 def sim_rows(rows: Sequence[Row], chunk_tokens: int) -> list[str]:
-    """Predicted (sim/scaled.py on the row's measured prefill, TPOT and rate) against measured, kvpush fronts."""
+    """Predicted (sim/scaled.py on each row's measured prefill, TPOT, rate and send times) against measured,
+    kvpush fronts; medians over the repeats."""
     out = [
         "| preset | prompt | QPS | connector | TTFT mean measured / predicted (ms) | handoff p50 measured / predicted "
-        "| gap TTFT | gap handoff |",
-        "|---|---|---|---|---|---|---|---|",
+        "| gap TTFT | gap handoff | arrivals |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for (n, preset, qps, conn), rs in sorted(
         group([r for r in rows if r.get("router") == "kvpush"], "input_len", "link", "qps", "connector").items(),
         key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2], list(SIM_MODE).index(kv[0][3])),
     ):
-        prefill, tpot = _f(rs[0].get("link_prefill_s")), _med(rs, "tpot_ms", "mean")
-        if prefill is None or tpot is None or conn not in SIM_MODE:
+        preds = [p for r in rs if (p := predicted(r, str(conn), chunk_tokens)) is not None]
+        if not preds:
             continue
-        m = Measured(prefill, tpot / 1000, _f(rs[0].get("link_rate_bit_s")), int(n))
-        # as many arrivals as the measured point sent (warm-up included), averaged over 20 seeds
-        sent = int(rs[0]["n"]) + int(rs[0].get("warmup") or 1)
-        s = predict(m, SIM_MODE[conn], float(qps), int(rs[0]["output_len"]), chunk_tokens, sent, 1, seeds=20)
+        p_ttft, p_hand = median([p[0] for p in preds]), median([p[1] for p in preds])
         ttft, hand = _med(rs, "ttft_ms", "mean"), _med(rs, "handoff_ms", "p50")
+        basis = "/".join(sorted({p[2] for p in preds}))
         out.append(
-            f"| {preset} | {n} | {qps:g} | {conn} | {fmt(ttft)} / {s.ttft_mean_ms:.1f} "
-            f"| {fmt(hand)} / {s.handoff_p50_ms:.1f} | {_gap(ttft, s.ttft_mean_ms)} | {_gap(hand, s.handoff_p50_ms)} |"
+            f"| {preset} | {n} | {qps:g} | {conn} | {fmt(ttft)} / {p_ttft:.1f} | {fmt(hand)} / {p_hand:.1f} "
+            f"| {_gap(ttft, p_ttft)} | {_gap(hand, p_hand)} | {basis} |"
         )
     return out
 
@@ -249,9 +278,10 @@ def section(
 SIM_TEXT = (
     "Predicted by the virtual-time pair (loadtest/sim/scaled.py) on a profile built from each row's own "
     "measurements: P's prefill (the calibration median), the decode step (the row's TPOT), the shaped goodput as "
-    "the network, the bench model's 4 KiB of KV per token, Poisson arrivals at the row's QPS, as many as the row "
-    "sent (the mean over 20 seeds: a short point does not queue like a long run); router, HTTP and API time are "
-    "not modelled. `gap` = (measured - predicted) / predicted."
+    "the network, the bench model's 4 KiB of KV per token, and the point's own send times (`arrivals: sent`, from "
+    "its request records) or, where those are gone, as many Poisson arrivals as it sent, averaged over 20 seeds "
+    "(`seeds`); router, HTTP and API time are not modelled; medians over the repeats. "
+    "`gap` = (measured - predicted) / predicted."
 )
 
 

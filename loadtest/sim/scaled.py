@@ -108,3 +108,13 @@ def predict(
         handoff_p50_ms=hand[len(hand) // 2] if hand else math.nan,
         unfinished=sum(r.unfinished for r in runs),
     )
+
+
+def predict_at(
+    m: Measured, mode: str, arrivals: list[float], output_len: int, chunk_tokens: int | None = None
+) -> pair.Stats:
+    """The virtual pair on the exact send times of a measured point (seconds, any origin), every one scored."""
+    chunk = chunk_tokens if mode == "kvpush-progressive" else None
+    t0 = min(arrivals)
+    times = sorted(t - t0 for t in arrivals)
+    return pair.run(measured_profile(m, chunk), mode, times, m.prompt, output_len, warmup=0)
