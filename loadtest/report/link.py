@@ -221,9 +221,10 @@ def multiturn_part(mt: Sequence[Row], has_plot: bool) -> list[str]:
             "(TTFT p50 turns >= 2 <= 0.5x vllm-router push and <= 0.6x kvpush without the decider) stay unjudged."
         ]
     ok = sum(1 for r in mt if r.get("link_bytes_ok") is True)
+    rate = _f(mt[0].get("link_rate_bit_s"))
     out = [
-        f"Preset {mt[0].get('link')}, rate {fmt(_f(mt[0].get('link_rate_bit_s')) or 0.0, 0)} bit/s; bytes check "
-        f"{ok}/{len(mt)} rows ok.",
+        f"Run {mt[0].get('run_id')}: preset {mt[0].get('link')}, tbf {fmt(None if rate is None else rate / 1e6)} "
+        f"Mbit/s; bytes check {ok}/{len(mt)} rows ok.",
         "",
         *report_multiturn.section(mt, None),
     ]
@@ -269,7 +270,15 @@ def section(
                 f"Paired within each repeat, progressive / {ref} TTFT mean: median {median(ratios):.2f} "
                 f"(each: {', '.join(f'{x:.2f}' for x in ratios)})."
             )
-    out += ["", *verdict_table(efa_verdicts([r for r in rows if r.get("link") == EFA], loopback)), ""]
+    loop_id = loopback[0].get("run_id") if loopback else None
+    out += [
+        "",
+        f"efa-like against the loopback cpu-vllm run {loop_id or '(none)'}: each row's TTFT mean at most the loopback "
+        "repeats' worst at the same front, connector, QPS and prompt length (the link adds no artefact).",
+        "",
+        *verdict_table(efa_verdicts([r for r in rows if r.get("link") == EFA], loopback)),
+        "",
+    ]
     out += [f"### Multi-turn on {MT_LINK}", "", *multiturn_part(mt, mt_plot), ""]
     out += ["### The simulator against the link (issue 21 item 6)", "", SIM_TEXT, "", *sim_rows(rows, chunk_tokens)]
     return out
