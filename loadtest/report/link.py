@@ -224,7 +224,8 @@ def multiturn_part(mt: Sequence[Row], has_plot: bool) -> list[str]:
     rate = _f(mt[0].get("link_rate_bit_s"))
     out = [
         f"Run {mt[0].get('run_id')}: preset {mt[0].get('link')}, tbf {fmt(None if rate is None else rate / 1e6)} "
-        f"Mbit/s; bytes check {ok}/{len(mt)} rows ok.",
+        f"Mbit/s; bytes check {ok}/{len(mt)} rows ok; decider options "
+        f"{dict((mt[0].get('plan') or {}).get('decider_options') or []) or 'default'}.",
         "",
         *report_multiturn.section(mt, None),
     ]

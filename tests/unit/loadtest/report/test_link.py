@@ -108,3 +108,23 @@ def test_the_simulator_table_predicts_every_kvpush_row() -> None:
 
 def test_no_rows_no_tables() -> None:
     assert link.section([], [], []) == ["(no link run yet: `kvpush bench --suite link`, as root)"]
+
+
+def test_the_multiturn_part_names_its_run_rate_bytes_check_and_decider_options() -> None:
+    mt = [
+        {
+            "run_id": "m1",
+            "front": front,
+            "repeat": 0,
+            "link": "ethernet-25g-like",
+            "link_rate_bit_s": 59_800_000,
+            "link_bytes_ok": True,
+            "plan": {"decider_options": [["bypass_max_uncached_tokens", 1024]], "sessions": 6},
+            "ttft_ms_turn2plus": {"p50": p50},
+        }
+        for front, p50 in (("kvpush", 400.0), ("kvpush-decider", 120.0), ("vllm-router", 380.0))
+    ]
+    text = "\n".join(link.multiturn_part(mt, False))
+    assert "Run m1: preset ethernet-25g-like, tbf 59.8 Mbit/s; bytes check 3/3 rows ok" in text
+    assert "{'bypass_max_uncached_tokens': 1024}" in text
+    assert "decider / vllm-router: 0.32" in text
