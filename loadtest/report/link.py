@@ -178,7 +178,7 @@ def predicted(r: Row, conn: str, chunk_tokens: int) -> tuple[float, float, str] 
     if (sent := sent_times(r)) is not None:
         s, basis = predict_at(m, SIM_MODE[conn], sent, out_len, chunk_tokens), "sent"
     else:  # as many arrivals as the point sent (its warm-up too), averaged over 20 seeds
-        n = int(r["n"]) + 1
+        n = int(r["n"]) + int(r.get("warmup", 1))
         s, basis = predict(m, SIM_MODE[conn], float(r["qps"]), out_len, chunk_tokens, n, 1, seeds=20), "seeds"
     return s.ttft_mean_ms, s.handoff_p50_ms, basis
 

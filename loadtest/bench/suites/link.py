@@ -235,6 +235,7 @@ class _Ctx:
             "headline": step.headline,
             "qps_asked": asked,
             "chunk_tokens": self.plan.chunk_tokens,
+            "warmup": self.plan.warmup,
             "outputs_equal_single": agreed,
             **prompt_record(self.cal),
         }
