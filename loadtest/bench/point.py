@@ -113,9 +113,16 @@ def _job(point: Point, run_dir: Path, progress: bool) -> Job:
 
 
 def measure(
-    point: Point, run_dir: Path, summary_path: Path, progress: bool, cpu_pid: int | None = None
+    point: Point,
+    run_dir: Path,
+    summary_path: Path,
+    progress: bool,
+    cpu_pid: int | None = None,
+    finish: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Run one point, append its row to summary_path and return the row (per-request JSONL under run_dir)."""
+    """Run one point, append its row to summary_path and return the row (per-request JSONL under run_dir).
+    `finish`, when given, is called once the load is done with the row's extra fields so far (KV sources
+    included) and returns more fields for the row (the link suite's measured transfer and bytes check)."""
     before = scrape(point.decode_url) if point.decode_url else None
     p_before = scrape(point.prefill_url) if point.prefill_url else None
     cpu: list[float] = []  # the front's CPU seconds before the load and once it is done
@@ -137,6 +144,8 @@ def measure(
         extra.update(_decode_extra(before, scrape(point.decode_url)))
     if point.legs_of is not None:
         extra.update(wire_order_or_note(point.legs_of, since))
+    if finish is not None:
+        extra.update(finish(extra))
     row = _row(point, result, summary, extra, run_dir)
     append_rows(summary_path, [row])
     return row

@@ -72,6 +72,13 @@ def _check_overrides(names: Sequence[str], smoke: bool, overrides: Sequence[str]
             raise ValueError(f"--set {key}: not a field of any plan of {', '.join(names)}")
 
 
+def fresh(rows: Sequence[dict[str, Any]], suite: str, run_id: str) -> list[dict[str, Any]]:
+    """The suite's latest rows when they are this run's, else none: a suite that failed, or wrote its rows under
+    another name (multiturn on a link: `multiturn-link`), must not redraw its plots from an older run."""
+    mine = latest(rows, suite)
+    return mine if mine and mine[0].get("run_id") == run_id else []
+
+
 def run_suites(
     suite: str,
     *,
@@ -107,7 +114,7 @@ def run_suites(
             failed.append(name)
     rows_all = load_rows(summary)
     for name in names:
-        for path in plots.suite_plots(name, latest(rows_all, name), results_dir):
+        for path in plots.suite_plots(name, fresh(rows_all, name, run_id), results_dir):
             print(f"   plot {path}")
         what_if = latest_what_if(rows_all) if name == "seed-sim" else []
         for path in plots.suite_plots(name, what_if, results_dir, prefix="seed-sim-whatif"):

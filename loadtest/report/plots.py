@@ -128,6 +128,8 @@ def suite_plots(suite: str, rows: Sequence[Row], out: Path, prefix: str = "") ->
     if suite == "overhead":
         panels = [("ttft_ms", ("p50", "p99")), ("e2e_ms", ("p50", "p99"))]
         return [vs_load(rows, "concurrency", panels, out / "overhead.png", "Front-door overhead (zero-cost workers)")]
+    if suite == "link":
+        return [link_bars(rows, out / "link.png"), cdfs(rows, ttft_ms, "TTFT (ms)", out / "link-ttft-cdf.png", "link")]
     name = prefix or suite
     panels = [("ttft_ms", ("mean", "p50", "p99")), ("tpot_ms", ("mean",)), ("handoff_ms", ("p50", "p99"))]
     files = [vs_load(rows, "qps", panels, out / f"{name}.png", f"{name}: TTFT, TPOT and KV handoff vs QPS")]
@@ -139,3 +141,44 @@ def suite_plots(suite: str, rows: Sequence[Row], out: Path, prefix: str = "") ->
             cdfs(with_handoff, handoff_ms, "router-measured KV handoff (ms)", out / f"{name}-handoff-cdf.png", title)
         )
     return files
+
+
+LINK_SERIES = (
+    ("kvpush", "upstream-pull"),
+    ("kvpush", "upstream-push"),
+    ("vllm-router", "upstream-push"),
+    ("kvpush", "kvpush-push"),
+    ("kvpush", "kvpush-progressive"),
+)
+
+
+def link_bars(rows: Sequence[Row], path: Path) -> Path:
+    """The link suite: TTFT mean (median over repeats) per front, one group of bars per (preset, prompt, QPS)."""
+    plt = _pyplot()
+    points = sorted({(str(r.get("link")), int(r["input_len"]), float(r["qps"])) for r in rows if r.get("qps")})
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.6 * len(points)), 4.5))
+    width = 0.8 / len(LINK_SERIES)
+    for k, (router, conn) in enumerate(LINK_SERIES):
+        ys = []
+        for preset, n, qps in points:
+            vals = [
+                v
+                for r in rows
+                if (r.get("link"), r["input_len"], r["qps"], r["router"], r["connector"])
+                == (preset, n, qps, router, conn)
+                and (v := _stat(r, "ttft_ms", "mean")) is not None
+            ]
+            ys.append(_median(vals) if vals else 0.0)
+        xs = [i + (k - len(LINK_SERIES) / 2 + 0.5) * width for i in range(len(points))]
+        ax.bar(xs, ys, width, label=f"{router} {conn}", color=f"C{k}")
+    ax.set_xticks(range(len(points)), [f"{p}\n{n} tok, {q:g} QPS" for p, n, q in points], fontsize=7)
+    ax.set_ylabel("TTFT mean (ms)")
+    ax.set_yscale("log")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title("link: TTFT mean per front on each emulated link (median over repeats)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -5,7 +5,7 @@ import platform
 from collections.abc import Sequence
 from pathlib import Path
 
-from loadtest.report import cpu, multiturn, overhead, samepair, seed
+from loadtest.report import cpu, link, multiturn, overhead, samepair, seed
 from loadtest.results import Row, latest, latest_tracing, latest_what_if
 
 
@@ -71,6 +71,7 @@ def render(rows: Sequence[Row], results_dir: Path | None = None) -> str:
         *overhead.overhead_section(over, results_dir, latest_tracing(rows)),
         "",
         *multiturn_section(latest(rows, "multiturn"), results_dir),
+        *link_section(rows, results_dir),
         *REPRODUCE,
     ]
     return "\n".join(lines)
@@ -91,8 +92,26 @@ REPRODUCE = [
     "kvpush bench --suite overhead --set tracings=off,1,0.01 --set levels=1:300,64:1500   # tracing overhead",
     "kvpush bench --suite seed-sim                      # 4 stacks + calibration",
     "python -m loadtest calibrate                       # calibration alone (virtual time, minutes)",
+    "kvpush bench --suite link                         # as root: the fronts on an emulated link (~25 min)",
+    "kvpush bench --suite multiturn --set link=ethernet-25g-like ...   # multi-turn on a link (make bench-link)",
     "```",
 ]
+
+
+def link_section(rows: Sequence[Row], results_dir: Path | None) -> list[str]:
+    """The link suite's part (issue 21): its latest run, the loopback cpu-vllm run it is held against, and the
+    latest multi-turn run on a link; nothing before the first link run."""
+    mine = latest(rows, "link")
+    if not mine:
+        return []
+    mt = latest(rows, "multiturn-link")
+    plot = results_dir is not None and (results_dir / "multiturn-link-ttft-by-turn.png").exists()
+    body = link.section(mine, latest(rows, "cpu-vllm"), mt, link.chunk_of(mine), plot)
+    plots = [f"![{name}](results/{name}.png)" for name in ("link", "link-ttft-cdf")]
+    if results_dir is None or not (results_dir / "link.png").exists():
+        plots = []
+    head = ["## link: the fronts on an emulated P-D network", "", f"Run {mine[0]['run_id']}.", ""]
+    return [*head, *body, "", *plots, ""]
 
 
 def multiturn_section(rows: Sequence[Row], results_dir: Path | None) -> list[str]:

@@ -10,4 +10,5 @@ SUITES = {
     "same-pair": "loadtest.bench.suites.samepair",
     "overhead": "loadtest.bench.suites.overhead",
     "multiturn": "loadtest.bench.suites.multiturn",
+    "link": "loadtest.bench.suites.link",
 }

@@ -23,7 +23,8 @@ run; issue 11's target: >= 90 % of bypass decisions). A PNG of TTFT p50 by turn 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -40,9 +41,14 @@ from loadtest.results import RowLabels, append_rows, build_row, git_commit
 from loadtest.stats import summarize
 from stack.engines import Engine, Fleet
 from stack.family import PdFamily, pd_family, start_family
+from stack.link.calibrate import calibrate
+from stack.link.fabric import Link
+from stack.link.meter import NicMeter
+from stack.link.plan import Shaping, nominal_prefill_s, preset, resolve
 from stack.local import StackOptions, ensure_model
 from stack.procs import LOOPBACK, ManagedProcess, ProcessSpec, free_port
 from stack.routers import Router, router_spec
+from stack.tiny_model import SIZES
 
 DETAILS = "--enable-prompt-tokens-details"
 CONNECTORS = {"upstream-push": ("NixlPushConnector", None), "kvpush-push": ("KvpushConnector", "connector.plugin")}
@@ -70,10 +76,19 @@ class MultiTurnPlan:
     timeout_s: float = 300.0
     repeats: int = 2  # each with new sessions (seed + repeat); odd repeats take the fronts in reverse order
     warmup_sessions: int = 4  # short 2-turn sessions through every front first (P-D handshakes, first shapes)
+    link: str = ""  # a stack.link preset (ethernet-25g-like, ...): engines in namespaces behind a shaped link
+    link_calibrate_tokens: int = 1024  # the prompt P's prefill is timed on to resolve the preset's rate
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
             raise ValueError("multiturn repeats: at least 1")
+        if self.link:
+            preset(self.link)  # ValueError naming the known presets
+
+    @property
+    def suite(self) -> str:
+        """The rows' suite: "multiturn", or "multiturn-link" on a link (the loopback section stays as it is)."""
+        return "multiturn-link" if self.link else "multiturn"
 
     def shape(self, repeat: int = 0) -> multiturn.SessionShape:
         return multiturn.SessionShape(
@@ -110,9 +125,30 @@ SMOKE = MultiTurnPlan(
 def engine_family(plan: MultiTurnPlan, model: Path) -> PdFamily:
     """mt-p0 on core 0, mt-d0 and mt-d1 sharing core 1, all on the plan's connector."""
     connector, module = CONNECTORS[plan.connector]
+    # on a link our connector runs NIXL's event-driven progress thread (decode moves the bytes as they arrive)
+    extra = {"progress": "thread"} if plan.link and module is not None else None
     return pd_family(
-        "mt", model, connector, module=module, n_decode=2, extra_args=(DETAILS,), max_model_len=plan.max_model_len
+        "mt",
+        model,
+        connector,
+        module=module,
+        n_decode=2,
+        extra_args=(DETAILS,),
+        max_model_len=plan.max_model_len,
+        connector_extra=extra,
     )
+
+
+@contextlib.contextmanager
+def maybe_link(plan: MultiTurnPlan) -> Iterator[Link | None]:
+    """The plan's link, open (shaped at the nominal prefill until calibrated), or None on loopback."""
+    if not plan.link:
+        yield None
+        return
+    kv = plan.link_calibrate_tokens * SIZES[plan.model_size].kv_bytes_per_token()
+    first = resolve(preset(plan.link), prefill_s=nominal_prefill_s(plan.link_calibrate_tokens), kv_bytes=kv)
+    with Link(first.shaping or Shaping.for_rate(1e9)) as link:
+        yield link
 
 
 def _env() -> dict[str, str]:
@@ -212,9 +248,18 @@ def run(plan: MultiTurnPlan, run_dir: Path, summary: Path, progress: bool, run_i
     logs = run_dir / "logs"
     model = ensure_model(StackOptions(model_size=plan.model_size))
     rows: list[dict[str, Any]] = []
-    with vllm_lock(), Fleet(logs, base_env=_env() | {"VLLM_SERVER_DEV_MODE": "1"}) as fleet:
-        family = start_family(fleet, engine_family(plan, model), timeout=600.0)
+    per_token = SIZES[plan.model_size].kv_bytes_per_token()
+    with vllm_lock(), maybe_link(plan) as link, Fleet(logs, base_env=_env() | {"VLLM_SERVER_DEV_MODE": "1"}) as fleet:
+        family = start_family(fleet, engine_family(plan, model), timeout=600.0, link=link)
         engines, p, decodes = list(family.members), family.prefills[0], list(family.decodes)
+        link_record: dict[str, Any] = {}
+        if link is not None:
+            cal = calibrate(
+                link, preset(plan.link), p.url, prompt_tokens=plan.link_calibrate_tokens, kv_bytes_per_token=per_token
+            )
+            link_record = cal.record()
+            link_record["link_prompt_kv_bytes"] = link_record.pop("link_kv_bytes")
+            print(f"multiturn: on the link {link_record}")
         ratio = words_per_token(p.url)
         bases = {f: _start_front(f, plan, fleet, p, [d.url for d in decodes], logs, run_dir) for f in FRONTS}
         for base in bases.values():
@@ -225,16 +270,22 @@ def run(plan: MultiTurnPlan, run_dir: Path, summary: Path, progress: bool, run_i
             sessions, prefix = multiturn.plan_sessions(shape), multiturn.session_prefix(shape.seed)
             order = FRONTS if repeat % 2 == 0 else tuple(reversed(FRONTS))
             ran: dict[str, _FrontRun] = {}
+            checked: dict[str, dict[str, Any]] = {}
             for front in order:
                 base = bases[front]
                 if base is not None:
+                    meter = NicMeter(link, p.engine_spec.name) if link is not None else None
                     ran[front] = _run_front(front, base, plan, sessions, prefix, engines, decodes, ratio, progress)
+                    checked[front] = dict(link_record)
+                    if meter is not None:
+                        kv = int(ran[front].sources.get("external_kv_transfer", 0.0)) * per_token
+                        checked[front].update(meter.check(kv).record())
             baseline = ran[FRONTS[0]].turns if FRONTS[0] in ran else []
             for front in FRONTS:
                 if front in ran:
-                    rows.append(_row(plan, ran[front], baseline, repeat, run_id, run_dir))
+                    rows.append(_row(plan, ran[front], baseline, repeat, run_id, run_dir, checked[front]))
     append_rows(summary, rows)
-    report_multiturn.plot_ttft_by_turn(rows, summary.parent / "multiturn-ttft-by-turn.png")
+    report_multiturn.plot_ttft_by_turn(rows, summary.parent / f"{plan.suite}-ttft-by-turn.png")
     return rows
 
 
@@ -338,9 +389,11 @@ def _row(
     repeat: int,
     run_id: str,
     run_dir: Path,
+    more: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """One front's row; `more`: the link's record and bytes check, when on a link."""
     front, turns, sources = ran.front, ran.turns, ran.sources
-    where = run_dir / f"multiturn-{front}-r{repeat}"
+    where = run_dir / f"{plan.suite}-{front}-r{repeat}"
     multiturn.write_turns(where / "turns.jsonl", turns)
     write_jsonl(where / "requests.jsonl", [t.rec for t in turns])
     figures = multiturn.by_turn(turns)
@@ -362,9 +415,10 @@ def _row(
         "routes": ran.routes,
         "bypass_accuracy": ran.accuracy,
         **figures,
+        **(more or {}),
     }
     labels = RowLabels(
-        "multiturn",
+        plan.suite,
         "vllm-router" if front == "vllm-router" else "kvpush",
         "push",
         plan.connector,

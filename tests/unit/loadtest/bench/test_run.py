@@ -32,7 +32,7 @@ def test_unknown_fields_raise_when_strict_and_are_skipped_otherwise() -> None:
 
 
 def test_every_suite_in_the_one_table_has_a_module_with_plans_and_run() -> None:
-    assert set(SUITES) == {"seed-sim", "cpu-vllm", "same-pair", "overhead", "multiturn"}
+    assert set(SUITES) == {"seed-sim", "cpu-vllm", "same-pair", "overhead", "multiturn", "link"}
     for name in SUITES:
         mod = bench.suite_module(name)
         assert hasattr(mod, "FULL") and hasattr(mod, "SMOKE") and hasattr(mod, "run")
@@ -42,3 +42,11 @@ def test_suite_plans_are_dataclasses_so_set_can_size_them() -> None:
     for name in ("seed-sim", "cpu-vllm", "same-pair", "overhead"):
         mod = bench.suite_module(name)
         assert dataclasses.is_dataclass(mod.FULL) and dataclasses.is_dataclass(mod.SMOKE)
+
+
+def test_only_a_suite_whose_latest_rows_are_this_runs_redraws_its_plots() -> None:
+    old = {"suite": "multiturn", "run_id": "r0", "created": "2026-12-01T00:00:00"}
+    moved = {"suite": "multiturn-link", "run_id": "r1", "created": "2026-12-04T00:00:00"}
+    assert bench.fresh([old, moved], "multiturn", "r1") == []
+    assert bench.fresh([old, moved], "multiturn-link", "r1") == [moved]
+    assert bench.fresh([], "link", "r1") == []

@@ -31,3 +31,20 @@ def test_seed_plots_are_written(tmp_path: Path) -> None:
     for f in files:
         assert f.read_bytes()[:4] == b"\x89PNG"
     json.dumps(rows)  # rows stay plain JSON
+
+
+def test_the_link_suite_draws_bars_per_preset_and_a_ttft_cdf(tmp_path: Path) -> None:
+    recs = tmp_path / "requests.jsonl"
+    write_jsonl(recs, [RequestRecord(i, str(i), ok=True, ttft_s=0.1 * (i + 1)) for i in range(5)])
+    rows = []
+    for conn, router in (
+        ("upstream-pull", "kvpush"),
+        ("kvpush-progressive", "kvpush"),
+        ("upstream-push", "vllm-router"),
+    ):
+        r = row("push", 1.0, recs)
+        r.update(suite="link", connector=conn, router=router, link="ethernet-100g-like", input_len=1024)
+        rows.append(r)
+    files = suite_plots("link", rows, tmp_path)
+    assert [f.name for f in files] == ["link.png", "link-ttft-cdf.png"]
+    assert all(f.stat().st_size > 0 for f in files)

@@ -1,0 +1,302 @@
+"""The link suite's part of bench/README.md (issue 21 items 5 and 6), pure: one table per step (prompt length x
+preset) with the link's rate, the measured prefill and transfer times and the bytes check; the targets; the
+multi-turn run on a link; and the simulator's predictions (sim/scaled.py) against the measured rows."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from loadtest.job import REPO
+from loadtest.records import read_jsonl
+from loadtest.report import multiturn as report_multiturn
+from loadtest.report.kit import Verdict, agg, agg_of, cell, fmt, group, kv_ext_pct, median, verdict_table
+from loadtest.results import Row
+from loadtest.sim.scaled import Measured, predict, predict_at
+
+HEADLINE = "ethernet-100g-like"
+EFA = "efa-like"
+MT_LINK = "ethernet-25g-like"
+PROG, OURS, UP, PULL = "kvpush-progressive", "kvpush-push", "upstream-push", "upstream-pull"
+FRONT_ORDER = (("kvpush", PULL), ("kvpush", UP), ("vllm-router", UP), ("kvpush", OURS), ("kvpush", PROG))
+SIM_MODE = {PULL: "pull", UP: "upstream-push", OURS: "kvpush-push", PROG: "kvpush-progressive"}
+
+
+def _f(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+def steps(rows: Sequence[Row]) -> list[tuple[int, str]]:
+    """(prompt length, preset) in the order the run measured them."""
+    seen: list[tuple[int, str]] = []
+    for r in sorted(rows, key=lambda r: str(r.get("created") or "")):
+        key = (int(r["input_len"]), str(r.get("link")))
+        if key not in seen:
+            seen.append(key)
+    return seen
+
+
+def _front_key(r: Row) -> int:
+    key = (r.get("router"), r.get("connector"))
+    return FRONT_ORDER.index(key) if key in FRONT_ORDER else len(FRONT_ORDER)
+
+
+def bytes_ratio(r: Row) -> float | None:
+    kv, tx = _f(r.get("link_kv_bytes")), _f(r.get("link_nic_tx_bytes"))
+    return None if not kv or tx is None else tx / kv
+
+
+def row_ok(r: Row) -> bool:
+    """No failed request, the bytes check passed, every prompt token to D by transfer, outputs as one instance."""
+    eq = r.get("outputs_equal_single") or [0, 0]
+    ext = kv_ext_pct(r)
+    return (
+        int(r.get("failed") or 0) == 0
+        and r.get("link_bytes_ok") is True
+        and ext is not None
+        and ext >= 99.5
+        and eq[0] == eq[1]
+    )
+
+
+def step_table(rows: Sequence[Row]) -> list[str]:
+    """One line per (QPS, front): medians over the repeats (min-max)."""
+    out = [
+        "| QPS | front | connector | reps | n | failed | TTFT mean | TTFT p50 | TPOT mean | handoff p50 "
+        "| transfer measured (ms) | P's NIC / KV bytes | bytes check | KV ext % "
+        "| outputs = 1 instance |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    grouped = group(rows, "qps", "router", "connector")
+    for (qps, router, conn), rs in sorted(grouped.items(), key=lambda kv: (kv[0][0], _front_key(kv[1][0]))):
+        ok = sum(1 for r in rs if r.get("link_bytes_ok") is True)
+        eq = [sum(int((r.get("outputs_equal_single") or [0, 0])[i]) for r in rs[:1]) for i in (0, 1)]
+        out.append(
+            f"| {qps:g} | {router} | {conn} | {len(rs)} | {sum(int(r['n']) for r in rs)} "
+            f"| {sum(int(r['failed']) for r in rs)} | {cell(agg(rs, 'ttft_ms', 'mean'))} "
+            f"| {cell(agg(rs, 'ttft_ms', 'p50'))} | {cell(agg(rs, 'tpot_ms', 'mean'))} "
+            f"| {cell(agg(rs, 'handoff_ms', 'p50'))} | {cell(agg_of(rs, lambda r: _f(r.get('xfer_ms_mean'))))} "
+            f"| {cell(agg_of(rs, bytes_ratio), 3)} | {ok}/{len(rs)} ok "
+            f"| {cell(agg_of(rs, kv_ext_pct), 0)} | {eq[0]}/{eq[1]} |"
+        )
+    return out
+
+
+def step_header(rows: Sequence[Row]) -> str:
+    """The link as calibrated for this step: preset, rate, measured prefill, wire time of one prompt."""
+    r = rows[0]
+    rate = _f(r.get("link_rate_bit_s"))
+    times = ", ".join(f"{1000 * float(t):.0f}" for t in (r.get("link_prefill_times_s") or []))
+    wire = _f(r.get("link_expected_transfer_s"))
+    faithful = "" if r.get("link_faithful") else " (above the ~5 Gbit/s this box shapes faithfully: a ceiling)"
+    return (
+        f"**{r.get('link')}, {r['input_len']}-token prompts**: tbf "
+        f"{'-' if rate is None else f'{rate / 1e6:.1f} Mbit/s'}{faithful}, set from P's measured prefill "
+        f"{fmt(None if (p := _f(r.get('link_prefill_s'))) is None else 1000 * p, 0)} ms (runs: {times} ms); "
+        f"one prompt's KV ({int(r.get('link_prompt_kv_bytes') or 0) / 2**20:.0f} MiB) takes "
+        f"{fmt(None if wire is None else 1000 * wire, 0)} ms on the wire."
+    )
+
+
+def _med(rows: Iterable[Row], metric: str, name: str) -> float | None:
+    a = agg(rows, metric, name)
+    return None if a is None else a.med
+
+
+def _lim(ref: float | None, k: float) -> float | None:
+    return None if ref is None else k * ref
+
+
+def headline_verdicts(rows: Sequence[Row]) -> list[Verdict]:
+    """ethernet-100g-like, the first prompt length: progressive push against pull and upstream push (kvpush)."""
+    head = [r for r in rows if r.get("headline") and r.get("router") == "kvpush"]
+    by = group(head, "qps", "connector")
+    out: list[Verdict] = []
+    for qps in sorted({float(r["qps"]) for r in head}):
+        prog, pull, up = by.get((qps, PROG), []), by.get((qps, PULL), []), by.get((qps, UP), [])
+        point = f"{qps:g} QPS"
+        mean = _med(prog, "ttft_ms", "mean")
+        ref = _med(pull, "ttft_ms", "mean")
+        out.append(Verdict("progressive TTFT mean <= 0.6x pull", point, mean, ref, _lim(ref, 0.6)))
+        ref = _med(up, "ttft_ms", "mean")
+        out.append(Verdict("progressive TTFT mean <= 0.8x upstream push", point, mean, ref, _lim(ref, 0.8)))
+        ref = _med(pull, "tpot_ms", "mean")
+        out.append(Verdict("progressive TPOT mean <= pull", point, _med(prog, "tpot_ms", "mean"), ref, ref))
+    return out
+
+
+def paired_ratios(rows: Sequence[Row], conn: str, ref: str, metric: str = "mean") -> list[float]:
+    """Progressive (or `conn`) over `ref` TTFT within each repeat of a point (kvpush front)."""
+    per: dict[tuple[Any, Any], dict[str, float]] = {}
+    for r in rows:
+        if r.get("router") == "kvpush" and (v := (r.get("ttft_ms") or {}).get(metric)) is not None:
+            per.setdefault((r["qps"], r.get("repeat")), {})[str(r["connector"])] = float(v)
+    return [d[conn] / d[ref] for _, d in sorted(per.items()) if conn in d and d.get(ref)]
+
+
+def efa_verdicts(rows: Sequence[Row], loopback: Sequence[Row]) -> list[Verdict]:
+    """efa-like rows against the loopback cpu-vllm run's spread (same front, connector, QPS, prompt length):
+    the link adds no artefact when its TTFT mean is at most the loopback repeats' worst."""
+    out: list[Verdict] = []
+    loop = group(loopback, "router", "connector", "qps", "input_len")
+    for (router, conn, qps, n), rs in sorted(group(rows, "router", "connector", "qps", "input_len").items()):
+        ref = agg(loop.get((router, conn, qps, n), []), "ttft_ms", "mean")
+        point = f"{router}/{conn}, {n} tokens, {qps:g} QPS"
+        limit = None if ref is None else ref.hi
+        out.append(
+            Verdict(
+                "efa-like TTFT mean <= loopback's worst repeat",
+                point,
+                _med(rs, "ttft_ms", "mean"),
+                None if ref is None else ref.med,
+                limit,
+            )
+        )
+    return out
+
+
+def sent_times(row: Row) -> list[float] | None:
+    """The measured point's send times from its request records (bench/runs/, kept locally), or None."""
+    rel = row.get("records")
+    if not rel:
+        return None
+    path = Path(rel) if Path(rel).is_absolute() else REPO / rel
+    if not path.exists():
+        return None
+    sent = [r.sent for r in read_jsonl(path)]
+    return sent if len(sent) >= 2 else None
+
+
+def predicted(r: Row, conn: str, chunk_tokens: int) -> tuple[float, float, str] | None:
+    """(TTFT mean, handoff p50, basis) the simulator predicts for one measured row."""
+    prefill, tpot = _f(r.get("link_prefill_s")), _f((r.get("tpot_ms") or {}).get("mean"))
+    if prefill is None or tpot is None or conn not in SIM_MODE:
+        return None
+    m = Measured(prefill, tpot / 1000, _f(r.get("link_rate_bit_s")), int(r["input_len"]))
+    out_len = int(r["output_len"])
+    if (sent := sent_times(r)) is not None:
+        s, basis = predict_at(m, SIM_MODE[conn], sent, out_len, chunk_tokens), "sent"
+    else:  # as many arrivals as the point sent (its warm-up too), averaged over 20 seeds
+        n = int(r["n"]) + int(r.get("warmup", 1))
+        s, basis = predict(m, SIM_MODE[conn], float(r["qps"]), out_len, chunk_tokens, n, 1, seeds=20), "seeds"
+    return s.ttft_mean_ms, s.handoff_p50_ms, basis
+
+
+def sim_rows(rows: Sequence[Row], chunk_tokens: int) -> list[str]:
+    """Predicted (sim/scaled.py on each row's measured prefill, TPOT, rate and send times) against measured,
+    kvpush fronts; medians over the repeats."""
+    out = [
+        "| preset | prompt | QPS | connector | TTFT mean measured / predicted (ms) | handoff p50 measured / predicted "
+        "| gap TTFT | gap handoff | arrivals |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (n, preset, qps, conn), rs in sorted(
+        group([r for r in rows if r.get("router") == "kvpush"], "input_len", "link", "qps", "connector").items(),
+        key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2], list(SIM_MODE).index(kv[0][3])),
+    ):
+        preds = [p for r in rs if (p := predicted(r, str(conn), chunk_tokens)) is not None]
+        if not preds:
+            continue
+        p_ttft, p_hand = median([p[0] for p in preds]), median([p[1] for p in preds])
+        ttft, hand = _med(rs, "ttft_ms", "mean"), _med(rs, "handoff_ms", "p50")
+        basis = "/".join(sorted({p[2] for p in preds}))
+        out.append(
+            f"| {preset} | {n} | {qps:g} | {conn} | {fmt(ttft)} / {p_ttft:.1f} | {fmt(hand)} / {p_hand:.1f} "
+            f"| {_gap(ttft, p_ttft)} | {_gap(hand, p_hand)} | {basis} |"
+        )
+    return out
+
+
+def _gap(measured: float | None, predicted: float) -> str:
+    if measured is None or not predicted or predicted != predicted:
+        return "-"
+    return f"{100 * (measured - predicted) / predicted:+.0f} %"
+
+
+def multiturn_part(mt: Sequence[Row], has_plot: bool) -> list[str]:
+    if not mt:
+        return [
+            f"**Multi-turn on {MT_LINK}: not run** (no `multiturn-link` rows yet): the decider's targets "
+            "(TTFT p50 turns >= 2 <= 0.5x vllm-router push and <= 0.6x kvpush without the decider) stay unjudged."
+        ]
+    ok = sum(1 for r in mt if r.get("link_bytes_ok") is True)
+    rate = _f(mt[0].get("link_rate_bit_s"))
+    out = [
+        f"Run {mt[0].get('run_id')}: preset {mt[0].get('link')}, tbf {fmt(None if rate is None else rate / 1e6)} "
+        f"Mbit/s; bytes check {ok}/{len(mt)} rows ok; decider options "
+        f"{dict((mt[0].get('plan') or {}).get('decider_options') or []) or 'default'}.",
+        "",
+        *report_multiturn.section(mt, None),
+    ]
+    if has_plot:
+        out += ["", "![multiturn on the link, TTFT by turn](results/multiturn-link-ttft-by-turn.png)"]
+    return out
+
+
+def section(
+    rows: Sequence[Row], loopback: Sequence[Row], mt: Sequence[Row], chunk_tokens: int = 256, mt_plot: bool = False
+) -> list[str]:
+    if not rows:
+        return ["(no link run yet: `kvpush bench --suite link`, as root)"]
+    out = [
+        "Every engine in its own network namespace behind a token-bucket-shaped veth (stack/link); KV over UCX's "
+        "TCP transport across it. Pairs: upstream pull, upstream push, ours with two prefills on one decode "
+        f"(`kvpush-push`: one-step prefill; `kvpush-progressive`: chunks of {chunk_tokens} tokens, each chunk's "
+        "blocks written at its step's end); our engines run the connector's event-driven progress thread. "
+        "The rate is set per step from P's prefill measured in the run (the preset's transfer/prefill share). "
+        "`transfer measured` = the connectors' own mean WRITE/READ time (their xfer-time histograms; the wire "
+        "time of one prompt is in each step's line); `P's NIC / KV bytes` must be >= 1 (else the KV bypassed the "
+        "link and the row fails). Cells: median (min-max) over the repeats; odd repeats take the fronts in "
+        "reverse order.",
+        "",
+    ]
+    bad = [r for r in rows if not row_ok(r)]
+    out += [
+        f"Rows: {len(rows)}, all clean."
+        if not bad
+        else f"Rows: {len(rows)}, **{len(bad)} not clean** "
+        "(a failed request, the bytes check, KV not all by transfer, or outputs unlike one instance).",
+        "",
+    ]
+    for n, preset in steps(rows):
+        mine = [r for r in rows if int(r["input_len"]) == n and r.get("link") == preset]
+        out += [step_header(mine), "", *step_table(mine), ""]
+    out += ["### Targets (issue 21)", "", *verdict_table(headline_verdicts(rows)), ""]
+    head = [r for r in rows if r.get("headline")]
+    for ref in (PULL, UP):
+        ratios = paired_ratios(head, PROG, ref)
+        if ratios:
+            out.append(
+                f"Paired within each repeat, progressive / {ref} TTFT mean: median {median(ratios):.2f} "
+                f"(each: {', '.join(f'{x:.2f}' for x in ratios)})."
+            )
+    loop_id = loopback[0].get("run_id") if loopback else None
+    out += [
+        "",
+        f"efa-like against the loopback cpu-vllm run {loop_id or '(none)'}: each row's TTFT mean at most the loopback "
+        "repeats' worst at the same front, connector, QPS and prompt length (the link adds no artefact).",
+        "",
+        *verdict_table(efa_verdicts([r for r in rows if r.get("link") == EFA], loopback)),
+        "",
+    ]
+    out += [f"### Multi-turn on {MT_LINK}", "", *multiturn_part(mt, mt_plot), ""]
+    out += ["### The simulator against the link (issue 21 item 6)", "", SIM_TEXT, "", *sim_rows(rows, chunk_tokens)]
+    return out
+
+
+SIM_TEXT = (
+    "Predicted by the virtual-time pair (loadtest/sim/scaled.py) on a profile built from each row's own "
+    "measurements: P's prefill (the calibration median), the decode step (the row's TPOT), the shaped goodput as "
+    "the network, the bench model's 4 KiB of KV per token, and the point's own send times (`arrivals: sent`, from "
+    "its request records) or, where those are gone, as many Poisson arrivals as it sent, averaged over 20 seeds "
+    "(`seeds`); router, HTTP and API time are not modelled; medians over the repeats. "
+    "`gap` = (measured - predicted) / predicted."
+)
+
+
+def chunk_of(rows: Sequence[Mapping[str, Any]], default: int = 256) -> int:
+    for r in rows:
+        if (c := r.get("chunk_tokens")) is not None:
+            return int(c)
+    return default

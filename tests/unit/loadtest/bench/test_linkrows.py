@@ -1,0 +1,64 @@
+"""The link suite's pure decisions: step order, QPS caps, request counts, transfer times from histogram deltas,
+KV bytes from D's sources, output agreement."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from loadtest.bench import linkrows
+
+
+def test_the_headline_step_comes_first_and_alone_carries_the_plans_qps_and_repeats() -> None:
+    steps = linkrows.steps((1024, 4096), ("ethernet-100g-like", "efa-like"), (1.0, 3.0), 3, (1.0,), 1)
+    assert [(s.input_len, s.preset, s.headline) for s in steps] == [
+        (1024, "ethernet-100g-like", True),
+        (1024, "efa-like", False),
+        (4096, "ethernet-100g-like", False),
+        (4096, "efa-like", False),
+    ]
+    assert steps[0].qps == (1.0, 3.0) and steps[0].repeats == 3
+    assert all(s.qps == (1.0,) and s.repeats == 1 for s in steps[1:])
+
+
+@pytest.mark.parametrize("args", [((), ("efa-like",), (1.0,), 1, (1.0,), 1), ((1024,), ("x",), (1.0,), 0, (1.0,), 1)])
+def test_steps_refuse_an_empty_plan_or_no_repeats(args: tuple[Any, ...]) -> None:
+    with pytest.raises(ValueError):
+        linkrows.steps(*args)
+
+
+def test_a_side_step_loads_the_busier_of_p_and_the_link_to_at_most_max_load() -> None:
+    # a 25g-like link: the transfer is 4.38 prefills, so the link, not P, caps the load
+    assert linkrows.capped_qps(1.0, 0.3, 1.314, 0.7) == pytest.approx(0.53)
+    assert linkrows.capped_qps(1.0, 0.3, 0.01, 0.7) == 1.0  # P at 30 %: as asked
+    assert linkrows.capped_qps(1.0, 1.2, None, 0.7) == pytest.approx(0.58)  # 4096 tokens: P caps it
+    assert linkrows.capped_qps(0.2, 0.3, 1.314, 0.7) == 0.2
+    with pytest.raises(ValueError):
+        linkrows.capped_qps(1.0, 0.3, 0.1, 0.0)
+
+
+def test_points_last_about_max_point_s_but_have_at_least_four_requests() -> None:
+    assert linkrows.n_for(1.0, 16, 8.0) == 8
+    assert linkrows.n_for(3.0, 16, 8.0) == 16
+    assert linkrows.n_for(0.1, 16, 8.0) == 4
+    assert linkrows.n_for(0.1, 16, 0.0) == 16
+
+
+def test_the_transfer_time_is_the_mean_of_the_histogram_that_grew_most() -> None:
+    before = {"p:vllm:kvpush_xfer_time_seconds": (1.0, 10.0), "d:vllm:nixl_xfer_time_seconds": (0.0, 0.0)}
+    after = {"p:vllm:kvpush_xfer_time_seconds": (2.5, 20.0), "d:vllm:nixl_xfer_time_seconds": (0.4, 2.0)}
+    got = linkrows.transfer_times(before, after)
+    assert got == {"xfer_ms_mean": 150.0, "xfer_count": 10, "xfer_source": "p:vllm:kvpush_xfer_time_seconds"}
+    assert linkrows.transfer_times({}, {})["xfer_ms_mean"] is None
+    assert linkrows.transfer_times(after, after)["xfer_count"] == 0
+
+
+def test_kv_bytes_are_the_external_tokens_times_the_bytes_per_token() -> None:
+    assert linkrows.kv_bytes({"external_kv_transfer": 1024.0, "local_compute": 3.0}, 4096) == 4 * 2**20
+    assert linkrows.kv_bytes(None, 4096) == 0
+
+
+def test_outputs_agree_counts_equal_answers_and_a_missing_one_is_unequal() -> None:
+    assert linkrows.outputs_agree(["a", "b"], ["a", None]) == [1, 2]
+    assert linkrows.outputs_agree(["a", "b"], ["a", "b"]) == [2, 2]

@@ -1,0 +1,130 @@
+"""The link suite's section: per-step tables with the link's figures, the bytes check failing a row, the targets
+judged on medians (and paired per repeat), efa-like against the loopback spread, multi-turn not run, the sim."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loadtest.report import link
+
+
+def row(conn: str, ttft: float, *, router: str = "kvpush", qps: float = 1.0, rep: int = 0, **kw: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "suite": "link",
+        "run_id": "r1",
+        "router": router,
+        "mode": "pull" if conn == "upstream-pull" else "push",
+        "connector": conn,
+        "qps": qps,
+        "input_len": 1024,
+        "output_len": 64,
+        "n": 8,
+        "failed": 0,
+        "ttft_ms": {"mean": ttft, "p50": ttft},
+        "tpot_ms": {"mean": 9.0},
+        "handoff_ms": {"p50": ttft - 300},
+        "created": f"2026-12-04T17:{rep:02d}:00",
+        "repeat": rep,
+        "headline": True,
+        "link": "ethernet-100g-like",
+        "link_rate_bit_s": 120_000_000,
+        "link_prefill_s": 0.3,
+        "link_prefill_times_s": [0.29, 0.3, 0.31],
+        "link_expected_transfer_s": 0.292,
+        "link_prompt_kv_bytes": 4 * 2**20,
+        "link_faithful": True,
+        "link_nic_tx_bytes": 9 * 4 * 2**20,
+        "link_kv_bytes": 9 * 4 * 2**20 - 100,
+        "link_bytes_ok": True,
+        "xfer_ms_mean": 290.0,
+        "kv_external_frac": 1.0,
+        "outputs_equal_single": [2, 2],
+        "chunk_tokens": 256,
+    }
+    base.update(kw)
+    return base
+
+
+def headline(prog: float) -> list[dict[str, Any]]:
+    out = []
+    for rep in range(3):
+        out += [row("upstream-pull", 900.0, rep=rep), row("upstream-push", 1000.0, rep=rep)]
+        out += [row("kvpush-push", 850.0, rep=rep), row("kvpush-progressive", prog + rep, rep=rep)]
+    return out
+
+
+def test_a_step_table_shows_rate_prefill_transfer_and_the_bytes_check() -> None:
+    text = "\n".join(link.section(headline(500.0), [], []))
+    assert "ethernet-100g-like, 1024-token prompts**: tbf 120.0 Mbit/s" in text
+    assert "measured prefill 300 ms (runs: 290, 300, 310 ms)" in text
+    assert "| 1 | kvpush | kvpush-progressive | 3 | 24 | 0 | 501.0 (500.0-502.0) |" in text
+    assert "| 290.0 (290.0-290.0) | 1.000 (1.000-1.000) | 3/3 ok | 100 (100-100) | 2/2 |" in text
+    assert "all clean" in text
+
+
+def test_the_targets_are_judged_on_the_medians_and_paired_per_repeat() -> None:
+    verdicts = link.headline_verdicts(headline(500.0))
+    assert [(v.target, v.met) for v in verdicts] == [
+        ("progressive TTFT mean <= 0.6x pull", True),
+        ("progressive TTFT mean <= 0.8x upstream push", True),
+        ("progressive TPOT mean <= pull", True),
+    ]
+    missed = link.headline_verdicts(headline(600.0))
+    assert missed[0].met is False and missed[0].limit == 540.0
+    assert link.paired_ratios(headline(450.0), "kvpush-progressive", "upstream-pull") == [0.5, 451 / 900, 452 / 900]
+
+
+def test_a_row_whose_kv_bypassed_the_link_is_not_clean() -> None:
+    bad = row("kvpush-push", 800.0, link_nic_tx_bytes=4000, link_bytes_ok=False)
+    assert not link.row_ok(bad) and link.row_ok(row("kvpush-push", 800.0))
+    assert not link.row_ok(row("kvpush-push", 800.0, kv_external_frac=0.5))
+    assert not link.row_ok(row("kvpush-push", 800.0, outputs_equal_single=[1, 2]))
+    text = "\n".join(link.section([*headline(500.0), bad], [], []))
+    assert "**1 not clean**" in text and "0/1 ok" not in text  # grouped with its front's other rows
+    ratio = link.bytes_ratio(bad)
+    assert ratio is not None and ratio < 1
+
+
+def test_efa_rows_are_held_against_the_loopback_runs_worst_repeat() -> None:
+    efa = [row("kvpush-push", 170.0, link="efa-like"), row("upstream-pull", 200.0, link="efa-like")]
+    loop = [row("kvpush-push", t, rep=i, suite="cpu-vllm") for i, t in enumerate((150.0, 160.0, 175.0))]
+    verdicts = {v.point: v for v in link.efa_verdicts(efa, loop)}
+    assert verdicts["kvpush/kvpush-push, 1024 tokens, 1 QPS"].met is True
+    assert verdicts["kvpush/kvpush-push, 1024 tokens, 1 QPS"].limit == 175.0
+    assert verdicts["kvpush/upstream-pull, 1024 tokens, 1 QPS"].met is None  # no loopback row: not judged
+
+
+def test_multiturn_on_the_link_is_marked_not_run_without_rows() -> None:
+    text = "\n".join(link.section(headline(500.0), [], []))
+    assert "Multi-turn on ethernet-25g-like: not run" in text
+
+
+def test_the_simulator_table_predicts_every_kvpush_row() -> None:
+    lines = link.sim_rows(headline(500.0), 256)
+    assert len(lines) == 2 + 4  # header + one line per connector through kvpush
+    assert lines[2].startswith("| ethernet-100g-like | 1024 | 1 | upstream-pull | 900.0 / ")
+    assert link.chunk_of(headline(500.0)) == 256 and link.chunk_of([]) == 256
+
+
+def test_no_rows_no_tables() -> None:
+    assert link.section([], [], []) == ["(no link run yet: `kvpush bench --suite link`, as root)"]
+
+
+def test_the_multiturn_part_names_its_run_rate_bytes_check_and_decider_options() -> None:
+    mt = [
+        {
+            "run_id": "m1",
+            "front": front,
+            "repeat": 0,
+            "link": "ethernet-25g-like",
+            "link_rate_bit_s": 59_800_000,
+            "link_bytes_ok": True,
+            "plan": {"decider_options": [["bypass_max_uncached_tokens", 1024]], "sessions": 6},
+            "ttft_ms_turn2plus": {"p50": p50},
+        }
+        for front, p50 in (("kvpush", 400.0), ("kvpush-decider", 120.0), ("vllm-router", 380.0))
+    ]
+    text = "\n".join(link.multiturn_part(mt, False))
+    assert "Run m1: preset ethernet-25g-like, tbf 59.8 Mbit/s; bytes check 3/3 rows ok" in text
+    assert "{'bypass_max_uncached_tokens': 1024}" in text
+    assert "decider / vllm-router: 0.32" in text
