@@ -23,13 +23,13 @@ class BlockSizes:
     decode: int | None
 
 
-def block_size_mismatch(sizes: BlockSizes, *, prefill: str, decode: str) -> str | None:
-    """Why `prefill` and `decode` (worker ids, for the log) cannot be paired, or None when they can or when the
-    router cannot tell."""
+def block_size_mismatch(sizes: BlockSizes) -> str | None:
+    """Why a prefill and a decode server with these block sizes cannot be paired, or None when they can or when
+    the router cannot tell. The message names no worker (clients read it; the caller logs which pair)."""
     if sizes.prefill is None or sizes.decode is None or sizes.prefill == sizes.decode:
         return None
     return (
-        f"prefill {prefill} runs KV block size {sizes.prefill} but decode {decode} runs {sizes.decode}: push needs "
-        "equal block sizes on both sides (vLLM 0.34 refuses the pair at the NIXL handshake); start both with the "
-        "same --block-size"
+        f"the prefill runs KV block size {sizes.prefill} but the decode runs {sizes.decode}: push needs equal block "
+        "sizes on both sides (vLLM 0.34 refuses the pair at the NIXL handshake); start both with the same "
+        "--block-size"
     )

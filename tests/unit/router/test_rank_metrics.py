@@ -93,7 +93,7 @@ def test_labels_unescape_and_allow_a_trailing_comma() -> None:
     ],
 )
 def test_a_pair_is_refused_only_when_both_sizes_are_known_and_differ(sizes: BlockSizes, refused: bool) -> None:
-    why = block_size_mismatch(sizes, prefill="http://p:8000", decode="http://d:8200")
+    why = block_size_mismatch(sizes)
     assert (why is not None) is refused
     if why is not None:
-        assert "16" in why and "32" in why and "--block-size" in why and "http://p:8000" in why
+        assert "16" in why and "32" in why and "--block-size" in why and "http" not in why
