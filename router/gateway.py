@@ -15,23 +15,28 @@ is made. Without the header the router chooses the prefill itself, or refuses wh
 
 from __future__ import annotations
 
+import enum
 import ipaddress
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 from router.deciders.conversation import MAX_SESSION_CHARS, SESSION_HEADER
 from router.domain import WorkerSpec
-from router.errors import BadRequest
+from router.errors import BadRequest, ConfigError
 
 __all__ = [
     "DEFAULT_SESSION_HEADERS",
     "MAX_HOST_PORT_CHARS",
     "PREFILLER_HEADER",
     "GatewayPick",
+    "GatewaySettings",
     "HostPort",
+    "PrefillHeader",
     "member_for",
+    "parse_gateway",
     "parse_host_port",
     "read_gateway_headers",
 ]
@@ -42,6 +47,57 @@ MAX_HOST_PORT_CHARS = 262  # a 253-character DNS name, brackets, a colon and fiv
 _DNS_LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
 _PORT = re.compile(r"^[0-9]{1,5}$")
 _SESSION = re.compile(r"^[\x21-\x7e]+$")  # visible ASCII, no spaces: a session id is logged and hashed
+
+
+class PrefillHeader(enum.StrEnum):
+    """What the router does with `x-prefiller-host-port` (the `gateway.prefill_header` setting)."""
+
+    OFF = "off"  # ignored: the router picks the prefill (not behind an EPP, or one that does not do P/D)
+    OPTIONAL = "optional"  # taken when present (a member only, else 400); absent: the router picks
+    REQUIRED = "required"  # absent: 400 (every request comes through an EPP that names a prefill)
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    """The `gateway:` block: `{prefill_header: off|optional|required, session_headers: [NAME, ...]}`."""
+
+    prefill_header: PrefillHeader = PrefillHeader.OFF
+    session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS
+
+    @property
+    def on(self) -> bool:
+        return self.prefill_header is not PrefillHeader.OFF
+
+
+_HEADER_NAME = re.compile(r"^[A-Za-z0-9-]{1,64}$")
+
+
+def parse_gateway(value: Any) -> GatewaySettings:
+    """The `gateway:` setting, checked. Raises ConfigError naming the offending key."""
+    if not isinstance(value, Mapping):
+        raise ConfigError("gateway: expected a mapping {prefill_header: off|optional|required, session_headers: [...]}")
+    unknown = set(value) - {"prefill_header", "session_headers"}
+    if unknown:
+        raise ConfigError(
+            f"gateway: unknown key(s) {sorted(map(str, unknown))}; known: prefill_header, session_headers"
+        )
+    raw_mode = value.get("prefill_header", PrefillHeader.OFF)
+    if raw_mode is False:  # YAML reads a bare `off` as false
+        raw_mode = PrefillHeader.OFF
+    try:
+        mode = PrefillHeader(str(raw_mode).lower())
+    except ValueError:
+        raise ConfigError(f"gateway.prefill_header: expected off, optional or required, got {raw_mode!r}") from None
+    names = value.get("session_headers", DEFAULT_SESSION_HEADERS)
+    if isinstance(names, str):
+        names = [names]
+    if (
+        not isinstance(names, list | tuple)
+        or not names
+        or not all(isinstance(n, str) and _HEADER_NAME.match(n) for n in names)
+    ):
+        raise ConfigError("gateway.session_headers: expected a non-empty list of header names")
+    return GatewaySettings(mode, tuple(n.lower() for n in names))
 
 
 @dataclass(frozen=True)

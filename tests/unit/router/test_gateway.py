@@ -8,13 +8,16 @@ import json
 import pytest
 
 from router.domain import Role, WorkerSpec
-from router.errors import BadRequest
+from router.errors import BadRequest, ConfigError
 from router.gateway import (
     MAX_HOST_PORT_CHARS,
     PREFILLER_HEADER,
     GatewayPick,
+    GatewaySettings,
     HostPort,
+    PrefillHeader,
     member_for,
+    parse_gateway,
     parse_host_port,
     read_gateway_headers,
 )
@@ -172,3 +175,35 @@ def test_session_headers_are_tried_in_order_and_the_first_usable_value_wins() ->
     assert pick.session == "first"
     pick = read_gateway_headers(raw(("x-session-affinity", "second")), POOL, session_headers=("x-session-id",))
     assert pick.session is None
+
+
+# --- the gateway: setting --------------------------------------------------------------------------------------
+
+
+def test_the_setting_defaults_to_off() -> None:
+    assert parse_gateway({}) == GatewaySettings()
+    assert not GatewaySettings().on
+    assert parse_gateway({"prefill_header": False}).prefill_header is PrefillHeader.OFF  # YAML's bare off
+
+
+@pytest.mark.parametrize("mode", list(PrefillHeader))
+def test_every_mode_parses(mode: PrefillHeader) -> None:
+    settings = parse_gateway({"prefill_header": str(mode).upper(), "session_headers": ["X-Session-ID", "x-b"]})
+    assert settings.prefill_header is mode and settings.on is (mode is not PrefillHeader.OFF)
+    assert settings.session_headers == ("x-session-id", "x-b")
+
+
+@pytest.mark.parametrize(
+    ("value", "where"),
+    [
+        ([], "expected a mapping"),
+        ({"prefill": "on"}, "unknown key"),
+        ({"prefill_header": "sometimes"}, "prefill_header"),
+        ({"session_headers": []}, "session_headers"),
+        ({"session_headers": ["bad header"]}, "session_headers"),
+        ({"session_headers": [7]}, "session_headers"),
+    ],
+)
+def test_bad_settings_are_config_errors(value: object, where: str) -> None:
+    with pytest.raises(ConfigError, match=where):
+        parse_gateway(value)
