@@ -51,8 +51,10 @@ class Timeouts:
 
     lease_s: float = 30.0  # P: finished blocks wait this long for a registration; tombstones live this long
     kv_timeout_s: float = 120.0  # D: how long a registered request waits for its KV
-    write_grace_s: float = 10.0  # D: P's last WRITE may start this long before D's hold deadline
-    write_timeout_s: float = 5.0  # P: a WRITE still running after this is abandoned (< write_grace_s)
+    write_grace_s: float = 40.0  # D: P's last WRITE may start this long before D's hold deadline
+    # P: a WRITE still running after this is abandoned (< write_grace_s). It must exceed the slowest WRITE:
+    # the whole prompt over the slowest link (stack's 25g-like preset: 16 MiB in 4.7 s, about 4 prefills).
+    write_timeout_s: float = 30.0
     connect_timeout_s: float = 10.0  # D: handshake with P must finish within this
 
     def __post_init__(self) -> None:

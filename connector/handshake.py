@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from connector.metadata import HandshakePayload, PeerAddress, ProtocolError
+from connector.metadata import PROTOCOL_VERSION, HandshakePayload, PeerAddress, ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +257,10 @@ class PeerLink:
         reply = recv_frame(sock)
         t1 = self._clock()
         if reply[:2] != b"OK":
-            raise ProtocolError(f"peer refused handshake: {reply[2:].decode(errors='replace')}")
+            why = reply[2:].decode(errors="replace")  # an older peer's refusal may not name our version
+            raise ProtocolError(
+                f"peer refused handshake (this connector speaks wire version {PROTOCOL_VERSION}): {why}"
+            )
         payload = HandshakePayload.decode(reply[2:], expect_hash=self._expect_hash)
         if payload.engine_id != self.peer.engine_id:
             raise ProtocolError(f"peer is engine {payload.engine_id!r}, request named {self.peer.engine_id!r}")

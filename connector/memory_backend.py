@@ -60,6 +60,7 @@ class _Write:
 class _Peer:
     layout: KVLayout
     metadata: bytes
+    writable: bool = True  # False: loaded for notices only (add_peer(writes_to=False)), a WRITE is refused
 
 
 class MemoryBackend:
@@ -98,11 +99,13 @@ class MemoryBackend:
     def agent_metadata(self) -> bytes:
         return f"{self._name}|{self.incarnation}".encode()
 
-    def add_peer(self, payload: HandshakePayload) -> None:
+    def add_peer(self, payload: HandshakePayload, *, writes_to: bool = True) -> None:
         name = payload.agent_metadata.decode().split("|")[0]
         if name not in self.fabric.agents:
             raise TransferError(f"no agent {payload.agent_name!r} on the fabric")
-        self.peers[payload.agent_name] = _Peer(payload.layout, payload.agent_metadata)
+        known = self.peers.get(payload.agent_name)
+        writes_to = writes_to or (known is not None and known.metadata == payload.agent_metadata and known.writable)
+        self.peers[payload.agent_name] = _Peer(payload.layout, payload.agent_metadata, writes_to)
 
     def remove_peer(self, agent_name: str) -> None:
         self.peers.pop(agent_name, None)
@@ -133,6 +136,8 @@ class MemoryBackend:
         self, agent_name: str, local_blocks: tuple[int, ...], remote_blocks: tuple[int, ...], notice: bytes
     ) -> WriteTicket:
         self._target(agent_name)
+        if not self.peers[agent_name].writable:
+            raise TransferError(f"WRITE to notices-only agent {agent_name!r}")
         remote = self.peers[agent_name].layout
         local_blocks, remote_blocks = pair_blocks(local_blocks, remote_blocks)
         pairs = [

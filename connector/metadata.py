@@ -37,6 +37,14 @@ NOTICE_PREFIX = b"kvpush:"
 _RANDOM_SUFFIX_RE = re.compile(r"-[0-9a-f]{8}$")
 
 
+def version_mismatch(what: str, theirs: object) -> str:
+    """The refusal of a peer of another wire version: names both versions (G9)."""
+    return (
+        f"{what}: the peer speaks kvpush wire protocol version {theirs!r}, this connector speaks version "
+        f"{PROTOCOL_VERSION} (run the same kvpush connector version on prefill and decode)"
+    )
+
+
 class ProtocolError(ValueError):
     """A notice or payload that this version cannot accept (bad version, kind or shape)."""
 
@@ -226,8 +234,9 @@ def decode_notice(raw: bytes) -> Notice:
         raise ProtocolError(f"undecodable notice: {exc}") from exc
     if not isinstance(body, dict):
         raise ProtocolError("notice body is not an object")
-    if body.pop("v", None) != PROTOCOL_VERSION:
-        raise ProtocolError(f"notice protocol version mismatch (want {PROTOCOL_VERSION})")
+    version = body.pop("v", None)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(version_mismatch("notice refused", version))
     cls = _NOTICE_TYPES.get(body.pop("k", None))
     if cls is None:
         raise ProtocolError("unknown notice kind")
@@ -299,8 +308,10 @@ class HandshakePayload:
             body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ProtocolError(f"undecodable handshake payload: {exc}") from exc
-        if not isinstance(body, dict) or body.get("protocol_version") != PROTOCOL_VERSION:
-            raise ProtocolError(f"handshake protocol version mismatch (want {PROTOCOL_VERSION})")
+        if not isinstance(body, dict):
+            raise ProtocolError("handshake payload is not an object")
+        if body.get("protocol_version") != PROTOCOL_VERSION:
+            raise ProtocolError(version_mismatch("handshake refused", body.get("protocol_version")))
         if expect_hash is not None and body.get("compat_hash") != expect_hash:
             raise ProtocolError(
                 f"incompatible peer: compatibility hash {body.get('compat_hash')!r} != {expect_hash!r} "

@@ -26,9 +26,9 @@ from vllm.v1.request import RequestStatus
 
 from connector.kvcache import REQUESTED_LAYOUT, check_parallelism, side_channel_port
 from connector.metadata import StepPlan
+from connector.options import Options
 from connector.scheduler import Ending, SchedulerHalf
 from connector.stats import KvpushPromMetrics, KvpushStats
-from connector.transfer_thread import Options
 from connector.worker import WorkerHalf
 
 if TYPE_CHECKING:

@@ -4,22 +4,26 @@ This is the only module that imports NIXL, and it does so lazily inside ``NixlBa
 ``import connector.transfer`` works without NIXL installed. ``connector.memory_backend`` offers
 the same interface in memory for unit tests.
 
-Contract for every backend: **one thread calls it** (the transfer thread). NIXL runs without its
-busy progress thread (``enable_prog_thread=False``) and in its default unsynchronised mode, which
-is only safe under that rule; the owner thread keeps UCX progressing by polling
-``poll_notices`` and ``write_state``.
+Contract for every backend: **one thread calls it** (the transfer thread). The NIXL agent runs in its
+default unsynchronised mode, which is only safe under that rule. Who progresses UCX is the progress
+model (``connector.options``): ``poll``, no NIXL progress thread, the owner thread progresses by polling
+``poll_notices`` and ``write_state``; ``thread``, NIXL's progress thread made event-driven
+(``make_agent``). Descriptor lists are handed to NIXL in compact form (``layout.strided_descriptors``),
+and a peer loaded for notices only (decode's view of prefill) gets none.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+import threading
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from connector.layout import descriptor_indices, pair_blocks, region_descriptors
+from connector.layout import descriptor_indices, pair_blocks, strided_descriptors
 from connector.metadata import HandshakePayload, KVLayout
 
 logger = logging.getLogger(__name__)
@@ -49,9 +53,11 @@ class TransferBackend(Protocol):
     def agent_metadata(self) -> bytes:
         """Opaque bytes a peer passes to ``add_peer`` (sent over the side channel)."""
 
-    def add_peer(self, payload: HandshakePayload) -> None:
+    def add_peer(self, payload: HandshakePayload, *, writes_to: bool = True) -> None:
         """Load a peer's agent metadata and remember its KV layout. Idempotent for the same
-        metadata; metadata that changed under a known agent name (a restarted peer) is reloaded."""
+        metadata; metadata that changed under a known agent name (a restarted peer) is reloaded.
+        ``writes_to=False``: notices only (decode never WRITEs to prefill): no descriptor list is
+        prepared for it, and a WRITE to it raises ``TransferError``."""
 
     def remove_peer(self, agent_name: str) -> None:
         """Forget a peer's agent (the caller ensures no WRITE to it is in flight)."""
@@ -78,6 +84,47 @@ class TransferBackend(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass
+class _Peer:
+    layout: KVLayout
+    dlist: Any  # NIXL's prepared remote descriptor list; None: notices only (never written to)
+    metadata: bytes
+
+
+def make_agent(name: str, backends: tuple[str, ...], progress_thread_delay_us: int | None) -> Any:
+    """A NIXL agent; with a progress thread, one that sleeps on UCX's event fd instead of spinning.
+
+    NIXL's Python API builds its ``nixlAgentConfig`` with ``pthrDelay = 0`` (a busy loop, about one core
+    per agent) and offers no parameter for it, so the native constructor is wrapped for this one call
+    to set the delay (the module attribute is restored before returning)."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    if progress_thread_delay_us is None:
+        return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=list(backends)))
+    module = sys.modules[type(nixl_agent_config()).__module__]  # nixl_cu12/13._api: the one NIXL loaded
+    native = module.nixlBind
+    delay = int(progress_thread_delay_us)
+
+    class _Bind:
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(native, attr)
+
+        @staticmethod
+        def nixlAgent(agent_name: str, config: Any) -> Any:  # NIXL's name
+            config.pthrDelay = delay
+            return native.nixlAgent(agent_name, config)
+
+    with _PATCH_LOCK:
+        setattr(module, "nixlBind", _Bind())  # noqa: B010 (a module attribute mypy cannot see)
+        try:
+            return nixl_agent(name, nixl_agent_config(enable_prog_thread=True, backends=list(backends)))
+        finally:
+            setattr(module, "nixlBind", native)  # noqa: B010
+
+
+_PATCH_LOCK = threading.Lock()
+
+
 class NixlBackend:
     """``TransferBackend`` over a NIXL agent (UCX by default), DRAM or VRAM."""
 
@@ -87,14 +134,14 @@ class NixlBackend:
         layout: KVLayout,
         backends: tuple[str, ...] = ("UCX",),
         registrations: npt.NDArray[np.uint64] | None = None,
+        progress_thread_delay_us: int | None = None,
     ) -> None:
         """``registrations``: ``(K, 3)`` rows ``(address, length, device id)`` to register with NIXL,
         one per backing storage (``connector.kvcache.KVCaches.registrations``); without them, each
-        region is registered on its own (tests over plain arrays)."""
-        from nixl._api import nixl_agent, nixl_agent_config
-
-        config = nixl_agent_config(enable_prog_thread=False, backends=list(backends))
-        self._agent: Any = nixl_agent(name, config)
+        region is registered on its own (tests over plain arrays). ``progress_thread_delay_us``: run
+        NIXL's UCX progress thread, sleeping in ``poll()`` up to that long (``connector.options``);
+        None: no progress thread (the owner thread progresses UCX when it polls)."""
+        self._agent: Any = make_agent(name, backends, progress_thread_delay_us)
         self._name = name
         self._layout = layout
         if registrations is None:
@@ -102,8 +149,11 @@ class NixlBackend:
             self._registered = self._agent.register_memory(regions, layout.mem_type)
         else:
             self._registered = self._agent.register_memory(registrations, layout.mem_type)
-        self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", region_descriptors(layout), layout.mem_type)
-        self._peers: dict[str, tuple[KVLayout, Any, bytes]] = {}  # agent name -> (layout, dlist, metadata)
+        # Compact form (one row per region, NIXL expands it to every block in the same order): Python
+        # never builds the N x 3 list, here nor per peer (64 layers x 60k blocks = 3.8 M rows).
+        self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", strided_descriptors(layout), layout.mem_type)
+        self._peers: dict[str, _Peer] = {}
+        self._block_bytes = sum(r.block_len for r in layout.regions)
         self._handles: dict[int, Any] = {}
         self._next_handle = 0
 
@@ -114,25 +164,34 @@ class NixlBackend:
     def agent_metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
 
-    def add_peer(self, payload: HandshakePayload) -> None:
+    def add_peer(self, payload: HandshakePayload, *, writes_to: bool = True) -> None:
         known = self._peers.get(payload.agent_name)
-        if known is not None and known[2] == payload.agent_metadata:
+        if known is not None and known.metadata == payload.agent_metadata:
+            if writes_to and known.dlist is None:
+                known.dlist = self._prep_remote(payload.agent_name, payload.layout)
             return
         if known is not None:
             self.remove_peer(payload.agent_name)
-        added = self._agent.add_remote_agent(payload.agent_metadata)
+        try:
+            added = self._agent.add_remote_agent(payload.agent_metadata)
+        except Exception as exc:  # nixl raises its own binding exceptions
+            raise TransferError(f"could not load agent {payload.agent_name!r}: {exc}") from exc
         name = added.decode() if isinstance(added, bytes) else str(added)
         if name != payload.agent_name:
             raise TransferError(f"peer metadata names agent {name!r}, handshake said {payload.agent_name!r}")
-        dlist = self._agent.prep_xfer_dlist(name, region_descriptors(payload.layout), payload.layout.mem_type)
-        self._peers[name] = (payload.layout, dlist, payload.agent_metadata)
+        dlist = self._prep_remote(name, payload.layout) if writes_to else None
+        self._peers[name] = _Peer(payload.layout, dlist, payload.agent_metadata)
+
+    def _prep_remote(self, name: str, layout: KVLayout) -> Any:
+        return self._agent.prep_xfer_dlist(name, strided_descriptors(layout), layout.mem_type)
 
     def remove_peer(self, agent_name: str) -> None:
         peer = self._peers.pop(agent_name, None)
         if peer is None:
             return
         try:
-            peer[1].release()
+            if peer.dlist is not None:
+                peer.dlist.release()
             self._agent.remove_remote_agent(agent_name)
         except Exception:  # nixl raises its own binding exceptions
             logger.warning("could not remove NIXL agent %s", agent_name, exc_info=True)
@@ -154,16 +213,13 @@ class NixlBackend:
         self, agent_name: str, local_blocks: tuple[int, ...], remote_blocks: tuple[int, ...], notice: bytes
     ) -> WriteTicket:
         peer = self._peers.get(agent_name)
-        if peer is None:
-            raise TransferError(f"WRITE to unknown agent {agent_name!r}")
-        remote_layout, remote_dlist, _ = peer
+        if peer is None or peer.dlist is None:
+            raise TransferError(f"WRITE to unknown or notices-only agent {agent_name!r}")
         local_blocks, remote_blocks = pair_blocks(local_blocks, remote_blocks)
         local_idx = descriptor_indices(self._layout, local_blocks)
-        remote_idx = descriptor_indices(remote_layout, remote_blocks)
+        remote_idx = descriptor_indices(peer.layout, remote_blocks)
         try:
-            xfer = self._agent.make_prepped_xfer(
-                "WRITE", self._local_dlist, local_idx, remote_dlist, remote_idx, notice
-            )
+            xfer = self._agent.make_prepped_xfer("WRITE", self._local_dlist, local_idx, peer.dlist, remote_idx, notice)
             state = self._agent.transfer(xfer)
         except Exception as exc:
             raise TransferError(f"WRITE to {agent_name!r} could not be posted: {exc}") from exc
@@ -172,7 +228,7 @@ class NixlBackend:
             raise TransferError(f"WRITE to {agent_name!r} failed at post")
         self._next_handle += 1
         self._handles[self._next_handle] = xfer
-        num_bytes = sum(r.block_len for r in self._layout.regions) * len(local_blocks)
+        num_bytes = self._block_bytes * len(local_blocks)
         return WriteTicket(self._next_handle, num_bytes, len(local_idx))
 
     def write_state(self, handle: int) -> WriteState:
@@ -194,7 +250,8 @@ class NixlBackend:
     def close(self) -> None:
         for handle in list(self._handles):
             self.release(handle)
-        for _, dlist, _ in self._peers.values():
-            dlist.release()
+        for peer in self._peers.values():
+            if peer.dlist is not None:
+                peer.dlist.release()
         self._local_dlist.release()
         self._agent.deregister_memory(self._registered)

@@ -10,10 +10,12 @@ Threading model (guarantee G6):
 * **When it runs** (guarantee G7): it sleeps on ``_wake`` until something needs it: a submission
   (``submit``), a step hook (``kick``, once per engine step from ``get_transfer_results``), a
   side-channel event, the next deadline of either machine (a heap: O(1) to look at), or, only
-  while a WRITE is in flight, a short backoff timer (``Polling.write_poll_min_s`` doubling up to
-  ``write_poll_max_s``) that notices its completion. With nothing in flight it wakes at most every
-  ``Polling.idle_wait_s`` as a safety net for notices that arrive while no engine steps (NIXL
-  offers no wake-up on a notification without its busy progress thread).
+  while a transfer is in flight on this side (P: a WRITE posted; D: a receive waiting for its
+  ``Done``, so a notice never waits for the idle tick; either: an order waiting for its step's
+  ``ReadyEvent``, G15 ``connector.ready``), a short backoff timer (``Polling.write_poll_min_s``
+  doubling up to ``write_poll_max_s``) that notices its completion. With nothing in flight it wakes
+  at most every ``Polling.idle_wait_s`` as a safety net (NIXL offers no wake-up on a notification).
+  Who moves UCX's bytes is the progress model (``connector.options``: ``poll`` or ``thread``).
 * **Worker thread** (vLLM's model runner, via ``connector.worker``): only calls ``submit``,
   ``kick`` and ``collect_results`` (empties the outbox). It never waits on the owner thread, so
   the forward loop never waits on NIXL.
@@ -36,13 +38,13 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
-from typing import Any, assert_never
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import assert_never
 
 from connector.decode_rendezvous import DecodeRendezvous
-from connector.handshake import Link, Liveness, Server, SideChannel, TcpSideChannel
+from connector.handshake import Link, Server, SideChannel, TcpSideChannel
 from connector.metadata import (
     PROTOCOL_VERSION,
     Cancel,
@@ -64,6 +66,8 @@ from connector.metadata import (
     encode_notice,
     is_notice,
 )
+from connector.options import Options
+from connector.ready import READY, HostFence, ReadyEvent, StepFence
 from connector.rendezvous import (
     AbandonWrite,
     Action,
@@ -76,79 +80,10 @@ from connector.rendezvous import (
     Send,
     StartWrite,
     Tally,
-    Timeouts,
 )
 from connector.transfer import TransferBackend, TransferError, WriteTicket
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Polling:
-    """When the owner thread wakes without being woken (seconds)."""
-
-    write_poll_min_s: float = 0.0002  # first check of a posted WRITE
-    write_poll_max_s: float = 0.005  # the check interval doubles up to this while WRITEs are in flight
-    idle_wait_s: float = 0.1  # safety-net wake with nothing in flight
-
-    def __post_init__(self) -> None:
-        if not 0 < self.write_poll_min_s <= self.write_poll_max_s <= self.idle_wait_s:
-            raise ValueError("need 0 < write_poll_min_s <= write_poll_max_s <= idle_wait_s")
-
-
-@dataclass(frozen=True)
-class Options:
-    """Everything ``kv_connector_extra_config`` may set; any other key is refused."""
-
-    timeouts: Timeouts = field(default_factory=Timeouts)
-    polling: Polling = field(default_factory=Polling)
-    liveness: Liveness = field(default_factory=Liveness)
-    backends: tuple[str, ...] = ("UCX",)
-    early_write: bool = True  # P: order the WRITE in the step that computes the prompt's last token (G10)
-    progressive: bool = True  # P: WRITE each step's full blocks of a chunked prefill at its end (G14)
-
-    def __post_init__(self) -> None:
-        if self.progressive and not self.early_write:
-            raise ValueError("progressive push needs early_write (its final WRITE is the completing step's)")
-
-    @classmethod
-    def from_extra(cls, extra: Mapping[str, Any] | None) -> Options:
-        """Parse ``kv_connector_extra_config``; raise ``ValueError`` naming unknown keys or bad values."""
-        extra = dict(extra or {})
-        asked = set(extra)
-        groups: dict[str, dict[str, float]] = {"timeouts": {}, "polling": {}, "liveness": {}}
-        known: dict[str, str] = {}
-        for group, kind in (("timeouts", Timeouts), ("polling", Polling), ("liveness", Liveness)):
-            known.update({f.name: group for f in fields(kind)})
-        backends = extra.pop("backends", ("UCX",))
-        switches = {name: extra.pop(name, getattr(cls, name)) for name in _SWITCHES}
-        if switches["early_write"] is False and "progressive" not in asked:
-            switches["progressive"] = False  # its final WRITE is early_write's: off with it unless asked for
-        unknown = sorted(set(extra) - set(known))
-        if unknown:
-            raise ValueError(
-                f"unknown kv_connector_extra_config key(s) {unknown} for KvpushConnector; "
-                f"known: {sorted([*known, 'backends', *_SWITCHES])}"
-            )
-        for name, value in switches.items():
-            if not isinstance(value, bool):
-                raise ValueError(f"bad kv_connector_extra_config for KvpushConnector: {name} must be true or false")
-        try:
-            for key, value in extra.items():
-                groups[known[key]][key] = float(value)
-            return cls(
-                Timeouts(**groups["timeouts"]),
-                Polling(**groups["polling"]),
-                Liveness(**groups["liveness"]),
-                tuple(str(b) for b in backends),
-                switches["early_write"],
-                switches["progressive"],
-            )
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"bad kv_connector_extra_config for KvpushConnector: {exc}") from exc
-
-
-_SWITCHES = ("early_write", "progressive")  # boolean keys of kv_connector_extra_config
 
 
 @dataclass(frozen=True)
@@ -186,7 +121,17 @@ Order = (
     | CancelOrder
     | CancelUnallocated
 )
-_Command = Order | _PeerReady | _PeerLost | _AddPeer
+
+
+@dataclass(frozen=True)
+class _Gated:
+    """An order and the event after which its blocks hold the step's KV (``connector.ready``)."""
+
+    order: Order
+    ready: ReadyEvent
+
+
+_Command = _Gated | _PeerReady | _PeerLost | _AddPeer
 
 
 @dataclass(frozen=True)
@@ -242,8 +187,11 @@ class TransferThread:
         options: Options | None = None,
         clock: Callable[[], float] = time.monotonic,
         side_channel: SideChannel | None = None,
+        fence: StepFence | None = None,
     ) -> None:
         options = options or Options()
+        self._fence: StepFence = fence or HostFence()
+        self._gated: deque[_Gated] = deque()  # orders in submission order, the first maybe not ready yet
         self.engine_id = engine_id
         self._backend = backend
         self._layout = layout
@@ -289,8 +237,10 @@ class TransferThread:
 
     # ---- worker-thread API -------------------------------------------------------------
 
-    def submit(self, order: Order) -> None:
-        self._inbox.put(order)
+    def submit(self, order: Order, ready: ReadyEvent = READY) -> None:
+        """Queue an order; it reaches the machines (and may post a WRITE) only once ``ready`` completed
+        and every order submitted before it did (``connector.ready``: the forward stream on a GPU)."""
+        self._inbox.put(_Gated(order, ready))
         self._wake.set()
 
     def kick(self) -> None:
@@ -347,6 +297,7 @@ class TransferThread:
     # ---- owner thread --------------------------------------------------------------------
 
     def _run(self) -> None:
+        self._fence.bind_thread()  # before any backend call on this thread (CUDA: the KV cache's device)
         while not self._stop.is_set():
             self._wake.clear()
             self.wakes += 1
@@ -362,7 +313,8 @@ class TransferThread:
     def _sleep_s(self, now: float) -> float:
         """Until the next deadline, the next WRITE check (only with WRITEs in flight) or the safety net."""
         timeout = self._polling.idle_wait_s
-        if self._writes:
+        if self._writes or self._gated or self._decode.live:  # nothing wakes us when a WRITE ends, a CUDA
+            # event completes or a notice arrives: poll while a transfer is in flight on this side
             timeout = self._write_backoff
             self._write_backoff = min(2 * self._write_backoff, self._polling.write_poll_max_s)
         for deadline in (self._prefill.next_deadline(), self._decode.next_deadline()):
@@ -376,7 +328,12 @@ class TransferThread:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            self._handle(cmd, now)
+            if isinstance(cmd, _Gated):
+                self._gated.append(cmd)
+            else:
+                self._handle(cmd, now)
+        while self._gated and self._gated[0].ready.query():
+            self._handle(self._gated.popleft().order, now)
         for sender, raw in self._backend.poll_notices():
             self._on_raw_notice(sender, raw, now)
         if self._writes:
@@ -399,9 +356,10 @@ class TransferThread:
             self._outbox.put(self._pending)
             self._pending = Results()
 
-    def _handle(self, cmd: _Command, now: float) -> None:
+    def _handle(self, cmd: Order | _PeerReady | _PeerLost | _AddPeer, now: float) -> None:
         match cmd:
             case RegisterOrder():
+                self._write_backoff = self._polling.write_poll_min_s  # a receive in flight: poll (G7)
                 actions = self._decode.on_register(
                     cmd.request_id, cmd.key, cmd.peer, cmd.block_ids, now, cmd.num_tokens
                 )
@@ -422,7 +380,7 @@ class TransferThread:
                 self._perform(self._prefill.on_prefill_restarted(cmd.key, now), now)
             case _AddPeer():
                 try:
-                    self._load_peer(cmd.payload)
+                    self._load_peer(cmd.payload, writes_to=True)  # a decode dialled us: we WRITE to it
                 except TransferError as exc:
                     cmd.error = str(exc)
                 cmd.done.set()
@@ -435,7 +393,7 @@ class TransferThread:
 
     def _on_peer_ready(self, cmd: _PeerReady, now: float) -> None:
         try:
-            self._load_peer(cmd.payload)
+            self._load_peer(cmd.payload, writes_to=False)  # the prefill we dialled: notices only
         except TransferError:
             logger.exception("could not load prefill agent %s", cmd.payload.engine_id)
             self._on_peer_lost(cmd.payload.engine_id, now)
@@ -454,8 +412,9 @@ class TransferThread:
         self._perform(self._decode.on_peer_lost(engine_id, now), now)
         self._perform(self._prefill.on_peer_lost(engine_id, now), now)
 
-    def _load_peer(self, payload: HandshakePayload) -> None:
-        self._backend.add_peer(payload)  # reloads when the metadata changed (a restarted peer)
+    def _load_peer(self, payload: HandshakePayload, writes_to: bool) -> None:
+        # Reloads when the metadata changed (a restarted peer). Decode loads prefill for notices only.
+        self._backend.add_peer(payload, writes_to=writes_to)
         previous = self._agents.get(payload.engine_id)
         if previous is not None and previous != payload.agent_name:
             self._retired.add(previous)  # an older incarnation of that engine
@@ -556,9 +515,7 @@ class TransferThread:
             agent = self._agents[reg.d_engine_id]
             done = encode_notice(Done(reg.key, reg.d_request_id)) if action.final else b""
             remote = reg.block_ids if action.remote_blocks is None else action.remote_blocks
-            # GPU note: with a design-A WRITE (posted in the step that computed the KV) on VRAM, the
-            # forward's CUDA stream must be synchronised here (an event recorded after the forward,
-            # waited on before postXfer); on CPU the forward is synchronous and the KV is in place.
+            # The order behind this WRITE reached the machine only after its step's ReadyEvent completed.
             ticket = self._backend.write(agent, action.local_blocks, remote, done)
         except (KeyError, TransferError, ValueError) as exc:
             logger.warning("WRITE for %s not posted: %r", action.key, exc)

@@ -24,9 +24,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from connector.kvcache import KVCaches, compatibility_fields, compatibility_signature, describe_kv_caches
 from connector.metadata import StepPlan, compatibility_hash
+from connector.options import Options
+from connector.ready import HostFence, StepFence, fence_for
 from connector.stats import KvpushStats
 from connector.transfer import NixlBackend
-from connector.transfer_thread import CancelOrder, Options, Order, TransferThread
+from connector.transfer_thread import CancelOrder, Order, TransferThread
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -48,6 +50,7 @@ class WorkerHalf:
         self._thread: TransferThread | None = None
         self._stats = KvpushStats()
         self._quarantined: set[str] = set()
+        self._fence: StepFence = HostFence()
 
     def set_num_blocks(self, num_blocks: int) -> None:
         self._num_blocks = num_blocks
@@ -63,7 +66,14 @@ class WorkerHalf:
         layout = caches.layout(self._block_size)
         # Unique per incarnation: a restarted peer (same engine id, even the same pid) is a new agent.
         name = f"kvpush-{self.engine_id}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        backend = NixlBackend(name, layout, self._options.backends, registrations=caches.registrations())
+        backend = NixlBackend(
+            name,
+            layout,
+            self._options.backends,
+            registrations=caches.registrations(),
+            progress_thread_delay_us=self._options.progress_thread_delay_us,
+        )
+        self._fence = fence_for(caches.mem_type, caches.device_id)  # CUDA event + device for VRAM
         self._thread = TransferThread(
             backend,
             engine_id=self.engine_id,
@@ -72,6 +82,7 @@ class WorkerHalf:
             side_host=self._side_host,
             side_port=self._side_port,
             options=self._options,
+            fence=self._fence,
         )
         self._thread.start()
         logger.info(
@@ -122,14 +133,17 @@ class WorkerHalf:
     def end_of_step(self, plan: StepPlan) -> None:
         """``wait_for_save``: the forward of this step has computed the prompts in ``completing``;
         their WRITE is ordered now, not one step later (G10); so are the full blocks this step computed
-        of the chunked prefills in ``progress`` (G14). On CPU the forward is synchronous, so
-        the KV is in the blocks already. GPU: record a CUDA event on the forward stream here and
-        have the owner thread synchronise it before postXfer (cuda_ipc / GDR are not stream-ordered)."""
+        of the chunked prefills in ``progress`` (G14). The forward may only have been launched (GPU):
+        one ``ReadyEvent`` recorded now on the forward stream goes with these orders, and the owner
+        thread posts their WRITEs only once it completed (``connector.ready``; on CPU it is ready)."""
         if self._thread is None:
             return
         orders: list[Order] = [*plan.progress, *plan.completing]
+        if not orders:
+            return
+        ready = self._fence.record()
         for order in orders:
-            self._thread.submit(order)
+            self._thread.submit(order, ready)
 
     def transfer_results(self) -> KVConnectorTransferResults:
         if self._thread is None:

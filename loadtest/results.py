@@ -142,13 +142,27 @@ def _what_if(row: Row) -> bool:
 
 
 def latest(rows: Sequence[Row], suite: str) -> list[Row]:
-    """Rows of the newest run_id of a suite (run ids are UTC stamps, so they sort by time); what-ifs and
-    profiling runs (overhead with cprofile: the profiled router is slowed) excluded."""
+    """Rows of the newest run_id of a suite (run ids are UTC stamps, so they sort by time); what-ifs,
+    profiling runs (overhead with cprofile: the profiled router is slowed) and tracing runs (overhead with
+    traced fronts: `latest_tracing`) excluded."""
     mine = [
         r
         for r in rows
-        if r.get("suite") == suite and r.get("run_id") and not _what_if(r) and not r.get("profiling_run")
+        if r.get("suite") == suite
+        and r.get("run_id")
+        and not _what_if(r)
+        and not r.get("profiling_run")
+        and not r.get("tracing_run")
     ]
+    if not mine:
+        return []
+    newest = max(str(r["run_id"]) for r in mine)
+    return [r for r in mine if r["run_id"] == newest]
+
+
+def latest_tracing(rows: Sequence[Row]) -> list[Row]:
+    """Rows of the newest overhead run that measured tracing (`--set tracings=...`: traced kvpush fronts)."""
+    mine = [r for r in rows if r.get("tracing_run") and r.get("run_id") and not r.get("profiling_run")]
     if not mine:
         return []
     newest = max(str(r["run_id"]) for r in mine)

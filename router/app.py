@@ -40,6 +40,10 @@ from router.errors import (
     UpstreamError,
 )
 from router.service import Service
+from router.tracing import context as trace_context
+from router.tracing import semconv
+from router.tracing.provider import Tracing
+from router.tracing.trace import RequestTrace
 
 logger = logging.getLogger("kvpush.app")
 _HOT = {Endpoint.COMPLETIONS.path: Endpoint.COMPLETIONS, Endpoint.CHAT.path: Endpoint.CHAT}
@@ -58,9 +62,10 @@ def create_app(
     *,
     transport: httpx.AsyncBaseTransport | None = None,
     clock: Callable[[], float] = time.monotonic,
+    tracing: Tracing | None = None,
 ) -> FastAPI:
     """Everything is built here and in the lifespan; nothing lives at module level."""
-    service = Service(settings, transport=transport, clock=clock)
+    service = Service(settings, transport=transport, clock=clock, tracing=tracing)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -107,6 +112,7 @@ class HotPath:
         s = service.settings
         self._limits, self._timeouts, self._keys, self._mode = s.limits, s.timeouts, s.api_keys, str(s.mode)
         self._metrics = service.metrics
+        self._tracing = service.tracing
 
     def header_limits(self, headers: list[tuple[bytes, bytes]]) -> HeadersTooLarge | None:
         limits = self._limits
@@ -151,12 +157,15 @@ class HotPath:
             headers={k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
             if self._service.wants_headers
             else {},
+            trace=None if self._tracing is None else _start_trace(self._tracing, headers, endpoint, body, request_id),
         )
         try:
             async with self._service.admission.slot():
                 await self._watched(receive, send, request)
         except Overloaded as refused:
             self._count(endpoint, refused, errors=False)
+            if request.trace is not None:
+                request.trace.end(refused.kind, status=refused.http_status)
             await _send_error(send, refused, request_id)
 
     async def _body(self, receive: Receive, length: bytes | None) -> bytes:
@@ -224,6 +233,8 @@ class HotPath:
             return
         except Exception:
             logger.exception("request %s: internal error", rec.request_id)
+            if request.trace is not None:
+                request.trace.end(RouterError.kind, status=RouterError.status)
             await _send_error(send, RouterError("internal error in the router"), rec.request_id, rec.pairing_id)
             return
         ids = [(_REQUEST_ID, rec.request_id.encode()), (_PAIRING_ID, (rec.pairing_id or "").encode())]
@@ -246,6 +257,20 @@ class HotPath:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await asyncio.shield(answer.aclose())
+
+
+def _start_trace(
+    tracing: Tracing, headers: list[tuple[bytes, bytes]], endpoint: Endpoint, body: dict[str, Any], request_id: str
+) -> RequestTrace:
+    """The request's server span: a child of the client's W3C trace context when it sent a valid one."""
+    model = body.get("model")
+    attributes = semconv.request_attributes(
+        endpoint=str(endpoint),
+        model=model,
+        max_tokens=body.get("max_tokens", body.get("max_completion_tokens")),
+        request_id=request_id,
+    )
+    return tracing.start(trace_context.read(headers), semconv.server_span_name(str(endpoint), model), attributes)
 
 
 async def _send_error(send: Send, error: RouterError, request_id: str | None, pairing_id: str | None = None) -> None:
@@ -331,8 +356,8 @@ def _operations_routes(app: FastAPI, service: Service) -> None:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
-        content, content_type = service.metrics.render()
+    async def prometheus(request: Request) -> Response:
+        content, content_type = service.metrics.render(request.headers.get("accept", ""))
         return Response(content, media_type=content_type)
 
     @app.get("/debug/timings")

@@ -15,6 +15,8 @@ import yaml
 
 from router.config import LEG_CLIENTS, SERVERS, Settings, build_settings, from_env, with_environment
 from router.errors import ConfigError
+from router.tracing.settings import PROTOCOLS
+from router.tracing.settings import resolve as resolve_tracing
 
 _LIMIT_FLAGS = {  # limits: what one client request may hold (router/README.md)
     "max_body_bytes": "largest request body, bytes (413 beyond; default 16 MiB)",
@@ -83,6 +85,19 @@ def serve_parser() -> argparse.ArgumentParser:
         choices=SERVERS,
         help=f"the HTTP server in front of the app (default {Settings.server}; router/README.md)",
     )
+    p.add_argument(
+        "--tracing",
+        action=argparse.BooleanOptionalAction,
+        help="OpenTelemetry tracing over OTLP (default off; OTEL_* variables configure it; README, Tracing)",
+    )
+    p.add_argument("--otlp-traces-endpoint", metavar="URL", help="where spans go (switches tracing on)")
+    p.add_argument("--otlp-traces-protocol", choices=PROTOCOLS, help="grpc (default) or http/protobuf")
+    p.add_argument(
+        "--trace-sample-ratio",
+        type=float,
+        metavar="R",
+        help="share of requests without a sampled parent that are traced (parentbased_traceidratio)",
+    )
     p.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--log-format", choices=["json", "text"], help="json lines (default) or plain text")
     return p
@@ -130,22 +145,40 @@ def load_serve_settings(argv: list[str], env: dict[str, str]) -> Settings:
         "leg_client": args.leg_client,
         "server": args.server,
         "limits": {k: v for k in _LIMIT_FLAGS if (v := getattr(args, k)) is not None} or None,
+        "tracing": _tracing_flags(args),
     }
     env_layer: dict[str, Any] = from_env(env)
     return build_settings(file_layer, env_layer, flags)
 
 
+def _tracing_flags(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The tracing flags as a `tracing:` layer; naming an endpoint switches tracing on unless --no-tracing says."""
+    layer = {
+        "endpoint": args.otlp_traces_endpoint,
+        "protocol": args.otlp_traces_protocol,
+        "sample_ratio": args.trace_sample_ratio,
+    }
+    layer = {k: v for k, v in layer.items() if v is not None}
+    if args.tracing is not None:
+        layer["enabled"] = args.tracing
+    elif "endpoint" in layer:
+        layer["enabled"] = True
+    return layer or None
+
+
 def serve(argv: list[str]) -> int:
     try:
         settings = with_environment(load_serve_settings(argv, dict(os.environ)), os.environ)
+        plan = resolve_tracing(settings.tracing, os.environ)
     except ConfigError as exc:
         print(f"kvpush serve: configuration error: {exc}", file=sys.stderr)
         return 2
     from router import logs
     from router.app import create_app
+    from router.tracing import provider
 
     logs.configure(settings.log_level, settings.log_format)
-    app = create_app(settings)
+    app = create_app(settings, tracing=provider.build(plan))
     if settings.server == "granian":
         from router import serve_granian
 

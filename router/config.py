@@ -18,6 +18,8 @@ from router.domain import Fallback, Mode, Role, WorkerSpec
 from router.errors import ConfigError
 from router.policy import make_policy
 from router.specs import decode_from_mapping, parse_decode_url, parse_prefill_spec, prefill_from_mapping, workers
+from router.tracing.settings import TracingSettings, parse_tracing
+from router.tracing.settings import merge as merge_tracing
 
 __all__ = [  # the worker builders live in router.specs; config is where callers find every setting
     "LEG_CLIENTS",
@@ -105,6 +107,7 @@ class Settings:
     log_format: str = "json"  # "json" (one object per line) or "text"
     decider: str = "none"  # the P/D decider (router.deciders.registry.REGISTRY); "none": the mode, policies pick
     decider_options: Mapping[str, Any] = field(default_factory=dict)  # the decider's own settings
+    tracing: TracingSettings = field(default_factory=TracingSettings)  # OpenTelemetry (router/tracing/settings.py)
 
 
 _ENV = {  # environment variable → setting
@@ -123,6 +126,7 @@ _ENV = {  # environment variable → setting
     "KVPUSH_DECIDER": "decider",
     "KVPUSH_LEG_CLIENT": "leg_client",
     "KVPUSH_SERVER": "server",
+    "KVPUSH_TRACING": "tracing",  # true/false: tracing.enabled (the rest from OTEL_* variables)
 }
 _TIMEOUT_NAMES = {f.name for f in fields(Timeouts)}
 _LIMIT_NAMES = {f.name for f in fields(Limits)}
@@ -175,6 +179,8 @@ def build_settings(*layers: Mapping[str, Any]) -> Settings:
                     raw[f"{role}_policy"] = _merge_named(raw.get(f"{role}_policy"), choice)
             elif key in _NAMED:
                 raw[key] = _merge_named(raw.get(key), value)
+            elif key == "tracing":
+                raw[key] = merge_tracing(raw.get(key), value)
             elif key in _TOP_NAMES:
                 raw[key] = value
             else:
@@ -308,6 +314,7 @@ def _validate(raw: dict[str, Any], timeouts_raw: dict[str, Any], limits_raw: dic
         api_keys=_keys(raw.get("api_keys", ())),
         admin_key=_key(raw.get("admin_key"), "admin_key"),
         discovery=parse_discovery(raw.get("discovery", {})),
+        tracing=parse_tracing(raw.get("tracing")),
         scrape_interval=secs("scrape_interval", zero_off=True),
         timings_capacity=count("timings_capacity", 0),
         log_level=str(get("log_level")).lower(),

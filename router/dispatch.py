@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -43,6 +43,8 @@ from router.policy import Policy, make_policy
 from router.pool import Pool, Tracked, WorkerLost, WorkerState, unless_lost
 from router.sse import EventFramer, RelayCheck, error_of
 from router.timings import RequestRecord, TimingLog
+from router.tracing import semconv
+from router.tracing.trace import LegSpan, RequestTrace
 
 logger = logging.getLogger("kvpush.dispatch")
 
@@ -57,6 +59,7 @@ class ClientRequest:
     info: RequestInfo
     record: RequestRecord
     headers: Mapping[str, str] = field(default_factory=dict)  # lower-case names, for the decider
+    trace: RequestTrace | None = None  # its trace (router/tracing), None with tracing off
 
 
 class Dispatcher:
@@ -114,10 +117,10 @@ class Dispatcher:
             raise AssertionError("unreachable: the attempt loop returns or raises")
         except RouterError as error:
             self._metrics.child(self._metrics.errors, error.kind).inc()
-            self.finisher.finish(request.record, error.kind)
+            self.finisher.finish(request.record, error.kind, request.trace, status=error.http_status)
             raise
         except asyncio.CancelledError:
-            self.finisher.finish(request.record, "client_gone")
+            self.finisher.finish(request.record, semconv.CLIENT_GONE, request.trace)
             raise
 
     def _retry_or_raise(self, error: UpstreamError, attempt: int, excluded: set[str], rec: RequestRecord) -> None:
@@ -132,7 +135,9 @@ class Dispatcher:
         """A JSON answer is whole: the decider is told and the request finished now (a stream: at its close)."""
         if isinstance(answer, JsonAnswer):
             self.feedback.tell_json(turn, decision, request.record, answer.content)
-            self.finisher.finish(request.record, "ok")
+            trace = request.trace
+            usage = _usage(answer.content) if trace is not None and trace.recording else None
+            self.finisher.finish(request.record, "ok", trace, status=answer.status, usage=usage)
             if self.feedback.asks_ids_for_us(request.body):
                 answer = JsonAnswer(answer.status, protocol.scrub_token_ids(answer.content))
         return answer
@@ -159,7 +164,7 @@ class Dispatcher:
         decode = self._select(Role.DECODE, info, decodes, decision.decode)
         self._metrics.child(self._metrics.decisions, str(route)).inc()
         ids = protocol.mint_ids()
-        close = StreamClose(self.feedback, self.finisher, turn, decision, rec)
+        close = StreamClose(self.feedback, self.finisher, turn, decision, rec, request.trace)
         if route in (Route.BYPASS, Route.FALLBACK):
             _served_by(rec, route, ids, decode, None)
             if route is Route.FALLBACK:
@@ -228,6 +233,24 @@ class Dispatcher:
     async def _prefill(
         self, request: ClientRequest, worker: WorkerState, ids: protocol.PairingIds
     ) -> protocol.KvTransferParams:
+        """The prefill leg, in its own span when the request is traced (ended however the leg ends)."""
+        trace = request.trace
+        if trace is None:
+            return await self._prefill_leg(request, worker, ids, self._headers(ids))
+        span = trace.leg(
+            semconv.PREFILL_SPAN, attempt=request.record.attempts, pairing_id=ids.request_id, worker=worker.spec.url
+        )
+        try:
+            params = await self._prefill_leg(request, worker, ids, {**self._headers(ids), **span.headers})
+        except BaseException as error:
+            _end_failed(span, error)
+            raise
+        span.end()
+        return params
+
+    async def _prefill_leg(
+        self, request: ClientRequest, worker: WorkerState, ids: protocol.PairingIds, headers: dict[str, str]
+    ) -> protocol.KvTransferParams:
         """The prefill leg under its deadline; returns the kv_transfer_params it answered with."""
         rec, wid, deadline = request.record, worker.spec.id, self._settings.timeouts.prefill
         body = protocol.encode(protocol.prefill_body(request.body, request.info.endpoint, ids.transfer_id))
@@ -236,9 +259,7 @@ class Dispatcher:
         with self._pool.track(wid, request.info.prompt_tokens) as tracked:
             try:
                 async with unless_lost(tracked, Role.PREFILL), asyncio.timeout(deadline):
-                    _, answer = await upstream.post_json(
-                        self._legs, url, body, self._headers(ids), leg=Role.PREFILL, worker=wid
-                    )
+                    _, answer = await upstream.post_json(self._legs, url, body, headers, leg=Role.PREFILL, worker=wid)
             except TimeoutError:
                 raise UpstreamTimeout(
                     f"no answer within the prefill deadline ({deadline:g} s)", leg=Role.PREFILL, worker=wid
@@ -277,9 +298,16 @@ class Dispatcher:
         body: dict[str, Any],
         ids: protocol.PairingIds,
     ) -> Answer:
-        """Opens the decode leg and waits for its first event (stream) or its whole answer (non-stream)."""
-        rec, wid = request.record, worker.spec.id
-        leg = _DecodeLeg(wid, f"{worker.spec.url}{request.info.endpoint.path}", self._headers(ids))
+        """Opens the decode leg and waits for its first event (stream) or its whole answer (non-stream). Traced, the
+        leg's span ends here on failure or with a JSON answer, else when the stream closes (StreamClose)."""
+        rec, wid, trace = request.record, worker.spec.id, request.trace
+        span = (
+            None
+            if trace is None
+            else trace.leg(semconv.DECODE_SPAN, attempt=rec.attempts, pairing_id=ids.request_id, worker=worker.spec.url)
+        )
+        headers = self._headers(ids) if span is None else {**self._headers(ids), **span.headers}
+        leg = _DecodeLeg(wid, f"{worker.spec.url}{request.info.endpoint.path}", headers)
         scrub = self.feedback.asks_ids_for_us(request.body)
         raw = protocol.encode(protocol.asking_token_ids(body) if scrub else body)
         cleanup = contextlib.AsyncExitStack()
@@ -296,9 +324,17 @@ class Dispatcher:
             if isinstance(error, UpstreamError):
                 self._passive_check(error)
             await cleanup.aclose()
+            if span is not None:
+                _end_failed(span, error)
             raise
         rec.decode_first_byte = self._clock()
-        self._observe_first_byte(rec)
+        self._observe_first_byte(rec, trace)
+        if span is not None:
+            span.first_byte(rec.handoff)
+            if not request.info.stream:
+                span.end()
+            else:
+                close = replace(close, decode_leg=span)
         if not request.info.stream:
             return JsonAnswer(200, content)
         check = RelayCheck(self._settings.limits.max_event_bytes)
@@ -345,15 +381,17 @@ class Dispatcher:
     def _headers(self, ids: protocol.PairingIds) -> dict[str, str]:
         return {**self._json_headers, protocol.REQUEST_ID_HEADER: ids.request_id}
 
-    def _observe_first_byte(self, rec: RequestRecord) -> None:
+    def _observe_first_byte(self, rec: RequestRecord, trace: RequestTrace | None) -> None:
+        """TTFT and handoff observed; a sampled trace's id goes with them as the exemplar (OpenMetrics)."""
         mode = rec.mode
+        exemplar = None if trace is None else trace.exemplar()
         if rec.decode_worker is not None:
             self._pool.report(rec.decode_worker, ok=True)
         if rec.ttft is not None:
-            self._metrics.child(self._metrics.ttft, rec.endpoint, mode).observe(rec.ttft)
-            self._metrics.child(self._metrics.decode_ttft, mode, rec.decode_worker or "").observe(rec.ttft)
+            self._metrics.child(self._metrics.ttft, rec.endpoint, mode).observe(rec.ttft, exemplar)
+            self._metrics.child(self._metrics.decode_ttft, mode, rec.decode_worker or "").observe(rec.ttft, exemplar)
         if rec.handoff is not None:
-            self._metrics.child(self._metrics.handoff, mode).observe(max(0.0, rec.handoff))
+            self._metrics.child(self._metrics.handoff, mode).observe(max(0.0, rec.handoff), exemplar)
 
     def _passive_check(self, error: UpstreamError) -> None:
         """Feeds a leg's failure to the worker's health, unless the client's request was at fault."""
@@ -400,6 +438,25 @@ async def _give_up(prefill_leg: asyncio.Task[Any], decode_leg: asyncio.Task[Any]
         await asyncio.shield(opened.aclose())  # it opened just as we gave up
     if _failed(prefill_leg) and not prefill_leg.cancelled():
         raise prefill_leg.exception() from None  # type: ignore[misc]  # the root cause
+
+
+def _end_failed(span: LegSpan, error: BaseException) -> None:
+    """Ends the span of a leg that raised: with the error kind (and the worker's status), or cancelled (the
+    client left, or the other leg failed first)."""
+    if isinstance(error, UpstreamStatus):
+        span.end(error.kind, status=error.upstream_status)
+    elif isinstance(error, RouterError):
+        span.end(error.kind)
+    else:
+        span.end(semconv.CANCELLED if isinstance(error, asyncio.CancelledError) else RouterError.kind)
+
+
+def _usage(content: bytes) -> dict[str, Any] | None:
+    """The usage object of a JSON answer (for a traced request's span), None when it has none or is not JSON."""
+    try:
+        return protocol.usage_of(protocol.decode_json(content))
+    except ValueError:
+        return None
 
 
 def _failed(task: asyncio.Task[Any]) -> bool:

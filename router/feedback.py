@@ -28,6 +28,7 @@ from router.policy import LeastInFlight
 from router.pool import Pool
 from router.retokenize import Retokenizer
 from router.timings import RequestRecord
+from router.tracing.trace import LegSpan, RequestTrace
 
 logger = logging.getLogger("kvpush.dispatch")  # the dispatcher's logger: the log lines are API
 
@@ -126,11 +127,15 @@ class StreamClose:
     turn: Turn
     decision: Decision
     rec: RequestRecord
+    trace: RequestTrace | None = None  # the request's trace, ended here with the stream's outcome
+    decode_leg: LegSpan | None = None  # the decode leg's span (set by the dispatcher once the stream opened)
 
     def __call__(self, end: StreamEnd) -> None:
         ok = end.outcome == "ok"
         self.feedback.tell(self.turn, self.decision, self.rec, ok=ok, usage=end.usage, text=end.text, ids=end.token_ids)
-        self.finisher.finish(self.rec, end.outcome)
+        if self.decode_leg is not None:
+            self.decode_leg.end(end.outcome)
+        self.finisher.finish(self.rec, end.outcome, self.trace, status=200, usage=end.usage)
 
 
 def _json_or_none(raw: bytes) -> Any:

@@ -15,6 +15,8 @@ from typing import Any
 
 from router.metrics import Metrics
 from router.timings import RequestRecord, TimingLog
+from router.tracing import semconv
+from router.tracing.trace import RequestTrace
 
 logger = logging.getLogger("kvpush.dispatch")  # the dispatcher's logger: the request log line is API
 _LOG_FIELDS = (
@@ -48,9 +50,20 @@ class Finisher:
         prefill_leg.add_done_callback(lambda _: self._background.pop(pairing_id, None))
         prefill_leg.add_done_callback(_log_late_failure)
 
-    def finish(self, rec: RequestRecord, outcome: str) -> None:
+    def finish(
+        self,
+        rec: RequestRecord,
+        outcome: str,
+        trace: RequestTrace | None = None,
+        *,
+        status: int | None = None,
+        usage: dict[str, Any] | None = None,
+    ) -> None:
+        """Finishes the record (once) and ends the request's trace with its outcome, HTTP status and usage."""
         if rec.t_end is not None:
             return  # finished already (a stream that opened as the request was given up closed first)
+        if trace is not None:
+            trace.end(outcome, status=status, attributes=_end_attributes(rec, usage) if trace.recording else None)
         t_end = self._clock()
         rec.outcome, rec.t_end = outcome, t_end
         leftover = self._background.get(rec.pairing_id or "")
@@ -85,6 +98,12 @@ class Finisher:
             task.cancel()
         if tasks:
             await asyncio.wait(tasks)
+
+
+def _end_attributes(rec: RequestRecord, usage: dict[str, Any] | None) -> semconv.Attributes:
+    return semconv.end_attributes(
+        route=rec.mode, attempts=rec.attempts, pairing_id=rec.pairing_id, transfer_id=rec.transfer_id, usage=usage
+    )
 
 
 def _log_late_failure(task: asyncio.Task[Any]) -> None:

@@ -8,6 +8,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.registry import Collector
 
 from router.decider import DeciderStats
@@ -18,8 +20,9 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 class Metrics:
     """Router metrics. Labels are bounded: endpoint, mode, outcome, leg, role, kind and configured workers."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, exemplars: bool = False) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.exemplars = exemplars  # OpenMetrics exposition on request (the trace-id exemplars): tracing on
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.requests = Counter(
@@ -121,7 +124,12 @@ class Metrics:
             bound = self._children[key] = metric.labels(*labels)
         return bound
 
-    def render(self) -> tuple[bytes, str]:
+    def render(self, accept: str = "") -> tuple[bytes, str]:
+        """The Prometheus text exposition; OpenMetrics (with the exemplars: trace ids on the TTFT and handoff
+        histograms) when exemplars are on (tracing) and the scraper asks for it, as Prometheus does."""
+        if self.exemplars and "application/openmetrics-text" in accept:
+            page: bytes = openmetrics_latest(self.registry)  # type: ignore[no-untyped-call]
+            return page, OPENMETRICS_CONTENT_TYPE
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 

@@ -3,6 +3,7 @@ and the service work behind the non-hot routes (/v1/models fan-out, adding and p
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -28,6 +29,7 @@ from router.metrics import Metrics
 from router.pool import Pool
 from router.scrape import Scraper
 from router.timings import RequestRecord, TimingLog
+from router.tracing.provider import Tracing
 from router.upstream import make_client, make_legs, translate
 
 logger = logging.getLogger("kvpush.service")
@@ -42,9 +44,11 @@ class Service:
         *,
         transport: httpx.AsyncBaseTransport | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tracing: Tracing | None = None,
     ) -> None:
         self.settings = settings
-        self.metrics = Metrics()
+        self.tracing = tracing  # None: tracing off (router/tracing); shut down in stop()
+        self.metrics = Metrics(exemplars=tracing is not None)
         policy = HealthPolicy(settings.eject_after, settings.eject_backoff, settings.eject_backoff_max)
         self.pool = Pool((*settings.prefill, *settings.decode), self.metrics, policy, clock, on_gone=self._gone)
         self.timings = TimingLog(settings.timings_capacity)
@@ -92,6 +96,8 @@ class Service:
         await self._loops.stop()
         await self.dispatcher.aclose()
         await self.client.aclose()
+        if self.tracing is not None:  # the spans still queued go out, for a bounded time (off the loop)
+            await asyncio.to_thread(self.tracing.shutdown)
 
     def begin_drain(self) -> None:
         """SIGTERM: /ready answers 503 from now on, so load balancers stop sending."""

@@ -23,6 +23,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar, get_args
 
+from stack.link.plan import Place
 from stack.procs import LOOPBACK, ManagedProcess, ProcessSpec, Readiness, free_port, http_status
 
 __all__ = [
@@ -90,6 +91,7 @@ class EngineSpec:
     extra_args: tuple[str, ...] = ()
     served_model_name: str = "tiny"
     max_model_len: int = 2048
+    place: Place | None = None  # on an emulated link (stack.link): its namespace, address and NIC
 
     def __post_init__(self) -> None:
         problems = spec_problems(self)
@@ -103,8 +105,13 @@ class EngineSpec:
         return self.kv_role or _DEFAULT_KV_ROLE[self.role]
 
     @property
+    def host(self) -> str:
+        """The address the engine listens on: loopback, or its own address on the link."""
+        return self.place.address if self.place else LOOPBACK
+
+    @property
     def url(self) -> str:
-        return f"http://{LOOPBACK}:{self.http_port}"
+        return f"http://{self.host}:{self.http_port}"
 
     def prefill_arg(self) -> str:
         """The router's `--prefill` SPEC for this engine: its URL and, with a connector, its NIXL identity
@@ -195,10 +202,12 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
 
 
 def engine_argv(spec: EngineSpec, python: str = sys.executable) -> tuple[str, ...]:
-    """The exact command for a spec whose ports are resolved: the whole instance pinned with taskset."""
+    """The exact command for a spec whose ports are resolved: the whole instance pinned with taskset (and, on
+    a link, started inside its namespace)."""
     if spec.http_port == 0:
         raise ValueError(f"{spec.name}: resolve ports before building the command")
     argv = [
+        *(spec.place.argv_prefix() if spec.place else ()),
         "taskset",
         "-c",
         str(spec.core),
@@ -210,7 +219,7 @@ def engine_argv(spec: EngineSpec, python: str = sys.executable) -> tuple[str, ..
         "--served-model-name",
         spec.served_model_name,
         "--host",
-        LOOPBACK,
+        spec.host,
         "--port",
         str(spec.http_port),
         "--enforce-eager",
@@ -266,11 +275,13 @@ def vllm_env(
 def process_spec(
     spec: EngineSpec, log_dir: Path, python: str = sys.executable, base_env: Mapping[str, str] | None = None
 ) -> ProcessSpec:
-    """The ManagedProcess description of a resolved engine spec (ready when GET /health is 200)."""
+    """The ManagedProcess description of a resolved engine spec (ready when GET /health is 200); on a link the
+    environment is the link's (UCX over TCP on the engine's NIC, its own address: stack.link.plan.engine_env)."""
+    env = vllm_env(core=spec.core, side_port=spec.side_port, base=base_env)
     return ProcessSpec(
         name=spec.name,
         argv=engine_argv(spec, python),
-        env=vllm_env(core=spec.core, side_port=spec.side_port, base=base_env),
+        env=spec.place.env(env) if spec.place else env,
         log_path=log_dir / f"{spec.name}.log",
         ready_url=f"{spec.url}/health",
         cwd=REPO_ROOT,

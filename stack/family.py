@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from stack.engines import Engine, EngineSpec, Fleet
+from stack.link.fabric import Link
 
-__all__ = ["PdEngines", "PdFamily", "pd_family", "start_family"]
+__all__ = ["PdEngines", "PdFamily", "on_link", "pd_family", "start_family"]
 
 _Member = TypeVar("_Member")
 
@@ -119,8 +120,18 @@ def pd_family(
     return PdFamily(prefills, decodes)
 
 
-def start_family(fleet: Fleet, family: PdFamily, timeout: float) -> PdEngines:
-    """Start every engine of the family at once under `fleet` and wait (one deadline) until all are healthy."""
+def on_link(family: PdFamily, link: Link) -> PdFamily:
+    """The family with every engine given its own namespace on `link` (made now, in the family's order)."""
+    placed = [dataclasses.replace(spec, place=link.add(spec.name)) for spec in family.specs]
+    n = len(family.prefills)
+    return PdFamily(tuple(placed[:n]), tuple(placed[n:]))
+
+
+def start_family(fleet: Fleet, family: PdFamily, timeout: float, *, link: Link | None = None) -> PdEngines:
+    """Start every engine of the family at once under `fleet` and wait (one deadline) until all are healthy.
+    With `link` (open, and closed after the fleet stops) each engine runs in its own namespace on it."""
+    if link is not None:
+        family = on_link(family, link)
     engines = fleet.start_all(family.specs)
     fleet.wait_all_healthy(timeout)
     n = len(family.prefills)

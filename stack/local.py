@@ -6,6 +6,11 @@ curl example and stay up. Ctrl-C or SIGTERM stops every child process group; a c
 or dies later is reported with the tail of its log and a non-zero exit status.
 
     python -m stack.local [--mode push|pull] [--connector auto|upstream|kvpush] [--port 8000] ...
+    python -m stack.local --link ethernet-25g-like    # engines in their own namespaces behind a shaped link
+
+With `--link PRESET` (stack/link) prefill and decode each run in a network namespace of their own behind a shaped
+NIC, KV over UCX TCP; once both are up the stack times P's prefill of `--link-prompt-tokens` tokens and sets the
+rate so that one prompt's KV transfer lasts the preset's share of it, then prints the rate in the ready line.
 """
 
 from __future__ import annotations
@@ -27,6 +32,17 @@ from typing import Literal
 
 from stack import tiny_model
 from stack.engines import REPO_ROOT, Engine, EngineSpec, Fleet
+from stack.link.access import (
+    LinkUnavailable,
+    can_admin_network,
+    require_access,
+    user_namespace_argv,
+    user_namespaces_work,
+)
+from stack.link.calibrate import Calibration, calibrate
+from stack.link.fabric import Link
+from stack.link.holders import NetnsError
+from stack.link.plan import PRESETS, nominal_prefill_s, preset, resolve
 from stack.procs import LOOPBACK, ManagedProcess, StartupError, port_is_free, tail_lines
 from stack.routers import Router, RouterSpec, router_spec
 
@@ -58,6 +74,8 @@ class StackOptions:
     decode_side_port: int = 5601
     startup_timeout: float = 300.0
     python: str = sys.executable
+    link: str | None = None  # a stack.link preset: engines in their own namespaces behind a shaped link
+    link_prompt_tokens: int = 1024  # the prompt length whose KV transfer the preset's share is about
 
     @property
     def model_dir(self) -> Path:
@@ -119,7 +137,20 @@ def stack_ports(options: StackOptions, engines: Sequence[EngineSpec]) -> list[in
     return ports
 
 
-def ready_line(options: StackOptions, prefill_url: str, decode_url: str) -> str:
+def link_words(calibration: Calibration) -> str:
+    """The ready line's part about the link: preset, rate, and what it was derived from."""
+    plan = calibration.plan
+    if plan.shaping is None:
+        return f"link {plan.preset.name}: not shaped"
+    words = (
+        f"link {plan.preset.name}: {plan.shaping.rate_bit_s / 1e6:.1f} Mbit/s, a {plan.kv_bytes // 1024} KiB KV "
+        f"transfer ~{plan.shaping.wire_seconds(plan.kv_bytes) * 1e3:.0f} ms = {plan.preset.share:g} x the measured "
+        f"prefill of {plan.prefill_s * 1e3:.0f} ms"
+    )
+    return words if plan.faithful else words + " (above ~5 Gbit/s: this box, not the shaper, sets the pace)"
+
+
+def ready_line(options: StackOptions, prefill_url: str, decode_url: str, calibration: Calibration | None = None) -> str:
     """The single line printed once the router is ready: where things are and a curl to try."""
     body = {
         "model": "tiny",
@@ -134,7 +165,8 @@ def ready_line(options: StackOptions, prefill_url: str, decode_url: str) -> str:
     return (
         f"kvpush stack ready: router http://{LOOPBACK}:{options.port} (mode {options.mode}, connector "
         f"{connector_for(options.mode, options.connector)[0]}; prefill {prefill_url}, decode {decode_url}; "
-        f"logs {options.log_dir}); "
+        f"logs {options.log_dir}"
+        f"{'; ' + link_words(calibration) if calibration else ''}); "
         f"try: {curl}"
     )
 
@@ -186,11 +218,12 @@ def run_stack(
     startup_timeout: float,
     announce: Callable[[], str],
     poll_interval: float = 1.0,
+    on_ready: Callable[[], None] | None = None,
 ) -> int:
     """Start engines, then the router, print announce() once all are ready, supervise until one exits.
 
     Returns 1 when a child fails to start or exits; StopRequested propagates to the caller (the fleet's
-    owner stops everything on the way out).
+    owner stops everything on the way out). `on_ready` runs once everything is ready, before announce().
     """
     try:
         for engine in engines:
@@ -201,6 +234,8 @@ def run_stack(
     except StartupError as exc:
         _say(str(exc))
         return 1
+    if on_ready is not None:
+        on_ready()
     print(announce(), flush=True)
     while True:
         gone = fleet.exited()
@@ -228,9 +263,19 @@ def parse_args(argv: Sequence[str] | None) -> StackOptions:
     p.add_argument("--prefill-port", type=int, default=8100)
     p.add_argument("--decode-port", type=int, default=8200)
     p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for each start-up wait")
+    p.add_argument(
+        "--link",
+        choices=sorted(PRESETS),
+        help="engines in their own network namespaces behind a shaped link: the preset is how long one "
+        "prompt's KV transfer lasts against one prefill (efa-like 3.8 %%, ethernet-100g-like ~1x, "
+        "ethernet-25g-like ~4.4x), resolved from the prefill measured once the engines are up",
+    )
+    p.add_argument("--link-prompt-tokens", type=int, default=1024, help="prompt length the --link rate is for")
     args = p.parse_args(argv)
     if args.mode == "pull" and args.connector == "kvpush":
         p.error("the kvpush connector is push only: use --connector upstream (or auto) with --mode pull")
+    if not 1 <= args.link_prompt_tokens < 2048:
+        p.error("--link-prompt-tokens must be between 1 and 2047 (the engines' --max-model-len is 2048)")
     return StackOptions(
         mode=args.mode,
         connector=args.connector,
@@ -240,13 +285,50 @@ def parse_args(argv: Sequence[str] | None) -> StackOptions:
         prefill_port=args.prefill_port,
         decode_port=args.decode_port,
         startup_timeout=args.startup_timeout,
+        link=args.link,
+        link_prompt_tokens=args.link_prompt_tokens,
     )
+
+
+USERNS_FLAG = "KVPUSH_STACK_IN_USERNS"  # set when `kvpush stack --link` re-ran itself in a user namespace
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `kvpush stack`: returns 0 after a requested stop, 1 when any child failed."""
     options = parse_args(argv)
-    return run_supervised(options.log_dir, lambda fleet: _serve(options, fleet))
+    if options.link is None:
+        return run_supervised(options.log_dir, lambda fleet: _serve(options, fleet, None))
+    try:
+        require_access()
+    except LinkUnavailable as refused:
+        if can_admin_network() or os.environ.get(USERNS_FLAG) == "1" or user_namespaces_work() is not None:
+            _say(str(refused))
+            return 1
+        _rerun_in_user_namespace(sys.argv[1:] if argv is None else argv)
+    first = preset(options.link)
+    kv_bytes = options.link_prompt_tokens * tiny_model.SIZES[options.model_size].kv_bytes_per_token()
+    nominal = resolve(first, prefill_s=nominal_prefill_s(options.link_prompt_tokens), kv_bytes=kv_bytes)
+    link = Link(nominal.shaping)
+    try:
+        link.open()
+    except (LinkUnavailable, NetnsError) as exc:
+        _say(f"cannot make the link: {exc}")
+        return 1
+    try:
+        return run_supervised(options.log_dir, lambda fleet: _serve(options, fleet, link))
+    finally:
+        link.close()  # after the fleet has stopped every engine
+
+
+def _rerun_in_user_namespace(argv: Sequence[str]) -> None:
+    """Without root: run this stack again as root of a new user + network namespace (research 7.4)."""
+    _say(
+        f"not root: running inside a user namespace of its own; enter it with "
+        f"`nsenter --preserve-credentials -U -n -t {os.getpid()}` to reach the router"
+    )
+    env = dict(os.environ, **{USERNS_FLAG: "1"})
+    command = user_namespace_argv([sys.executable, "-m", "stack.local", *argv])
+    os.execvpe(command[0], command, env)
 
 
 def run_supervised(log_dir: Path, body: Callable[[Fleet], int]) -> int:
@@ -266,21 +348,46 @@ def run_supervised(log_dir: Path, body: Callable[[Fleet], int]) -> int:
             return 1
 
 
-def _serve(options: StackOptions, fleet: Fleet) -> int:
+def _serve(options: StackOptions, fleet: Fleet, link: Link | None) -> int:
     ensure_model(options)
-    prefill, decode = (Engine(s, log_dir=options.log_dir, python=options.python) for s in plan_engines(options))
-    busy = [port for port in stack_ports(options, [prefill.engine_spec, decode.engine_spec]) if not port_is_free(port)]
+    prefill_spec, decode_spec = plan_engines(options)
+    if link is not None:  # each engine on its own address in its own namespace: only the router's port is ours
+        prefill_spec = dataclasses.replace(prefill_spec, place=link.add(prefill_spec.name))
+        decode_spec = dataclasses.replace(decode_spec, place=link.add(decode_spec.name))
+    prefill, decode = (Engine(s, log_dir=options.log_dir, python=options.python) for s in (prefill_spec, decode_spec))
+    wanted = stack_ports(options, [prefill.engine_spec, decode.engine_spec]) if link is None else [options.port]
+    busy = [port for port in wanted if not port_is_free(port)]
     if busy:
         _say(f"ports already in use on {LOOPBACK}: {busy}; is another stack running? (see --port, --prefill-port)")
         return 1
     _say(f"starting prefill {prefill.url} and decode {decode.url} (about a minute); logs in {options.log_dir}")
     spec = plan_router(options, prefill.engine_spec, decode.engine_spec)
+    measured: list[Calibration] = []
+
+    def measure_and_shape() -> None:
+        if link is not None and options.link is not None:
+            _say(f"timing the prefill of {options.link_prompt_tokens} tokens to set the {options.link} rate ...")
+            kv_per_token = tiny_model.SIZES[options.model_size].kv_bytes_per_token()
+            try:
+                measured.append(
+                    calibrate(
+                        link,
+                        preset(options.link),
+                        prefill.url,
+                        prompt_tokens=options.link_prompt_tokens,
+                        kv_bytes_per_token=kv_per_token,
+                    )
+                )
+            except (OSError, RuntimeError) as exc:  # NetnsError is a RuntimeError
+                raise StartupError("link calibration", str(exc), prefill.log_path, prefill.log_tail(20)) from exc
+
     return run_stack(
         fleet,
         [prefill, decode],
         lambda: Router(spec, log_dir=options.log_dir, python=options.python),
         startup_timeout=options.startup_timeout,
-        announce=lambda: ready_line(options, prefill.url, decode.url),
+        announce=lambda: ready_line(options, prefill.url, decode.url, measured[0] if measured else None),
+        on_ready=measure_and_shape,
     )
 
 

@@ -17,6 +17,10 @@ DS = {"type": "prometheus", "uid": "${datasource}"}
 NS = 'namespace=~"$namespace"'
 RATE = "$__rate_interval"
 WIDTH = 24
+EXEMPLARS = (
+    " With tracing on, the dots are exemplars: one observed request each, linked to its trace (hover, then the "
+    "trace_id link; the Prometheus data source's exemplar link, deploy/grafana/datasources.example.yaml)."
+)
 
 
 @dataclass
@@ -29,6 +33,7 @@ class Panel:
     width: int = 8
     height: int = 8
     extra: dict[str, Any] = field(default_factory=dict)
+    exemplars: bool = False  # show the series' exemplars: each links to its trace (router tracing on)
 
 
 def q(quantile: float, metric: str, by: str, where: str = NS) -> str:
@@ -79,9 +84,10 @@ ROWS: list[tuple[str, list[Panel]]] = [
         [
             Panel(
                 "Router TTFT p50 / p99 by mode",
-                "Request arrival at the router to the first byte relayed to the client.",
+                "Request arrival at the router to the first byte relayed to the client." + EXEMPLARS,
                 p50_p99("kvpush_ttft_seconds", "mode", "{{mode}}"),
                 unit="s",
+                exemplars=True,
             ),
             Panel(
                 "Router end-to-end p50 / p99 by mode",
@@ -91,16 +97,18 @@ ROWS: list[tuple[str, list[Panel]]] = [
             ),
             Panel(
                 "TTFT p99 by decode worker",
-                "Router TTFT by the decode worker that answered: one slow decode engine stands out here.",
+                "Router TTFT by the decode worker that answered: one slow decode engine stands out here." + EXEMPLARS,
                 [(q(0.99, "kvpush_decode_ttft_seconds", "pod, worker"), "{{pod}} {{worker}}")],
                 unit="s",
+                exemplars=True,
             ),
             Panel(
                 "KV handoff p50 / p99 by mode",
                 "Prefill leg answered to decode's first byte. In push mode the KV is written while decode waits; "
-                "this is what push saves over pull.",
+                "this is what push saves over pull." + EXEMPLARS,
                 p50_p99("kvpush_handoff_seconds", "mode", "{{mode}}"),
                 unit="s",
+                exemplars=True,
             ),
             Panel(
                 "Upstream leg p50 / p99",
@@ -262,7 +270,13 @@ def _panel(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
             "tooltip": {"mode": "multi", "sort": "desc"},
         },
         "targets": [
-            {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": chr(ord("A") + i)}
+            {
+                "datasource": DS,
+                "expr": expr,
+                "legendFormat": legend,
+                "refId": chr(ord("A") + i),
+                **({"exemplar": True} if panel.exemplars else {}),
+            }
             for i, (expr, legend) in enumerate(panel.targets)
         ],
     }

@@ -19,3 +19,4 @@ class Front:
     connector: str = "sim"  # a row's `connector` (cpu-vllm: the pair's family)
     leg_client: str | None = None  # kvpush only: when not the default
     server: str | None = None  # kvpush only: when not the default
+    tracing: str | None = None  # kvpush only: off, or the sample ratio of a traced router (overhead suite)

@@ -21,9 +21,10 @@ def _scored(rows: Sequence[Row]) -> list[Row]:
 def _front(row: Row) -> Row:
     if row.get("router") != "kvpush":
         return row
-    client, server = row.get("leg_client"), row.get("server")
+    client, server, tracing = row.get("leg_client"), row.get("server"), row.get("tracing")
     tags = [] if server in (None, Settings.server) else [str(server)]
     tags += [] if client in (None, Settings.leg_client) else [f"{client} legs"]
+    tags += [] if tracing in (None, "off") else [f"tracing {float(tracing) * 100:g} %"]
     return {**row, "router": f"kvpush ({', '.join(tags)})"} if tags else row
 
 
@@ -125,6 +126,41 @@ def verdicts(rows: Sequence[Row]) -> list[Verdict]:
     return out
 
 
+def tracing_lines(rows: Sequence[Row]) -> list[str]:
+    """Issue 23's tracing cost: each traced kvpush push front's CPU per request against the untraced one's, per
+    concurrency, from the same run (fronts interleaved); nothing when the run traced no front."""
+    traced = sorted({str(r["tracing"]) for r in rows if r.get("tracing") not in (None, "off")}, key=float, reverse=True)
+    if not traced:
+        return []
+    push = [r for r in rows if r.get("router") == "kvpush" and r.get("mode") == "push" and not r.get("profiled")]
+    by = group(push, "concurrency", "tracing")
+    out = [
+        "### Tracing overhead (issue 23)",
+        "",
+        f"Run {rows[0].get('run_id', '?')} (commit {str(rows[0].get('git_commit', '?'))[:7]}, "
+        f"{max(int(r.get('repeat', 0)) for r in rows) + 1} repeat(s), the overhead load): "
+        "kvpush push with OpenTelemetry tracing on (OTLP/gRPC to a sink that drops the spans; sampler "
+        "parentbased_traceidratio at the ratio shown) against the same router untraced, in the same run. CPU is "
+        "the router process's own, the export thread included; medians of the repeats (min-max). Targets: at most "
+        "10 % more CPU per request at 100 % sampling, 2 % at 1 %.",
+        "",
+        "| conc | tracing | CPU s / 1k req | more than untraced (median) | added TTFT p50 vs untraced (ms) |",
+        "|---|---|---|---|---|",
+    ]
+    for conc in sorted({int(c) for c, _ in by}):
+        base_rows = by.get((conc, "off"), [])
+        base = agg(base_rows, "cpu_s_per_1k", "")
+        base_ttft = agg(base_rows, "ttft_ms", "p50")
+        out.append(f"| {conc} | off | {_t(base)} | - | - |")
+        for ratio in traced:
+            rs = by.get((conc, ratio), [])
+            cpu, ttft = agg(rs, "cpu_s_per_1k", ""), agg(rs, "ttft_ms", "p50")
+            more = "-" if cpu is None or base is None else f"{100 * (cpu.med / base.med - 1):+.1f} %"
+            added = "-" if ttft is None or base_ttft is None else f"{ttft.med - base_ttft.med:+.2f}"
+            out.append(f"| {conc} | {float(ratio) * 100:g} % | {_t(cpu)} | {more} | {added} |")
+    return [*out, ""]
+
+
 def profile_lines(path: Path | None) -> list[str]:
     """router-profile.json (overhead suite with --set cprofile=true), if one was written."""
     if path is None or not path.exists():
@@ -148,7 +184,8 @@ def profile_lines(path: Path | None) -> list[str]:
     return out
 
 
-def overhead_section(rows: Sequence[Row], results_dir: Path | None = None) -> list[str]:
+def overhead_section(rows: Sequence[Row], results_dir: Path | None = None, tracing: Sequence[Row] = ()) -> list[str]:
+    """`rows`: the latest overhead run; `tracing`: the latest run that measured tracing (its own table)."""
     if not rows:
         return ["No overhead run yet."]
     scored = _scored(rows)
@@ -168,6 +205,7 @@ def overhead_section(rows: Sequence[Row], results_dir: Path | None = None) -> li
         "",
         *verdict_table(verdicts(scored)),
         "",
+        *tracing_lines(tracing),
         "### Where the router's time goes",
         "",
         *profile_lines(None if results_dir is None else results_dir / "router-profile.json"),

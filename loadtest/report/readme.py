@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from loadtest.report import cpu, multiturn, overhead, samepair, seed
-from loadtest.results import Row, latest, latest_what_if
+from loadtest.results import Row, latest, latest_tracing, latest_what_if
 
 
 def machine() -> str:
@@ -68,7 +68,7 @@ def render(rows: Sequence[Row], results_dir: Path | None = None) -> str:
         "",
         "## overhead: the front door itself",
         "",
-        *overhead.overhead_section(over, results_dir),
+        *overhead.overhead_section(over, results_dir, latest_tracing(rows)),
         "",
         *multiturn_section(latest(rows, "multiturn"), results_dir),
         *REPRODUCE,
@@ -88,6 +88,7 @@ REPRODUCE = [
     "kvpush bench --suite same-pair                     # both push pairs, 5 points x 3 repeats, fronts at once",
     "kvpush bench --suite overhead                      # 3 repeats of 1/64/256 concurrency, 5 fronts",
     "kvpush bench --suite overhead --set cprofile=true --set repeats=1 --set levels=1:300,64:1500   # profile",
+    "kvpush bench --suite overhead --set tracings=off,1,0.01 --set levels=1:300,64:1500   # tracing overhead",
     "kvpush bench --suite seed-sim                      # 4 stacks + calibration",
     "python -m loadtest calibrate                       # calibration alone (virtual time, minutes)",
     "```",

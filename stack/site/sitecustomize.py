@@ -1,7 +1,7 @@
 """Test and local-stack harness for vLLM processes on a small CPU box; inert unless its switches are set.
 
 Loaded by Python at start-up when `stack/site` is on PYTHONPATH (stack.engines puts it there for every
-vLLM process it starts, and every process vLLM spawns inherits it). Two independent switches:
+vLLM process it starts, and every process vLLM spawns inherits it). Independent switches:
 
 KVPUSH_NIXL_NO_PROG_THREAD=1
     Every `nixl_agent_config` built without explicit values gets `enable_prog_thread=False` and
@@ -11,6 +11,13 @@ KVPUSH_NIXL_NO_PROG_THREAD=1
     thread and the engine thread call it concurrently, and with the default (NONE) push wedges under load.
     The patch is applied when the NIXL backend module (`nixl_cu13._api` / `nixl_cu12._api`) is first
     imported, so processes that never import NIXL pay nothing.
+
+KVPUSH_NIXL_PTHR_DELAY_US=N (N >= 1)
+    Every NIXL agent is built with `pthrDelay` = N µs instead of the 0 NIXL's Python API hard-codes. With a
+    progress thread, 0 makes it poll() UCX's event fds with a 0 ms timeout (a busy loop, about a core);
+    N >= 1 makes it sleep until UCX has work or ceil(N µs) ms passed (about 2 % of a core idle). The
+    emulated link (stack/link) sets it instead of KVPUSH_NIXL_NO_PROG_THREAD: over TCP a WRITE needs the
+    target to progress UCX while the data arrives (research turn3-netem.md 4.3).
 
 KVPUSH_KEEP_AFFINITY=1
     `os.sched_setaffinity` requests are clamped to the cores this process was started with (the
@@ -27,7 +34,7 @@ import importlib.util
 import inspect
 import os
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -100,9 +107,42 @@ def _clamp_affinity(allowed: frozenset[int]) -> None:
     os.sched_setaffinity = sched_setaffinity
 
 
+def _patch_pthr_delay(delay_us: int) -> Callable[[ModuleType], None]:
+    """A patch that builds every agent of an api module with pthrDelay = delay_us."""
+
+    def patch(api: ModuleType) -> None:
+        bindings = api.nixlBind
+        original = bindings.nixlAgent
+
+        def nixlAgent(name: str, config: Any) -> Any:
+            config.pthrDelay = delay_us
+            return original(name, config)
+
+        bindings.nixlAgent = nixlAgent
+
+    return patch
+
+
+def _nixl_patches(env: Mapping[str, str]) -> list[Callable[[ModuleType], None]]:
+    """The patches of the NIXL API module that the environment's switches ask for."""
+    patches = []
+    if env.get("KVPUSH_NIXL_NO_PROG_THREAD") == "1":
+        patches.append(_patch_agent_config)
+    delay = env.get("KVPUSH_NIXL_PTHR_DELAY_US", "")
+    if delay.isdigit() and int(delay) >= 1:
+        patches.append(_patch_pthr_delay(int(delay)))
+    return patches
+
+
 def _install() -> None:
-    if os.environ.get("KVPUSH_NIXL_NO_PROG_THREAD") == "1":
-        sys.meta_path.insert(0, _PatchOnImport(_NIXL_API_MODULES, _patch_agent_config))
+    patches = _nixl_patches(os.environ)
+    if patches:
+
+        def patch_all(api: ModuleType) -> None:
+            for patch in patches:
+                patch(api)
+
+        sys.meta_path.insert(0, _PatchOnImport(_NIXL_API_MODULES, patch_all))
     if os.environ.get("KVPUSH_KEEP_AFFINITY") == "1" and hasattr(os, "sched_setaffinity"):
         _clamp_affinity(frozenset(os.sched_getaffinity(0)))
 

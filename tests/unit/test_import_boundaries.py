@@ -57,6 +57,8 @@ IO = {
     "router.pool": "health probes and gauges",
     "router.admission": "the admission gauges",
     "router.metrics": "prometheus_client",
+    "router.tracing.provider": "the OpenTelemetry SDK's exporter thread; builds the OTLP exporters",
+    "router.tracing.grpc_export": "the OTLP/gRPC exporter (grpc)",
     "router.drain": "the server's SIGTERM drain (uvicorn)",
     "router.serve_granian": "the server's SIGTERM drain (granian)",
     "router.signals": "sets the process's SIGTERM/SIGINT handlers",

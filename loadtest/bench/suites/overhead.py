@@ -18,6 +18,13 @@ at concurrency 256 on 2 cores the zero-cost simulated prefill, CPU-starved but a
 a row and was taken down mid-run. Two timeouts in a row still take a worker down (router/health.py
 `probe_timeouts`, not a setting), so a live but starved simulator now has 2 x 10 s to answer.
 
+`tracings` (e.g. `--set tracings=off,1,0.01`) runs one kvpush push front per tracing setting: `off`, or a
+sample ratio with OpenTelemetry tracing on (KVPUSH_TRACING, OTEL_TRACES_SAMPLER=parentbased_traceidratio and its
+ratio, the batch exported at least every 0.5 s so a point's spans go out, and are counted, within the point), over
+OTLP/gRPC to a sink on the suite's own threads (loadtest/bench/otlp_sink.py: it drops what it gets, so its CPU is
+not the router's); rows record `tracing`, and the report shows a traced front as its own (`kvpush (tracing
+100 %)`) and compares its CPU per request with the untraced one's (bench/README.md, "Tracing overhead").
+
 `cprofile=True` runs the kvpush push router under cProfile (its rows are marked `profiled` and left out of
 the targets) and writes router-profile.json next to summary.json: where its time went, by category.
 """
@@ -33,6 +40,7 @@ from typing import Any
 
 from loadtest.bench import procs, profiling
 from loadtest.bench.fronts import Front
+from loadtest.bench.otlp_sink import OtlpSink
 from loadtest.bench.point import Point, measure
 from loadtest.job import REPO
 from loadtest.results import RowLabels, git_commit
@@ -53,6 +61,7 @@ class OverheadPlan:
     cprofile: bool = False
     leg_clients: tuple[str, ...] = (Settings.leg_client,)  # kvpush push fronts, one per leg client
     servers: tuple[str, ...] = (Settings.server,)  # ... and per HTTP server (router/config.py SERVERS)
+    tracings: tuple[str, ...] = ("off",)  # ... and per tracing setting: off or a sample ratio (docstring)
 
 
 # 5 fronts x 3 repeats x (300 + 1500 + 3000 requests): about 5-7 minutes on 2 idle cores.
@@ -67,14 +76,16 @@ class KvpushVariant:
     mode: str
     leg_client: str
     server: str
+    tracing: str = "off"  # off, or the sample ratio of a traced router
 
     @property
     def default(self) -> bool:
-        return self.leg_client == Settings.leg_client and self.server == Settings.server
+        return self.leg_client == Settings.leg_client and self.server == Settings.server and self.tracing == "off"
 
     @property
     def name(self) -> str:
         tags = [t for t, d in ((self.leg_client, Settings.leg_client), (self.server, Settings.server)) if t != d]
+        tags += [] if self.tracing == "off" else [f"trace{self.tracing}"]
         return "-".join([f"router-{self.mode}", *tags])
 
 
@@ -83,14 +94,39 @@ def kvpush_fronts(plan: OverheadPlan) -> list[KvpushVariant]:
     for what, names, known in (("leg_clients", plan.leg_clients, LEG_CLIENTS), ("servers", plan.servers, SERVERS)):
         if not names or set(names) - set(known):
             raise ValueError(f"overhead: {what} must name some of {', '.join(known)}, got {names}")
-    push = [KvpushVariant("push", c, s) for s in dict.fromkeys(plan.servers) for c in dict.fromkeys(plan.leg_clients)]
+    for ratio in plan.tracings:
+        if ratio != "off" and not _is_ratio(ratio):
+            raise ValueError(f"overhead: tracings must be off or sample ratios in [0, 1], got {ratio!r}")
+    push = [
+        KvpushVariant("push", c, s, t)
+        for t in dict.fromkeys(plan.tracings)
+        for s in dict.fromkeys(plan.servers)
+        for c in dict.fromkeys(plan.leg_clients)
+    ]
     return [*push, KvpushVariant("pull", Settings.leg_client, Settings.server)]
 
 
+def _is_ratio(text: str) -> bool:
+    try:
+        return 0.0 <= float(text) <= 1.0
+    except ValueError:
+        return False
+
+
 @contextlib.contextmanager
-def _router_env(front: KvpushVariant) -> Iterator[None]:
-    """The router started meanwhile uses the front's leg client and server (KVPUSH_LEG_CLIENT, KVPUSH_SERVER)."""
-    changes = {"KVPUSH_LEG_CLIENT": front.leg_client, "KVPUSH_SERVER": front.server}
+def _router_env(front: KvpushVariant, sink: str | None = None) -> Iterator[None]:
+    """The router started meanwhile uses the front's leg client, server and tracing (KVPUSH_LEG_CLIENT,
+    KVPUSH_SERVER, KVPUSH_TRACING and the OTEL_* sampler, batch delay and endpoint: the sink's)."""
+    traced = front.tracing != "off"
+    changes = {
+        "KVPUSH_LEG_CLIENT": front.leg_client,
+        "KVPUSH_SERVER": front.server,
+        "KVPUSH_TRACING": "true" if traced else "false",
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": front.tracing if traced else "0",
+        "OTEL_BSP_SCHEDULE_DELAY": "500",  # ms: a point's spans are exported within the point (docstring)
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": sink or "http://127.0.0.1:9",
+    }
     before = {k: os.environ.get(k) for k in changes}
     os.environ.update(changes)
     try:
@@ -109,7 +145,9 @@ def _start(fleet: Fleet, proc: ManagedProcess) -> ManagedProcess:
     return proc
 
 
-def _fronts(fleet: Fleet, plan: OverheadPlan, logs: Path, prof_out: Path | None) -> tuple[list[Front], str]:
+def _fronts(
+    fleet: Fleet, plan: OverheadPlan, logs: Path, prof_out: Path | None, sink: str | None
+) -> tuple[list[Front], str]:
     d_port = free_port()
     fleet.start(procs.sim_proc("sim-zero-d", "decode", d_port, PROFILE, "both", logs))
     p_urls: dict[str, str] = {}
@@ -124,12 +162,21 @@ def _fronts(fleet: Fleet, plan: OverheadPlan, logs: Path, prof_out: Path | None)
         port, mode = free_port(), k.mode
         spec = f"{p_urls[mode]},engine_id=sim-zero-p-{mode},side_port={p_urls[mode].rsplit(':', 1)[1]}"
         out = prof_out if mode == "push" and k.default else None
-        with _router_env(k):
+        with _router_env(k, sink):
             proc = _start(
                 fleet, procs.router_proc(k.name, port, mode, spec, d_url, logs, cprofile_to=out, flags=ROUTER_FLAGS)
             )
         fronts.append(
-            Front("kvpush", mode, procs.url(port), proc, p_urls[mode], leg_client=k.leg_client, server=k.server)
+            Front(
+                "kvpush",
+                mode,
+                procs.url(port),
+                proc,
+                p_urls[mode],
+                leg_client=k.leg_client,
+                server=k.server,
+                tracing=k.tracing,
+            )
         )
     binary = procs.vrouter_binary()
     if binary is None:
@@ -149,8 +196,10 @@ def run(plan: OverheadPlan, run_dir: Path, summary: Path, progress: bool, run_id
     logs = run_dir / "logs"
     prof_out = run_dir / "router-push.prof" if plan.cprofile else None
     run_dir.mkdir(parents=True, exist_ok=True)
-    with Fleet(logs) as fleet:
-        fronts, d_url = _fronts(fleet, plan, logs, prof_out)
+    traced = any(t != "off" for t in plan.tracings)
+    with Fleet(logs) as fleet, contextlib.ExitStack() as running:
+        sink = running.enter_context(OtlpSink()).endpoint if traced else None
+        fronts, d_url = _fronts(fleet, plan, logs, prof_out, sink)
         profiled = [f.proc.pid for f in fronts if _is_profiled(f) and f.proc and f.proc.pid and prof_out]
         for pid in profiled:
             os.kill(pid, signal.SIGUSR1)  # start-up done: profile from here on
@@ -174,7 +223,8 @@ def run(plan: OverheadPlan, run_dir: Path, summary: Path, progress: bool, run_id
 
 def _is_profiled(front: Front) -> bool:
     """The one front run under cProfile with `cprofile=True`: kvpush push on the default client and server."""
-    return front.leg_client == Settings.leg_client and front.server == Settings.server and front.mode == "push"
+    default = front.leg_client == Settings.leg_client and front.server == Settings.server
+    return default and front.tracing in (None, "off") and front.mode == "push"
 
 
 def _wait_for(path: Path | None, timeout_s: float = 30.0) -> None:
@@ -204,6 +254,10 @@ def _point(
         extra["leg_client"] = front.leg_client
     if front.server is not None:
         extra["server"] = front.server
+    if front.tracing is not None:
+        extra["tracing"] = front.tracing
+    if any(t != "off" for t in plan.tracings):
+        extra["tracing_run"] = True  # the report's tracing table reads such runs, the overhead tables do not
     if plan.cprofile:
         extra["profiling_run"] = True  # the report keeps such runs out of the overhead tables
         if _is_profiled(front):

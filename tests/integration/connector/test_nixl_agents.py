@@ -22,15 +22,16 @@ pytest.importorskip("nixl")
 BLOCKS, BLOCK_LEN, REGIONS = 16, 4096, 2
 
 
-def peer_main(conn: Connection, engine: str, seed: int | None) -> None:
+def peer_main(conn: Connection, engine: str, seed: int | None, progress: str = "poll") -> None:
     """Child process: one agent + transfer thread, driven by commands from the test."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     import numpy as np
 
     from connector.metadata import KVLayout, PeerAddress, PrefillFailed, PrefillFinished, Region, RegisterOrder
+    from connector.options import Options
     from connector.rendezvous import Timeouts
     from connector.transfer import NixlBackend
-    from connector.transfer_thread import CancelOrder, Options, Results, TransferThread
+    from connector.transfer_thread import CancelOrder, Results, TransferThread
 
     rng = np.random.default_rng(seed)
     kv = [
@@ -41,14 +42,18 @@ def peer_main(conn: Connection, engine: str, seed: int | None) -> None:
     ]
     layout = KVLayout("DRAM", 0, 16, tuple(Region(a.ctypes.data, BLOCK_LEN, BLOCKS) for a in kv))
     timeouts = Timeouts(lease_s=5, kv_timeout_s=8, write_grace_s=3, write_timeout_s=2, connect_timeout_s=5)
+    options = Options(timeouts=timeouts, progress=progress)
+    backend = NixlBackend(
+        f"kvpush-{engine}-{os.getpid()}", layout, progress_thread_delay_us=options.progress_thread_delay_us
+    )
     thread = TransferThread(
-        NixlBackend(f"kvpush-{engine}-{os.getpid()}", layout),
+        backend,
         engine_id=engine,
         layout=layout,
         compat_hash="it",
         side_host="127.0.0.1",
         side_port=0,
-        options=Options(timeouts=timeouts),
+        options=options,
     )
     thread.start()
     seen = Results()
@@ -80,9 +85,9 @@ def peer_main(conn: Connection, engine: str, seed: int | None) -> None:
 
 
 class Peer:
-    def __init__(self, ctx: Any, engine: str, seed: int | None) -> None:
+    def __init__(self, ctx: Any, engine: str, seed: int | None, progress: str = "poll") -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=peer_main, args=(child, engine, seed), daemon=True)
+        self.proc = ctx.Process(target=peer_main, args=(child, engine, seed, progress), daemon=True)
         self.proc.start()
         assert self.conn.poll(60), f"{engine} did not start"
         self.port: int = self.conn.recv()
@@ -137,6 +142,23 @@ def test_write_lands_with_completion(agents: tuple[Peer, Peer], prefill_first: b
     rp = p.wait(lambda r: preq in r["released"])
     assert preq in rp["released"]
     assert any(rec.num_bytes == len(src) * REGIONS * BLOCK_LEN for rec in rp["records"])
+
+
+def test_a_write_lands_with_the_event_driven_progress_thread_on_both_sides() -> None:
+    """``progress: thread`` (issue 21): NIXL's UCX progress thread with a poll() delay, not its busy loop."""
+    ctx = mp.get_context("spawn")
+    p, d = Peer(ctx, "P", seed=11, progress="thread"), Peer(ctx, "D", seed=None, progress="thread")
+    try:
+        d.call("register", "d-t", "t:t", p.port, [8, 9])
+        time.sleep(0.1)
+        p.call("finish", "p-t", "t:t", [1, 2])
+        r = d.wait(lambda r: "d-t" in r["received"])
+        assert "d-t" in r["received"] and "d-t" not in r["failed"]
+        assert d.call("sha", [8, 9]) == p.call("sha", [1, 2])
+        assert d.call("sha", [10]) == zero_sha(1)
+    finally:
+        d.close()
+        p.close()
 
 
 def test_cancel_is_acked_and_nothing_is_written(agents: tuple[Peer, Peer]) -> None:

@@ -8,6 +8,8 @@ the decode side with a ``PeerLink``. Guarantee G3 of connector/README.md: a peer
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -92,3 +94,30 @@ def test_a_frozen_or_dead_peer_is_noticed_within_the_liveness_bound(prefill: tup
         assert wait_for(lost.is_set, LIVENESS.bound_s + 5.0), f"{how}: the peer was never reported lost"
     finally:
         link.close()
+
+
+def test_a_peer_of_the_old_wire_version_is_refused_at_the_handshake_naming_both_versions(
+    prefill: tuple[Any, int], caplog: pytest.LogCaptureFixture
+) -> None:
+    """G9: the decode side speaks version N-1 to a real server of version N; the refusal names both."""
+    _, port = prefill
+    lost = threading.Event()
+    old = dataclasses.replace(payload("D"), protocol_version=PROTOCOL_VERSION - 1)
+    link = PeerLink(
+        PeerAddress("P", "127.0.0.1", port),
+        lambda: old,
+        on_ready=lambda p, offset: None,
+        on_lost=lambda engine: lost.set(),
+        expect_hash="it",
+        timeout_s=5.0,
+        liveness=LIVENESS,
+    )
+    with caplog.at_level(logging.WARNING, logger="connector.handshake"):
+        link.start()
+        try:
+            assert lost.wait(10), "the refused handshake was not reported"
+        finally:
+            link.close()
+    [line] = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert f"the peer speaks kvpush wire protocol version {PROTOCOL_VERSION - 1}" in line, line
+    assert f"this connector speaks version {PROTOCOL_VERSION}" in line, line

@@ -141,3 +141,14 @@ def test_compatibility_hash_covers_layout_not_addresses() -> None:
     assert compatibility_hash("m", LAYOUT) == compatibility_hash("m", moved)
     assert compatibility_hash("m", LAYOUT) != compatibility_hash("m", other)
     assert compatibility_hash("m", LAYOUT) != compatibility_hash("m2", LAYOUT)
+
+
+def test_a_peer_of_the_old_wire_version_is_refused_naming_both_versions() -> None:
+    old = json.dumps({**json.loads(_payload().encode()), "protocol_version": PROTOCOL_VERSION - 1}).encode()
+    with pytest.raises(ProtocolError) as refused:
+        HandshakePayload.decode(old, expect_hash="h1")
+    assert f"version {PROTOCOL_VERSION - 1}" in str(refused.value)
+    assert f"this connector speaks version {PROTOCOL_VERSION}" in str(refused.value)
+    notice = encode_notice(Done("t:1", "d1")).replace(f'"v":{PROTOCOL_VERSION}'.encode(), b'"v":1')
+    with pytest.raises(ProtocolError, match=f"version 1, this connector speaks version {PROTOCOL_VERSION}"):
+        decode_notice(notice)

@@ -28,8 +28,11 @@ from connector.metadata import (
     Region,
     RegisterOrder,
 )
+from connector.options import Options, Polling
+from connector.ready import StepFence
 from connector.rendezvous import Timeouts
-from connector.transfer_thread import CancelOrder, Options, Polling, Results, TransferThread
+from connector.transfer import TransferError
+from connector.transfer_thread import CancelOrder, Results, TransferThread
 from tests.unit.connector.side_channel_fake import LoopbackSideChannel
 
 BLOCKS, BLOCK_LEN = 8, 64
@@ -58,7 +61,13 @@ CHANNEL = LoopbackSideChannel()
 
 
 def make_side(
-    fabric: MemoryFabric, engine: str, seed: int | None, compat: str = "c1", options: Options = OPTIONS
+    fabric: MemoryFabric,
+    engine: str,
+    seed: int | None,
+    compat: str = "c1",
+    options: Options = OPTIONS,
+    fence: StepFence | None = None,
+    backend_cls: type[MemoryBackend] = MemoryBackend,
 ) -> Side:
     rng = np.random.default_rng(seed)
     kv = [
@@ -68,7 +77,7 @@ def make_side(
         for _ in range(2)
     ]
     layout = KVLayout("DRAM", 0, 16, tuple(Region(a.ctypes.data, BLOCK_LEN, BLOCKS) for a in kv))
-    backend = MemoryBackend(fabric, f"agent-{engine}", layout)
+    backend = backend_cls(fabric, f"agent-{engine}", layout)
     thread = TransferThread(
         backend,
         engine_id=engine,
@@ -78,6 +87,7 @@ def make_side(
         side_port=0,
         options=options,
         side_channel=CHANNEL,
+        fence=fence,
     )
     thread.start()
     return Side(thread, backend, kv, Results())
@@ -367,7 +377,7 @@ def test_a_kick_wakes_the_owner_thread(pair: tuple[Side, Side]) -> None:
     ("extra", "message"),
     [
         ({"poll_s": 0.001}, "unknown kv_connector_extra_config key(s) ['poll_s']"),
-        ({"write_timeout_s": 20}, "write_timeout_s < write_grace_s"),
+        ({"write_timeout_s": 50}, "write_timeout_s < write_grace_s"),
         ({"write_poll_min_s": "fast"}, "bad kv_connector_extra_config"),
         ({"progressive": "yes"}, "progressive must be true or false"),
         ({"progressive": True, "early_write": False}, "progressive push needs early_write"),
@@ -385,3 +395,69 @@ def test_extra_config_sets_every_group() -> None:
     assert Options.from_extra({"progressive": True}).progressive is True
     assert Options.from_extra({}).progressive is True, "on by default (G14)"
     assert Options.from_extra({"early_write": False}).progressive is False, "off with early_write unless asked for"
+
+
+# ---- issue 21 item 3: decode's notice handling never waits for the idle tick -----------------
+
+
+def test_decode_takes_its_done_without_waiting_for_the_idle_tick() -> None:
+    """With a receive in flight D's owner thread polls (0.2 -> 5 ms), so the Done is seen at once even
+    though its idle safety net is 30 s and nothing kicks it (before: one idle tick per transfer)."""
+    slow_idle = Options(
+        timeouts=Timeouts(lease_s=60, kv_timeout_s=120, write_grace_s=10, write_timeout_s=5, connect_timeout_s=5),
+        polling=Polling(idle_wait_s=30.0),
+        liveness=OPTIONS.liveness,
+    )
+    fabric = MemoryFabric()
+    p, d = make_side(fabric, "P", seed=1, options=slow_idle), make_side(fabric, "D", seed=None, options=slow_idle)
+    try:
+        register(p, d)
+        wait_for(lambda: bool(p.backend.inbox) or p.thread._prefill.live == 1)  # the registration reached P
+        p.thread.submit(PrefillFinished("p1", "t:1", (1, 2)))  # P wakes for it and finds the registration
+        wait_for(lambda: "d1" in d.collect().received, timeout=10.0)
+        assert not d.results.failed and sha(d.block(5) + d.block(6)) == sha(p.block(1) + p.block(2))
+    finally:
+        d.thread.close()
+        p.thread.close()
+
+
+@pytest.mark.parametrize(
+    ("extra", "model", "delay"),
+    [
+        ({}, "poll", None),
+        ({"progress": "thread"}, "thread", 1000),
+        ({"progress": "thread", "progress_delay_us": 200}, "thread", 200),
+    ],
+)
+def test_the_progress_model_is_an_option(extra: dict[str, object], model: str, delay: int | None) -> None:
+    o = Options.from_extra(extra)
+    assert (o.progress, o.progress_thread_delay_us) == (model, delay)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [({"progress": "busy"}, "progress must be one of ['poll', 'thread']"), ({"progress_delay_us": 0}, "spin")],
+)
+def test_a_bad_progress_model_is_refused(extra: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Options.from_extra(extra)
+
+
+def test_the_default_write_timeout_outlasts_the_slowest_presets_transfer() -> None:
+    """issue 21: the stack's slowest preset (25g-like, prefill-scaled) moves a 16 MiB prompt in 4.7 s
+    (research turn3-netem, about four prefills); the defaults leave that WRITE a 6x margin, and D's hold
+    deadline leaves P time to start it after a long queue."""
+    t = Options.from_extra({}).timeouts
+    assert t.write_timeout_s >= 6 * 4.7
+    assert t.kv_timeout_s - t.write_grace_s >= 60
+
+
+def test_decode_loads_prefill_for_notices_only_and_prefill_loads_decode_to_write(pair: tuple[Side, Side]) -> None:
+    """Descriptors at scale: decode never WRITEs, so it prepares no list for prefill's blocks."""
+    p, d = pair
+    register(p, d)
+    p.thread.submit(PrefillFinished("p1", "t:1", (1, 2)))
+    wait_for(lambda: "d1" in d.collect().received)
+    assert not d.backend.peers["agent-P"].writable and p.backend.peers["agent-D"].writable
+    with pytest.raises(TransferError, match="notices-only"):
+        d.backend.write("agent-P", (1,), (1,), b"")

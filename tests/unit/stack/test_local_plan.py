@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 from pathlib import Path
 
 import pytest
 
-from stack.engines import engine_argv
+from stack.engines import engine_argv, process_spec
+from stack.link.calibrate import Calibration
+from stack.link.plan import Place, preset, resolve
 from stack.local import (
     DEFAULT_CACHE_DIR,
     KVPUSH_CONNECTOR_CLASS,
@@ -174,3 +177,44 @@ def test_unknown_mode_is_a_usage_error() -> None:
 def test_stack_ports_are_router_then_each_engines_http_and_side_port() -> None:
     options = StackOptions()
     assert stack_ports(options, plan_engines(options)) == [8000, 8100, 5600, 8200, 5601]
+
+
+def test_link_flags_choose_a_preset_and_the_prompt_length(capsys: pytest.CaptureFixture[str]) -> None:
+    options = parse_args(["--link", "ethernet-25g-like", "--link-prompt-tokens", "512"])
+    assert (options.link, options.link_prompt_tokens) == ("ethernet-25g-like", 512)
+    assert parse_args([]).link is None
+    with pytest.raises(SystemExit):
+        parse_args(["--link", "infiniband"])
+    with pytest.raises(SystemExit):
+        parse_args(["--link", "efa-like", "--link-prompt-tokens", "4096"])
+    assert "--max-model-len is 2048" in capsys.readouterr().err
+
+
+def test_an_engine_with_a_place_listens_on_its_address_inside_its_namespace() -> None:
+    prefill, _ = plan_engines(StackOptions(cache_dir=Path("/c")))
+    placed = dataclasses.replace(prefill, place=Place("prefill", "/proc/7/ns/net", "10.231.9.1"))
+    argv = engine_argv(placed)
+    assert argv[:3] == ("nsenter", "--net=/proc/7/ns/net", "--") and "taskset" in argv
+    assert argv[argv.index("--host") + 1] == "10.231.9.1" and placed.url == "http://10.231.9.1:8100"
+    assert placed.prefill_arg() == "http://10.231.9.1:8100,engine_id=kvpush-local-prefill,side_port=5600"
+    env = process_spec(placed, Path("/c/logs")).env
+    assert (env["UCX_TLS"], env["UCX_NET_DEVICES"], env["VLLM_NIXL_SIDE_CHANNEL_HOST"]) == ("tcp", "kvn0", "10.231.9.1")
+    assert "KVPUSH_NIXL_NO_PROG_THREAD" not in env and env["KVPUSH_NIXL_PTHR_DELAY_US"] == "1000"
+    assert "UCX_TLS" not in process_spec(prefill, Path("/c/logs")).env or prefill.place is None
+
+
+def test_the_ready_line_says_the_link_rate_and_what_it_came_from() -> None:
+    plan = resolve(preset("ethernet-100g-like"), prefill_s=0.25, kv_bytes=1024 * 1024)
+    line = ready_line(
+        StackOptions(link="ethernet-100g-like"),
+        "http://10.231.1.1:8100",
+        "http://10.231.1.2:8200",
+        Calibration(plan, (0.25,)),
+    )
+    assert "\n" not in line
+    assert (
+        "link ethernet-100g-like: 32.2 Mbit/s, a 1024 KiB KV transfer ~272 ms = 1.09 x the measured prefill of 250 ms"
+        in line
+    )
+    fast = resolve(preset("efa-like"), prefill_s=0.01, kv_bytes=4 * 1024 * 1024)
+    assert "this box, not the shaper" in ready_line(StackOptions(), "p", "d", Calibration(fast, (0.01,)))

@@ -19,6 +19,7 @@ def site(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """The harness module loaded under a private name with both switches off (so it installs nothing)."""
     monkeypatch.delenv("KVPUSH_NIXL_NO_PROG_THREAD", raising=False)
     monkeypatch.delenv("KVPUSH_KEEP_AFFINITY", raising=False)
+    monkeypatch.delenv("KVPUSH_NIXL_PTHR_DELAY_US", raising=False)
     spec = importlib.util.spec_from_file_location("kvpush_site_under_test", SITE)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -113,3 +114,37 @@ def test_import_hook_patches_only_the_named_module_after_it_ran(site: ModuleType
 def test_import_hook_ignores_modules_that_do_not_exist(site: ModuleType) -> None:
     hook = site._PatchOnImport({"kvpush_no_such_module"}, lambda module: None)
     assert hook.find_spec("kvpush_no_such_module", None) is None
+
+
+class TestProgressThreadDelay:
+    """KVPUSH_NIXL_PTHR_DELAY_US: every agent is built with that pthrDelay (NIXL's Python API hard-codes 0)."""
+
+    @staticmethod
+    def api_with_bindings(built: list[tuple[str, int]]) -> ModuleType:
+        class AgentConfig:
+            pthrDelay = 0
+
+        def nixlAgent(name: str, config: AgentConfig) -> str:
+            built.append((name, config.pthrDelay))
+            return f"agent {name}"
+
+        bindings = ModuleType("fake_bindings")
+        bindings.nixlAgent = nixlAgent  # type: ignore[attr-defined]
+        bindings.nixlAgentConfig = AgentConfig  # type: ignore[attr-defined]
+        api = fake_nixl_api()
+        api.nixlBind = bindings  # type: ignore[attr-defined]
+        return api
+
+    def test_agents_get_the_delay_and_both_switches_combine(self, site: ModuleType) -> None:
+        built: list[tuple[str, int]] = []
+        api = self.api_with_bindings(built)
+        patches = site._nixl_patches({"KVPUSH_NIXL_PTHR_DELAY_US": "1000", "KVPUSH_NIXL_NO_PROG_THREAD": "1"})
+        for patch in patches:
+            patch(api)
+        assert api.nixlBind.nixlAgent("a", api.nixlBind.nixlAgentConfig()) == "agent a"
+        assert built == [("a", 1000)]
+        assert api.nixl_agent_config().enable_pthread is False  # the other switch still applies
+
+    @pytest.mark.parametrize("value", ["", "0", "-5", "soon"])
+    def test_no_patch_without_a_positive_delay(self, site: ModuleType, value: str) -> None:
+        assert site._nixl_patches({"KVPUSH_NIXL_PTHR_DELAY_US": value}) == []

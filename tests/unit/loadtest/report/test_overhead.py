@@ -34,3 +34,38 @@ def test_a_point_whose_leg_logs_were_unreadable_shows_no_wire_order() -> None:
     rows = [over_row("direct", "direct", 1, 0, 1.0), over_row("kvpush", "push", 1, 0, 2.0, wire_order=None)]
     line = next(t for t in report_overhead.table(rows) if "| kvpush |" in t)
     assert line.endswith("| - |")
+
+
+def test_traced_fronts_are_their_own_rows_and_get_the_tracing_table() -> None:
+    rows: list[dict[str, Any]] = []
+    for rep in range(2):
+        rows += [
+            over_row("direct", "direct", 1, rep, 1.0),
+            over_row("kvpush", "push", 1, rep, 2.0, cpu_s_per_1k=1.0, tracing="off"),
+            over_row("kvpush", "push", 1, rep, 2.5, cpu_s_per_1k=1.1, tracing="1"),
+            over_row("kvpush", "push", 1, rep, 2.1, cpu_s_per_1k=1.01, tracing="0.01"),
+        ]
+    scored = report_overhead._scored(rows)
+    text = "\n".join(report_overhead.table(scored))
+    assert "| kvpush (tracing 100 %) | push | 2 |" in text and "| kvpush (tracing 1 %) | push | 2 |" in text
+    vs = {(v.target, v.point): v for v in report_overhead.verdicts(scored)}
+    assert vs[("CPU / 1k req <= 1.0x vllm-router push", "c=1")].ours == 1.0  # the untraced router only
+    lines = report_overhead.tracing_lines(rows)
+    assert "| 1 | 100 % | 1.10 (1.10 to 1.10) | +10.0 % | +0.50 |" in lines
+    assert "| 1 | 1 % | 1.01 (1.01 to 1.01) | +1.0 % | +0.10 |" in lines
+    assert report_overhead.tracing_lines([r for r in rows if r.get("tracing") == "off"]) == []
+
+
+def test_a_tracing_run_stays_out_of_the_latest_overhead_run_and_feeds_its_own_table() -> None:
+    from loadtest.results import latest, latest_tracing
+
+    full = [{**over_row("kvpush", "push", 1, 0, 2.0, cpu_s_per_1k=1.0), "run_id": "20261204T100000Z"}]
+    traced = [
+        {**over_row("kvpush", "push", 1, 0, 2.0, cpu_s_per_1k=1.0, tracing=t), "run_id": "20261204T170000Z"}
+        for t in ("off", "1")
+    ]
+    for row in traced:
+        row["tracing_run"] = True
+    assert latest([*full, *traced], "overhead") == full
+    assert latest_tracing([*full, *traced]) == traced
+    assert "Run 20261204T170000Z" in "\n".join(report_overhead.overhead_section(full, None, traced))

@@ -51,3 +51,19 @@ def test_each_router_starts_with_its_client_and_server_and_the_environment_is_re
 
 def test_the_suite_s_routers_give_a_starved_simulator_a_long_health_deadline() -> None:
     assert suite_overhead.ROUTER_FLAGS == ("--timeout", "health=10")
+
+
+def test_a_traced_front_per_ratio_with_its_tracing_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVPUSH_TRACING", raising=False)
+    plan = suite_overhead.OverheadPlan(8, 2, ((1, 2),), tracings=("off", "1", "0.01"))
+    fronts = suite_overhead.kvpush_fronts(plan)
+    assert [(f.mode, f.tracing) for f in fronts] == [("push", "off"), ("push", "1"), ("push", "0.01"), ("pull", "off")]
+    assert [f.name for f in fronts][:3] == ["router-push", "router-push-trace1", "router-push-trace0.01"]
+    with suite_overhead._router_env(fronts[2], "http://127.0.0.1:4317"):
+        assert os.environ["KVPUSH_TRACING"] == "true" and os.environ["OTEL_TRACES_SAMPLER_ARG"] == "0.01"
+        assert os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] == "http://127.0.0.1:4317"
+    with suite_overhead._router_env(fronts[0], "http://127.0.0.1:4317"):
+        assert os.environ["KVPUSH_TRACING"] == "false"
+    assert "KVPUSH_TRACING" not in os.environ
+    with pytest.raises(ValueError, match="tracings"):
+        suite_overhead.kvpush_fronts(suite_overhead.OverheadPlan(8, 2, ((1, 2),), tracings=("2",)))
