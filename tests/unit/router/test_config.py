@@ -193,7 +193,7 @@ def test_workers_are_built_from_typed_fields() -> None:
     assert spec == WorkerSpec("https://p:8100", Role.PREFILL, NixlIdentity("p0", "10.0.0.9", 5600))
     assert prefill_from_mapping({"url": "http://p:1"}, where="admin").identity is None
     assert decode_from_mapping({"url": "https://d:1"}, where="admin") == WorkerSpec("https://d:1", Role.DECODE)
-    with pytest.raises(ConfigError, match=r"admin: unknown option\(s\) \['engine_id'\]; decode workers take only"):
+    with pytest.raises(ConfigError, match=r"admin: unknown option\(s\) \['engine_id'\]; known: \['dp', 'url'\]"):
         decode_from_mapping({"url": "http://d:1", "engine_id": "x"}, where="admin")
     with pytest.raises(ConfigError, match="side_host: expected a non-empty string"):
         prefill_from_mapping({"url": "http://p:1", "engine_id": "e", "side_port": 1, "side_host": 7}, where="admin")
