@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from functools import partial
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import pytest
