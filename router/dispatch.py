@@ -263,11 +263,10 @@ class Dispatcher:
                 async with unless_lost(tracked, Role.PREFILL), asyncio.timeout(deadline):
                     _, answer = await upstream.post_json(self._legs, url, body, headers, leg=Role.PREFILL, worker=wid)
             except TimeoutError:
-                error = UpstreamTimeout(
-                    f"no answer within the prefill deadline ({deadline:g} s)", leg=Role.PREFILL, worker=wid
-                )
-                self._passive_check(error, rank)
-                raise error from None
+                reason = f"no answer within the prefill deadline ({deadline:g} s)"
+                if rank is not None:  # a rank that does not answer is held out; the server's health is its probes'
+                    self._pool.report_rank(wid, rank, ok=False, reason=reason)
+                raise UpstreamTimeout(reason, leg=Role.PREFILL, worker=wid) from None
             except UpstreamError as error:
                 self._passive_check(error, rank)
                 raise
