@@ -19,7 +19,7 @@ from router.discovery.base import worker_url
 from router.discovery.settings import KubernetesConfig, parse_discovery
 from router.domain import Role, WorkerSpec
 from router.errors import BadRequest
-from router.gateway import PREFILLER_HEADER, read_gateway_headers
+from router.gateway import PREFILLER_HEADER, PrefillHeader, read_gateway_headers
 from tests.unit.deploy.kustomize import LAYOUTS, Doc, container, one, pod_templates, ports_of, render, selects
 
 _NAME = {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"}
@@ -263,7 +263,9 @@ def test_the_header_the_epp_writes_names_a_member_of_the_sidecar_s_prefill_pool(
     (volume,) = [v for v in decode["volumes"] if v["name"] == "router-config"]
     path = tmp_path / "router.yaml"
     path.write_text(one(docs, "ConfigMap", volume["configMap"]["name"])["data"]["router.yaml"])
-    settings = load_serve_settings(["--config", str(path)], {})
+    args = container(decode, "router")["args"]
+    settings = load_serve_settings([str(path) if a == "/etc/kvpush/router.yaml" else a for a in args[1:]], {})
+    assert settings.gateway.prefill_header is PrefillHeader.REQUIRED  # the sidecar reads the EPP's header
     discovered = {str(c.role): c for c in parse_discovery(settings.discovery)}["prefill"]
     assert isinstance(discovered, KubernetesConfig)
     (target,) = one(docs, "InferencePool", "kvpush")["spec"]["targetPorts"]
