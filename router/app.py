@@ -25,6 +25,7 @@ from starlette.types import Message, Receive, Scope, Send
 from router import auth, protocol
 from router.answer import JsonAnswer
 from router.config import Settings
+from router.deciders.conversation import SESSION_HEADER
 from router.dispatch import ClientRequest
 from router.domain import Endpoint, RequestInfo
 from router.errors import (
@@ -143,6 +144,7 @@ class HotPath:
             auth.check_client(authorization, self._keys)
             raw = await self._body(receive, length)
             info, body = self._parse(endpoint, raw)
+            pick = self._service.gateway_pick(headers)  # behind an EPP: its prefill and session (or a 400)
         except ClientGone:
             logger.info("request %s: the client left while sending its body", request_id)
             return
@@ -150,13 +152,17 @@ class HotPath:
             self._count(endpoint, refused, errors=True)
             await _send_error(send, refused, request_id)
             return
+        client_headers = (
+            {k.decode("latin-1"): v.decode("latin-1") for k, v in headers} if self._service.wants_headers else {}
+        )
+        if pick is not None and pick.session is not None and self._service.wants_headers:
+            client_headers[SESSION_HEADER] = pick.session  # the session the gateway's header names
         request = ClientRequest(
             body=body,
             info=info,
             record=self._service.new_record(request_id, info),
-            headers={k.decode("latin-1"): v.decode("latin-1") for k, v in headers}
-            if self._service.wants_headers
-            else {},
+            headers=client_headers,
+            prefill=None if pick is None or pick.prefill is None else pick.prefill.id,
             trace=None if self._tracing is None else _start_trace(self._tracing, headers, endpoint, body, request_id),
         )
         try:

@@ -38,9 +38,10 @@ def serve_parser() -> argparse.ArgumentParser:
         "--prefill",
         action="append",
         metavar="SPEC",
-        help="prefill worker: URL (identity learned) or URL,engine_id=ID,side_port=N[,side_host=H,tp=,pp=]",
+        help="prefill worker: URL (identity learned) or URL,engine_id=ID,side_port=N[,side_host=H,tp=,pp=]; "
+        "either with ,dp=N for a server with N data-parallel ranks",
     )
-    p.add_argument("--decode", action="append", metavar="URL", help="decode worker base URL (repeatable)")
+    p.add_argument("--decode", action="append", metavar="URL", help="decode worker base URL, or URL,dp=N (repeatable)")
     p.add_argument("--decode-policy", help="decode selection policy (default least-loaded)")
     p.add_argument("--prefill-policy", help="prefill selection policy (default least-prefill-tokens)")
     p.add_argument("--retries", type=int, help="retries with fresh ids before the client got anything (default 1)")
@@ -84,6 +85,11 @@ def serve_parser() -> argparse.ArgumentParser:
         "--server",
         choices=SERVERS,
         help=f"the HTTP server in front of the app (default {Settings.server}; router/README.md)",
+    )
+    p.add_argument(
+        "--gateway-prefill-header",
+        choices=["off", "optional", "required"],
+        help="behind a Gateway API InferencePool: take the prefill from x-prefiller-host-port (default off)",
     )
     p.add_argument(
         "--tracing",
@@ -147,6 +153,9 @@ def load_serve_settings(argv: list[str], env: dict[str, str]) -> Settings:
         "limits": {k: v for k in _LIMIT_FLAGS if (v := getattr(args, k)) is not None} or None,
         "tracing": _tracing_flags(args),
     }
+    if args.gateway_prefill_header is not None:  # the flag sets one key of the file's gateway block
+        block = file_layer.get("gateway")
+        flags["gateway"] = {**(block if isinstance(block, dict) else {}), "prefill_header": args.gateway_prefill_header}
     env_layer: dict[str, Any] = from_env(env)
     return build_settings(file_layer, env_layer, flags)
 

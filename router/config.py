@@ -16,6 +16,7 @@ from router.deciders import registry as deciders
 from router.discovery.settings import Discovery, parse_discovery, resolve_in_cluster
 from router.domain import Fallback, Mode, Role, WorkerSpec
 from router.errors import ConfigError
+from router.gateway import GatewaySettings, parse_gateway
 from router.policy import make_policy
 from router.specs import decode_from_mapping, parse_decode_url, parse_prefill_spec, prefill_from_mapping, workers
 from router.tracing.settings import TracingSettings, parse_tracing
@@ -107,6 +108,7 @@ class Settings:
     log_format: str = "json"  # "json" (one object per line) or "text"
     decider: str = "none"  # the P/D decider (router.deciders.registry.REGISTRY); "none": the mode, policies pick
     decider_options: Mapping[str, Any] = field(default_factory=dict)  # the decider's own settings
+    gateway: GatewaySettings = field(default_factory=GatewaySettings)  # behind an InferencePool's EPP (gateway.py)
     tracing: TracingSettings = field(default_factory=TracingSettings)  # OpenTelemetry (router/tracing/settings.py)
 
 
@@ -321,6 +323,7 @@ def _validate(raw: dict[str, Any], timeouts_raw: dict[str, Any], limits_raw: dic
         log_format=str(get("log_format")).lower(),
         decider=decider_name,
         decider_options=decider_options,
+        gateway=parse_gateway(raw.get("gateway", {})),
     )
     for role, members in (("prefill", settings.prefill), ("decode", settings.decode)):
         if not members and role not in settings.discovery:

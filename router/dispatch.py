@@ -39,8 +39,10 @@ from router.finish import Finisher
 from router.legs.base import LegResponse, LegTransport
 from router.legs.httpx import HttpxLegs
 from router.metrics import Metrics
+from router.pairing import BlockSizes, block_size_mismatch
 from router.policy import Policy, make_policy
 from router.pool import Pool, Tracked, WorkerLost, WorkerState, unless_lost
+from router.ranks import RankPick, rank_headers, stated_rank
 from router.sse import EventFramer, RelayCheck, error_of
 from router.timings import RequestRecord, TimingLog
 from router.tracing import semconv
@@ -49,6 +51,7 @@ from router.tracing.trace import LegSpan, RequestTrace
 logger = logging.getLogger("kvpush.dispatch")
 
 Answer = JsonAnswer | StreamAnswer
+LOAD_AWARE = frozenset({"least-loaded", "load-aware"})  # decode policies that read engine load: decode's rank too
 
 
 @dataclass
@@ -59,6 +62,7 @@ class ClientRequest:
     info: RequestInfo
     record: RequestRecord
     headers: Mapping[str, str] = field(default_factory=dict)  # lower-case names, for the decider
+    prefill: str | None = None  # the prefill worker a gateway's EPP named (router/gateway.py), a pool member
     trace: RequestTrace | None = None  # its trace (router/tracing), None with tracing off
 
 
@@ -86,6 +90,7 @@ class Dispatcher:
             Role.DECODE: make_policy(settings.decode_policy, settings.decode_policy_options),
         }
         self._json_headers = {"content-type": "application/json"}
+        self._pin_decode = settings.decode_policy in LOAD_AWARE  # else a DP decode server picks its own rank
 
     def new_record(self, request_id: str, info: RequestInfo) -> RequestRecord:
         return RequestRecord(
@@ -169,15 +174,31 @@ class Dispatcher:
             _served_by(rec, route, ids, decode, None)
             if route is Route.FALLBACK:
                 logger.warning("request %s: no healthy prefill worker; decode-only fallback", rec.request_id)
-            return await self._decode(request, close, decode, request.body, ids)
-        prefill = self._select(Role.PREFILL, info, prefills, decision.prefill)
+            return await self._decode(request, close, decode, request.body, ids, self._decode_rank(decode))
+        prefill = self._select(Role.PREFILL, info, prefills, request.prefill or decision.prefill)
         _served_by(rec, route, ids, decode, prefill)
+        self._check_pair(prefill, decode)
+        legs = _Ranks(self._pool.pin_rank(prefill.spec.id, RankPick.LEAST_LOADED), self._decode_rank(decode))
         if route is Route.PULL:
-            params = await self._prefill(request, prefill, ids)
-            return await self._decode(request, close, decode, protocol.pull_decode_body(request.body, params), ids)
-        if prefill.identity is None:  # auto: learn the identity from a first, sequential prefill
-            return await self._push_learning(request, close, prefill, decode, ids)
-        return await self._push(request, close, prefill, decode, prefill.identity, ids)
+            params = await self._prefill(request, prefill, ids, legs.prefill)
+            body = protocol.pull_decode_body(request.body, params)
+            return await self._decode(request, close, decode, body, ids, legs.decode)
+        identity = prefill.ranks.identity(legs.prefill or 0)
+        if identity is None:  # auto: learn the identity (this rank's) from a first, sequential prefill
+            return await self._push_learning(request, close, prefill, decode, ids, legs)
+        return await self._push(request, close, prefill, decode, identity, ids, legs)
+
+    def _decode_rank(self, decode: WorkerState) -> int | None:
+        """Decode's rank: pinned (to the least loaded) only when the policy reads load; else the server picks."""
+        return self._pool.pin_rank(decode.spec.id, RankPick.LEAST_LOADED) if self._pin_decode else None
+
+    def _check_pair(self, prefill: WorkerState, decode: WorkerState) -> None:
+        """Refuses a pair the engines would refuse at the NIXL handshake, when the router knows it (block sizes)."""
+        why = block_size_mismatch(BlockSizes(prefill.block_size, decode.block_size))
+        if why is not None:
+            raise UpstreamProtocolError(
+                why, leg=Role.PREFILL, worker=prefill.spec.id, detail=f"decode {decode.spec.id}"
+            )
 
     def _select(
         self, role: Role, info: RequestInfo, candidates: Sequence[WorkerView], prefer: str | None
@@ -195,14 +216,15 @@ class Dispatcher:
         prefill: WorkerState,
         decode: WorkerState,
         ids: protocol.PairingIds,
+        legs: _Ranks,
     ) -> Answer:
         """A push to a prefill worker whose NIXL identity is not known yet: prefill first, then decode."""
-        await self._prefill(request, prefill, ids)
-        identity = prefill.identity
+        await self._prefill(request, prefill, ids, legs.prefill)
+        identity = prefill.ranks.identity(legs.prefill or 0)
         if identity is None:
             raise UpstreamProtocolError("did not state its NIXL identity", leg=Role.PREFILL, worker=prefill.spec.id)
         body = protocol.push_decode_body(request.body, identity, ids)
-        return await self._decode(request, close, decode, body, ids)
+        return await self._decode(request, close, decode, body, ids, legs.decode)
 
     async def _push(
         self,
@@ -212,11 +234,12 @@ class Dispatcher:
         decode: WorkerState,
         identity: NixlIdentity,
         ids: protocol.PairingIds,
+        legs: _Ranks,
     ) -> Answer:
         """Both legs at once; the answer is decode's, as soon as its first byte is in."""
         decode_body = protocol.push_decode_body(request.body, identity, ids)
-        prefill_leg = asyncio.create_task(self._prefill(request, prefill, ids))
-        decode_leg = asyncio.create_task(self._decode(request, close, decode, decode_body, ids))
+        prefill_leg = asyncio.create_task(self._prefill(request, prefill, ids, legs.prefill))
+        decode_leg = asyncio.create_task(self._decode(request, close, decode, decode_body, ids, legs.decode))
         try:
             await asyncio.wait({prefill_leg, decode_leg}, return_when=asyncio.FIRST_COMPLETED)
             if _failed(prefill_leg) and not decode_leg.done():
@@ -231,17 +254,19 @@ class Dispatcher:
         return answer
 
     async def _prefill(
-        self, request: ClientRequest, worker: WorkerState, ids: protocol.PairingIds
+        self, request: ClientRequest, worker: WorkerState, ids: protocol.PairingIds, rank: int | None
     ) -> protocol.KvTransferParams:
-        """The prefill leg, in its own span when the request is traced (ended however the leg ends)."""
+        """The prefill leg, pinned to `rank` (a server with data-parallel ranks), in its own span when the request
+        is traced (ended however the leg ends)."""
+        headers = {**self._headers(ids), **rank_headers(rank)}
         trace = request.trace
         if trace is None:
-            return await self._prefill_leg(request, worker, ids, self._headers(ids))
+            return await self._prefill_leg(request, worker, ids, headers, rank)
         span = trace.leg(
             semconv.PREFILL_SPAN, attempt=request.record.attempts, pairing_id=ids.request_id, worker=worker.spec.url
         )
         try:
-            params = await self._prefill_leg(request, worker, ids, {**self._headers(ids), **span.headers})
+            params = await self._prefill_leg(request, worker, ids, {**headers, **span.headers}, rank)
         except BaseException as error:
             _end_failed(span, error)
             raise
@@ -249,30 +274,40 @@ class Dispatcher:
         return params
 
     async def _prefill_leg(
-        self, request: ClientRequest, worker: WorkerState, ids: protocol.PairingIds, headers: dict[str, str]
+        self,
+        request: ClientRequest,
+        worker: WorkerState,
+        ids: protocol.PairingIds,
+        headers: dict[str, str],
+        rank: int | None,
     ) -> protocol.KvTransferParams:
         """The prefill leg under its deadline; returns the kv_transfer_params it answered with."""
         rec, wid, deadline = request.record, worker.spec.id, self._settings.timeouts.prefill
         body = protocol.encode(protocol.prefill_body(request.body, request.info.endpoint, ids.transfer_id))
         url = f"{worker.spec.url}{request.info.endpoint.path}"
         rec.prefill_sent = self._clock()
-        with self._pool.track(wid, request.info.prompt_tokens) as tracked:
+        with self._pool.track(wid, request.info.prompt_tokens, rank) as tracked:
             try:
                 async with unless_lost(tracked, Role.PREFILL), asyncio.timeout(deadline):
                     _, answer = await upstream.post_json(self._legs, url, body, headers, leg=Role.PREFILL, worker=wid)
             except TimeoutError:
-                raise UpstreamTimeout(
-                    f"no answer within the prefill deadline ({deadline:g} s)", leg=Role.PREFILL, worker=wid
-                ) from None
+                reason = f"no answer within the prefill deadline ({deadline:g} s)"
+                if rank is not None:  # a rank that does not answer is held out; the server's health is its probes'
+                    self._pool.report_rank(wid, rank, ok=False, reason=reason)
+                raise UpstreamTimeout(reason, leg=Role.PREFILL, worker=wid) from None
             except UpstreamError as error:
-                self._passive_check(error)
+                self._passive_check(error, rank)
                 raise
         rec.prefill_done = self._clock()
         self._pool.report(wid, ok=True)
+        if rank is not None:
+            self._pool.report_rank(wid, rank, ok=True)
         self._metrics.child(self._metrics.leg, "prefill", rec.mode).observe(rec.prefill_done - rec.prefill_sent)
-        return self._check_prefill_answer(worker, answer)
+        return self._check_prefill_answer(worker, answer, rank)
 
-    def _check_prefill_answer(self, worker: WorkerState, answer: dict[str, Any]) -> protocol.KvTransferParams:
+    def _check_prefill_answer(
+        self, worker: WorkerState, answer: dict[str, Any], rank: int | None
+    ) -> protocol.KvTransferParams:
         wid, mode = worker.spec.id, self._settings.mode
         params = protocol.kv_params_of(answer)
         if params is None:
@@ -286,8 +321,18 @@ class Dispatcher:
             raise UpstreamProtocolError(
                 f"runs a {stated}-mode connector but the router is in {mode} mode", leg=Role.PREFILL, worker=wid
             )
-        if worker.spec.identity is None and (identity := protocol.identity_from(params)) is not None:
-            self._pool.learn_identity(wid, identity)
+        identity = protocol.identity_from(params)
+        if identity is None:
+            return params
+        if worker.spec.dp_size > 1 and stated_rank(identity) != rank:
+            raise UpstreamProtocolError(
+                f"answered from data-parallel rank {stated_rank(identity)} a leg pinned to rank {rank}: does it honour "
+                "the X-data-parallel-rank header, and is its dp size configured right?",
+                leg=Role.PREFILL,
+                worker=wid,
+            )
+        if worker.spec.identity is None and (why := self._pool.learn_identity(wid, identity, rank)) is not None:
+            raise UpstreamProtocolError(why, leg=Role.PREFILL, worker=wid)
         return params
 
     async def _decode(
@@ -297,21 +342,25 @@ class Dispatcher:
         worker: WorkerState,
         body: dict[str, Any],
         ids: protocol.PairingIds,
+        rank: int | None,
     ) -> Answer:
-        """Opens the decode leg and waits for its first event (stream) or its whole answer (non-stream). Traced, the
-        leg's span ends here on failure or with a JSON answer, else when the stream closes (StreamClose)."""
+        """Opens the decode leg (pinned to `rank` when given) and waits for its first event (stream) or its whole
+        answer (non-stream). Traced, the leg's span ends here on failure or with a JSON answer, else when the stream
+        closes (StreamClose)."""
         rec, wid, trace = request.record, worker.spec.id, request.trace
         span = (
             None
             if trace is None
             else trace.leg(semconv.DECODE_SPAN, attempt=rec.attempts, pairing_id=ids.request_id, worker=worker.spec.url)
         )
-        headers = self._headers(ids) if span is None else {**self._headers(ids), **span.headers}
+        headers = {**self._headers(ids), **rank_headers(rank)}
+        if span is not None:
+            headers.update(span.headers)
         leg = _DecodeLeg(wid, f"{worker.spec.url}{request.info.endpoint.path}", headers)
         scrub = self.feedback.asks_ids_for_us(request.body)
         raw = protocol.encode(protocol.asking_token_ids(body) if scrub else body)
         cleanup = contextlib.AsyncExitStack()
-        tracked = cleanup.enter_context(self._pool.track(wid, request.info.prompt_tokens))
+        tracked = cleanup.enter_context(self._pool.track(wid, request.info.prompt_tokens, rank))
         framer = EventFramer(self._settings.limits.max_event_bytes)
         rec.decode_sent = self._clock()
         try:
@@ -322,7 +371,7 @@ class Dispatcher:
                 response, first, rest = await self._open_decode_stream(tracked, leg, raw, framer, cleanup)
         except BaseException as error:
             if isinstance(error, UpstreamError):
-                self._passive_check(error)
+                self._passive_check(error, rank)
             await cleanup.aclose()
             if span is not None:
                 _end_failed(span, error)
@@ -393,11 +442,17 @@ class Dispatcher:
         if rec.handoff is not None:
             self._metrics.child(self._metrics.handoff, mode).observe(max(0.0, rec.handoff), exemplar)
 
-    def _passive_check(self, error: UpstreamError) -> None:
-        """Feeds a leg's failure to the worker's health, unless the client's request was at fault."""
+    def _passive_check(self, error: UpstreamError, rank: int | None = None) -> None:
+        """Feeds a leg's failure to the worker's health, unless the client's request was at fault. A leg pinned to
+        a data-parallel rank that the server answered (or timed out on) counts against that rank alone; a refused
+        connection is the whole server's."""
         if isinstance(error, UpstreamStatus) and error.client_fault:
             return
-        if not isinstance(error, WorkerLost):  # health already knows about a lost worker
+        if isinstance(error, WorkerLost):  # health already knows about a lost worker
+            return
+        if rank is not None and error.kind != "connect":
+            self._pool.report_rank(error.worker, rank, ok=False, reason=str(error))
+        else:
             self._pool.report(error.worker, ok=False, hard=error.kind == "connect", reason=str(error))
         # an ejection this causes reaches the decider through the pool's on_gone (router/service.py)
 
@@ -418,6 +473,14 @@ def _served_by(
     rec.mode, rec.decode_worker, rec.pairing_id = route.label, decode.spec.id, ids.request_id
     rec.prefill_worker = None if prefill is None else prefill.spec.id
     rec.transfer_id = None if prefill is None else ids.transfer_id
+
+
+@dataclass(frozen=True)
+class _Ranks:
+    """The data-parallel rank each leg of an attempt is pinned to (None: not pinned)."""
+
+    prefill: int | None
+    decode: int | None
 
 
 @dataclass(frozen=True)

@@ -51,11 +51,14 @@ class NixlIdentity:
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """A configured worker. For prefill workers `identity` is None when it is learned ("auto")."""
+    """A configured worker. For prefill workers `identity` is None when it is learned ("auto"). `dp_size`: the
+    server's data-parallel ranks (`--data-parallel-size`); with more than one, `identity` is the server's base
+    identity (the engine id and side port vLLM was started with) and each rank's is derived (router/ranks.py)."""
 
     url: str
     role: Role
     identity: NixlIdentity | None = None
+    dp_size: int = 1
 
     @property
     def id(self) -> str:

@@ -1,4 +1,8 @@
-"""Worker membership and health per role: load counters, legs in flight, learned prefill identities, probes."""
+"""Worker membership and health per role: load counters, legs in flight, learned prefill identities, probes.
+
+A server with data-parallel ranks (`WorkerSpec.dp_size` > 1) is one worker with a `RankSet` (router/ranks.py):
+identities, legs in flight, load and ejection per rank. A rank that fails is held out alone; the worker stays a
+candidate while one of its ranks is usable."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -17,6 +21,7 @@ from router.domain import EngineLoad, NixlIdentity, Role, Sleep, WorkerSpec, Wor
 from router.errors import UpstreamError
 from router.health import HealthPolicy, WorkerHealth
 from router.metrics import Metrics
+from router.ranks import RankPick, RankSet
 
 logger = logging.getLogger("kvpush.pool")
 
@@ -108,16 +113,19 @@ class WorkerState:
 
     spec: WorkerSpec
     health: WorkerHealth
+    ranks: RankSet
     in_flight: int = 0
     outstanding_tokens: int = 0
-    learned_identity: NixlIdentity | None = None
     load: EngineLoad | None = None  # from the last good scrape of its /metrics
+    block_size: int | None = None  # its KV block size, from the last scrape that stated it
     draining: bool = False  # an operator asked: no new requests
     legs: set[Tracked] = field(default_factory=set)  # legs in flight on it, told when it is lost
 
     @property
     def identity(self) -> NixlIdentity | None:
-        return self.spec.identity or self.learned_identity
+        """The NIXL identity of a server without data parallelism (configured or learned); with ranks, each
+        rank has its own: `ranks.identity(r)`."""
+        return self.ranks.identity(0) if self.spec.dp_size == 1 else None
 
     @property
     def healthy(self) -> bool:
@@ -171,10 +179,15 @@ class Pool:
         return [s.spec for s in self._workers.values()]
 
     def candidates(self, role: Role, exclude: frozenset[str] = frozenset()) -> list[WorkerView]:
+        now = self._clock()
         return [
             s.view()
             for s in self._workers.values()
-            if s.spec.role is role and s.healthy and not s.draining and s.spec.id not in exclude
+            if s.spec.role is role
+            and s.healthy
+            and not s.draining
+            and s.spec.id not in exclude
+            and s.ranks.has_usable(now)
         ]
 
     def ready(self, *, prefill_needed: bool = True) -> bool:
@@ -192,6 +205,11 @@ class Pool:
                 "draining": s.draining,
                 "in_flight": s.in_flight,
                 "identity": None if s.identity is None else s.identity.engine_id,
+                "ranks": None
+                if s.spec.dp_size == 1
+                else [
+                    {"rank": v.rank, "usable": v.usable, "in_flight": v.in_flight} for v in s.ranks.views(self._clock())
+                ],
                 "load": None
                 if s.load is None
                 else {"running": s.load.running, "waiting": s.load.waiting, "kv_usage": s.load.kv_usage},
@@ -241,9 +259,10 @@ class Pool:
         return True
 
     @contextmanager
-    def track(self, worker_id: str, tokens: int) -> Iterator[Tracked]:
-        """Counts one leg as in flight on the worker for the duration of the block. The leg is marked lost
-        when the worker goes down, is drained or leaves while the leg runs."""
+    def track(self, worker_id: str, tokens: int, rank: int | None = None) -> Iterator[Tracked]:
+        """Counts one leg as in flight on the worker (and on `rank`, when the leg is pinned to one) for the
+        duration of the block. The leg is marked lost when the worker goes down, is drained or leaves while the
+        leg runs."""
         state = self._workers[worker_id]  # held: the worker may leave the pool while the leg runs
         leg = Tracked(worker_id)
         state.in_flight += 1
@@ -253,23 +272,55 @@ class Pool:
         if self._workers.get(worker_id) is not state or state.draining or not state.healthy:
             self._lose(state, Loss.DOWN if not state.healthy else Loss.DRAINED, "not usable when the leg began")
         try:
-            yield leg
+            with state.ranks.track(rank) if rank is not None else contextlib.nullcontext():
+                yield leg
         finally:
             state.legs.discard(leg)
             state.in_flight -= 1
             state.outstanding_tokens -= tokens
             self._publish_load(state)
 
-    def learn_identity(self, worker_id: str, identity: NixlIdentity) -> None:
-        state = self._workers.get(worker_id)
-        if state is not None and state.learned_identity != identity:
-            logger.info("prefill %s: learned NIXL identity %s", worker_id, identity)
-            state.learned_identity = identity
+    def pin_rank(self, worker_id: str, pick: RankPick) -> int | None:
+        """The rank the next leg to this worker is pinned to (None: a server without data parallelism). Raises
+        ranks.NoUsableRank when every rank is held out."""
+        state = self._workers[worker_id]
+        return None if state.spec.dp_size == 1 else state.ranks.choose(self._clock(), pick)
 
-    def set_load(self, worker_id: str, load: EngineLoad | None) -> None:
+    def learn_identity(self, worker_id: str, identity: NixlIdentity, rank: int | None = None) -> str | None:
+        """A prefill answer stated `identity` for a leg pinned to `rank`: kept as that rank's (or the server's)
+        identity. Returns why it cannot be kept (router/ranks.py `RankSet.learn`), or None."""
+        state = self._workers.get(worker_id)
+        if state is None:
+            return None
+        if state.ranks.identity(rank or 0) == identity:
+            return None
+        why = state.ranks.learn(identity, rank)
+        if why is None:
+            logger.info("prefill %s: learned NIXL identity %s", worker_id, identity)
+        return why
+
+    def set_load(
+        self,
+        worker_id: str,
+        load: EngineLoad | None,
+        ranks: Mapping[int, EngineLoad] | None = None,
+        block_size: int | None = None,
+    ) -> None:
+        """The worker's load from its last scrape (None: the scrape failed), each rank's, its block size."""
         state = self._workers.get(worker_id)
         if state is not None:
             state.load = load
+            state.ranks.set_loads(ranks if load is not None else None)
+            if block_size is not None:
+                state.block_size = block_size
+
+    def report_rank(self, worker_id: str, rank: int, *, ok: bool, hard: bool = False, reason: str = "") -> None:
+        """A pinned leg's outcome on one rank: that rank's passive health (the worker's own is not touched)."""
+        state = self._workers.get(worker_id)
+        if state is None:
+            return
+        if state.ranks.report(rank, self._clock(), ok=ok, hard=hard):
+            logger.warning("%s worker %s: data-parallel rank %d held out: %s", state.spec.role, worker_id, rank, reason)
 
     def report(self, worker_id: str, *, ok: bool, hard: bool = False, reason: str = "") -> None:
         """A leg's outcome on the worker: passive health."""
@@ -343,7 +394,8 @@ class Pool:
 
     def _add(self, spec: WorkerSpec) -> None:
         logger.info("%s worker %s joined the pool", spec.role, spec.id)
-        self._workers[spec.id] = WorkerState(spec, WorkerHealth(self._policy))
+        ranks = RankSet(spec.dp_size, self._policy, configured=spec.identity)
+        self._workers[spec.id] = WorkerState(spec, WorkerHealth(self._policy), ranks)
         self._publish(self._workers[spec.id])
 
     def _publish(self, state: WorkerState) -> None:

@@ -1,4 +1,5 @@
-"""Engine load scraping: each worker's vLLM /metrics read on an interval, parsed into an EngineLoad, sunk."""
+"""Engine load scraping: each worker's vLLM /metrics read on an interval, parsed into an EngineLoad (plus each
+data-parallel rank's and the KV block size: router/rank_metrics.py), sunk."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ import asyncio
 import logging
 import math
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import httpx
 
 from router.domain import EngineLoad, Sleep, WorkerSpec
+from router.rank_metrics import MetricsPageError, block_size, rank_loads
 
 __all__ = ["EngineLoad", "LoadSink", "ScrapeError", "Scraper", "parse_engine_load", "samples"]
 
@@ -30,9 +33,33 @@ class ScrapeError(ValueError):
 
 
 class LoadSink(Protocol):
-    def set_load(self, worker_id: str, load: EngineLoad | None) -> None:
-        """`load` is None when the worker's scrape failed (its load is unknown)."""
+    def set_load(
+        self,
+        worker_id: str,
+        load: EngineLoad | None,
+        ranks: Mapping[int, EngineLoad] | None = None,
+        block_size: int | None = None,
+    ) -> None:
+        """`load` is None when the worker's scrape failed (its load is unknown); `ranks` each engine index's
+        load; `block_size` the KV block size the page states."""
         ...
+
+
+@dataclass(frozen=True)
+class PageFacts:
+    """What one /metrics page says: the worker's load, each rank's, its KV block size."""
+
+    load: EngineLoad
+    ranks: Mapping[int, EngineLoad]
+    block_size: int | None
+
+
+def parse_page(text: str) -> PageFacts:
+    """Raises ScrapeError for a page that is not a vLLM engine's or not the Prometheus text format."""
+    try:
+        return PageFacts(parse_engine_load(text), rank_loads(text), block_size(text))
+    except MetricsPageError as error:
+        raise ScrapeError(str(error)) from None
 
 
 ScrapeErrorHook = Callable[[WorkerSpec, str], None]
@@ -122,22 +149,22 @@ class Scraper:
         specs = list(self.targets())
         results = await asyncio.gather(*(self._scrape(spec) for spec in specs))
         for spec, result in zip(specs, results, strict=True):
-            if isinstance(result, EngineLoad):
+            if isinstance(result, PageFacts):
                 self._ok(spec)
-                self.sink.set_load(spec.id, result)
+                self.sink.set_load(spec.id, result.load, result.ranks, result.block_size)
             else:
                 self._failed(spec, result)
                 self.sink.set_load(spec.id, None)
         self._failing &= {spec.id for spec in specs}
 
-    async def _scrape(self, spec: WorkerSpec) -> EngineLoad | str:
+    async def _scrape(self, spec: WorkerSpec) -> PageFacts | str:
         """The worker's load, or why it could not be had."""
         try:
             async with asyncio.timeout(self.timeout):  # whole request; httpx's own timeouts are per phase
                 response = await self.client.get(f"{spec.url}/metrics", timeout=self.timeout)
             if response.status_code != 200:
                 return f"HTTP {response.status_code}"
-            return parse_engine_load(response.text)
+            return parse_page(response.text)
         except TimeoutError:
             return f"no answer within {self.timeout:g} s"
         except (httpx.HTTPError, httpx.InvalidURL, ScrapeError) as exc:

@@ -7,7 +7,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -21,6 +21,7 @@ from router.discovery.settings import parse_discovery
 from router.dispatch import Dispatcher
 from router.domain import Fallback, RequestInfo, Role, WorkerSpec
 from router.errors import BadRequest, ConfigError, NoHealthyWorker
+from router.gateway import GatewayPick, PrefillHeader, read_gateway_headers
 from router.health import HealthPolicy
 from router.legs.base import LegTransport
 from router.legs.httpx import HttpxLegs
@@ -58,11 +59,24 @@ class Service:
         self.metrics.watch_decider(lambda: stats_of(decider))
         self.dispatcher = Dispatcher(settings, self.pool, legs, self.metrics, self.timings, clock, decider)
         self.wants_headers = decider.wants_headers  # the HTTP layer copies client headers into requests only then
+        self.gateway = settings.gateway  # behind an InferencePool: the EPP's picks come in headers (gateway.py)
         self.admission = Admission(
             settings.max_in_flight, settings.admission_queue, settings.admission_wait, self.metrics
         )
         self.draining = False
         self._loops = Supervisor(on_error=self._loop_failed)
+
+    def gateway_pick(self, headers: Sequence[tuple[bytes, bytes]]) -> GatewayPick | None:
+        """What the gateway's EPP decided for a request (None when the router is not behind one). Raises
+        BadRequest (400) for a prefill named outside the pool, a malformed header, or none when required."""
+        if not self.gateway.on:
+            return None
+        return read_gateway_headers(
+            headers,
+            self.pool.members(Role.PREFILL),
+            require_prefill=self.gateway.prefill_header is PrefillHeader.REQUIRED,
+            session_headers=self.gateway.session_headers,
+        )
 
     def new_record(self, request_id: str, info: RequestInfo) -> RequestRecord:
         """A client request's record, started now (the HTTP layer makes one per request it accepts)."""

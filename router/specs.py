@@ -13,25 +13,39 @@ from urllib.parse import urlsplit
 from router import values
 from router.domain import NixlIdentity, Role, WorkerSpec
 from router.errors import ConfigError
+from router.ranks import MAX_DP_SIZE, split_rank
 
 
 def parse_prefill_spec(spec: str) -> WorkerSpec:
-    """`URL` (identity learned from the worker) or `URL,engine_id=ID,side_host=H,side_port=P,tp=1,pp=1`."""
-    url, *pairs = [part.strip() for part in spec.split(",")]
-    options: dict[str, str] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not value:
-            raise ConfigError(f"prefill worker {spec!r}: expected key=value after the URL, got {pair!r}")
-        options[key] = value
-    return prefill_from_mapping({"url": url, **options}, where=f"prefill worker {values.shown_url(spec)}")
+    """`URL` (identity learned from the worker) or `URL,engine_id=ID,side_host=H,side_port=P,tp=1,pp=1`, either
+    with `,dp=N` for a server with N data-parallel ranks."""
+    where = f"prefill worker {values.shown_url(spec)}"
+    return prefill_from_mapping(_spec_options(spec, where), where=where)
 
 
 def parse_decode_url(url: str) -> WorkerSpec:
-    return decode_from_mapping({"url": url}, where=f"decode worker {values.shown_url(url)}")
+    """`URL`, or `URL,dp=N` for a server with N data-parallel ranks."""
+    where = f"decode worker {values.shown_url(url)}"
+    return decode_from_mapping(_spec_options(url, where), where=where)
 
 
-_PREFILL_KEYS = {"url", "engine_id", "side_host", "side_port", "tp", "pp"}
+def _spec_options(spec: str, where: str) -> dict[str, str]:
+    url, *pairs = [part.strip() for part in spec.split(",")]
+    options: dict[str, str] = {"url": url}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not value:
+            raise ConfigError(f"{where}: expected key=value after the URL, got {pair!r}")
+        options[key] = value
+    return options
+
+
+_PREFILL_KEYS = {"url", "engine_id", "side_host", "side_port", "tp", "pp", "dp"}
+_DECODE_KEYS = {"url", "dp"}
+
+
+def _dp_size(item: Mapping[str, Any], where: str) -> int:
+    return values.integer(item.get("dp", 1), f"{where}: dp", low=1, high=MAX_DP_SIZE)
 
 
 def prefill_from_mapping(item: Mapping[str, Any], *, where: str) -> WorkerSpec:
@@ -41,11 +55,12 @@ def prefill_from_mapping(item: Mapping[str, Any], *, where: str) -> WorkerSpec:
     if unknown:
         raise ConfigError(f"{where}: unknown option(s) {sorted(map(str, unknown))}; known: {sorted(_PREFILL_KEYS)}")
     url = values.url(item.get("url"), where)
+    dp_size = _dp_size(item, where)
     engine_id = item.get("engine_id")
     if engine_id in (None, "", "auto"):
         if "side_port" in item:
             raise ConfigError(f"{where}: side_port is given but engine_id is not; give both or neither (auto)")
-        return WorkerSpec(url=url, role=Role.PREFILL)
+        return WorkerSpec(url=url, role=Role.PREFILL, dp_size=dp_size)
     if "side_port" not in item:
         raise ConfigError(f"{where}: engine_id is given but side_port (the NIXL side-channel port) is not")
     engine = values.text(engine_id, f"{where}: engine_id")
@@ -57,15 +72,20 @@ def prefill_from_mapping(item: Mapping[str, Any], *, where: str) -> WorkerSpec:
         tp_size=values.integer(item.get("tp", 1), f"{where}: tp", low=1),
         pp_size=values.integer(item.get("pp", 1), f"{where}: pp", low=1),
     )
-    return WorkerSpec(url=url, role=Role.PREFILL, identity=identity)
+    if dp_size > 1 and split_rank(identity.engine_id)[1] is not None:
+        raise ConfigError(
+            f"{where}: engine_id {identity.engine_id!r} already names a data-parallel rank; give the engine id vLLM "
+            "was started with (the router adds _dp<r> and side_port + r per rank)"
+        )
+    return WorkerSpec(url=url, role=Role.PREFILL, identity=identity, dp_size=dp_size)
 
 
 def decode_from_mapping(item: Mapping[str, Any], *, where: str) -> WorkerSpec:
-    """A decode worker from typed fields: only `url` (decode workers need no identity)."""
-    unknown = set(item) - {"url"}
+    """A decode worker from typed fields: `url` and optionally `dp` (decode workers need no identity)."""
+    unknown = set(item) - _DECODE_KEYS
     if unknown:
-        raise ConfigError(f"{where}: unknown option(s) {sorted(map(str, unknown))}; decode workers take only url")
-    return WorkerSpec(url=values.url(item.get("url"), where), role=Role.DECODE)
+        raise ConfigError(f"{where}: unknown option(s) {sorted(map(str, unknown))}; known: {sorted(_DECODE_KEYS)}")
+    return WorkerSpec(url=values.url(item.get("url"), where), role=Role.DECODE, dp_size=_dp_size(item, where))
 
 
 def workers(value: Any, role: Role, *, where: str | None = None) -> tuple[WorkerSpec, ...]:
@@ -85,7 +105,7 @@ def workers(value: Any, role: Role, *, where: str | None = None) -> tuple[Worker
         elif role is Role.PREFILL and isinstance(item, Mapping):
             out.append(prefill_from_mapping(item, where=at))
         elif isinstance(item, str):
-            out.append(decode_from_mapping({"url": item}, where=at))
+            out.append(parse_decode_url(item))
         elif isinstance(item, Mapping):
             out.append(decode_from_mapping(item, where=at))
         else:

@@ -9,12 +9,14 @@ from typing import Any
 
 from router.discovery.base import worker_url
 from router.domain import NixlIdentity, Role, WorkerSpec
+from router.ranks import MAX_DP_SIZE
 
 ANNOTATION_PORT = "kvpush.io/port"
 ANNOTATION_ENGINE_ID = "kvpush.io/engine-id"
 ANNOTATION_SIDE_PORT = "kvpush.io/side-port"
 ANNOTATION_TP = "kvpush.io/tp"
 ANNOTATION_PP = "kvpush.io/pp"
+ANNOTATION_DP = "kvpush.io/dp-size"  # the pod's vLLM runs --data-parallel-size N (one URL, N ranks)
 
 EVENT_TYPES = ("ADDED", "MODIFIED", "DELETED", "BOOKMARK", "ERROR")
 
@@ -96,7 +98,8 @@ def pod_member(pod: Mapping[str, Any], role: Role, default_port: int) -> WorkerS
             tp_size=_number(annotations, ANNOTATION_TP, 1) or 1,
             pp_size=_number(annotations, ANNOTATION_PP, 1) or 1,
         )
-    return WorkerSpec(url=worker_url(ip, port), role=role, identity=identity)
+    dp_size = _number(annotations, ANNOTATION_DP, 1, high=MAX_DP_SIZE) or 1
+    return WorkerSpec(url=worker_url(ip, port), role=role, identity=identity, dp_size=dp_size)
 
 
 @dataclass(frozen=True)

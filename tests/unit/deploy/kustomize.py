@@ -18,16 +18,19 @@ LAYOUTS = {
     "standalone": K8S / "overlays" / "standalone",
     "kvpush-connector": K8S / "overlays" / "kvpush-connector",
     "session-affinity": K8S / "overlays" / "session-affinity",
+    "inference-pool": K8S / "overlays" / "inference-pool",
     "tracing": K8S / "overlays" / "tracing",
 }
-SIDECAR = {"base", "kvpush-connector", "session-affinity", "tracing"}  # layouts with the router in the decode pods
+SIDECAR = {"base", "kvpush-connector", "session-affinity", "inference-pool", "tracing"}  # router in the decode pods
 AFFINITY = K8S / "components" / "session-affinity"  # the Gateway that hashes on the session header
+INFERENCE_POOL = K8S / "components" / "inference-pool"  # the InferencePool, llm-d's EPP, their Gateway
 TRACING = K8S / "components" / "tracing"  # the OpenTelemetry Collector; routers and engines send spans to it
 TRACING_BACKEND = K8S / "components" / "tracing-backend"  # Jaeger all-in-one, the collector's default backend
 KUBE_VERSION = "1.32"
 PROMETHEUS_KINDS = {"PodMonitor", "PrometheusRule"}  # Prometheus Operator CRDs
 GATEWAY_KINDS = {"Gateway", "HTTPRoute", "BackendTrafficPolicy"}  # Gateway API and Envoy Gateway CRDs
-CRD_KINDS = PROMETHEUS_KINDS | GATEWAY_KINDS  # not in kubernetes-validate: checked with closed schemas
+INFERENCE_KINDS = {"InferencePool"}  # Gateway API Inference Extension CRDs
+CRD_KINDS = PROMETHEUS_KINDS | GATEWAY_KINDS | INFERENCE_KINDS  # not in kubernetes-validate: closed schemas
 Doc = dict[str, Any]
 
 

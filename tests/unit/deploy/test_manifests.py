@@ -455,3 +455,22 @@ def test_the_readme_s_own_overlay_example_renders_and_replaces_the_model(tmp_pat
     router = container(one(docs, "Deployment", "kvpush-decode")["spec"]["template"]["spec"], "router")
     assert router["image"] == "registry.example.com/ml/kvpush-router:0.1.0"
     assert {d["metadata"].get("namespace") for d in docs if d["kind"] != "Namespace"} == {example["namespace"]}
+
+
+# Upstream push (vLLM 0.32-0.34 NixlPushConnector) keeps a finished prefill's blocks for kv_lease_duration
+# (default 30 s) and decode heartbeats do not renew it (vllm#53095); kvpush's connector has lease_s (30 s).
+# A decode that registers after the lease gets nothing, so the lease must outlast the router's own wait for
+# decode's first byte: after that deadline the router has given the request up anyway.
+LEASE_KEYS = {"NixlPushConnector": "kv_lease_duration", "KvpushConnector": "lease_s"}
+
+
+@pytest.mark.parametrize("pool", ["prefill", "decode"])
+def test_the_prefill_lease_outlasts_the_router_s_decode_deadline(
+    layout: tuple[str, list[Doc]], pool: str, tmp_path: Path
+) -> None:
+    name, docs = layout
+    settings = router_settings(router_pod(name, docs), docs, tmp_path)
+    vllm = container(one(docs, "Deployment", f"kvpush-{pool}")["spec"]["template"]["spec"], "vllm")
+    config = kv_config(vllm)
+    lease = config["kv_connector_extra_config"][LEASE_KEYS[config["kv_connector"]]]
+    assert lease >= settings.timeouts.decode_first_byte, f"{name}: {pool} lease {lease} s"

@@ -188,12 +188,13 @@ def gateway_docs(docs: list[Doc]) -> list[Doc]:
     return [d for d in docs if d["kind"] in GATEWAY_KINDS]
 
 
-def test_every_layout_keeps_the_plain_service_and_only_the_affinity_layout_has_a_gateway() -> None:
+def test_every_layout_keeps_the_plain_service_and_only_the_gateway_layouts_have_a_gateway() -> None:
+    expected = {"session-affinity": sorted(GATEWAY_KINDS), "inference-pool": ["Gateway", "HTTPRoute"]}
     for name, path in LAYOUTS.items():
         docs = render(path)
         assert one(docs, "Service", "kvpush")["spec"]["type"] == "ClusterIP"  # the fallback: no affinity
         kinds = sorted(d["kind"] for d in gateway_docs(docs))
-        assert kinds == (sorted(GATEWAY_KINDS) if name == "session-affinity" else []), name
+        assert kinds == expected.get(name, []), name
 
 
 @pytest.mark.parametrize("layout", ["session-affinity", "standalone"])

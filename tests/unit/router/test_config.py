@@ -193,7 +193,7 @@ def test_workers_are_built_from_typed_fields() -> None:
     assert spec == WorkerSpec("https://p:8100", Role.PREFILL, NixlIdentity("p0", "10.0.0.9", 5600))
     assert prefill_from_mapping({"url": "http://p:1"}, where="admin").identity is None
     assert decode_from_mapping({"url": "https://d:1"}, where="admin") == WorkerSpec("https://d:1", Role.DECODE)
-    with pytest.raises(ConfigError, match=r"admin: unknown option\(s\) \['engine_id'\]; decode workers take only"):
+    with pytest.raises(ConfigError, match=r"admin: unknown option\(s\) \['engine_id'\]; known: \['dp', 'url'\]"):
         decode_from_mapping({"url": "http://d:1", "engine_id": "x"}, where="admin")
     with pytest.raises(ConfigError, match="side_host: expected a non-empty string"):
         prefill_from_mapping({"url": "http://p:1", "engine_id": "e", "side_port": 1, "side_host": 7}, where="admin")
@@ -301,3 +301,21 @@ def test_every_leg_client_makes_a_leg_transport() -> None:
         assert type(legs).__name__ == {"aiohttp": "AiohttpLegs", "http1": "Http1Legs"}[name]
     with pytest.raises(ValueError, match="unknown leg client"):
         legs_for("httpx", max_connections=2, connect_timeout=1.0)
+
+
+def test_dp_declares_a_server_s_data_parallel_ranks() -> None:
+    from router.specs import parse_decode_url, parse_prefill_spec
+
+    spec = parse_prefill_spec("http://p:8100,engine_id=p0,side_port=5600,dp=2")
+    assert spec.dp_size == 2 and spec.identity is not None and spec.identity.engine_id == "p0"
+    assert parse_prefill_spec("http://p:8100,dp=4").dp_size == 4
+    assert parse_prefill_spec("http://p:8100").dp_size == 1
+    assert parse_decode_url("http://d:8200,dp=2").dp_size == 2
+    assert build_settings({"prefill": ["http://p:1,dp=2"], "decode": ["http://d:1,dp=3"]}).decode[0].dp_size == 3
+    for bad in ("http://p:8100,dp=0", "http://p:8100,dp=x", "http://p:8100,dp=1025"):
+        with pytest.raises(ConfigError, match="dp"):
+            parse_prefill_spec(bad)
+    with pytest.raises(ConfigError, match="already names a data-parallel rank"):
+        parse_prefill_spec("http://p:8100,engine_id=p0_dp1,side_port=5600,dp=2")
+    with pytest.raises(ConfigError, match="known"):
+        parse_decode_url("http://d:8200,tp=2")

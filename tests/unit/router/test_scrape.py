@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 
 import httpx
 import pytest
@@ -75,9 +76,19 @@ def test_pages_without_the_gauges_or_with_broken_lines_are_refused(text: str, me
 class Sink:
     def __init__(self) -> None:
         self.loads: dict[str, EngineLoad | None] = {}
+        self.ranks: dict[str, Mapping[int, EngineLoad] | None] = {}
+        self.block_sizes: dict[str, int | None] = {}
 
-    def set_load(self, worker_id: str, load: EngineLoad | None) -> None:
+    def set_load(
+        self,
+        worker_id: str,
+        load: EngineLoad | None,
+        ranks: Mapping[int, EngineLoad] | None = None,
+        block_size: int | None = None,
+    ) -> None:
         self.loads[worker_id] = load
+        self.ranks[worker_id] = ranks
+        self.block_sizes[worker_id] = block_size
 
 
 GOOD, BROKEN, SLOW, GARBAGE, GONE = (

@@ -80,6 +80,14 @@ def test_prefill_identity_comes_from_annotations_with_the_pod_ip_as_side_host() 
     assert spec == WorkerSpec("http://10.2.0.9:8100", Role.PREFILL, NixlIdentity("p-7", "10.2.0.9", 5600, 2, 1))
 
 
+def test_the_dp_size_annotation_declares_a_server_s_ranks() -> None:
+    ann = {"kvpush.io/engine-id": "p-7", "kvpush.io/side-port": "5600", "kvpush.io/dp-size": "4"}
+    spec = pod_member(pod("p", "10.2.0.9", annotations=ann), Role.PREFILL, 8100)
+    assert spec is not None and spec.dp_size == 4 and spec.identity == NixlIdentity("p-7", "10.2.0.9", 5600)
+    decode = pod_member(pod("d", annotations={"kvpush.io/dp-size": "2"}), Role.DECODE, 8000)
+    assert decode is not None and decode.dp_size == 2
+
+
 def test_prefill_without_identity_annotations_is_learned_and_decode_ignores_them() -> None:
     assert pod_member(pod("p"), Role.PREFILL, 8100) == WorkerSpec("http://10.1.0.1:8100", Role.PREFILL)
     ann = {"kvpush.io/engine-id": "x", "kvpush.io/side-port": "5600"}
@@ -94,6 +102,8 @@ def test_prefill_without_identity_annotations_is_learned_and_decode_ignores_them
         ({"kvpush.io/engine-id": "p0"}, "go together"),
         ({"kvpush.io/side-port": "5600"}, "go together"),
         ({"kvpush.io/engine-id": "p0", "kvpush.io/side-port": "5600", "kvpush.io/tp": "0"}, "out of range"),
+        ({"kvpush.io/dp-size": "0"}, "out of range"),
+        ({"kvpush.io/dp-size": "two"}, "not an integer"),
     ],
 )
 def test_bad_annotations_are_reported(ann: dict[str, str], message: str) -> None:

@@ -175,7 +175,7 @@ def test_the_pure_discovery_modules_load_no_io_library(module: str) -> None:
         ({"decode": {"kubernetes": {"selector": "a=b", "port": 1, "api_url": "https://u:pw@k:6443"}}}, "credentials"),
         ({"decode": {"static": ["http://u:pw@d:1"]}}, "credentials"),
         ({"decode": {"static": ["http://d:1", "http://d:1/"]}}, "listed twice"),
-        ({"decode": {"static": [{"url": "http://d:1", "engine_id": "e"}]}}, "decode workers take only url"),
+        ({"decode": {"static": [{"url": "http://d:1", "engine_id": "e"}]}}, "unknown option"),
     ],
 )
 def test_discovery_values_follow_the_same_rules_as_every_other_setting(raw: Any, message: str) -> None:
