@@ -113,6 +113,17 @@ class EngineSpec:
     def url(self) -> str:
         return f"http://{self.host}:{self.http_port}"
 
+    @property
+    def dp_size(self) -> int:
+        """The engine's data-parallel ranks: `--data-parallel-size N` in its extra args (1 without it)."""
+        args = self.extra_args
+        for i, arg in enumerate(args):
+            if arg == "--data-parallel-size" and i + 1 < len(args):
+                return int(args[i + 1])
+            if arg.startswith("--data-parallel-size="):
+                return int(arg.split("=", 1)[1])
+        return 1
+
     def prefill_arg(self) -> str:
         """The router's `--prefill` SPEC for this engine: its URL and, with a connector, its NIXL identity
         (`URL,engine_id=...,side_port=...`). Without an engine id the router learns the identity itself."""
@@ -241,12 +252,13 @@ def vllm_env(
     side_port: int | None,
     repo_root: Path = REPO_ROOT,
     base: Mapping[str, str] | None = None,
+    dp_size: int = 1,
 ) -> dict[str, str]:
     """Environment for a vLLM process on this box: base (default os.environ) plus the stack's settings.
 
-    Offline, loopback only, 1 GiB of KV cache, OpenMP bound to `core`, the NIXL side channel on
-    side_port, and PYTHONPATH set to the harness (stack/site) and the repository (replacing any inherited
-    value) with both harness switches on.
+    Offline, loopback only, 1 GiB of KV cache, OpenMP bound to `core` (one list per data-parallel rank), the
+    NIXL side channel on side_port, and PYTHONPATH set to the harness (stack/site) and the repository (replacing
+    any inherited value) with both harness switches on.
     """
     env = dict(os.environ if base is None else base)
     env.update(
@@ -259,7 +271,9 @@ def vllm_env(
             "VLLM_NIXL_SIDE_CHANNEL_HOST": LOOPBACK,
             "UCX_NET_DEVICES": "lo",
             "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": str(core),
+            # vLLM CPU binds OpenMP per data-parallel rank: one CPU list per rank ("0|0"), else every rank
+            # but the first fails to start ("CPU id list [] doesn't match local world size 1").
+            "VLLM_CPU_OMP_THREADS_BIND": "|".join([str(core)] * dp_size),
             "PYTHONPATH": f"{repo_root / 'stack' / 'site'}{os.pathsep}{repo_root}",
             "KVPUSH_NIXL_NO_PROG_THREAD": "1",
             "KVPUSH_KEEP_AFFINITY": "1",
@@ -277,7 +291,7 @@ def process_spec(
 ) -> ProcessSpec:
     """The ManagedProcess description of a resolved engine spec (ready when GET /health is 200); on a link the
     environment is the link's (UCX over TCP on the engine's NIC, its own address: stack.link.plan.engine_env)."""
-    env = vllm_env(core=spec.core, side_port=spec.side_port, base=base_env)
+    env = vllm_env(core=spec.core, side_port=spec.side_port, base=base_env, dp_size=spec.dp_size)
     return ProcessSpec(
         name=spec.name,
         argv=engine_argv(spec, python),

@@ -56,6 +56,9 @@ PREFILL_ENGINE_ID = "kvpush-local-prefill"
 KVPUSH_CONNECTOR_MODULE = "connector.plugin"
 KVPUSH_CONNECTOR_CLASS = "KvpushConnector"
 UPSTREAM_CONNECTORS: dict[Mode, str] = {"push": "NixlPushConnector", "pull": "NixlConnector"}
+# Upstream push releases a finished prefill's blocks after kv_lease_duration (30 s by default, and heartbeats do not
+# renew it): the stack sets it above the router's decode_first_byte deadline (120 s), as deploy/ does.
+UPSTREAM_PUSH_LEASE_S = 150
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -98,6 +101,7 @@ def connector_for(mode: Mode, choice: ConnectorChoice) -> tuple[str, str | None]
 def plan_engines(options: StackOptions) -> tuple[EngineSpec, EngineSpec]:
     """The prefill (core 0, fixed engine id) and decode (core 1) specs of the local stack."""
     connector, module = connector_for(options.mode, options.connector)
+    extra = {"kv_lease_duration": UPSTREAM_PUSH_LEASE_S} if connector == UPSTREAM_CONNECTORS["push"] else {}
     prefill = EngineSpec(
         name="prefill",
         role="prefill",
@@ -109,6 +113,7 @@ def plan_engines(options: StackOptions) -> tuple[EngineSpec, EngineSpec]:
         connector_module=module,
         engine_id=PREFILL_ENGINE_ID,
         kv_role="kv_producer",
+        connector_extra=extra,
     )
     decode = EngineSpec(
         name="decode",
@@ -120,6 +125,7 @@ def plan_engines(options: StackOptions) -> tuple[EngineSpec, EngineSpec]:
         connector=connector,
         connector_module=module,
         kv_role="kv_consumer",
+        connector_extra=extra,
     )
     return prefill, decode
 

@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from stack import engines
 from stack.family import PdFamily, pd_family
 from stack.procs import free_port
 from tests.integration.connector.kvpush_support import CONNECTOR, CONNECTOR_EXTRA, MODULE
@@ -48,31 +47,8 @@ class DpStack:
     learned: str  # router URL: dp=2, each rank's identity learned
 
 
-@pytest.fixture(scope="module")
-def dp_bind() -> Iterator[None]:
-    """vLLM CPU binds OpenMP per DP rank: VLLM_CPU_OMP_THREADS_BIND needs one list per rank ("0|0"), or every rank
-    but the first fails to start ("CPU id list [] doesn't match local world size 1"). stack.engines.vllm_env binds
-    one list; until it learns DP, the prefill's environment gets one per rank here."""
-    plain = engines.vllm_env
-
-    def per_rank(*, core: int, side_port: int | None, **kw: Any) -> dict[str, str]:
-        env = plain(core=core, side_port=side_port, **kw)
-        if side_port in DP_SIDE_PORTS:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join([str(core)] * 2)
-        return env
-
-    engines.vllm_env = per_rank
-    try:
-        yield
-    finally:
-        engines.vllm_env = plain
-
-
-DP_SIDE_PORTS: set[int] = set()
-
-
 @pytest.fixture(scope="module", params=CONNECTORS, ids=[c.id for c in CONNECTORS])
-def dp_stack(request: pytest.FixtureRequest, dp_bind: None) -> Iterator[DpStack]:
+def dp_stack(request: pytest.FixtureRequest) -> Iterator[DpStack]:
     require_vllm()
     c: Connector = request.param
     family = pd_family(
@@ -85,7 +61,6 @@ def dp_stack(request: pytest.FixtureRequest, dp_bind: None) -> Iterator[DpStack]
         connector_extra=c.extra,
     )
     side_port = free_port()
-    DP_SIDE_PORTS.add(side_port)
     family = PdFamily((replace(family.prefills[0], side_port=side_port),), family.decodes)
     with contextlib.ExitStack() as running:
         engines = running.enter_context(started(family))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -186,6 +187,16 @@ class TestEnvironment:
         base = {"PATH": "/bin"}
         vllm_env(core=0, side_port=1, base=base)
         assert base == {"PATH": "/bin"}
+
+    def test_openmp_is_bound_once_per_data_parallel_rank(self) -> None:
+        assert vllm_env(core=0, side_port=None, base={}, dp_size=2)["VLLM_CPU_OMP_THREADS_BIND"] == "0|0"
+
+    def test_an_engine_with_data_parallel_ranks_gets_one_bind_list_per_rank(self) -> None:
+        dp2 = dataclasses.replace(push_prefill(), extra_args=("--data-parallel-size", "2"))
+        dp3 = dataclasses.replace(push_prefill(), extra_args=("--data-parallel-size=3",))
+        assert (push_prefill().dp_size, dp2.dp_size, dp3.dp_size) == (1, 2, 3)
+        bind = process_spec(dp2, Path("/logs"), python="py", base_env={}).env["VLLM_CPU_OMP_THREADS_BIND"]
+        assert bind == "|".join([str(dp2.core)] * 2)
 
     def test_the_harness_folder_exists_where_the_env_points(self) -> None:
         site = vllm_env(core=0, side_port=None, base={})["PYTHONPATH"].split(":")[0]

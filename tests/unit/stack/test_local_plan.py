@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from router.config import Timeouts
 from stack.engines import engine_argv, process_spec
 from stack.link.calibrate import Calibration
 from stack.link.plan import Place, preset, resolve
@@ -71,6 +72,15 @@ def test_default_push_stack_engines() -> None:
     }
     upstream, _ = plan_engines(StackOptions(connector="upstream"))
     assert upstream.connector == "NixlPushConnector"
+
+
+def test_upstream_push_keeps_finished_blocks_longer_than_the_routers_decode_deadline() -> None:
+    for engine in plan_engines(StackOptions(connector="upstream")):
+        extra = kv_config(engine_argv(engine))["kv_connector_extra_config"]
+        assert isinstance(extra, dict)
+        assert extra["kv_lease_duration"] > Timeouts().decode_first_byte
+    for engine in (*plan_engines(StackOptions()), *plan_engines(StackOptions(mode="pull"))):
+        assert "kv_lease_duration" not in str(kv_config(engine_argv(engine)))
 
 
 def test_pull_mode_uses_nixl_connector_on_both() -> None:
