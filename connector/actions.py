@@ -61,6 +61,21 @@ class Timeouts:
         if not 0 < self.write_timeout_s < self.write_grace_s < self.kv_timeout_s:
             raise ValueError("need 0 < write_timeout_s < write_grace_s < kv_timeout_s")
 
+    @classmethod
+    def derived(cls, **given: float) -> Timeouts:
+        """The leases with the WRITE windows that were not given scaled down to fit a shorter ``kv_timeout_s``.
+
+        The defaults keep write_grace_s at a third of kv_timeout_s and write_timeout_s at three quarters of the
+        grace; a deployment that shortens kv_timeout_s (a fault bed, a test) keeps those proportions instead of
+        being refused for defaults it never set. Given values are kept as they are (and checked).
+        """
+        kv = given.get("kv_timeout_s", cls.kv_timeout_s)
+        if "write_grace_s" not in given:
+            given["write_grace_s"] = min(cls.write_grace_s, kv / 3)
+        if "write_timeout_s" not in given:
+            given["write_timeout_s"] = min(cls.write_timeout_s, given["write_grace_s"] * 0.75)
+        return cls(**given)
+
 
 # --------------------------------------------------------------------------------------------
 # Actions (what the caller must do)

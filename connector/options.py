@@ -93,7 +93,7 @@ class Options:
             for key, value in extra.items():
                 groups[known[key]][key] = float(value)
             return cls(
-                Timeouts(**groups["timeouts"]),
+                Timeouts.derived(**groups["timeouts"]),
                 Polling(**groups["polling"]),
                 Liveness(**groups["liveness"]),
                 tuple(str(b) for b in backends),

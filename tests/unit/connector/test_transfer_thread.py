@@ -452,6 +452,18 @@ def test_the_default_write_timeout_outlasts_the_slowest_presets_transfer() -> No
     assert t.kv_timeout_s - t.write_grace_s >= 60
 
 
+def test_a_shorter_kv_timeout_scales_the_write_windows_it_did_not_set() -> None:
+    """A bed or deployment that sets only kv_timeout_s (the fault matrix: 30 s) is not refused for the longer
+    WRITE defaults it never set: the windows keep their proportions; what is given is kept and checked."""
+    t = Options.from_extra({"kv_timeout_s": 30}).timeouts
+    assert (t.kv_timeout_s, t.write_grace_s, t.write_timeout_s) == (30, 10, 7.5)
+    assert Options.from_extra({}).timeouts == Timeouts()
+    given = Options.from_extra({"kv_timeout_s": 30, "write_timeout_s": 2}).timeouts
+    assert (given.write_grace_s, given.write_timeout_s) == (10, 2)
+    with pytest.raises(ValueError, match=re.escape("write_grace_s < kv_timeout_s")):
+        Options.from_extra({"kv_timeout_s": 30, "write_grace_s": 40})
+
+
 def test_decode_loads_prefill_for_notices_only_and_prefill_loads_decode_to_write(pair: tuple[Side, Side]) -> None:
     """Descriptors at scale: decode never WRITEs, so it prepares no list for prefill's blocks."""
     p, d = pair
