@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 from router.domain import EngineLoad
 
-__all__ = ["CACHE_INFO", "MetricsPageError", "block_size", "labelled_samples", "rank_loads"]
+__all__ = ["CACHE_INFO", "MetricsPageError", "block_size", "closing_brace", "labelled_samples", "rank_loads"]
 
-# vLLM's names, as router/scrape.py reads them (scrape.py imports httpx, so this pure module names them itself).
+# vLLM's names; router/scrape.py (which imports httpx) reads them from here.
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # the second is the pre-0.10 name
@@ -45,7 +45,7 @@ def labelled_samples(text: str, wanted: tuple[str, ...]) -> Iterator[tuple[str, 
         labels: dict[str, str] = {}
         rest = line[match.end() :]
         if rest.startswith("{"):
-            end = _closing_brace(rest)
+            end = closing_brace(rest)
             if end == -1 or end > _MAX_LABELS_CHARS:
                 raise MetricsPageError(f"unclosed or oversized label set: {line[:200]!r}")
             labels = _labels(rest[1:end], line)
@@ -59,7 +59,7 @@ def labelled_samples(text: str, wanted: tuple[str, ...]) -> Iterator[tuple[str, 
             raise MetricsPageError(f"a sample value that is not a number: {line[:200]!r}") from None
 
 
-def _closing_brace(text: str) -> int:
+def closing_brace(text: str) -> int:
     """Index of the `}` closing the label set that `text` opens, or -1; quoted values may hold `}` and `\\"`."""
     quoted = escaped = False
     for i, ch in enumerate(text):

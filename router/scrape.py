@@ -14,15 +14,11 @@ from typing import Protocol
 import httpx
 
 from router.domain import EngineLoad, Sleep, WorkerSpec
-from router.rank_metrics import MetricsPageError, block_size, rank_loads
+from router.rank_metrics import KV_USAGE, RUNNING, WAITING, MetricsPageError, block_size, closing_brace, rank_loads
 
 __all__ = ["EngineLoad", "LoadSink", "ScrapeError", "Scraper", "parse_engine_load", "samples"]
 
 logger = logging.getLogger("kvpush.scrape")
-
-RUNNING = "vllm:num_requests_running"
-WAITING = "vllm:num_requests_waiting"
-KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # the second is the pre-0.10 name
 
 _WANTED = (RUNNING, WAITING, *KV_USAGE)
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
@@ -67,18 +63,10 @@ ScrapeErrorHook = Callable[[WorkerSpec, str], None]
 
 def _labels_end(line: str, start: int) -> int:
     """Index just past the `}` closing the label set that opens at `start`; quoted values may hold `}`."""
-    quoted = escaped = False
-    for i in range(start + 1, len(line)):
-        ch = line[i]
-        if escaped:
-            escaped = False
-        elif ch == "\\":
-            escaped = quoted
-        elif ch == '"':
-            quoted = not quoted
-        elif ch == "}" and not quoted:
-            return i + 1
-    raise ScrapeError(f"unclosed label set: {line[:200]!r}")
+    end = closing_brace(line[start:])
+    if end == -1:
+        raise ScrapeError(f"unclosed label set: {line[:200]!r}")
+    return start + end + 1
 
 
 def samples(text: str) -> Iterator[tuple[str, float]]:
