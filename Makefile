@@ -35,7 +35,8 @@ serve: venv ## run only the router (pass flags in ARGS="--prefill ... --decode .
 	$(BIN)/kvpush serve $(ARGS)
 
 test: venv tools lint typecheck ## everything CI runs: lint, types, unit and integration tests (real vLLM + NIXL)
-	$(BIN)/python -m pytest tests --durations=30
+	$(BIN)/python -m pytest -n 2 tests/unit --durations=10  # pure and socket-free: both cores at once
+	$(BIN)/python -m pytest tests/integration --durations=30  # real processes pinned to cores: one at a time
 
 test-unit: venv ## fast tests only: no sockets, no engines
 	$(BIN)/python -m pytest -q tests/unit
