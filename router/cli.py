@@ -54,6 +54,21 @@ def serve_parser() -> argparse.ArgumentParser:
         "client_write_stall",
     )
     p.add_argument("--decider", help="the P/D decider (default none: the mode decides, the policies pick the workers)")
+    p.add_argument(
+        "--kv-events",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="follow the engines' KV events (engines need --kv-events-config; the kv_events: block, router/README.md)",
+    )
+    p.add_argument(
+        "--kv-events-port-offset",
+        type=int,
+        metavar="N",
+        help="each engine publishes KV events on its HTTP port + N (default: port 5557 on every worker's host)",
+    )
+    p.add_argument(
+        "--kv-events-replay-offset", type=int, metavar="N", help="... and answers replays on its HTTP port + N"
+    )
     for name, what in _LIMIT_FLAGS.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=int, dest=name, metavar="N", help=what)
     p.add_argument("--health-interval", type=float, help="seconds between health probes (default 2)")
@@ -152,12 +167,23 @@ def load_serve_settings(argv: list[str], env: dict[str, str]) -> Settings:
         "server": args.server,
         "limits": {k: v for k in _LIMIT_FLAGS if (v := getattr(args, k)) is not None} or None,
         "tracing": _tracing_flags(args),
+        "kv_events": _kv_event_flags(args),
     }
     if args.gateway_prefill_header is not None:  # the flag sets one key of the file's gateway block
         block = file_layer.get("gateway")
         flags["gateway"] = {**(block if isinstance(block, dict) else {}), "prefill_header": args.gateway_prefill_header}
     env_layer: dict[str, Any] = from_env(env)
     return build_settings(file_layer, env_layer, flags)
+
+
+def _kv_event_flags(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The KV-event flags as a `kv_events:` layer (merged over the file's block name by name)."""
+    layer = {
+        "enabled": args.kv_events,
+        "port_offset": args.kv_events_port_offset,
+        "replay_offset": args.kv_events_replay_offset,
+    }
+    return {k: v for k, v in layer.items() if v is not None} or None
 
 
 def _tracing_flags(args: argparse.Namespace) -> dict[str, Any] | None:

@@ -17,6 +17,7 @@ from router.discovery.settings import Discovery, parse_discovery, resolve_in_clu
 from router.domain import Fallback, Mode, Role, WorkerSpec
 from router.errors import ConfigError
 from router.gateway import GatewaySettings, parse_gateway
+from router.kv_events.settings import KvEventSettings, parse_kv_events
 from router.policy import make_policy
 from router.specs import decode_from_mapping, parse_decode_url, parse_prefill_spec, prefill_from_mapping, workers
 from router.tracing.settings import TracingSettings, parse_tracing
@@ -110,6 +111,7 @@ class Settings:
     decider_options: Mapping[str, Any] = field(default_factory=dict)  # the decider's own settings
     gateway: GatewaySettings = field(default_factory=GatewaySettings)  # behind an InferencePool's EPP (gateway.py)
     tracing: TracingSettings = field(default_factory=TracingSettings)  # OpenTelemetry (router/tracing/settings.py)
+    kv_events: KvEventSettings = field(default_factory=KvEventSettings)  # the engines' KV events (router/kv_events)
 
 
 _ENV = {  # environment variable → setting
@@ -133,7 +135,8 @@ _ENV = {  # environment variable → setting
 _TIMEOUT_NAMES = {f.name for f in fields(Timeouts)}
 _LIMIT_NAMES = {f.name for f in fields(Limits)}
 _NAMED = ("decider", "decode_policy", "prefill_policy")  # a name, or a mapping {name: ..., <its options>}
-_TOP_NAMES = {f.name for f in fields(Settings)} - {"timeouts", "limits"} - {f"{n}_options" for n in _NAMED}
+_BLOCKS = {"timeouts", "limits", "kv_events"}  # mappings merged name by name over the layers
+_TOP_NAMES = {f.name for f in fields(Settings)} - _BLOCKS - {f"{n}_options" for n in _NAMED}
 
 
 def _keys(value: Any) -> tuple[str, ...]:
@@ -167,7 +170,7 @@ def with_environment(settings: Settings, env: Mapping[str, str]) -> Settings:
 def build_settings(*layers: Mapping[str, Any]) -> Settings:
     """Merge raw layers (later wins; None values are skipped) over the defaults, then validate."""
     raw: dict[str, Any] = {}
-    blocks: dict[str, dict[str, Any]] = {"timeouts": {}, "limits": {}}
+    blocks: dict[str, dict[str, Any]] = {"timeouts": {}, "limits": {}, "kv_events": {}}
     for layer in layers:
         for key, value in layer.items():
             if value is None:
@@ -188,7 +191,8 @@ def build_settings(*layers: Mapping[str, Any]) -> Settings:
             else:
                 known = sorted(_TOP_NAMES | {*blocks, "policy"})
                 raise ConfigError(f"unknown setting {key!r}; known: {known}")
-    return _validate(raw, blocks["timeouts"], blocks["limits"])
+    settings = _validate(raw, blocks["timeouts"], blocks["limits"])
+    return replace(settings, kv_events=parse_kv_events(blocks["kv_events"] or None))
 
 
 def _policy_block(value: Any) -> Mapping[str, Any]:

@@ -137,6 +137,9 @@ class DeciderStats:
     answers_trusted: bool = True  # False once bypasses showed relayed answers are not what decode caches
     answers_checked: int = 0  # answers whose re-tokenization decode reported (`AnswerCheck`)
     answers_short: int = 0  # ... that matched fewer generated tokens than the first estimate credited
+    event_decisions: int = 0  # decisions whose decode pick a caught-up KV-event view judged
+    event_corrections: int = 0  # learned matches the KV events cut down (evicted, restarted, elsewhere)
+    event_matches: int = 0  # matches only the KV events knew of (another replica routed the session)
 
 
 class ReportsStats(Protocol):

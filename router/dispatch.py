@@ -25,6 +25,7 @@ from router import protocol, upstream
 from router.answer import JsonAnswer, StreamAnswer, read_first_events
 from router.config import Settings
 from router.decider import Decider, Decision, NoDecider, Route, Turn
+from router.deciders.conversation import SESSION_HEADER, session_of
 from router.domain import Fallback, NixlIdentity, RequestInfo, Role, WorkerView
 from router.errors import (
     NoHealthyWorker,
@@ -258,7 +259,7 @@ class Dispatcher:
     ) -> protocol.KvTransferParams:
         """The prefill leg, pinned to `rank` (a server with data-parallel ranks), in its own span when the request
         is traced (ended however the leg ends)."""
-        headers = {**self._headers(ids), **rank_headers(rank)}
+        headers = {**self._headers(ids, request), **rank_headers(rank)}
         trace = request.trace
         if trace is None:
             return await self._prefill_leg(request, worker, ids, headers, rank)
@@ -353,7 +354,7 @@ class Dispatcher:
             if trace is None
             else trace.leg(semconv.DECODE_SPAN, attempt=rec.attempts, pairing_id=ids.request_id, worker=worker.spec.url)
         )
-        headers = {**self._headers(ids), **rank_headers(rank)}
+        headers = {**self._headers(ids, request), **rank_headers(rank)}
         if span is not None:
             headers.update(span.headers)
         leg = _DecodeLeg(wid, f"{worker.spec.url}{request.info.endpoint.path}", headers)
@@ -427,8 +428,13 @@ class Dispatcher:
             ) from None
         return response, first, rest
 
-    def _headers(self, ids: protocol.PairingIds) -> dict[str, str]:
-        return {**self._json_headers, protocol.REQUEST_ID_HEADER: ids.request_id}
+    def _headers(self, ids: protocol.PairingIds, request: ClientRequest) -> dict[str, str]:
+        headers = {**self._json_headers, protocol.REQUEST_ID_HEADER: ids.request_id}
+        if self._settings.kv_events.enabled:  # the engines tag the blocks they store with it (KV events)
+            session = session_of(request.body, request.headers)
+            if session is not None and session.isascii() and session.isprintable():
+                headers[SESSION_HEADER] = session
+        return headers
 
     def _observe_first_byte(self, rec: RequestRecord, trace: RequestTrace | None) -> None:
         """TTFT and handoff observed; a sampled trace's id goes with them as the exemplar (OpenMetrics)."""

@@ -13,6 +13,7 @@ from prometheus_client.openmetrics.exposition import generate_latest as openmetr
 from prometheus_client.registry import Collector
 
 from router.decider import DeciderStats
+from router.kv_events.view import KvEventReport
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -115,6 +116,10 @@ class Metrics:
         """Exports a decider's index figures, read at scrape time (nothing for the "none" decider)."""
         self.registry.register(_DeciderCollector(stats))
 
+    def watch_kv_events(self, report: Callable[[], KvEventReport]) -> None:
+        """Exports the KV-event subscriber's counters and each worker's view, read at scrape time."""
+        self.registry.register(_KvEventCollector(report))
+
     def child(self, metric: Counter | Histogram, *labels: str) -> Any:
         """`metric.labels(*labels)`, bound once: the hot path looks children up in a dict, not through
         prometheus_client's locked label resolution (labels are bounded, so the dict is too)."""
@@ -182,6 +187,21 @@ class _DeciderCollector(Collector):
                 "Checked answers that re-tokenized to fewer generated tokens than first credited.",
                 s.answers_short,
             ),
+            (
+                "kvpush_decider_event_decisions",
+                "Decode picks judged by a caught-up KV-event view.",
+                s.event_decisions,
+            ),
+            (
+                "kvpush_decider_event_corrections",
+                "Learned prefix matches the KV events cut down (evicted, restarted).",
+                s.event_corrections,
+            ),
+            (
+                "kvpush_decider_event_matches",
+                "Prefix matches only the KV events knew of (another replica routed the session).",
+                s.event_matches,
+            ),
         ):
             yield CounterMetricFamily(name, help_text, value=value)
         yield GaugeMetricFamily(
@@ -192,3 +212,47 @@ class _DeciderCollector(Collector):
             "1 while relayed answers are credited as cached.",
             value=1.0 if s.answers_trusted else 0.0,
         )
+
+
+_KV_COUNTERS = {  # counter group of subscriber.counters() -> (metric, help)
+    "frames": ("kvpush_kv_events_frames", "KV-event messages by what happened to them (messages: live ones)."),
+    "sequence": ("kvpush_kv_events_sequence", "KV-event sequence events: gaps, replays, holes, restarts, ..."),
+    "index": ("kvpush_kv_events_blocks", "KV-event blocks by what the index did with them (stored, removed, ...)."),
+    "layout": ("kvpush_kv_events_layouts", "KV-event batches by the frame layout they used."),
+}
+
+
+class _KvEventCollector(Collector):
+    """kvpush_kv_events_*: what the subscriber consumed, and per worker whether its view is caught up."""
+
+    def __init__(self, report: Callable[[], KvEventReport]) -> None:
+        self._report = report
+
+    def collect(self) -> Iterator[Metric]:
+        r = self._report()
+        families = {
+            group: CounterMetricFamily(name, text, labels=["kind"]) for group, (name, text) in _KV_COUNTERS.items()
+        }
+        gauges = {}
+        for key, value in sorted(r.counters.items()):
+            group, _, kind = key.partition(".")
+            if group in families:
+                families[group].add_metric([kind], value)
+            else:
+                gauges[key] = value
+        yield from families.values()
+        yield GaugeMetricFamily("kvpush_kv_events_streams", "Publishers followed.", value=gauges.get("streams", 0))
+        yield GaugeMetricFamily(
+            "kvpush_kv_events_streams_caught_up",
+            "Publishers whose view is caught up (in sync, history complete).",
+            value=gauges.get("streams_caught_up", 0),
+        )
+        caught_up = GaugeMetricFamily(
+            "kvpush_kv_events_caught_up", "1 when every rank of the worker is caught up.", labels=["worker"]
+        )
+        held = GaugeMetricFamily("kvpush_kv_events_held_blocks", "Blocks the worker's engine holds.", labels=["worker"])
+        for worker, (up, blocks) in sorted(r.workers.items()):
+            caught_up.add_metric([worker], 1.0 if up else 0.0)
+            held.add_metric([worker], blocks)
+        yield caught_up
+        yield held

@@ -1,5 +1,6 @@
 """The router's parts wired together (no HTTP framework): pools, dispatcher, admission, background loops, drain,
-and the service work behind the non-hot routes (/v1/models fan-out, adding and probing workers)."""
+the KV-event subscriber (when `kv_events.enabled`), and the service work behind the non-hot routes (/v1/models
+fan-out, adding and probing workers)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ from router.domain import Fallback, RequestInfo, Role, WorkerSpec
 from router.errors import BadRequest, ConfigError, NoHealthyWorker
 from router.gateway import GatewayPick, PrefillHeader, read_gateway_headers
 from router.health import HealthPolicy
+from router.kv_events import membership
+from router.kv_events.index import KvIndex
+from router.kv_events.subscriber import KvEventSubscriber
+from router.kv_events.view import KvEventReport, KvEventView
 from router.legs.base import LegTransport
 from router.legs.httpx import HttpxLegs
 from router.loops import Supervisor
@@ -55,7 +60,15 @@ class Service:
         self.timings = TimingLog(settings.timings_capacity)
         self.client = make_client(settings, transport)
         legs: LegTransport = HttpxLegs(self.client) if transport is not None else make_legs(settings)
-        decider = make_decider(settings.decider, settings.decider_options)
+        kv = settings.kv_events
+        self.kv_events: KvEventSubscriber | None = None  # follows every publishing worker (router/kv_events)
+        view: KvEventView | None = None
+        if kv.enabled:
+            self.kv_events = KvEventSubscriber(KvIndex(kv.max_blocks_per_stream), kv.limits())
+            view = KvEventView(self.kv_events.index, self.kv_events.status)
+            self.metrics.watch_kv_events(self._kv_report)
+        self._kv_refused: set[str] = set()
+        decider = make_decider(settings.decider, settings.decider_options, view)
         self.metrics.watch_decider(lambda: stats_of(decider))
         self.dispatcher = Dispatcher(settings, self.pool, legs, self.metrics, self.timings, clock, decider)
         self.wants_headers = decider.wants_headers  # the HTTP layer copies client headers into requests only then
@@ -85,6 +98,10 @@ class Service:
     async def start(self) -> None:
         """First probe of every worker, then the health, discovery and scrape loops."""
         s, metrics = self.settings, self.metrics
+        if self.kv_events is not None:
+            self.follow_kv_events()
+            self._loops.spawn("kv-events", self.kv_events.run)
+            self._loops.spawn("kv-events-members", self._follow_kv_events_loop)
         await self.pool.probe_all(self.client, s.timeouts.health, on_error=self._probe_failed)
         self._loops.spawn(
             "health",
@@ -108,6 +125,8 @@ class Service:
 
     async def stop(self) -> None:
         await self._loops.stop()
+        if self.kv_events is not None:
+            self.kv_events.close()
         await self.dispatcher.aclose()
         await self.client.aclose()
         if self.tracing is not None:  # the spans still queued go out, for a bounded time (off the loop)
@@ -157,15 +176,49 @@ class Service:
         if str(spec.role) in self.settings.discovery:
             raise BadRequest(f"{spec.role} workers come from discovery here; add them there, not by hand")
         added = self.pool.add(spec)
+        if self.kv_events is not None:
+            self.follow_kv_events()
         await self.pool.probe_all(self.client, self.settings.timeouts.health, on_error=self._probe_failed)
         return added, spec.url
 
     def remove_worker(self, url: str) -> bool:
         return self.pool.remove(url)  # the pool tells _gone, and the decider forgets the worker
 
+    def follow_kv_events(self) -> None:
+        """The subscriber follows exactly the pool's publishing workers (called at start, when a worker is added
+        or leaves, and once a health interval for what discovery changed)."""
+        sub = self.kv_events
+        if sub is None:
+            return
+        plan = membership.plan(self.settings.kv_events, self.pool.all_members(), sub.following())
+        for worker in plan.remove:
+            sub.remove(worker)
+        sub.add(plan.add)
+        for refusal in set(plan.refused) - self._kv_refused:
+            logger.warning("kv events: not following %s", refusal)
+        self._kv_refused = set(plan.refused)
+
+    async def _follow_kv_events_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.health_interval)
+            self.follow_kv_events()
+
+    def _kv_report(self) -> KvEventReport:
+        sub = self.kv_events
+        if sub is None:
+            return KvEventReport({}, {})
+        workers = {}
+        for worker in sub.workers():
+            streams = sub.status(worker)
+            workers[worker] = (all(x.caught_up for x in streams), sum(x.blocks for x in streams))
+        return KvEventReport(sub.counters(), workers)
+
     def _gone(self, worker_id: str) -> None:
-        """A worker went down or left the pool (probe, passive ejection, discovery, admin)."""
+        """A worker went down or left the pool (probe, passive ejection, discovery, admin). One that left is no
+        longer followed; one that went down still is (its publisher's dropped connection says if it restarted)."""
         self.dispatcher.forget(worker_id)
+        if self.kv_events is not None and worker_id not in self.pool:
+            self.kv_events.remove(worker_id)
 
     def _probe_failed(self, spec: WorkerSpec, error: BaseException) -> None:
         self.metrics.loop_errors.labels("health").inc()

@@ -8,6 +8,14 @@
   estimated at most `bypass_max_uncached_tokens`: decode computes the suffix from its own prefix cache.
 - Otherwise the router's mode (push or pull), with prefill on the candidate that holds the longest prefix (its
   cache holds earlier turns' prompts); none held: the policy picks.
+- With the engines' KV events followed (router/kv_events), a worker whose view is caught up is judged by what its
+  engine really holds: the tokens of the blocks the session's requests stored there (the router forwards the
+  session id; vLLM tags each stored block with it), or, for a prompt sent as token ids, the longest prefix of
+  those ids it holds. A learned match the events confirm is kept (it knows where in the prompt it ends); one
+  they contradict (evicted, restarted, or never routed here by this replica) is replaced by what the events say,
+  its position in the prompt estimated with the learned tokens-per-character ratio. Workers without a caught-up
+  view, and prompts with neither a session nor token ids, keep the request-learned index (router/README.md,
+  "KV events": why no tokenizer).
 - An answer is credited at first by `reusable_answer_tokens` (no tokenizer here). With `verify_answers` (the
   default) decode is asked for its generated token ids, and each answer is checked once it is relayed: decode
   tokenizes the text (router/retokenize.py) and the credit becomes exactly the generated tokens it re-tokenizes
@@ -28,6 +36,7 @@ from router.deciders.conversation import Chain, ConversationKey, Link, conversat
 from router.deciders.prefix_index import Match, PrefixIndex, SessionTable, TokenRatio, prorated, reusable_answer_tokens
 from router.domain import WorkerView
 from router.errors import ConfigError
+from router.kv_events.view import KvEventView
 
 logger = logging.getLogger("kvpush.decider")
 ACCURATE = 0.2  # a bypass prediction is "accurate" when uncached tokens are within 20 % of the actual
@@ -61,6 +70,16 @@ class AffinityOptions:
             raise ConfigError(f"decider session-affinity: unknown option(s) {unknown}; known: {sorted(_RULES)}")
         where = "decider session-affinity"
         return cls(**{k: _RULES[k](v, f"{where}: {k}") for k, v in options.items() if k != "name"})
+
+
+def prompt_token_ids(body: Mapping[str, Any]) -> list[int] | None:
+    """A completions prompt sent as token ids (one prompt: a list of ints, or a batch of one such list)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], list):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return prompt
+    return None
 
 
 def _at_least(low: int) -> Callable[[Any, str], int]:
@@ -101,6 +120,9 @@ class _Counters:
     recent_misses: list[bool] = field(default_factory=list)
     answers_checked: int = 0  # answers whose re-tokenization decode reported
     answers_short: int = 0  # ... and re-tokenized to fewer of the generated tokens than were credited
+    event_decisions: int = 0  # decisions whose decode pick a caught-up KV-event view judged
+    event_corrections: int = 0  # learned matches the KV events cut down (evicted, restarted, elsewhere)
+    event_matches: int = 0  # matches only the KV events knew of (e.g. another replica routed the session)
 
 
 class SessionAffinity:
@@ -108,8 +130,9 @@ class SessionAffinity:
     wants_answer = True
     wants_headers = True  # the session id header keys the conversation
 
-    def __init__(self, options: AffinityOptions | None = None) -> None:
+    def __init__(self, options: AffinityOptions | None = None, view: KvEventView | None = None) -> None:
         self.options = o = options or AffinityOptions()
+        self.view = view  # the engines' KV events (None: off); read on the router's loop, like everything here
         self.decode_index = PrefixIndex(o.max_links_per_worker, o.ttl_s)
         self.prefill_index = PrefixIndex(o.max_links_per_worker, o.ttl_s)
         self.sessions = SessionTable(o.max_sessions, o.ttl_s)
@@ -120,15 +143,21 @@ class SessionAffinity:
         self._counts = _Counters()
 
     @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> SessionAffinity:
-        return cls(AffinityOptions.from_mapping(options))
+    def from_options(cls, options: Mapping[str, Any], view: KvEventView | None = None) -> SessionAffinity:
+        return cls(AffinityOptions.from_mapping(options), view)
 
     def decide(self, turn: Turn, decode: Sequence[WorkerView], prefill: Sequence[WorkerView], now: float) -> Decision:
         key = conversation_key(turn.info.endpoint, turn.body, turn.headers, self.options.chunk_chars)
-        held = self._pick_decode(key, self._usable(decode), now)
+        ids = prompt_token_ids(turn.body) if self.view is not None else None
+        usable = self._usable(decode)
+        truth = self._truth(key, ids, usable)
+        held = self._pick_decode(key, usable, now, truth)
         o = self.options
         cached = (held.reusable // o.block_tokens) * o.block_tokens if held is not None else 0  # whole blocks only
-        uncached = self._uncached(key.chain, held) + (held.tokens - cached if held is not None else 0)
+        if ids is not None:
+            uncached = len(ids) - cached
+        else:
+            uncached = self._uncached(key.chain, held) + (held.tokens - cached if held is not None else 0)
         if held is not None and cached >= o.bypass_min_cached_tokens and uncached <= o.bypass_max_uncached_tokens:
             return self._count(
                 Decision(Route.BYPASS, held.worker, None, cached, "decode holds all but a short suffix"),
@@ -137,7 +166,8 @@ class SessionAffinity:
                 held,
             )
         route = Route.of(turn.mode)
-        warm = self._longest(self.prefill_index, key.chain, self._usable(prefill), now)
+        warm_usable = self._usable(prefill)
+        warm = self._longest(self.prefill_index, key.chain, warm_usable, now, self._truth(key, ids, warm_usable))
         reason = "session or prefix on decode" if held is not None else "no affinity"
         return self._count(
             Decision(route, held.worker if held else None, warm.worker if warm else None, cached, reason),
@@ -233,6 +263,9 @@ class SessionAffinity:
             answers_trusted=self.answers_trusted,
             answers_checked=c.answers_checked,
             answers_short=c.answers_short,
+            event_decisions=c.event_decisions,
+            event_corrections=c.event_corrections,
+            event_matches=c.event_matches,
         )
 
     def _usable(self, workers: Sequence[WorkerView]) -> list[WorkerView]:
@@ -249,20 +282,74 @@ class SessionAffinity:
         ]
         return calm or list(workers)
 
-    def _pick_decode(self, key: ConversationKey, usable: Sequence[WorkerView], now: float) -> Match | None:
-        best = self._longest(self.decode_index, key.chain, usable, now)
+    def _pick_decode(
+        self, key: ConversationKey, usable: Sequence[WorkerView], now: float, truth: Mapping[str, int]
+    ) -> Match | None:
+        if truth:
+            self._counts.event_decisions += 1
+        best = self._longest(self.decode_index, key.chain, usable, now, truth, count=True)
         last = self.sessions.get(key.session, now) if key.session is not None else None
         if last is not None and any(w.id == last for w in usable):
-            mine = self.decode_index.longest(last, key.chain, now)
+            mine = self._reconcile(self.decode_index.longest(last, key.chain, now), key.chain, truth)
             if best is None or mine.reusable >= best.reusable:
                 return mine
         return best
 
-    def _longest(self, index: PrefixIndex, chain: Chain, usable: Sequence[WorkerView], now: float) -> Match | None:
-        """The worker holding the longest prefix (ties: configuration order); None when none holds any."""
-        found = [index.longest(w.id, chain, now) for w in usable]
+    def _longest(
+        self,
+        index: PrefixIndex,
+        chain: Chain,
+        usable: Sequence[WorkerView],
+        now: float,
+        truth: Mapping[str, int],
+        *,
+        count: bool = False,
+    ) -> Match | None:
+        """The worker holding the longest prefix (ties: configuration order); None when none holds any. A worker
+        in `truth` (its KV-event view is caught up) is judged by it (`_reconcile`)."""
+        found = []
+        for w in usable:
+            learned = index.longest(w.id, chain, now)
+            judged = self._reconcile(learned, chain, truth)
+            if count and judged is not learned:
+                self._counts.event_corrections += judged.reusable < learned.reusable
+                self._counts.event_matches += learned.tokens == 0 and judged.tokens > 0
+            found.append(judged)
         best = max(found, key=lambda m: m.reusable, default=None)
         return best if best is not None and best.tokens > 0 else None
+
+    def _truth(self, key: ConversationKey, ids: Sequence[int] | None, usable: Sequence[WorkerView]) -> dict[str, int]:
+        """Per candidate whose KV-event view is caught up, the tokens of this prompt its engine holds: the longest
+        held prefix of the token ids, or the session's blocks held there; empty when the events cannot say."""
+        view = self.view
+        if view is None or (ids is None and key.session is None):
+            return {}
+        up = [w.id for w in usable if view.caught_up(w.id)]
+        if not up:
+            return {}
+        if ids is not None:
+            return {worker: held.tokens for worker, held in view.held_prefixes(ids, up).items()}
+        assert key.session is not None
+        tokens = view.session_tokens(key.session)
+        return {worker: tokens.get(worker, 0) for worker in up}
+
+    def _reconcile(self, learned: Match, chain: Chain, truth: Mapping[str, int]) -> Match:
+        """`learned` as the worker's KV events judge it: kept when the engine holds at least its whole blocks,
+        else what the engine holds, placed in the prompt by the learned ratio (capped at the prompt)."""
+        held = truth.get(learned.worker)
+        if held is None:
+            return learned
+        bt = self.options.block_tokens
+        if learned.tokens > 0 and held >= (learned.reusable // bt) * bt:
+            return learned
+        if held <= 0:
+            return Match(learned.worker, 0, 0, 0, 0)
+        if chain.links:
+            held = min(held, self.ratio.tokens(chain.chars))
+            chars = min(chain.chars, round(held / self.ratio.value))
+        else:
+            chars = 0
+        return Match(learned.worker, 0, chars, held, held)
 
     def _uncached(self, chain: Chain, held: Match | None) -> int:
         if held is None:

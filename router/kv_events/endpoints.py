@@ -69,6 +69,18 @@ def endpoints_for(
     ]
 
 
+def url_port(worker_url: str) -> int:
+    """The TCP port of a worker's HTTP URL (its scheme's default when none is written)."""
+    parts = urlsplit(worker_url)
+    try:
+        port = parts.port
+    except ValueError:
+        raise ConfigError(f"kv_events: the worker URL {worker_url!r} has no valid port") from None
+    if port is not None:
+        return port
+    return 443 if parts.scheme == "https" else 80
+
+
 def endpoints_near(
     worker: str,
     worker_url: str,

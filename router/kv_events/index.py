@@ -302,6 +302,16 @@ class KvIndex:
                 found[worker] = blocks
         return found
 
+    def session_tokens(self, session: str) -> dict[str, int]:
+        """Per worker, the tokens of the blocks `session` stored last that it still holds (its best rank: blocks
+        times that rank's block size); workers holding none are left out."""
+        found = {}
+        for worker, ranks in self._streams.items():
+            tokens = max((i.session_blocks(session) * (i.block_size or 0) for i in ranks.values()), default=0)
+            if tokens:
+                found[worker] = tokens
+        return found
+
     def longest_held_prefix(self, worker: str, token_ids: Sequence[int] | PromptKeys) -> HeldPrefix:
         prompt = token_ids if isinstance(token_ids, PromptKeys) else PromptKeys(token_ids)
         best = HeldPrefix(worker, 0, 0, None)

@@ -111,6 +111,13 @@ class KvEventSubscriber:
     def workers(self) -> list[str]:
         return sorted({worker for worker, _ in self._streams})
 
+    def following(self) -> dict[str, list[Endpoint]]:
+        """Per worker, the endpoints followed now (rank order)."""
+        found: dict[str, list[Endpoint]] = {}
+        for key in sorted(self._streams):
+            found.setdefault(key[0], []).append(self._streams[key].stream.endpoint)
+        return found
+
     def status(self, worker: str) -> list[StreamStatus]:
         return [status_of(live.stream) for key, live in sorted(self._streams.items()) if key[0] == worker]
 

@@ -9,10 +9,20 @@ decider keeps its request-learned estimate as the fallback (e.g. the larger of t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from router.kv_events.index import HeldPrefix, KvIndex, PromptKeys
 from router.kv_events.stream import StreamStatus
+
+
+@dataclass(frozen=True)
+class KvEventReport:
+    """For /metrics: the subscriber's flat counters (`KvEventSubscriber.counters`) and, per worker followed,
+    (caught up, blocks held)."""
+
+    counters: Mapping[str, int]
+    workers: Mapping[str, tuple[bool, int]]
 
 
 class KvEventView:
@@ -31,6 +41,11 @@ class KvEventView:
         """Per worker, how many blocks the session's requests stored (vLLM's `session_id`, sent by the router as
         `X-Session-ID` or the body's `session_id`) that its engine still holds; no tokenizer needed."""
         return self._index.session_holders(session_id)
+
+    def session_tokens(self, session_id: str) -> dict[str, int]:
+        """Per worker, the tokens of those blocks (blocks times the block size): what a next turn of the session
+        finds cached there, at most (the session's blocks that other sessions stored first are not counted)."""
+        return self._index.session_tokens(session_id)
 
     def subscribed(self, worker: str) -> bool:
         return bool(self._status(worker))

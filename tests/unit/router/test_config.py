@@ -165,7 +165,7 @@ def test_fallback_is_an_enum_equal_to_its_string() -> None:
 def test_the_decider_is_a_name_or_a_mapping_with_its_options(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[dict[str, Any]] = []
 
-    def factory(options: Any) -> NoDecider:
+    def factory(options: Any, view: Any) -> NoDecider:
         if "bad" in options:
             raise ConfigError("decider prefix: unknown option 'bad'")
         seen.append(dict(options))
