@@ -24,7 +24,7 @@ from types import TracebackType
 from typing import Any, Literal, TypeVar, get_args
 
 from stack.link.plan import Place
-from stack.procs import LOOPBACK, ManagedProcess, ProcessSpec, Readiness, free_port, http_status
+from stack.procs import LOOPBACK, ManagedProcess, ProcessSpec, Readiness, free_port, http_status, port_is_free
 
 __all__ = [
     "DEFAULT_LOG_DIR",
@@ -63,8 +63,13 @@ MANAGED_FLAGS = frozenset(
         "--dtype",
         "--max-model-len",
         "--kv-transfer-config",
+        "--kv-events-config",
     }
 )
+# Where an engine with KV events on publishes: its HTTP port plus these offsets (publisher, replay socket), each
+# data-parallel rank one port further; the router is told the same offsets (--kv-events-port-offset,
+# --kv-events-replay-offset), so several engines share a host.
+KV_EVENT_OFFSETS = (1000, 2000)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 
@@ -92,6 +97,7 @@ class EngineSpec:
     served_model_name: str = "tiny"
     max_model_len: int = 2048
     place: Place | None = None  # on an emulated link (stack.link): its namespace, address and NIC
+    kv_events: tuple[int, int] | None = None  # publish KV events on the HTTP port + (offset, replay offset)
 
     def __post_init__(self) -> None:
         problems = spec_problems(self)
@@ -123,6 +129,25 @@ class EngineSpec:
             if arg.startswith("--data-parallel-size="):
                 return int(arg.split("=", 1)[1])
         return 1
+
+    def kv_event_ports(self) -> list[int]:
+        """The ports its KV-event publishers and replay sockets bind (every rank); none when events are off."""
+        if self.kv_events is None or self.http_port == 0:
+            return []
+        return [self.http_port + offset + rank for offset in self.kv_events for rank in range(self.dp_size)]
+
+    def kv_events_config(self) -> dict[str, Any] | None:
+        """The --kv-events-config object (rank 0's ports; vLLM offsets the others by their rank), or None."""
+        if self.kv_events is None:
+            return None
+        offset, replay = self.kv_events
+        return {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{self.http_port + offset}",
+            "replay_endpoint": f"tcp://*:{self.http_port + replay}",
+            "topic": "",
+        }
 
     def prefill_arg(self) -> str:
         """The router's `--prefill` SPEC for this engine: its URL and, with a connector, its NIXL identity
@@ -185,9 +210,18 @@ def _connector_problems(spec: EngineSpec) -> list[str]:
     return found
 
 
-def resolve_ports(spec: EngineSpec, pick: Callable[[], int] = free_port) -> EngineSpec:
-    """The spec with every port that is 0 (or a connector's missing side port) replaced by pick()."""
+def resolve_ports(
+    spec: EngineSpec, pick: Callable[[], int] = free_port, is_free: Callable[[int], bool] = port_is_free
+) -> EngineSpec:
+    """The spec with every port that is 0 (or a connector's missing side port) replaced by pick(); with KV events
+    on, a picked HTTP port is one whose event ports are free too (a few tries)."""
     http_port = spec.http_port or pick()
+    for _ in range(20):
+        if spec.http_port or spec.kv_events is None:
+            break
+        if all(0 < p <= 65535 and is_free(p) for p in dataclasses.replace(spec, http_port=http_port).kv_event_ports()):
+            break
+        http_port = pick()
     side_port = spec.side_port
     if spec.connector is not None and not side_port:
         side_port = pick()
@@ -243,6 +277,9 @@ def engine_argv(spec: EngineSpec, python: str = sys.executable) -> tuple[str, ..
     config = kv_transfer_config(spec)
     if config is not None:
         argv += ["--kv-transfer-config", json.dumps(config, sort_keys=True, separators=(",", ":"))]
+    events = spec.kv_events_config()
+    if events is not None:
+        argv += ["--kv-events-config", json.dumps(events, sort_keys=True, separators=(",", ":"))]
     return (*argv, *spec.extra_args)
 
 

@@ -76,12 +76,14 @@ def pd_family(
     extra_args: tuple[str, ...] = (),
     connector_extra: Mapping[str, Any] | None = None,
     max_model_len: int = 2048,
+    kv_events: tuple[int, int] | None = None,
 ) -> PdFamily:
     """Prefills `{label}-p0..` (engine ids `{label}-pN{engine_suffix}`) on prefill_core; decode `{label}-d`
     (several: `{label}-d0..`) on decode_core, with engine ids `{label}-d..{engine_suffix}` only when
     decode_engine_ids. Ports and side ports are picked when the engines are made. `extra_args` are vLLM flags
     of every engine, then `prefill_args[i]` those of prefill i (the rest get none) and `decode_args` those of
-    every decode; `connector_extra` is every engine's kv_connector_extra_config."""
+    every decode; `connector_extra` is every engine's kv_connector_extra_config; `kv_events` (offsets from each
+    engine's HTTP port: stack.engines.KV_EVENT_OFFSETS) makes every engine publish its KV events."""
     if n_prefill < 1 or n_decode < 1:
         raise ValueError("a P/D family needs at least one prefill and one decode engine")
     if len(prefill_args) > n_prefill:
@@ -93,6 +95,7 @@ def pd_family(
         "connector_module": module,
         "connector_extra": dict(connector_extra or {}),
         "max_model_len": max_model_len,
+        "kv_events": kv_events,
     }
     prefills = tuple(
         EngineSpec(

@@ -335,7 +335,8 @@ class SessionAffinity:
 
     def _reconcile(self, learned: Match, chain: Chain, truth: Mapping[str, int]) -> Match:
         """`learned` as the worker's KV events judge it: kept when the engine holds at least its whole blocks,
-        else what the engine holds, placed in the prompt by the learned ratio (capped at the prompt)."""
+        else what the engine holds, placed in the prompt by the learned ratio (at most the whole prompt; the
+        tokens are the engine's, which a next turn extending the session finds whole)."""
         held = truth.get(learned.worker)
         if held is None:
             return learned
@@ -344,11 +345,7 @@ class SessionAffinity:
             return learned
         if held <= 0:
             return Match(learned.worker, 0, 0, 0, 0)
-        if chain.links:
-            held = min(held, self.ratio.tokens(chain.chars))
-            chars = min(chain.chars, round(held / self.ratio.value))
-        else:
-            chars = 0
+        chars = min(chain.chars, round(held / self.ratio.value)) if chain.links else 0
         return Match(learned.worker, 0, chars, held, held)
 
     def _uncached(self, chain: Chain, held: Match | None) -> int:
