@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from stack.engines import (
+    KV_EVENT_OFFSETS,
     REPO_ROOT,
     EngineSpec,
     engine_argv,
@@ -236,3 +237,27 @@ class TestPrefillArg:
 
 def test_every_engine_reports_its_cached_prompt_tokens() -> None:
     assert "--enable-prompt-tokens-details" in engine_argv(spec())
+
+
+def test_an_engine_with_kv_events_publishes_on_its_http_port_plus_the_offsets() -> None:
+    s = spec(http_port=8200, kv_events=KV_EVENT_OFFSETS)
+    argv = engine_argv(s)
+    config = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert config == {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://*:9200",
+        "replay_endpoint": "tcp://*:10200",
+        "topic": "",
+    }
+    assert s.kv_event_ports() == [9200, 10200]
+    assert "--kv-events-config" not in engine_argv(spec(http_port=8200))
+    ranks = spec(http_port=8200, kv_events=(1000, 2000), extra_args=("--data-parallel-size", "2"))
+    assert ranks.kv_event_ports() == [9200, 9201, 10200, 10201]
+
+
+def test_a_picked_port_leaves_the_kv_event_ports_free() -> None:
+    picks = iter([40000, 45000])
+    taken = {42000}  # 40000's replay port
+    found = resolve_ports(spec(http_port=0, kv_events=(1000, 2000)), lambda: next(picks), lambda p: p not in taken)
+    assert found.http_port == 45000

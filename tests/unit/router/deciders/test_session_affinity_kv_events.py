@@ -1,0 +1,138 @@
+"""The session-affinity decider with the engines' KV events: a caught-up view judges what each worker holds; the
+request-learned index stays the fallback. Real index and view (pure), fed vLLM-shaped BlockStored events."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from router.decider import Decision, Outcome, Route, Turn
+from router.deciders.session_affinity import AffinityOptions, SessionAffinity, prompt_token_ids
+from router.domain import Endpoint, Mode, RequestInfo, WorkerView
+from router.kv_events.frames import Cleared, Removed, Stored
+from router.kv_events.index import KvIndex
+from router.kv_events.stream import StreamStatus
+from router.kv_events.view import KvEventView
+
+BLOCK = 16
+QUESTION = {"role": "user", "content": "Explain prefix caching in vLLM. " * 10}  # 320 chars
+ANSWER = "It reuses the KV of a shared prompt prefix. " * 8
+SHORT = {"role": "user", "content": "Thanks, and in P/D?"}
+DECODES = [WorkerView(id=i, in_flight=0, outstanding_tokens=0) for i in ("d1", "d2")]
+PREFILLS = [WorkerView(id=i, in_flight=0, outstanding_tokens=0) for i in ("p1", "p2")]
+
+
+class Engines:
+    """What the engines published, and whether each worker's view is caught up."""
+
+    def __init__(self) -> None:
+        self.index = KvIndex(10_000)
+        self.up: set[str] = set()
+        self.view = KvEventView(self.index, self.status)
+        self._next = 1
+
+    def status(self, worker: str) -> list[StreamStatus]:
+        if worker not in self.up:
+            return []
+        return [StreamStatus(worker, 0, "in_sync", True, True, 0, 0, 0)]
+
+    def store(self, worker: str, blocks: int, session: str | None, tokens: list[int] | None = None) -> None:
+        ids = tokens if tokens is not None else [self._next * 1000 + i for i in range(blocks * BLOCK)]
+        hashes = tuple(range(self._next, self._next + blocks))
+        self._next += blocks
+        self.up.add(worker)
+        event = Stored(hashes, None, tuple(ids[: blocks * BLOCK]), BLOCK, None, None, False, session)
+        self.index.stream(worker, 0).apply([event])
+
+
+def decider(engines: Engines | None) -> SessionAffinity:
+    return SessionAffinity(AffinityOptions(block_tokens=BLOCK), engines.view if engines else None)
+
+
+def chat(*messages: dict[str, Any], session: str | None = "s") -> Turn:
+    body = {"model": "m", "max_tokens": 64, "messages": list(messages)}
+    return Turn(RequestInfo(Endpoint.CHAT, True, 100), body, {"x-session-id": session} if session else {}, Mode.PUSH)
+
+
+def served(d: SessionAffinity, t: Turn, decision: Decision, decode: str, prompt_tokens: int) -> None:
+    d.record(t, decision, Outcome(True, decode, "p1", prompt_tokens, None, 97, ANSWER), 1.0)
+
+
+def test_a_turn_another_replica_served_is_bypassed_where_the_engine_holds_the_session() -> None:
+    engines = Engines()
+    engines.store("d2", 12, "s")  # turn 1, through another replica, left 192 tokens of the session on d2
+    engines.store("d1", 20, "other")
+    engines.up.add("p1")
+    d = decider(engines)
+    decision = d.decide(chat(QUESTION, {"role": "assistant", "content": ANSWER}, SHORT), DECODES, PREFILLS, 2.0)
+    assert (decision.route, decision.decode, decision.predicted_cached_tokens) == (Route.BYPASS, "d2", 192)
+    stats = d.stats()
+    assert (stats.event_decisions, stats.event_matches, stats.event_corrections) == (1, 1, 0)
+
+
+def test_without_events_the_same_turn_on_a_fresh_replica_is_pushed() -> None:
+    decision = decider(None).decide(chat(QUESTION, {"role": "assistant", "content": ANSWER}, SHORT), DECODES, [], 2.0)
+    assert (decision.route, decision.decode) == (Route.PUSH, None)
+
+
+def test_a_learned_prefix_the_engine_evicted_is_not_bypassed() -> None:
+    engines = Engines()
+    engines.store("d1", 30, "s")
+    d = decider(engines)
+    first = chat(QUESTION)
+    served(d, first, d.decide(first, DECODES, PREFILLS, 1.0), "d1", 80)
+    second = chat(QUESTION, {"role": "assistant", "content": ANSWER}, SHORT)
+    assert d.decide(second, DECODES, PREFILLS, 2.0).route is Route.BYPASS  # the engine confirms what was learned
+    engines.index.stream("d1", 0).apply([Cleared()])  # reset_prefix_cache, or every block evicted
+    decision = d.decide(second, DECODES, PREFILLS, 3.0)
+    assert decision.route is Route.PUSH and decision.predicted_cached_tokens == 0
+    assert d.stats().event_corrections == 1
+
+
+def test_a_worker_whose_view_is_not_caught_up_keeps_the_learned_index() -> None:
+    engines = Engines()
+    d = decider(engines)
+    first = chat(QUESTION)
+    served(d, first, d.decide(first, DECODES, PREFILLS, 1.0), "d1", 80)
+    second = chat(QUESTION, {"role": "assistant", "content": ANSWER}, SHORT)
+    assert engines.view.caught_up("d1") is False
+    decision = d.decide(second, DECODES, PREFILLS, 2.0)
+    assert (decision.route, decision.decode) == (Route.BYPASS, "d1")
+    assert d.stats().event_decisions == 0
+
+
+def test_a_partly_evicted_session_is_judged_by_what_is_left() -> None:
+    engines = Engines()
+    engines.store("d1", 10, "s")
+    d = decider(engines)
+    engines.index.stream("d1", 0).apply([Removed(tuple(range(3, 11)), None, None)])  # 8 of 10 blocks evicted
+    decision = d.decide(chat(QUESTION, {"role": "assistant", "content": ANSWER}, SHORT), DECODES, PREFILLS, 2.0)
+    assert decision.route is Route.PUSH and decision.decode == "d1" and decision.predicted_cached_tokens == 32
+
+
+def test_the_prefill_pick_follows_the_session_held_on_prefill() -> None:
+    engines = Engines()
+    engines.store("p2", 10, "s")
+    engines.up.add("p1")
+    decision = decider(engines).decide(chat(QUESTION, SHORT), DECODES, PREFILLS, 2.0)
+    assert (decision.route, decision.prefill) == (Route.PUSH, "p2")
+
+
+def test_a_token_id_prompt_is_matched_exactly() -> None:
+    engines = Engines()
+    prompt = list(range(100, 100 + 10 * BLOCK + 5))  # 10 whole blocks and 5 tokens
+    engines.store("d2", 10, None, prompt)
+    engines.up.add("d1")
+    body = {"model": "m", "max_tokens": 8, "prompt": prompt}
+    t = Turn(RequestInfo(Endpoint.COMPLETIONS, False, 100), body, {}, Mode.PUSH)
+    decision = decider(engines).decide(t, DECODES, PREFILLS, 1.0)
+    assert (decision.route, decision.decode, decision.predicted_cached_tokens) == (Route.BYPASS, "d2", 10 * BLOCK)
+    assert decision.state.predicted_uncached == 5
+    other = Turn(RequestInfo(Endpoint.COMPLETIONS, False, 100), {**body, "prompt": [7, *prompt]}, {}, Mode.PUSH)
+    assert decider(engines).decide(other, DECODES, PREFILLS, 1.0).route is Route.PUSH
+
+
+def test_prompt_token_ids() -> None:
+    assert prompt_token_ids({"prompt": [1, 2]}) == [1, 2]
+    assert prompt_token_ids({"prompt": [[1, 2]]}) == [1, 2]
+    for prompt in ("text", [], [[1], [2]], [1, True], [1.0], None):
+        assert prompt_token_ids({"prompt": prompt}) is None
