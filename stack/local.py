@@ -31,7 +31,7 @@ from types import FrameType
 from typing import Literal
 
 from stack import tiny_model
-from stack.engines import REPO_ROOT, Engine, EngineSpec, Fleet
+from stack.engines import KV_EVENT_OFFSETS, REPO_ROOT, Engine, EngineSpec, Fleet
 from stack.link.access import (
     LinkUnavailable,
     can_admin_network,
@@ -79,6 +79,16 @@ class StackOptions:
     python: str = sys.executable
     link: str | None = None  # a stack.link preset: engines in their own namespaces behind a shaped link
     link_prompt_tokens: int = 1024  # the prompt length whose KV transfer the preset's share is about
+    replicas: int = 1  # router replicas on port, port + 1, ...; more than one: KV events on and the decider
+    kv_events: bool = False  # engines publish KV events, every router follows them (on with replicas > 1)
+
+    @property
+    def events(self) -> bool:
+        return self.kv_events or self.replicas > 1
+
+    @property
+    def router_ports(self) -> list[int]:
+        return [self.port + i for i in range(self.replicas)]
 
     @property
     def model_dir(self) -> Path:
@@ -114,6 +124,7 @@ def plan_engines(options: StackOptions) -> tuple[EngineSpec, EngineSpec]:
         engine_id=PREFILL_ENGINE_ID,
         kv_role="kv_producer",
         connector_extra=extra,
+        kv_events=KV_EVENT_OFFSETS if options.events else None,
     )
     decode = EngineSpec(
         name="decode",
@@ -126,20 +137,33 @@ def plan_engines(options: StackOptions) -> tuple[EngineSpec, EngineSpec]:
         connector_module=module,
         kv_role="kv_consumer",
         connector_extra=extra,
+        kv_events=KV_EVENT_OFFSETS if options.events else None,
     )
     return prefill, decode
 
 
-def plan_router(options: StackOptions, prefill: EngineSpec, decode: EngineSpec) -> RouterSpec:
-    """The router of the local stack for resolved engine specs (the prefill SPEC names P's NIXL identity)."""
-    return router_spec(options.port, options.mode, [prefill], [decode], name="router")
+def plan_router(options: StackOptions, prefill: EngineSpec, decode: EngineSpec, replica: int = 0) -> RouterSpec:
+    """Router replica `replica` of the local stack for resolved engine specs (the prefill SPEC names P's NIXL
+    identity), on port + replica. With KV events it follows both engines' events (the engines' offsets) and runs
+    the session-affinity decider, so any replica can serve any turn of a conversation."""
+    flags: list[str] = []
+    if options.events:
+        offset, replay = KV_EVENT_OFFSETS
+        flags = ["--kv-events", "--kv-events-port-offset", str(offset), "--kv-events-replay-offset", str(replay)]
+        flags += ["--decider", "session-affinity"]
+    name = "router" if options.replicas == 1 else f"router{replica}"
+    return router_spec(options.router_ports[replica], options.mode, [prefill], [decode], *flags, name=name)
+
+
+def plan_routers(options: StackOptions, prefill: EngineSpec, decode: EngineSpec) -> list[RouterSpec]:
+    return [plan_router(options, prefill, decode, i) for i in range(options.replicas)]
 
 
 def stack_ports(options: StackOptions, engines: Sequence[EngineSpec]) -> list[int]:
     """Every loopback port the stack will listen on: the router's, each engine's HTTP and side channel."""
-    ports = [options.port]
+    ports = list(options.router_ports)
     for spec in engines:
-        ports += [spec.http_port] + ([spec.side_port] if spec.side_port else [])
+        ports += [spec.http_port] + ([spec.side_port] if spec.side_port else []) + spec.kv_event_ports()
     return ports
 
 
@@ -168,10 +192,12 @@ def ready_line(options: StackOptions, prefill_url: str, decode_url: str, calibra
         f"curl -N http://{LOOPBACK}:{options.port}/v1/chat/completions "
         f"-H 'Content-Type: application/json' -d {shlex.quote(json.dumps(body))}"
     )
+    routers = ", ".join(f"http://{LOOPBACK}:{port}" for port in options.router_ports)
+    events = "; KV events on" if options.events else ""
     return (
-        f"kvpush stack ready: router http://{LOOPBACK}:{options.port} (mode {options.mode}, connector "
+        f"kvpush stack ready: router{'s' if options.replicas > 1 else ''} {routers} (mode {options.mode}, connector "
         f"{connector_for(options.mode, options.connector)[0]}; prefill {prefill_url}, decode {decode_url}; "
-        f"logs {options.log_dir}"
+        f"logs {options.log_dir}{events}"
         f"{'; ' + link_words(calibration) if calibration else ''}); "
         f"try: {curl}"
     )
@@ -219,14 +245,15 @@ def stop_signals() -> Iterator[None]:
 def run_stack(
     fleet: Fleet,
     engines: Sequence[ManagedProcess],
-    make_router: Callable[[], ManagedProcess],
+    make_router: Callable[[], ManagedProcess | Sequence[ManagedProcess]],
     *,
     startup_timeout: float,
     announce: Callable[[], str],
     poll_interval: float = 1.0,
     on_ready: Callable[[], None] | None = None,
 ) -> int:
-    """Start engines, then the router, print announce() once all are ready, supervise until one exits.
+    """Start engines, then the router (or its replicas), print announce() once all are ready, supervise until one
+    exits.
 
     Returns 1 when a child fails to start or exits; StopRequested propagates to the caller (the fleet's
     owner stops everything on the way out). `on_ready` runs once everything is ready, before announce().
@@ -235,8 +262,12 @@ def run_stack(
         for engine in engines:
             fleet.start(engine)
         fleet.wait_all_healthy(startup_timeout)
-        router = fleet.start(make_router())
-        router.wait_healthy(startup_timeout)
+        made = make_router()
+        routers = [made] if isinstance(made, ManagedProcess) else list(made)
+        for router in routers:
+            fleet.start(router)
+        for router in routers:
+            router.wait_healthy(startup_timeout)
     except StartupError as exc:
         _say(str(exc))
         return 1
@@ -263,7 +294,18 @@ def parse_args(argv: Sequence[str] | None) -> StackOptions:
         help="kvpush: ours (connector.plugin, push only); upstream: vLLM's NixlPushConnector (push) / "
         "NixlConnector (pull); auto (default): kvpush for push, upstream for pull",
     )
-    p.add_argument("--port", type=int, default=8000, help="router port")
+    p.add_argument("--port", type=int, default=8000, help="router port (replicas: port, port + 1, ...)")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="router replicas sharing the engines (more than one: KV events on, session-affinity decider)",
+    )
+    p.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="engines publish KV events on their HTTP port + 1000 (replay + 2000); the routers follow them",
+    )
     p.add_argument("--model-size", choices=sorted(tiny_model.SIZES), default="tiny")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="model and logs (default .cache/kvpush)")
     p.add_argument("--prefill-port", type=int, default=8100)
@@ -282,7 +324,11 @@ def parse_args(argv: Sequence[str] | None) -> StackOptions:
         p.error("the kvpush connector is push only: use --connector upstream (or auto) with --mode pull")
     if not 1 <= args.link_prompt_tokens < 2048:
         p.error("--link-prompt-tokens must be between 1 and 2047 (the engines' --max-model-len is 2048)")
+    if not 1 <= args.replicas <= 4:
+        p.error("--replicas must be between 1 and 4")
     return StackOptions(
+        replicas=args.replicas,
+        kv_events=args.kv_events,
         mode=args.mode,
         connector=args.connector,
         port=args.port,
@@ -367,7 +413,7 @@ def _serve(options: StackOptions, fleet: Fleet, link: Link | None) -> int:
         _say(f"ports already in use on {LOOPBACK}: {busy}; is another stack running? (see --port, --prefill-port)")
         return 1
     _say(f"starting prefill {prefill.url} and decode {decode.url} (about a minute); logs in {options.log_dir}")
-    spec = plan_router(options, prefill.engine_spec, decode.engine_spec)
+    specs = plan_routers(options, prefill.engine_spec, decode.engine_spec)
     measured: list[Calibration] = []
 
     def measure_and_shape() -> None:
@@ -390,7 +436,7 @@ def _serve(options: StackOptions, fleet: Fleet, link: Link | None) -> int:
     return run_stack(
         fleet,
         [prefill, decode],
-        lambda: Router(spec, log_dir=options.log_dir, python=options.python),
+        lambda: [Router(spec, log_dir=options.log_dir, python=options.python) for spec in specs],
         startup_timeout=options.startup_timeout,
         announce=lambda: ready_line(options, prefill.url, decode.url, measured[0] if measured else None),
         on_ready=measure_and_shape,

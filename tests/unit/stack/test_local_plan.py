@@ -22,6 +22,7 @@ from stack.local import (
     parse_args,
     plan_engines,
     plan_router,
+    plan_routers,
     ready_line,
     stack_ports,
 )
@@ -228,3 +229,26 @@ def test_the_ready_line_says_the_link_rate_and_what_it_came_from() -> None:
     )
     fast = resolve(preset("efa-like"), prefill_s=0.01, kv_bytes=4 * 1024 * 1024)
     assert "this box, not the shaper" in ready_line(StackOptions(), "p", "d", Calibration(fast, (0.01,)))
+
+
+def test_two_replicas_follow_the_engines_kv_events_with_the_decider() -> None:
+    options = parse_args(["--replicas", "2"])
+    assert options.events and options.router_ports == [8000, 8001]
+    prefill, decode = plan_engines(options)
+    assert prefill.kv_event_ports() == [9100, 10100] and decode.kv_event_ports() == [9200, 10200]
+    assert "--kv-events-config" in engine_argv(decode)
+    specs = plan_routers(options, prefill, decode)
+    assert [(s.name, s.port) for s in specs] == [("router0", 8000), ("router1", 8001)]
+    argv = router_argv(specs[1], "py")
+    flags = ["--kv-events", "--kv-events-port-offset", "1000", "--kv-events-replay-offset", "2000"]
+    assert argv[-len(flags) - 2 :] == (*flags, "--decider", "session-affinity")
+    assert stack_ports(options, [prefill, decode]) == [8000, 8001, 8100, 5600, 9100, 10100, 8200, 5601, 9200, 10200]
+    assert "routers http://127.0.0.1:8000, http://127.0.0.1:8001" in ready_line(options, prefill.url, decode.url)
+    assert "--kv-events-config" not in engine_argv(plan_engines(StackOptions())[1])
+    assert parse_args(["--kv-events"]).events and parse_args(["--kv-events"]).replicas == 1
+
+
+def test_replicas_are_bounded(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--replicas", "0"])
+    assert "--replicas" in capsys.readouterr().err
