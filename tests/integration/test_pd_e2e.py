@@ -1,12 +1,14 @@
 """The router on real vLLM CPU engines, end to end, over each KV connector: upstream's NixlPushConnector (push),
 ours (KvpushConnector, push) and upstream's NixlConnector (pull).
 
-Each connector's family starts once for this module (about a minute), one family at a time: p0, a plain prefill,
-and p1 on core 0; d, the decode, on core 1. Our family's p1 is chunked (2 tokens a step: an 1850-token prompt
-stays in prefill for about 900 steps, seconds even on a fast machine, so a test can act while it runs) and has a
-second router with deadlines far above any bound here. The main router uses p0. Every test runs on every
-connector unless it checks our connector's own metrics or wire (those skip, saying so, on upstream's). The last
-test kills p1 for good, so it must stay last in this file.
+Each connector's family comes from the session's pool (tests/integration/families.py), one family at a time: p0,
+a plain prefill, and p1 on core 0; d, the decode, on core 1. Upstream's push family is the shared `UPSTREAM_PUSH`
+(multiturn, tracing, KV-event replicas and the deploy scrape run on it first: prompts are unique and counters read
+as deltas). Our family's p1 is chunked (2 tokens a step: an 1850-token prompt stays in prefill for about 900
+steps, seconds even on a fast machine, so a test can act while it runs) and has a second router with deadlines
+far above any bound here. The main router uses p0. Every test runs on every connector unless it checks our
+connector's own metrics or wire (those skip, saying so, on upstream's). The last test kills p1 for good, so it
+must stay last in this file; it spoils the family (marked so: it runs last of its family's group too).
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
 from stack.engines import prefill_arg
-from stack.family import pd_family
 from tests.integration.connector.kvpush_support import (
     CONNECTOR,
     CONNECTOR_EXTRA,
@@ -42,7 +43,8 @@ from tests.integration.connector.kvpush_support import (
     push,
     read_stream,
 )
-from tests.integration.support import VLLM, metric, require_vllm, tiny_model, wait_for
+from tests.integration.families import UPSTREAM_PUSH, Family, FamilyPool, FamilySpec, pairs
+from tests.integration.support import VLLM, metric, wait_for
 from tests.integration.vllm_support import (
     SETTLE,
     Engines,
@@ -53,7 +55,6 @@ from tests.integration.vllm_support import (
     prompt_text,
     request_body,
     router,
-    started,
     timing,
     wait_idle,
 )
@@ -79,17 +80,28 @@ class Connector:
     def ours(self) -> bool:
         return self.name == CONNECTOR
 
+    @property
+    def family(self) -> FamilySpec:
+        """Its family: two prefills (p1 with `p1_args`) and a decode; upstream's push one is the shared superset."""
+        if self.id == "upstream-push":
+            return UPSTREAM_PUSH
+        extra = pairs(self.extra)
+        return FamilySpec(self.id, self.name, self.module, 2, ((), self.p1_args), connector_extra=extra)
+
 
 CONNECTORS = (
     Connector("upstream-push", "NixlPushConnector", "push"),
     Connector("kvpush-push", CONNECTOR, "push", MODULE, CONNECTOR_EXTRA, CHUNKED),
     Connector("upstream-pull", "NixlConnector", "pull"),
 )
+# The kill at the end of each connector's tests spoils its family: it runs last of the family's group.
+PARAMS = [pytest.param(c, id=c.id, marks=pytest.mark.family(c.family, spoils=True)) for c in CONNECTORS]
 
 
 @dataclass
 class Stack:
     connector: Connector
+    family: Family
     engines: Engines
     router_url: str  # over p0
     slow_router_url: str | None  # ours only: over the chunked p1, long deadlines
@@ -110,29 +122,19 @@ class Stack:
         return self.engines.prefills[index].engine_spec.prefill_arg()
 
 
-@pytest.fixture(scope="module", params=CONNECTORS, ids=[c.id for c in CONNECTORS])
-def stack(request: pytest.FixtureRequest) -> Iterator[Stack]:
-    require_vllm()
+@pytest.fixture(scope="module", params=PARAMS)
+def stack(request: pytest.FixtureRequest, family_pool: FamilyPool) -> Iterator[Stack]:
     c: Connector = request.param
-    family = pd_family(
-        c.id,
-        tiny_model(),
-        c.name,
-        module=c.module,
-        n_prefill=2,
-        engine_suffix=f"-{uuid.uuid4().hex[:6]}",
-        prefill_args=((), c.p1_args),
-        connector_extra=c.extra,
-    )
+    family = family_pool.get(c.family)
+    engines = family.engines
     with contextlib.ExitStack() as running:
-        engines = running.enter_context(started(family))
         (p0, p1), d = (e.engine_spec.prefill_arg() for e in engines.prefills), engines.decode.url
         url = running.enter_context(router(c.mode, [p0], [d]))
         slow_url = None
         if c.ours:
             slow = ("--timeout", "decode_first_byte=400", "--timeout", "prefill=400")
             slow_url = running.enter_context(router(c.mode, [p1], [d], *slow))
-        yield Stack(c, engines, url, slow_url)
+        yield Stack(c, family, engines, url, slow_url)
 
 
 @pytest.fixture
@@ -449,6 +451,7 @@ def test_decode_disconnect_before_prefill_is_cancelled_and_leaks_nothing(ours: S
 
 def test_a_killed_prefill_fails_fast_or_retries_and_the_router_routes_around_it(stack: Stack) -> None:
     """Runs last for each connector: kills p1 for good under a router over p0 and p1 (round robin)."""
+    stack.family.spoil()  # whatever happens next, no later test gets this family
     if stack.connector.ours:
         _kill_mid_push_and_under_the_router(stack)
     else:

@@ -1,63 +1,50 @@
 """A real vLLM CPU prefill engine with the NIXL push connector (kv_producer), as the prefill pool runs it: every
 vllm:* series the dashboard and alerts query is on its /metrics, with the labels they use.
 
-Starts one engine (about 30 s on the test box) under /tmp/kvpush-vllm.lock (taken here unless a parent such as
-`flock /tmp/kvpush-vllm.lock pytest ...` holds it already), sends it a plain request and a
-prefill-leg request, scrapes, stops it.
+The engine is p0 of the session's shared push family (`UPSTREAM_PUSH`, tests/integration/families.py; started
+under /tmp/kvpush-vllm.lock unless a parent holds it): this module sends it a plain request and a prefill-leg
+request and scrapes it.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from loadtest.bench.procs import vllm_lock
-from stack.engines import EngineSpec, Fleet
-from tests.integration.support import LOGS, STARTUP_TIMEOUT, VLLM, require_vllm, tiny_model
+from tests.integration.families import UPSTREAM_PUSH, FamilyPool
+from tests.integration.support import VLLM
 from tests.integration.vllm_support import prompt_text
 from tests.unit.deploy import promql
 
-pytestmark = VLLM
+pytestmark = [*VLLM, pytest.mark.family(UPSTREAM_PUSH)]
 
 
 @pytest.fixture(scope="module")
-def vllm_metrics() -> Iterator[str]:
-    require_vllm()
-    model = tiny_model()
-    spec = EngineSpec(
-        name=f"deploy-prefill-{uuid.uuid4().hex[:6]}",
-        role="prefill",
-        model=model,
-        core=0,
-        connector="NixlPushConnector",
-        kv_role="kv_producer",
-        engine_id="deploy-p0",
-    )
-    with vllm_lock(), Fleet(LOGS) as fleet:
-        (engine,) = fleet.start_all([spec])
-        fleet.wait_all_healthy(STARTUP_TIMEOUT)
-        with httpx.Client(base_url=engine.url, timeout=120.0) as client:
-            body = {"model": "tiny", "prompt": prompt_text(20), "max_tokens": 3, "temperature": 0}
-            plain = client.post("/v1/completions", json=body)
-            assert plain.status_code == 200, plain.text
-            leg = client.post(
-                "/v1/completions",
-                headers={"X-Request-Id": f"deploy-{uuid.uuid4().hex}"},
-                json={
-                    **body,
-                    "prompt": prompt_text(20),
-                    "max_tokens": 1,
-                    "stream": False,
-                    "kv_transfer_params": {"do_remote_decode": True, "transfer_id": f"xfer-{uuid.uuid4().hex}"},
-                },
-            )
-            assert leg.status_code == 200, leg.text
-            params = leg.json().get("kv_transfer_params") or {}
-            assert params.get("remote_engine_id") == "deploy-p0", f"push connector not active: {leg.text}"
-            yield client.get("/metrics").text
+def vllm_metrics(family_pool: FamilyPool) -> str:
+    engine = family_pool.get(UPSTREAM_PUSH).engines.prefills[0]
+    spec = engine.engine_spec
+    assert spec.connector == "NixlPushConnector" and spec.effective_kv_role == "kv_producer", spec
+    with httpx.Client(base_url=engine.url, timeout=120.0) as client:
+        body = {"model": "tiny", "prompt": prompt_text(20), "max_tokens": 3, "temperature": 0}
+        plain = client.post("/v1/completions", json=body)
+        assert plain.status_code == 200, plain.text
+        leg = client.post(
+            "/v1/completions",
+            headers={"X-Request-Id": f"deploy-{uuid.uuid4().hex}"},
+            json={
+                **body,
+                "prompt": prompt_text(20),
+                "max_tokens": 1,
+                "stream": False,
+                "kv_transfer_params": {"do_remote_decode": True, "transfer_id": f"xfer-{uuid.uuid4().hex}"},
+            },
+        )
+        assert leg.status_code == 200, leg.text
+        params = leg.json().get("kv_transfer_params") or {}
+        assert params.get("remote_engine_id") == spec.engine_id, f"push connector not active: {leg.text}"
+        return client.get("/metrics").text
 
 
 def test_every_vllm_series_the_dashboard_and_alerts_query_is_exported(vllm_metrics: str) -> None:

@@ -1,9 +1,11 @@
 """Two router replicas in front of one P/D family whose engines publish their KV events (issue 24).
 
-One push family (vLLM's NixlPushConnector: a prefill on core 0, a decode on core 1), every engine publishing on
-its HTTP port + `stack.engines.KV_EVENT_OFFSETS` and started with VLLM_SERVER_DEV_MODE (POST /reset_prefix_cache);
-two routers, each with the session-affinity decider and `kv_events` on the same offsets. Neither router sees the
-other's requests: what they share is what the engines say they hold.
+The session's shared push family (`UPSTREAM_PUSH`, tests/integration/families.py: vLLM's NixlPushConnector,
+prefills on core 0, a decode on core 1), every engine publishing on its HTTP port + `stack.engines.KV_EVENT_OFFSETS`
+and started with VLLM_SERVER_DEV_MODE (POST /reset_prefix_cache); two routers over p0 and the decode, each with the
+session-affinity decider and `kv_events` on the same offsets. Neither router sees the other's requests: what they
+share is what the engines say they hold. Other modules run on the same engines, so each test starts from a reset
+decode prefix cache that both replicas have seen emptied.
 
 (a) A conversation whose turns alternate replicas: turn 2, sent to the replica that never saw turn 1, is bypassed
     and served from decode's own prefix cache, as it is with one replica.
@@ -20,7 +22,6 @@ Every wait is on state (the engines' counters, the routers' /metrics), never on 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -31,20 +32,19 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtest.bench.procs import vllm_lock
 from router.kv_events.endpoints import endpoints_near
 from router.kv_events.frames import Layout
 from router.kv_events.index import KvIndex
 from router.kv_events.subscriber import KvEventSubscriber
 from router.kv_events.view import KvEventView
 from stack.engines import KV_EVENT_OFFSETS, Engine, Fleet
-from stack.family import pd_family, start_family
 from stack.procs import free_port
 from stack.routers import Router, router_spec
-from tests.integration.support import LOGS, STARTUP_TIMEOUT, VLLM, metric, require_vllm, tiny_model, wait_for
+from tests.integration.families import UPSTREAM_PUSH, FamilyPool
+from tests.integration.support import LOGS, VLLM, metric, wait_for
 from tests.integration.vllm_support import kv_sources, prompt_text
 
-pytestmark = VLLM
+pytestmark = [*VLLM, pytest.mark.family(UPSTREAM_PUSH)]
 PROMPT = [300 + (i * 7) % 1500 for i in range(300)]  # token ids of the tiny model's vocabulary (2048)
 
 
@@ -64,40 +64,55 @@ def _block_size(url: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
-    require_vllm()
-    family = pd_family(
-        "kvr", tiny_model(), "NixlPushConnector", engine_suffix=f"-{uuid.uuid4().hex[:6]}", kv_events=KV_EVENT_OFFSETS
+def bed(family_pool: FamilyPool, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
+    family = family_pool.get(UPSTREAM_PUSH)
+    assert family.spec.kv_events and ("VLLM_SERVER_DEV_MODE", "1") in family.spec.env, family.spec
+    prefill, decode = family.engines.prefills[0], family.engines.decode
+    block = _block_size(decode.url)
+    config = tmp_path_factory.mktemp("kv-replicas") / "router.yaml"
+    offset, replay = KV_EVENT_OFFSETS
+    config.write_text(
+        "decider:\n  name: session-affinity\n  bypass_max_uncached_tokens: 256\n"
+        f"  block_tokens: {block}\n"
+        f"kv_events:\n  port_offset: {offset}\n  replay_offset: {replay}\n",
+        encoding="utf-8",
     )
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-    with vllm_lock(), Fleet(LOGS, base_env=env) as fleet:
-        engines = start_family(fleet, family, STARTUP_TIMEOUT)
-        block = _block_size(engines.decode.url)
-        config = tmp_path_factory.mktemp("kv-replicas") / "router.yaml"
-        offset, replay = KV_EVENT_OFFSETS
-        config.write_text(
-            "decider:\n  name: session-affinity\n  bypass_max_uncached_tokens: 256\n"
-            f"  block_tokens: {block}\n"
-            f"kv_events:\n  port_offset: {offset}\n  replay_offset: {replay}\n",
-            encoding="utf-8",
-        )
+    with Fleet(LOGS) as routers:
         urls = []
         for i in range(2):
             port = free_port()
             spec = router_spec(
                 port,
                 "push",
-                engines.prefill_args(),
-                [engines.decode.url],
+                [prefill.engine_spec.prefill_arg()],
+                [decode.url],
                 "--health-interval",
                 "0.5",
                 config=config,
                 name=f"router-kv-replica{i}-{port}",
             )
-            router = fleet.start(Router(spec, log_dir=LOGS))
+            router = routers.start(Router(spec, log_dir=LOGS))
             router.wait_healthy(60.0)
             urls.append(router.url)
-        yield Bed(engines.prefills[0], engines.decode, (urls[0], urls[1]), block)
+        yield Bed(prefill, decode, (urls[0], urls[1]), block)
+
+
+@pytest.fixture
+def clean(bed: Bed) -> Bed:
+    """The bed with decode's prefix cache reset and both replicas' views of decode caught up and empty (what
+    other tests on the shared family, or this module's, left there is gone)."""
+    _reset_prefix_cache(bed)
+    return bed
+
+
+def _reset_prefix_cache(bed: Bed) -> None:
+    httpx.post(f"{bed.decode.url}/reset_prefix_cache", timeout=30).raise_for_status()
+    # vLLM publishes what a scheduler step collected: an idle engine's reset goes out with its next step (a busy
+    # engine's at once); a prompt shorter than a block steps it without storing a block
+    poke = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
+    httpx.post(f"{bed.decode.url}/v1/completions", json=poke, timeout=60).raise_for_status()
+    for router in bed.replicas:
+        wait_for(partial(_empty, router, bed.decode.url), partial(_debug, router))
 
 
 def _caught_up(router: str, worker: str) -> bool:
@@ -155,7 +170,8 @@ def _decode_holds(bed: Bed, tokens: int) -> None:
         wait_for(partial(_holds, router, bed.decode.url, want), what)
 
 
-def test_turns_alternating_replicas_still_bypass_on_the_decode_that_holds_the_conversation(bed: Bed) -> None:
+def test_turns_alternating_replicas_still_bypass_on_the_decode_that_holds_the_conversation(clean: Bed) -> None:
+    bed = clean
     a, b = bed.replicas
     session = f"kvr-{uuid.uuid4().hex}"
     history = [{"role": "user", "content": prompt_text(50)}]
@@ -176,19 +192,14 @@ def test_turns_alternating_replicas_still_bypass_on_the_decode_that_holds_the_co
     assert third.moved["local_cache_hit"] >= (second.prompt_tokens // bed.block) * bed.block, third.moved
 
 
-def test_a_reset_prefix_cache_reaches_both_replicas_and_stops_the_bypass(bed: Bed) -> None:
+def test_a_reset_prefix_cache_reaches_both_replicas_and_stops_the_bypass(clean: Bed) -> None:
+    bed = clean
     a = bed.replicas[0]
     session = f"kvr-{uuid.uuid4().hex}"
     history = [{"role": "user", "content": prompt_text(50)}]
     first = _turn(bed, a, history, session)
     _decode_holds(bed, first.prompt_tokens)
-    httpx.post(f"{bed.decode.url}/reset_prefix_cache", timeout=30).raise_for_status()
-    # vLLM publishes what a scheduler step collected: an idle engine's reset goes out with its next step (a busy
-    # engine's at once); a prompt shorter than a block steps it without storing a block
-    poke = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
-    httpx.post(f"{bed.decode.url}/v1/completions", json=poke, timeout=60).raise_for_status()
-    for router in bed.replicas:
-        wait_for(partial(_empty, router, bed.decode.url), partial(_debug, router))
+    _reset_prefix_cache(bed)
     corrected = metric(a, "kvpush_decider_event_corrections_total")
     history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Short follow-up?"}]
     second = _turn(bed, a, history, session)  # a's own index still says decode holds turn 1

@@ -3,9 +3,7 @@ sent as the router sends it (push: both legs at once) or to decode alone (bypass
 
 from __future__ import annotations
 
-import contextlib
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -14,11 +12,9 @@ import httpx
 
 from router import protocol
 from router.domain import Endpoint, NixlIdentity
-from stack.engines import Engine, Fleet
-from stack.family import pd_family, start_family
-from tests.integration.vllm_support import LOGS, MODEL, STARTUP_TIMEOUT, kv_sources, tiny_model, wait_for
-
-DETAILS = "--enable-prompt-tokens-details"  # usage.prompt_tokens_details.cached_tokens (off by default in vLLM)
+from stack.engines import Engine
+from tests.integration.families import DETAILS, Family
+from tests.integration.vllm_support import MODEL, kv_sources, wait_for
 
 
 @dataclass
@@ -37,16 +33,11 @@ class PushPair:
         return self.prefill.engine_spec.prefill_arg()
 
 
-@contextlib.contextmanager
-def push_pair(connector: str, tag: str, module: str | None = None) -> Iterator[PushPair]:
-    """One prefill (core 0) and one decode (core 1), prefix caching on (vLLM's default), cached tokens reported;
-    the prefill's engine id is `{tag}-p0-<random>` (a fresh NIXL identity per run)."""
-    family = pd_family(
-        tag, tiny_model(), connector, module=module, engine_suffix=f"-{uuid.uuid4().hex[:6]}", extra_args=(DETAILS,)
-    )
-    with Fleet(LOGS) as fleet:
-        engines = start_family(fleet, family, STARTUP_TIMEOUT)
-        yield PushPair(engines.prefills[0], engines.decode)
+def push_pair(family: Family) -> PushPair:
+    """The shared push family's p0 (core 0) and decode (core 1): prefix caching on (vLLM's default), cached tokens
+    reported (`--enable-prompt-tokens-details`, on in `UPSTREAM_PUSH`), a fresh NIXL identity per start."""
+    assert DETAILS in family.spec.extra_args, "the family must report cached tokens"
+    return PushPair(family.engines.prefills[0], family.engines.decode)
 
 
 @dataclass

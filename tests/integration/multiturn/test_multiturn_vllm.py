@@ -7,20 +7,21 @@
 (c) the same through the router with `--decider session-affinity` (once the dispatcher calls the decider); each
     answer is checked against decode's own tokenizer, so the bypass's cached tokens are predicted exactly;
 (d) the token ids the decider asks decode for scrub back to exactly what a client that did not ask would get.
-Every turn's greedy output equals one plain instance's for the same conversation.
+Every turn's greedy output equals one plain instance's for the same conversation. The engines are p0 and the decode
+of the session's shared `UPSTREAM_PUSH` family (tests/integration/families.py): every prompt is new to them.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from router import protocol
+from tests.integration.families import UPSTREAM_PUSH, FamilyPool
 from tests.integration.multiturn.mt_support import (
     PushPair,
     block_size,
@@ -32,16 +33,14 @@ from tests.integration.multiturn.mt_support import (
     sources_delta,
 )
 from tests.integration.support import metric, wait_for
-from tests.integration.vllm_support import kv_sources, prompt_text, require_vllm, router
+from tests.integration.vllm_support import kv_sources, prompt_text, router
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm]
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.family(UPSTREAM_PUSH)]
 
 
 @pytest.fixture(scope="module")
-def engines() -> Iterator[PushPair]:
-    require_vllm()
-    with push_pair("NixlPushConnector", tag="mt-up") as pair:
-        yield pair
+def engines(family_pool: FamilyPool) -> PushPair:
+    return push_pair(family_pool.get(UPSTREAM_PUSH))
 
 
 def single(pair: PushPair, body: dict[str, object]) -> str:

@@ -1,7 +1,8 @@
 """One trace per request across the router and both real vLLM CPU engines.
 
-A push family (upstream's NixlPushConnector: one prefill on core 0, one decode on core 1) started with
-`--otlp-traces-endpoint` pointing at this module's OTLP receiver, and a router tracing to the same receiver. Each
+The session's shared push family (`UPSTREAM_PUSH`, upstream's NixlPushConnector: prefills on core 0, a decode on
+core 1) exports to its own OTLP receiver (`--otlp-traces-endpoint`), and a router over p0 and the decode traces to
+the same receiver. Spans of other modules' requests are there too: every check picks its trace by id. Each
 request's spans are decoded from the OTLP protobuf the processes really sent: the router's server span (a child
 of the client's traceparent, or a root), its prefill and decode leg spans under it, and each engine's own
 `llm_request` span under the leg that called it (the router injected the leg's traceparent), all one trace id.
@@ -10,8 +11,6 @@ The exporters' batch delay is cut to 0.2 s (OTEL_BSP_SCHEDULE_DELAY) so the span
 
 from __future__ import annotations
 
-import contextlib
-import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,14 +19,14 @@ import httpx
 import pytest
 
 from stack.engines import Fleet
-from stack.family import pd_family, start_family
 from stack.procs import free_port
 from stack.routers import Router, router_spec
+from tests.integration.families import UPSTREAM_PUSH, FamilyPool
 from tests.integration.otlp_receiver import OtlpReceiver, ReceivedSpan
-from tests.integration.support import LOGS, STARTUP_TIMEOUT, VLLM, require_vllm, tiny_model
+from tests.integration.support import LOGS, VLLM
 from tests.integration.vllm_support import complete, request_body
 
-pytestmark = VLLM
+pytestmark = [*VLLM, pytest.mark.family(UPSTREAM_PUSH)]
 FAST_EXPORT = {"OTEL_BSP_SCHEDULE_DELAY": "200"}  # ms between the batch processor's exports (default 5000)
 CLIENT_TRACE = uuid.uuid4().hex
 CLIENT_SPAN = uuid.uuid4().hex[:16]
@@ -40,31 +39,24 @@ class Traced:
 
 
 @pytest.fixture(scope="module")
-def traced() -> Iterator[Traced]:
-    require_vllm()
-    with contextlib.ExitStack() as running:
-        receiver = running.enter_context(OtlpReceiver())
-        family = pd_family(
-            "traced",
-            tiny_model(),
-            "NixlPushConnector",
-            engine_suffix=f"-{uuid.uuid4().hex[:6]}",
-            extra_args=("--otlp-traces-endpoint", receiver.grpc_endpoint),
-        )
-        fleet = running.enter_context(Fleet(LOGS, base_env={**os.environ, **FAST_EXPORT}))
-        engines = start_family(fleet, family, STARTUP_TIMEOUT)
+def traced(family_pool: FamilyPool) -> Iterator[Traced]:
+    family = family_pool.get(UPSTREAM_PUSH)
+    engines, receiver = family.engines, family.receiver
+    assert receiver is not None, "the family exports no spans"
+    assert dict(family.spec.env)["OTEL_BSP_SCHEDULE_DELAY"] == FAST_EXPORT["OTEL_BSP_SCHEDULE_DELAY"]
+    with Fleet(LOGS) as routers:
         flags = ("--health-interval", "0.5", "--tracing", "--otlp-traces-endpoint", receiver.grpc_endpoint)
         port = free_port()
         spec = router_spec(
             port,
             "push",
-            engines.prefill_args(),
+            [engines.prefills[0].engine_spec.prefill_arg()],
             [engines.decode.url],
             *flags,
             name=f"router-traced-{port}",
             env=FAST_EXPORT,
         )
-        router = fleet.start(Router(spec, log_dir=LOGS))
+        router = routers.start(Router(spec, log_dir=LOGS))
         router.wait_healthy(60.0)
         yield Traced(receiver, router.url)
 
