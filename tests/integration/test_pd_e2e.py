@@ -20,7 +20,7 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,6 +145,21 @@ def ours(stack: Stack) -> Stack:
     return stack
 
 
+def leave_when(
+    base_url: str, body: dict[str, Any], state: Callable[[], bool], what: str, request_id: str | None = None
+) -> None:
+    """POST a completion on a raw connection and close it, unanswered, once `state()` holds (a client that leaves
+    when something has happened, not after some seconds)."""
+    host, port = base_url.removeprefix("http://").split(":")
+    raw = httpx.Request("POST", f"{base_url}{path_of('completions')}", json=body)
+    head = f"POST {raw.url.raw_path.decode()} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+    head += f"X-Request-Id: {request_id}\r\n" if request_id else ""
+    head += f"content-type: application/json\r\ncontent-length: {len(raw.content)}\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=30) as client:
+        client.sendall(head.encode() + raw.content)
+        wait_for(state, what, interval=0.02)
+
+
 def long_body(max_tokens: int, stream: bool) -> dict[str, Any]:
     return {
         "model": "tiny",
@@ -263,20 +278,15 @@ def test_a_client_leaving_during_prefill_leaves_nothing_running_or_held(ours: St
         )
 
     before = ended_transfers()
-    host, port = stack.slow_router_url.removeprefix("http://").split(":")
-    raw = httpx.Request("POST", f"{stack.slow_router_url}{path_of('completions')}", json=long_body(8, True))
-    head = f"POST {raw.url.raw_path.decode()} HTTP/1.1\r\nHost: {host}:{port}\r\n"
-    head += f"content-type: application/json\r\ncontent-length: {len(raw.content)}\r\n\r\n"
-    with socket.create_connection((host, int(port)), timeout=30) as client:
-        client.sendall(head.encode() + raw.content)
-        wait_for(
-            lambda: (
-                metric(p1.url, "vllm:num_requests_running") >= 1
-                and metric(stack.decode_url, "vllm:num_requests_waiting") >= 1
-            ),
-            "p1 prefills while decode waits for the KV",
-            interval=0.02,
-        )
+    leave_when(
+        stack.slow_router_url,
+        long_body(8, True),
+        lambda: (
+            metric(p1.url, "vllm:num_requests_running") >= 1
+            and metric(stack.decode_url, "vllm:num_requests_waiting") >= 1
+        ),
+        "p1 prefills while decode waits for the KV",
+    )
     wait_idle(stack.engines, [p1.url, stack.decode_url], "after the client left during prefill")
     record = httpx.get(f"{stack.slow_router_url}/debug/timings", timeout=10).json()["requests"][-1]
     assert record["outcome"] == "client_gone"
@@ -437,8 +447,13 @@ def test_decode_disconnect_before_prefill_is_cancelled_and_leaks_nothing(ours: S
     rid, tid = f"kvp-{uuid.uuid4().hex}", f"xfer-{uuid.uuid4().hex}"
     b = plain_body()
     cancelled = metric(stack.p0_url, "vllm:kvpush_cancelled_total")
-    with pytest.raises(httpx.TimeoutException):
-        post(stack.decode_url, dict(b, kv_transfer_params=decode_params(engines, 0, rid, tid)), rid, timeout=2.0)
+    leave_when(
+        stack.decode_url,
+        dict(b, kv_transfer_params=decode_params(engines, 0, rid, tid)),
+        lambda: metric(stack.decode_url, "vllm:num_requests_waiting") >= 1,
+        "decode registered and waits for the KV",
+        rid,
+    )
     wait_idle(engines, [stack.decode_url], "decode after its client left")
     late = post(stack.p0_url, prefill_body(b, tid), rid)
     assert late.status_code == 200
