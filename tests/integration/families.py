@@ -108,7 +108,9 @@ class Family:
     engines: Engines
     receiver: OtlpReceiver | None = None  # when spec.traces
     spoiled: bool = False
-    exited: Callable[[], bool] = field(default=lambda: False)  # whether one of its engines has exited
+    # whether one of its engines (the handles in `engines` now: a test that restarts an engine in place, same spec
+    # and ports, under engines.fleet, puts the new handle there and the family stays usable) has exited
+    exited: Callable[[], bool] = field(default=lambda: False)
 
     def spoil(self) -> None:
         """This family must not be handed out again (a test killed an engine or left state it cannot undo)."""
@@ -195,7 +197,7 @@ def start(spec: FamilySpec) -> Iterator[Family]:
         pd = start_family(fleet, family, STARTUP_TIMEOUT)
         engines = Engines(list(pd.prefills), pd.decode, fleet)
         engines.idle_usage = {url: metric(url, "vllm:kv_cache_usage_perc") for url in engines.urls()}
-        yield Family(spec, engines, receiver, exited=lambda: bool(fleet.exited()))
+        yield Family(spec, engines, receiver, exited=lambda: any(e.exit_code() is not None for e in engines.members()))
 
 
 def order_by_family(keys: Sequence[tuple[Hashable | None, bool]]) -> list[int]:

@@ -71,8 +71,11 @@ class Engines:
     fleet: Fleet
     idle_usage: dict[str, float] = field(default_factory=dict)  # url -> kv_cache_usage_perc when idle
 
+    def members(self) -> list[Engine]:
+        return [*self.prefills, self.decode]
+
     def urls(self) -> list[str]:
-        return [e.url for e in (*self.prefills, self.decode)]
+        return [e.url for e in self.members()]
 
 
 @contextlib.contextmanager
