@@ -40,7 +40,7 @@ from router.kv_events.view import KvEventView
 from stack.engines import KV_EVENT_OFFSETS, Engine, Fleet
 from stack.procs import free_port
 from stack.routers import Router, router_spec
-from tests.integration.families import UPSTREAM_PUSH, FamilyPool
+from tests.integration.families import UPSTREAM_PUSH, Family, FamilyPool
 from tests.integration.support import LOGS, VLLM, metric, wait_for
 from tests.integration.vllm_support import kv_sources, prompt_text
 
@@ -54,6 +54,7 @@ class Bed:
     decode: Engine
     replicas: tuple[str, str]  # the two routers' base URLs
     block: int  # the engines' KV block size
+    family: Family  # the shared family (an engine restarted in place goes in family.engines, under its fleet)
 
 
 def _block_size(url: str) -> int:
@@ -94,7 +95,7 @@ def bed(family_pool: FamilyPool, tmp_path_factory: pytest.TempPathFactory) -> It
             router = routers.start(Router(spec, log_dir=LOGS))
             router.wait_healthy(60.0)
             urls.append(router.url)
-        yield Bed(prefill, decode, (urls[0], urls[1]), block)
+        yield Bed(prefill, decode, (urls[0], urls[1]), block, family)
 
 
 @pytest.fixture
