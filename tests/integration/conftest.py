@@ -20,6 +20,7 @@ from tests.integration.support import tiny_model
 HERE = Path(__file__).resolve().parent
 ENGINE_PACKAGES = ("vllm", "nixl")
 POOL = pytest.StashKey[FamilyPool]()
+STARTS = pytest.StashKey[list[str]]()  # every shared family start of the session, by label
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -66,8 +67,16 @@ def family_pool(pytestconfig: pytest.Config) -> Iterator[FamilyPool]:
     """The session's engine families, one live at a time."""
     with FamilyPool(start) as pool:
         pytestconfig.stash[POOL] = pool
+        pytestconfig.stash[STARTS] = pool.starts
         yield pool
         del pytestconfig.stash[POOL]
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    """How many shared engine families the session started (each is about a minute of both cores)."""
+    starts = config.stash.get(STARTS, None)
+    if starts:
+        terminalreporter.write_line(f"shared engine families started: {len(starts)} ({', '.join(starts)})")
 
 
 @pytest.fixture(scope="session")
