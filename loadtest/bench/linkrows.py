@@ -51,6 +51,17 @@ def steps(
     return out
 
 
+SEED_BASE = 4000
+
+
+def point_seed(step_index: int, qps_index: int) -> int:
+    """The arrival seed of a point: the `qps_index`-th QPS of the `step_index`-th step (every repeat and front
+    of the point sends on the same schedule). Rows record it (`seed`); the report replays it in the simulator."""
+    if step_index < 0 or not 0 <= qps_index < 10:
+        raise ValueError(f"need step_index >= 0 and 0 <= qps_index < 10, got {step_index} and {qps_index}")
+    return SEED_BASE + 10 * step_index + qps_index
+
+
 def capped_qps(qps: float, prefill_s: float, transfer_s: float | None, max_load: float) -> float:
     """`qps`, or less: at most `max_load` of what the busier of P (one prefill at a time) and the link carries."""
     if not max_load > 0:

@@ -5,15 +5,13 @@ multi-turn run on a link; and the simulator's predictions (sim/scaled.py) agains
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-from loadtest.job import REPO
-from loadtest.records import read_jsonl
+from loadtest.arrivals import ArrivalSpec, schedule
 from loadtest.report import multiturn as report_multiturn
 from loadtest.report.kit import Verdict, agg, agg_of, cell, fmt, group, kv_ext_pct, median, verdict_table
 from loadtest.results import Row
-from loadtest.sim.scaled import Measured, predict, predict_at
+from loadtest.sim.scaled import Measured, predict_at
 
 HEADLINE = "ethernet-100g-like"
 EFA = "efa-like"
@@ -156,54 +154,67 @@ def efa_verdicts(rows: Sequence[Row], loopback: Sequence[Row]) -> list[Verdict]:
     return out
 
 
-def sent_times(row: Row) -> list[float] | None:
-    """The measured point's send times from its request records (bench/runs/, kept locally), or None."""
-    rel = row.get("records")
-    if not rel:
-        return None
-    path = Path(rel) if Path(rel).is_absolute() else REPO / rel
-    if not path.exists():
-        return None
-    sent = [r.sent for r in read_jsonl(path)]
-    return sent if len(sent) >= 2 else None
+def legacy_seed(step_index: int, qps_index: int) -> int:
+    """The link suite's seed rule (bench/linkrows.point_seed, one floor up) for rows stored before they recorded
+    their `seed`: 4000 + 10 x the step's position in the run + the QPS's in the step."""
+    return 4000 + 10 * step_index + qps_index
 
 
-def predicted(r: Row, conn: str, chunk_tokens: int) -> tuple[float, float, str] | None:
-    """(TTFT mean, handoff p50, basis) the simulator predicts for one measured row."""
+def arrival_seeds(rows: Sequence[Row]) -> dict[int, int]:
+    """id(row) -> the arrival seed its point sent on: the row's `seed`, or `legacy_seed` for older rows."""
+    order = steps(rows)
+    asked: dict[tuple[int, str], list[Any]] = {}
+    for r in sorted(rows, key=lambda r: str(r.get("created") or "")):
+        seen = asked.setdefault((int(r["input_len"]), str(r.get("link"))), [])
+        if r.get("qps_asked", r["qps"]) not in seen:
+            seen.append(r.get("qps_asked", r["qps"]))
+    out = {}
+    for r in rows:
+        if r.get("seed") is not None:
+            out[id(r)] = int(r["seed"])
+            continue
+        step = (int(r["input_len"]), str(r.get("link")))
+        out[id(r)] = legacy_seed(order.index(step), asked[step].index(r.get("qps_asked", r["qps"])))
+    return out
+
+
+def planned_sends(r: Row, seed: int) -> list[float]:
+    """The send times the point planned (its open-loop schedule: the row's QPS, seed and request count); the
+    load generator keeps to it, so the simulator replays it instead of the records under git-ignored bench/runs."""
+    return schedule(ArrivalSpec(float(r["qps"]), 1.0, seed), int(r["n"]))
+
+
+def predicted(r: Row, conn: str, chunk_tokens: int, seed: int) -> tuple[float, float] | None:
+    """(TTFT mean, handoff p50) the simulator predicts for one measured row, on its planned send times."""
     prefill, tpot = _f(r.get("link_prefill_s")), _f((r.get("tpot_ms") or {}).get("mean"))
     if prefill is None or tpot is None or conn not in SIM_MODE:
         return None
     m = Measured(prefill, tpot / 1000, _f(r.get("link_rate_bit_s")), int(r["input_len"]))
-    out_len = int(r["output_len"])
-    if (sent := sent_times(r)) is not None:
-        s, basis = predict_at(m, SIM_MODE[conn], sent, out_len, chunk_tokens), "sent"
-    else:  # as many arrivals as the point sent (its warm-up too), averaged over 20 seeds
-        n = int(r["n"]) + int(r.get("warmup", 1))
-        s, basis = predict(m, SIM_MODE[conn], float(r["qps"]), out_len, chunk_tokens, n, 1, seeds=20), "seeds"
-    return s.ttft_mean_ms, s.handoff_p50_ms, basis
+    s = predict_at(m, SIM_MODE[conn], planned_sends(r, seed), int(r["output_len"]), chunk_tokens)
+    return s.ttft_mean_ms, s.handoff_p50_ms
 
 
 def sim_rows(rows: Sequence[Row], chunk_tokens: int) -> list[str]:
-    """Predicted (sim/scaled.py on each row's measured prefill, TPOT, rate and send times) against measured,
-    kvpush fronts; medians over the repeats."""
+    """Predicted (sim/scaled.py on each row's measured prefill, TPOT, rate and planned send times) against
+    measured, kvpush fronts; medians over the repeats. Every input is in the rows (summary.json)."""
     out = [
         "| preset | prompt | QPS | connector | TTFT mean measured / predicted (ms) | handoff p50 measured / predicted "
-        "| gap TTFT | gap handoff | arrivals |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| gap TTFT | gap handoff |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    seeds = arrival_seeds(rows)
     for (n, preset, qps, conn), rs in sorted(
         group([r for r in rows if r.get("router") == "kvpush"], "input_len", "link", "qps", "connector").items(),
         key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2], list(SIM_MODE).index(kv[0][3])),
     ):
-        preds = [p for r in rs if (p := predicted(r, str(conn), chunk_tokens)) is not None]
+        preds = [p for r in rs if (p := predicted(r, str(conn), chunk_tokens, seeds[id(r)])) is not None]
         if not preds:
             continue
         p_ttft, p_hand = median([p[0] for p in preds]), median([p[1] for p in preds])
         ttft, hand = _med(rs, "ttft_ms", "mean"), _med(rs, "handoff_ms", "p50")
-        basis = "/".join(sorted({p[2] for p in preds}))
         out.append(
             f"| {preset} | {n} | {qps:g} | {conn} | {fmt(ttft)} / {p_ttft:.1f} | {fmt(hand)} / {p_hand:.1f} "
-            f"| {_gap(ttft, p_ttft)} | {_gap(hand, p_hand)} | {basis} |"
+            f"| {_gap(ttft, p_ttft)} | {_gap(hand, p_hand)} |"
         )
     return out
 
@@ -288,9 +299,9 @@ def section(
 SIM_TEXT = (
     "Predicted by the virtual-time pair (loadtest/sim/scaled.py) on a profile built from each row's own "
     "measurements: P's prefill (the calibration median), the decode step (the row's TPOT), the shaped goodput as "
-    "the network, the bench model's 4 KiB of KV per token, and the point's own send times (`arrivals: sent`, from "
-    "its request records) or, where those are gone, as many Poisson arrivals as it sent, averaged over 20 seeds "
-    "(`seeds`); router, HTTP and API time are not modelled; medians over the repeats. "
+    "the network, the bench model's 4 KiB of KV per token, and the point's planned send times (its seed, QPS "
+    "and request count: every input is in summary.json); router, HTTP and API time are not modelled; medians "
+    "over the repeats. "
     "`gap` = (measured - predicted) / predicted."
 )
 

@@ -208,7 +208,7 @@ def run(plan: LinkBenchPlan, run_dir: Path, summary: Path, progress: bool, run_i
                     for j, pair in enumerate(order):
                         ctx = _Ctx(plan, step, cal, link, pair, per_token, run_id, run_dir, summary, progress)
                         agreed = agree[(pair.front.router, pair.front.connector)]
-                        rows.append(ctx.point(qps, asked, 4000 + 10 * k + i, rep, j, agreed))
+                        rows.append(ctx.point(qps, asked, linkrows.point_seed(k, i), rep, j, agreed))
     return rows
 
 
@@ -234,6 +234,7 @@ class _Ctx:
             "order": order,
             "headline": step.headline,
             "qps_asked": asked,
+            "seed": seed,
             "chunk_tokens": self.plan.chunk_tokens,
             "warmup": self.plan.warmup,
             "outputs_equal_single": agreed,

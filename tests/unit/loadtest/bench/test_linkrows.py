@@ -62,3 +62,10 @@ def test_kv_bytes_are_the_external_tokens_times_the_bytes_per_token() -> None:
 def test_outputs_agree_counts_equal_answers_and_a_missing_one_is_unequal() -> None:
     assert linkrows.outputs_agree(["a", "b"], ["a", None]) == [1, 2]
     assert linkrows.outputs_agree(["a", "b"], ["a", "b"]) == [2, 2]
+
+
+def test_each_point_of_a_run_has_its_own_arrival_seed() -> None:
+    seeds = {linkrows.point_seed(k, i) for k in range(6) for i in range(2)}
+    assert len(seeds) == 12 and linkrows.point_seed(0, 0) == 4000
+    with pytest.raises(ValueError):
+        linkrows.point_seed(0, 10)
