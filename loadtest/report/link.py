@@ -1,24 +1,22 @@
 """The link suite's part of bench/README.md (issue 21 items 5 and 6), pure: one table per step (prompt length x
 preset) with the link's rate, the measured prefill and transfer times and the bytes check; the targets; the
-multi-turn run on a link; and the simulator's predictions (sim/scaled.py) against the measured rows."""
+multi-turn run on a link; and the simulator's predictions against the measured rows (report/linksim.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from loadtest.arrivals import ArrivalSpec, schedule
+from loadtest.report import linksim
 from loadtest.report import multiturn as report_multiturn
 from loadtest.report.kit import Verdict, agg, agg_of, cell, fmt, group, kv_ext_pct, median, verdict_table
 from loadtest.results import Row
-from loadtest.sim.scaled import Measured, predict_at
 
 HEADLINE = "ethernet-100g-like"
 EFA = "efa-like"
 MT_LINK = "ethernet-25g-like"
 PROG, OURS, UP, PULL = "kvpush-progressive", "kvpush-push", "upstream-push", "upstream-pull"
 FRONT_ORDER = (("kvpush", PULL), ("kvpush", UP), ("vllm-router", UP), ("kvpush", OURS), ("kvpush", PROG))
-SIM_MODE = {PULL: "pull", UP: "upstream-push", OURS: "kvpush-push", PROG: "kvpush-progressive"}
 
 
 def _f(v: Any) -> float | None:
@@ -154,77 +152,6 @@ def efa_verdicts(rows: Sequence[Row], loopback: Sequence[Row]) -> list[Verdict]:
     return out
 
 
-def legacy_seed(step_index: int, qps_index: int) -> int:
-    """The link suite's seed rule (bench/linkrows.point_seed, one floor up) for rows stored before they recorded
-    their `seed`: 4000 + 10 x the step's position in the run + the QPS's in the step."""
-    return 4000 + 10 * step_index + qps_index
-
-
-def arrival_seeds(rows: Sequence[Row]) -> dict[int, int]:
-    """id(row) -> the arrival seed its point sent on: the row's `seed`, or `legacy_seed` for older rows."""
-    order = steps(rows)
-    asked: dict[tuple[int, str], list[Any]] = {}
-    for r in sorted(rows, key=lambda r: str(r.get("created") or "")):
-        seen = asked.setdefault((int(r["input_len"]), str(r.get("link"))), [])
-        if r.get("qps_asked", r["qps"]) not in seen:
-            seen.append(r.get("qps_asked", r["qps"]))
-    out = {}
-    for r in rows:
-        if r.get("seed") is not None:
-            out[id(r)] = int(r["seed"])
-            continue
-        step = (int(r["input_len"]), str(r.get("link")))
-        out[id(r)] = legacy_seed(order.index(step), asked[step].index(r.get("qps_asked", r["qps"])))
-    return out
-
-
-def planned_sends(r: Row, seed: int) -> list[float]:
-    """The send times the point planned (its open-loop schedule: the row's QPS, seed and request count); the
-    load generator keeps to it, so the simulator replays it instead of the records under git-ignored bench/runs."""
-    return schedule(ArrivalSpec(float(r["qps"]), 1.0, seed), int(r["n"]))
-
-
-def predicted(r: Row, conn: str, chunk_tokens: int, seed: int) -> tuple[float, float] | None:
-    """(TTFT mean, handoff p50) the simulator predicts for one measured row, on its planned send times."""
-    prefill, tpot = _f(r.get("link_prefill_s")), _f((r.get("tpot_ms") or {}).get("mean"))
-    if prefill is None or tpot is None or conn not in SIM_MODE:
-        return None
-    m = Measured(prefill, tpot / 1000, _f(r.get("link_rate_bit_s")), int(r["input_len"]))
-    s = predict_at(m, SIM_MODE[conn], planned_sends(r, seed), int(r["output_len"]), chunk_tokens)
-    return s.ttft_mean_ms, s.handoff_p50_ms
-
-
-def sim_rows(rows: Sequence[Row], chunk_tokens: int) -> list[str]:
-    """Predicted (sim/scaled.py on each row's measured prefill, TPOT, rate and planned send times) against
-    measured, kvpush fronts; medians over the repeats. Every input is in the rows (summary.json)."""
-    out = [
-        "| preset | prompt | QPS | connector | TTFT mean measured / predicted (ms) | handoff p50 measured / predicted "
-        "| gap TTFT | gap handoff |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    seeds = arrival_seeds(rows)
-    for (n, preset, qps, conn), rs in sorted(
-        group([r for r in rows if r.get("router") == "kvpush"], "input_len", "link", "qps", "connector").items(),
-        key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2], list(SIM_MODE).index(kv[0][3])),
-    ):
-        preds = [p for r in rs if (p := predicted(r, str(conn), chunk_tokens, seeds[id(r)])) is not None]
-        if not preds:
-            continue
-        p_ttft, p_hand = median([p[0] for p in preds]), median([p[1] for p in preds])
-        ttft, hand = _med(rs, "ttft_ms", "mean"), _med(rs, "handoff_ms", "p50")
-        out.append(
-            f"| {preset} | {n} | {qps:g} | {conn} | {fmt(ttft)} / {p_ttft:.1f} | {fmt(hand)} / {p_hand:.1f} "
-            f"| {_gap(ttft, p_ttft)} | {_gap(hand, p_hand)} |"
-        )
-    return out
-
-
-def _gap(measured: float | None, predicted: float) -> str:
-    if measured is None or not predicted or predicted != predicted:
-        return "-"
-    return f"{100 * (measured - predicted) / predicted:+.0f} %"
-
-
 def multiturn_part(mt: Sequence[Row], has_plot: bool) -> list[str]:
     if not mt:
         return [
@@ -292,18 +219,8 @@ def section(
         "",
     ]
     out += [f"### Multi-turn on {MT_LINK}", "", *multiturn_part(mt, mt_plot), ""]
-    out += ["### The simulator against the link (issue 21 item 6)", "", SIM_TEXT, "", *sim_rows(rows, chunk_tokens)]
+    out += ["### The simulator against the link (issue 21 item 6)", "", *linksim.section(rows, chunk_tokens)]
     return out
-
-
-SIM_TEXT = (
-    "Predicted by the virtual-time pair (loadtest/sim/scaled.py) on a profile built from each row's own "
-    "measurements: P's prefill (the calibration median), the decode step (the row's TPOT), the shaped goodput as "
-    "the network, the bench model's 4 KiB of KV per token, and the point's planned send times (its seed, QPS "
-    "and request count: every input is in summary.json); router, HTTP and API time are not modelled; medians "
-    "over the repeats. "
-    "`gap` = (measured - predicted) / predicted."
-)
 
 
 def chunk_of(rows: Sequence[Mapping[str, Any]], default: int = 256) -> int:

@@ -5,12 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
-from loadtest.bench import linkrows
-from loadtest.job import REPO
 from loadtest.report import link
-from loadtest.results import latest, load_rows
 
 
 def row(conn: str, ttft: float, *, router: str = "kvpush", qps: float = 1.0, rep: int = 0, **kw: Any) -> dict[str, Any]:
@@ -104,13 +99,6 @@ def test_multiturn_on_the_link_is_marked_not_run_without_rows() -> None:
     assert "Multi-turn on ethernet-25g-like: not run" in text
 
 
-def test_the_simulator_table_predicts_every_kvpush_row() -> None:
-    lines = link.sim_rows(headline(500.0), 256)
-    assert len(lines) == 2 + 4  # header + one line per connector through kvpush
-    assert lines[2].startswith("| ethernet-100g-like | 1024 | 1 | upstream-pull | 900.0 / ")
-    assert link.chunk_of(headline(500.0)) == 256 and link.chunk_of([]) == 256
-
-
 def test_no_rows_no_tables() -> None:
     assert link.section([], [], []) == ["(no link run yet: `kvpush bench --suite link`, as root)"]
 
@@ -133,26 +121,3 @@ def test_the_multiturn_part_names_its_run_rate_bytes_check_and_decider_options()
     assert "Run m1: preset ethernet-25g-like, tbf 59.8 Mbit/s; bytes check 3/3 rows ok" in text
     assert "{'bypass_max_uncached_tokens': 1024}" in text
     assert "decider / vllm-router: 0.32" in text
-
-
-def test_rows_without_a_seed_get_the_suites_rule_and_a_recorded_seed_wins() -> None:
-    rows = headline(500.0)
-    rows[0]["qps_asked"], rows[1]["qps_asked"] = 1.0, 3.0
-    rows[1]["qps"] = 3.0
-    later = row("kvpush-push", 900.0, input_len=4096, created="2026-12-04T18:00:00", seed=77)
-    seeds = link.arrival_seeds([*rows, later])
-    assert seeds[id(rows[0])] == linkrows.point_seed(0, 0) and seeds[id(rows[1])] == linkrows.point_seed(0, 1)
-    assert seeds[id(later)] == 77
-    assert link.legacy_seed(3, 1) == linkrows.point_seed(3, 1)
-
-
-def test_the_committed_sim_table_renders_from_committed_inputs_alone() -> None:
-    """bench/README.md's sim table is a function of bench/results/summary.json: no git-ignored bench/runs."""
-    rows = latest(load_rows(REPO / "bench/results/summary.json"), "link")
-    if not rows:
-        pytest.skip("no link run committed")
-    table = link.sim_rows(rows, link.chunk_of(rows))
-    assert len(table) > 2
-    readme = (REPO / "bench/README.md").read_text(encoding="utf-8").splitlines()
-    start = readme.index(table[0])
-    assert readme[start : start + len(table)] == table
