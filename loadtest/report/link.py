@@ -152,6 +152,38 @@ def efa_verdicts(rows: Sequence[Row], loopback: Sequence[Row]) -> list[Verdict]:
     return out
 
 
+def wire_part(wire: Sequence[Row]) -> list[str]:
+    """Our connector against bare NIXL, same bytes, same link (suite link-wire): one line per preset."""
+    if not wire:
+        return [
+            "**Not run** (no `link-wire` rows yet: `flock /tmp/kvpush-vllm.lock python -m "
+            "loadtest.bench.suites.link_wire`, as root): the wire-speed target stays unjudged."
+        ]
+    r0 = wire[0]
+    out = [
+        f"Run {r0.get('run_id')}: one {r0.get('input_len')}-token prompt's KV "
+        f"({int(r0.get('link_prompt_kv_bytes') or 0) / 2**20:.0f} MiB, 64 KiB descriptors) per transfer, one at a "
+        f"time after a pause, {len(r0.get('wire_connector_times_ms') or [])} of each: through our connector "
+        "(P's xfer-time histogram, one WRITE per prompt through a kvpush push router) and as a bare NIXL WRITE "
+        "between two more namespaces on the same link (stack/link/nixl_peer.py). Target (issue 21 item 3): ours "
+        "within 10 % or 2 ms of bare NIXL.",
+        "",
+        "| preset | tbf (Mbit/s) | wire (ms) | ours median (ms) | bare NIXL median (ms) | ours / bare | target | "
+        "P's NIC / KV bytes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in wire:
+        rate, wire_s = _f(r.get("link_rate_bit_s")), _f(r.get("link_expected_transfer_s"))
+        verdict = "met" if r.get("wire_ok") else f"**missed** (limit {fmt(_f(r.get('wire_limit_ms')))} ms)"
+        out.append(
+            f"| {r.get('link')} | {fmt(None if rate is None else rate / 1e6)} "
+            f"| {fmt(None if wire_s is None else 1000 * wire_s)} | {fmt(_f(r.get('wire_connector_ms')))} "
+            f"| {fmt(_f(r.get('wire_bare_ms')))} | {fmt(_f(r.get('wire_ratio')), 3)} | {verdict} "
+            f"| {fmt(bytes_ratio(r), 3)} |"
+        )
+    return out
+
+
 def multiturn_part(mt: Sequence[Row], has_plot: bool) -> list[str]:
     if not mt:
         return [
@@ -173,7 +205,12 @@ def multiturn_part(mt: Sequence[Row], has_plot: bool) -> list[str]:
 
 
 def section(
-    rows: Sequence[Row], loopback: Sequence[Row], mt: Sequence[Row], chunk_tokens: int = 256, mt_plot: bool = False
+    rows: Sequence[Row],
+    loopback: Sequence[Row],
+    mt: Sequence[Row],
+    chunk_tokens: int = 256,
+    mt_plot: bool = False,
+    wire: Sequence[Row] = (),
 ) -> list[str]:
     if not rows:
         return ["(no link run yet: `kvpush bench --suite link`, as root)"]
@@ -218,6 +255,7 @@ def section(
         *verdict_table(efa_verdicts([r for r in rows if r.get("link") == EFA], loopback)),
         "",
     ]
+    out += ["### Our connector at wire speed (issue 21 item 3)", "", *wire_part(wire), ""]
     out += [f"### Multi-turn on {MT_LINK}", "", *multiturn_part(mt, mt_plot), ""]
     out += ["### The simulator against the link (issue 21 item 6)", "", *linksim.section(rows, chunk_tokens)]
     return out
