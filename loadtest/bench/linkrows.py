@@ -51,6 +51,17 @@ def steps(
     return out
 
 
+SEED_BASE = 4000
+
+
+def point_seed(step_index: int, qps_index: int) -> int:
+    """The arrival seed of a point: the `qps_index`-th QPS of the `step_index`-th step (every repeat and front
+    of the point sends on the same schedule). Rows record it (`seed`); the report replays it in the simulator."""
+    if step_index < 0 or not 0 <= qps_index < 10:
+        raise ValueError(f"need step_index >= 0 and 0 <= qps_index < 10, got {step_index} and {qps_index}")
+    return SEED_BASE + 10 * step_index + qps_index
+
+
 def capped_qps(qps: float, prefill_s: float, transfer_s: float | None, max_load: float) -> float:
     """`qps`, or less: at most `max_load` of what the busier of P (one prefill at a time) and the link carries."""
     if not max_load > 0:
@@ -95,3 +106,29 @@ def outputs_agree(reference: Sequence[str], got: Sequence[str | None]) -> list[i
     """[equal, compared]: greedy answers through a front against the same prompts on one instance alone."""
     pairs = list(zip(reference, got, strict=True))
     return [sum(1 for a, b in pairs if b is not None and a == b), len(pairs)]
+
+
+WIRE_SHARE = 0.10  # issue 21 item 3: our connector's transfer within 10 % of a bare NIXL WRITE ...
+WIRE_SLACK_S = 0.002  # ... or within 2 ms of it
+
+
+def wire_verdict(connector_s: Sequence[float], bare_s: Sequence[float]) -> dict[str, Any]:
+    """Our connector's transfer time against a bare NIXL WRITE of the same bytes on the same link: medians, their
+    ratio and whether the connector is within 10 % or 2 ms of bare NIXL."""
+    if not connector_s or not bare_s:
+        raise ValueError("need at least one connector and one bare NIXL transfer time")
+    conn, bare = _median(connector_s), _median(bare_s)
+    limit = max(bare * (1 + WIRE_SHARE), bare + WIRE_SLACK_S)
+    return {
+        "wire_connector_ms": round(1000 * conn, 3),
+        "wire_bare_ms": round(1000 * bare, 3),
+        "wire_ratio": round(conn / bare, 4) if bare > 0 else None,
+        "wire_limit_ms": round(1000 * limit, 3),
+        "wire_ok": conn <= limit,
+    }
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2

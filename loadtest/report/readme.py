@@ -106,7 +106,7 @@ def link_section(rows: Sequence[Row], results_dir: Path | None) -> list[str]:
         return []
     mt = latest(rows, "multiturn-link")
     plot = results_dir is not None and (results_dir / "multiturn-link-ttft-by-turn.png").exists()
-    body = link.section(mine, latest(rows, "cpu-vllm"), mt, link.chunk_of(mine), plot)
+    body = link.section(mine, latest(rows, "cpu-vllm"), mt, link.chunk_of(mine), plot, latest(rows, "link-wire"))
     plots = [f"![{name}](results/{name}.png)" for name in ("link", "link-ttft-cdf")]
     if results_dir is None or not (results_dir / "link.png").exists():
         plots = []

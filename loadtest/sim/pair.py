@@ -10,6 +10,8 @@ Choreography, as kvpush's router drives it:
   push   both legs at once: P and D each pay API time; D's admission step registers its blocks (the message
          reaches P after notify_s); P WRITEs per its connector's timing (writes.WriteAt); Done reaches D
          notify_s after the final WRITE landed.
+The link (net.py) is one transfer at a time (the seed-scale profiles and calibration) or, with `shared`, a
+fair-share link: transfers in flight at once share its rate (the link-scale predictions, sim/scaled.py).
 Router time is not modelled (it is the same for every mode).
 """
 
@@ -22,8 +24,9 @@ from dataclasses import dataclass, field
 from loadtest.sim import costs
 from loadtest.sim.engine import ChunkDone, Engine, Event, Kind, PrefillDone, Req, StartPull, StartPush, StepEnd, Token
 from loadtest.sim.link import Fifo
+from loadtest.sim.net import FifoNet, Net, SharedNet
 from loadtest.sim.profile import Profile
-from loadtest.sim.writes import CONNECTOR_WRITE_AT, Write, WritePlan, post
+from loadtest.sim.writes import CONNECTOR_WRITE_AT, Write, WritePlan, stage
 
 MODES = ("pull", *CONNECTOR_WRITE_AT)
 
@@ -100,7 +103,6 @@ class Pair:
     mode: str
     output_len: int
     clock: Clock = field(default_factory=Clock)
-    link: Fifo = field(default_factory=Fifo)
     writer: Fifo = field(default_factory=Fifo)
     outcomes: dict[str, RequestTimes] = field(default_factory=dict)
     _legs: dict[Req, Req] = field(default_factory=dict)  # P leg -> D leg, and D leg -> P leg
@@ -108,10 +110,13 @@ class Pair:
     _contact: bool = False
     pull_serial_s: float = 0.0  # what-if, not in any profile: a pull-only serial stage on D before each READ
     reader: Fifo = field(default_factory=Fifo)
+    shared: bool = False  # the link as TCP flows share it (net.SharedNet); else one transfer at a time
+    start_s: float = 0.0  # shared only: what each transfer pays before it runs (link.tcp_start_s)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode {self.mode!r} is not one of {MODES}")
+        self.net: Net = SharedNet(self.clock, self.start_s) if self.shared else FifoNet(self.clock)
         self.p = Driver(Engine(self.profile, chunk_events=True), self.clock, self._p_events)
         self.d = Driver(Engine(self.profile), self.clock, self._d_events)
 
@@ -159,22 +164,31 @@ class Pair:
         if not writes:
             return
         p = self.profile
-        done = post(
+        staged = stage(
             writes,
             self.clock.now,
             self.writer,
-            self.link,
             lambda n: costs.setup_time(p, n),
             lambda n: costs.transfer_time(p, n),
             self._contact_s(),
         )
-        if done is None:
-            return
-        self._plans.pop(p_leg, None)
-        d_leg = self._legs.pop(p_leg)
-        self._legs.pop(d_leg, None)
-        self.clock.at(done, lambda: self._release(p_leg))
-        self.clock.at(done + p.notify_s, lambda: self._landed(d_leg))
+        landed = None
+        if any(final for *_, final in staged):
+            self._plans.pop(p_leg, None)
+            d_leg = self._legs.pop(p_leg)
+            self._legs.pop(d_leg, None)
+            landed = self._written(p_leg, d_leg)
+        for ready, seconds, final in staged:
+            self.net.send(ready, seconds, landed if final else None)
+
+    def _written(self, p_leg: Req, d_leg: Req) -> Callable[[], None]:
+        """The final WRITE landed: P frees the blocks; Done reaches D notify_s later."""
+
+        def fn() -> None:
+            self._release(p_leg)
+            self.clock.at(self.clock.now + self.profile.notify_s, lambda: self._landed(d_leg))
+
+        return fn
 
     def _release(self, p_leg: Req) -> None:
         self.p.engine.release(p_leg)
@@ -196,8 +210,8 @@ class Pair:
             elif isinstance(ev, StartPull):
                 p_leg = self._legs.pop(ev.req)
                 start = self.reader.reserve(now, self.pull_serial_s)
-                done = self.link.reserve(start, self._contact_s() + costs.transfer_time(self.profile, p_leg.prompt))
-                self.clock.at(done, self._read_done(p_leg, ev.req))
+                seconds = self._contact_s() + costs.transfer_time(self.profile, p_leg.prompt)
+                self.net.send(start, seconds, self._read_done(p_leg, ev.req))
             elif isinstance(ev, Token):
                 out = self.outcomes[ev.req.rid]
                 if out.first_token is None:
@@ -250,11 +264,14 @@ def run(
     output_len: int,
     warmup: int = 2,
     pull_serial_s: float = 0.0,
+    shared: bool = False,
+    start_s: float = 0.0,
 ) -> Stats:
     """Send one request per arrival time (seconds) through a fresh pair in `mode`; score all but the first `warmup`.
 
-    `pull_serial_s` adds a pull-only serial stage on D (a what-if mechanism, see calibrate.missing_mechanism)."""
-    pair = Pair(profile, mode, output_len, pull_serial_s=pull_serial_s)
+    `pull_serial_s` adds a pull-only serial stage on D (a what-if mechanism, see calibrate.missing_mechanism);
+    `shared`: transfers share the link (FairShare) and each pays `start_s` first; else FIFO."""
+    pair = Pair(profile, mode, output_len, pull_serial_s=pull_serial_s, shared=shared, start_s=start_s)
     for i, t in enumerate(arrivals):
         pair.arrive(f"r{i}", t, prompt)
     pair.clock.run()

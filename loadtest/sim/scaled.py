@@ -16,6 +16,7 @@ import random
 from dataclasses import dataclass
 
 from loadtest.sim import pair
+from loadtest.sim.link import tcp_start_s
 from loadtest.sim.profile import Profile
 
 FRAME_EFFICIENCY = 1448 / 1514  # TCP payload per 1500-byte frame (the shaper counts frames)
@@ -33,6 +34,15 @@ class Measured:
     block_size: int = 128  # vLLM CPU's block
     layers: int = 4
     notify_s: float = 0.001  # a side-channel message between the hosts (TCP on the veth, ~1 ms with Python)
+    rtt_s: float = 40e-6  # the veth's round trip (research turn3-netem.md 3: 30-39 us p50); the presets add none
+    shared: bool = True  # overlapping transfers share the link (sim/link.FairShare); False: one at a time
+
+    @property
+    def start_s(self) -> float:
+        """What each transfer pays before it runs at its share: a round trip plus slow start (link.tcp_start_s)."""
+        if self.rate_bit_s is None:
+            return 0.0
+        return tcp_start_s(self.rtt_s, self.rate_bit_s * FRAME_EFFICIENCY / 8)
 
 
 def measured_profile(m: Measured, chunk_tokens: int | None = None) -> Profile:
@@ -93,7 +103,12 @@ def predict(
     `seeds` runs of its own length: the TTFT and TPOT means are averaged, the handoff p50 is the median."""
     chunk = chunk_tokens if mode == "kvpush-progressive" else None
     profile = measured_profile(m, chunk)
-    runs = [pair.run(profile, mode, poisson(qps, n, 7 + k), m.prompt, output_len, warmup=warmup) for k in range(seeds)]
+    runs = [
+        pair.run(
+            profile, mode, poisson(qps, n, 7 + k), m.prompt, output_len, warmup, shared=m.shared, start_s=m.start_s
+        )
+        for k in range(seeds)
+    ]
     if len(runs) == 1:
         return runs[0]
     ok = [r for r in runs if r.n > 0]
@@ -117,4 +132,6 @@ def predict_at(
     chunk = chunk_tokens if mode == "kvpush-progressive" else None
     t0 = min(arrivals)
     times = sorted(t - t0 for t in arrivals)
-    return pair.run(measured_profile(m, chunk), mode, times, m.prompt, output_len, warmup=0)
+    return pair.run(
+        measured_profile(m, chunk), mode, times, m.prompt, output_len, warmup=0, shared=m.shared, start_s=m.start_s
+    )

@@ -107,6 +107,23 @@ class WritePlan:
         return [write]
 
 
+def stage(
+    writes: list[Write],
+    now: float,
+    writer: Fifo,
+    setup_s: Callable[[int], float],
+    transfer_s: Callable[[int], float],
+    first_contact_s: float = 0.0,
+) -> list[tuple[float, float, bool]]:
+    """Queue `writes` on P's writer thread (descriptor setup): per write, (ready for the link, its seconds on
+    the link alone, final). `first_contact_s` (a handshake) is paid once, by the first WRITE."""
+    out = []
+    for i, w in enumerate(writes):
+        ready = writer.reserve(now, setup_s(w.tokens))
+        out.append((ready, (first_contact_s if i == 0 else 0.0) + transfer_s(w.tokens), w.final))
+    return out
+
+
 def post(
     writes: list[Write],
     now: float,
@@ -116,14 +133,13 @@ def post(
     transfer_s: Callable[[int], float],
     first_contact_s: float = 0.0,
 ) -> float | None:
-    """Queue `writes` on P's writer thread (descriptor setup) and then the link; when the final one lands.
+    """Queue `writes` on P's writer thread (descriptor setup) and then a FIFO link; when the final one lands.
 
     `first_contact_s` (a handshake) is paid once, by the first WRITE on the link. Returns None when none is final.
     """
     done: float | None = None
-    for i, w in enumerate(writes):
-        ready = writer.reserve(now, setup_s(w.tokens))
-        end = link.reserve(ready, (first_contact_s if i == 0 else 0.0) + transfer_s(w.tokens))
-        if w.final:
+    for ready, seconds, final in stage(writes, now, writer, setup_s, transfer_s, first_contact_s):
+        end = link.reserve(ready, seconds)
+        if final:
             done = end
     return done

@@ -131,13 +131,16 @@ class LinkPlan:
         return None if self.shaping is None else self.shaping.wire_seconds(self.kv_bytes)
 
     def record(self) -> dict[str, Any]:
-        """What a benchmark row carries about the link (measured transfer times are the row's own)."""
+        """What a benchmark row carries about the link (measured transfer times are the row's own).
+
+        One prompt's KV is `link_prompt_kv_bytes`; `link_kv_bytes` is the bytes check's (meter.BytesCheck: the KV
+        D received over a row), and both land in one row."""
         shaping = self.shaping
         return {
             "link": self.preset.name,
             "link_share": self.preset.share,
             "link_prefill_s": round(self.prefill_s, 6),
-            "link_kv_bytes": self.kv_bytes,
+            "link_prompt_kv_bytes": self.kv_bytes,
             "link_rate_bit_s": shaping.rate_bit_s if shaping else None,
             "link_burst_bytes": shaping.burst_bytes if shaping else None,
             "link_expected_transfer_s": None if shaping is None else round(shaping.wire_seconds(self.kv_bytes), 6),

@@ -208,7 +208,7 @@ def run(plan: LinkBenchPlan, run_dir: Path, summary: Path, progress: bool, run_i
                     for j, pair in enumerate(order):
                         ctx = _Ctx(plan, step, cal, link, pair, per_token, run_id, run_dir, summary, progress)
                         agreed = agree[(pair.front.router, pair.front.connector)]
-                        rows.append(ctx.point(qps, asked, 4000 + 10 * k + i, rep, j, agreed))
+                        rows.append(ctx.point(qps, asked, linkrows.point_seed(k, i), rep, j, agreed))
     return rows
 
 
@@ -234,10 +234,11 @@ class _Ctx:
             "order": order,
             "headline": step.headline,
             "qps_asked": asked,
+            "seed": seed,
             "chunk_tokens": self.plan.chunk_tokens,
             "warmup": self.plan.warmup,
             "outputs_equal_single": agreed,
-            **prompt_record(self.cal),
+            **self.cal.record(),
         }
         labels = front_labels(SUITE, front, qps, step.input_len, self.plan.output_len)
         n = linkrows.n_for(qps, self.plan.requests, self.plan.max_point_s)
@@ -257,11 +258,3 @@ class _Ctx:
 
         where = self.run_dir / f"{step.preset}-{step.input_len}"  # one folder per step: the fronts' names repeat
         return measure(point, where, self.summary, self.progress, finish=finish)
-
-
-def prompt_record(cal: Calibration) -> dict[str, Any]:
-    """The calibration's record for a row; one prompt's KV bytes renamed (the row's `link_kv_bytes` is the
-    bytes check's: the KV D received over the row)."""
-    rec = cal.record()
-    rec["link_prompt_kv_bytes"] = rec.pop("link_kv_bytes")
-    return rec

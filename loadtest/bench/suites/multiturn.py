@@ -258,7 +258,6 @@ def run(plan: MultiTurnPlan, run_dir: Path, summary: Path, progress: bool, run_i
                 link, preset(plan.link), p.url, prompt_tokens=plan.link_calibrate_tokens, kv_bytes_per_token=per_token
             )
             link_record = cal.record()
-            link_record["link_prompt_kv_bytes"] = link_record.pop("link_kv_bytes")
             print(f"multiturn: on the link {link_record}")
         ratio = words_per_token(p.url)
         bases = {f: _start_front(f, plan, fleet, p, [d.url for d in decodes], logs, run_dir) for f in FRONTS}

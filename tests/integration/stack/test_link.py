@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+import stack.link
 from stack.engines import vllm_env
 from stack.link.access import LinkUnavailable, require_access, user_namespace_argv
 from stack.link.fabric import Link
@@ -180,7 +181,7 @@ def test_without_root_the_link_refuses_with_one_line_and_works_inside_a_user_nam
     assert made["addresses"][0].startswith("10.231.") and made["nic"] >= 0
 
 
-NIXL_PEER = Path(__file__).with_name("link_nixl_peer.py")
+NIXL_PEER = Path(stack.link.__file__).with_name("nixl_peer.py")  # run as a script in each namespace
 
 
 def nixl_write(link: Link, p: Place, d: Place, size: int, *, tcp: bool) -> dict[str, object]:
@@ -227,7 +228,8 @@ def test_a_nixl_write_between_two_namespaces_follows_the_rate_and_a_cma_bypass_i
         over_tcp = nixl_write(link, p, d, size, tcp=True)
         check = meter.check(size)
         assert check.ok, check.verdict
-        assert float(over_tcp["seconds"]) >= 0.8 * shaping.wire_seconds(size - shaping.burst_bytes)  # type: ignore[arg-type]
+        seconds = over_tcp["seconds"]
+        assert isinstance(seconds, list) and seconds[0] >= 0.8 * shaping.wire_seconds(size - shaping.burst_bytes)
         meter = link.meter("n-p")
         nixl_write(link, p, d, size, tcp=False)
         bypass = meter.check(size)

@@ -62,3 +62,22 @@ def test_kv_bytes_are_the_external_tokens_times_the_bytes_per_token() -> None:
 def test_outputs_agree_counts_equal_answers_and_a_missing_one_is_unequal() -> None:
     assert linkrows.outputs_agree(["a", "b"], ["a", None]) == [1, 2]
     assert linkrows.outputs_agree(["a", "b"], ["a", "b"]) == [2, 2]
+
+
+def test_each_point_of_a_run_has_its_own_arrival_seed() -> None:
+    seeds = {linkrows.point_seed(k, i) for k in range(6) for i in range(2)}
+    assert len(seeds) == 12 and linkrows.point_seed(0, 0) == 4000
+    with pytest.raises(ValueError):
+        linkrows.point_seed(0, 10)
+
+
+def test_the_connector_is_at_wire_speed_within_ten_percent_or_two_ms_of_bare_nixl() -> None:
+    ok = linkrows.wire_verdict([0.152, 0.151, 0.160], [0.150, 0.149, 0.151])
+    assert ok["wire_ok"] and ok["wire_connector_ms"] == 152.0 and ok["wire_bare_ms"] == 150.0
+    assert ok["wire_ratio"] == pytest.approx(152 / 150, abs=1e-4)
+    slow = linkrows.wire_verdict([0.170], [0.150])
+    assert not slow["wire_ok"] and slow["wire_limit_ms"] == pytest.approx(165.0)
+    small = linkrows.wire_verdict([0.0045], [0.003])  # 50 % over, but within 2 ms
+    assert small["wire_ok"] and small["wire_limit_ms"] == pytest.approx(5.0)
+    with pytest.raises(ValueError):
+        linkrows.wire_verdict([], [0.1])

@@ -99,13 +99,6 @@ def test_multiturn_on_the_link_is_marked_not_run_without_rows() -> None:
     assert "Multi-turn on ethernet-25g-like: not run" in text
 
 
-def test_the_simulator_table_predicts_every_kvpush_row() -> None:
-    lines = link.sim_rows(headline(500.0), 256)
-    assert len(lines) == 2 + 4  # header + one line per connector through kvpush
-    assert lines[2].startswith("| ethernet-100g-like | 1024 | 1 | upstream-pull | 900.0 / ")
-    assert link.chunk_of(headline(500.0)) == 256 and link.chunk_of([]) == 256
-
-
 def test_no_rows_no_tables() -> None:
     assert link.section([], [], []) == ["(no link run yet: `kvpush bench --suite link`, as root)"]
 
@@ -128,3 +121,32 @@ def test_the_multiturn_part_names_its_run_rate_bytes_check_and_decider_options()
     assert "Run m1: preset ethernet-25g-like, tbf 59.8 Mbit/s; bytes check 3/3 rows ok" in text
     assert "{'bypass_max_uncached_tokens': 1024}" in text
     assert "decider / vllm-router: 0.32" in text
+
+
+def test_the_wire_table_shows_ours_against_bare_nixl_per_preset_and_says_when_not_run() -> None:
+    wire = [
+        {
+            "suite": "link-wire",
+            "run_id": "w1",
+            "input_len": 1024,
+            "link": "ethernet-25g-like",
+            "link_rate_bit_s": 60_000_000,
+            "link_expected_transfer_s": 0.585,
+            "link_prompt_kv_bytes": 4 * 2**20,
+            "link_kv_bytes": 20 * 2**20,
+            "link_nic_tx_bytes": 21 * 2**20,
+            "wire_connector_times_ms": [590.0] * 5,
+            "wire_connector_ms": 590.0,
+            "wire_bare_ms": 585.0,
+            "wire_ratio": 1.0085,
+            "wire_limit_ms": 643.5,
+            "wire_ok": True,
+        },
+        {"link": "efa-like", "wire_connector_ms": 9.0, "wire_bare_ms": 5.0, "wire_ok": False, "wire_limit_ms": 7.0},
+    ]
+    lines = link.wire_part(wire)
+    assert lines[0].startswith("Run w1: one 1024-token prompt's KV (4 MiB")
+    assert lines[4] == "| ethernet-25g-like | 60.0 | 585.0 | 590.0 | 585.0 | 1.008 | met | 1.050 |"
+    assert "**missed** (limit 7.0 ms)" in lines[5]
+    assert "Not run" in link.wire_part([])[0]
+    assert "### Our connector at wire speed (issue 21 item 3)" in link.section(headline(500.0), [], [], wire=wire)

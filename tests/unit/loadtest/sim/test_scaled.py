@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
 from loadtest.sim import costs
-from loadtest.sim.scaled import Measured, measured_profile, poisson, predict
+from loadtest.sim.scaled import Measured, measured_profile, poisson, predict, predict_at
 
 
 def test_the_profile_prefills_in_the_measured_time_and_decodes_at_the_measured_step() -> None:
@@ -42,3 +43,17 @@ def test_a_short_points_prediction_averages_seeds_of_its_own_length() -> None:
     short = predict(m, "pull", 2.5, 16, n=9, warmup=1, seeds=20)
     assert short.n == 20 * 8 and short.unfinished == 0
     assert short.ttft_mean_ms < long.ttft_mean_ms
+
+
+def test_on_the_fair_share_link_two_pulls_at_once_each_take_two_wire_times() -> None:
+    """Two prompts at once: their READs share the link (each ends after two wire times) instead of one after the
+    other (the first after one); a lone READ takes one wire time (plus TCP's start: microseconds)."""
+    m = Measured(prefill_s=0.05, step_s=0.005, rate_bit_s=1.2e8, prompt=1024)
+    wire_ms = 1000 * 4 * 2**20 * 8 / (1.2e8 * 1448 / 1514)
+    fifo = dataclasses.replace(m, shared=False)
+    lone = predict_at(m, "pull", [0.0], 4)
+    assert lone.handoff_p50_ms == pytest.approx(wire_ms + 5.0, abs=1.0)  # + D's step that makes the first token
+    both, queued = predict_at(m, "pull", [0.0, 0.0], 4), predict_at(fifo, "pull", [0.0, 0.0], 4)
+    # the second prefill ends 50 ms later, so the READs overlap for all but 50 ms of the first
+    assert both.handoff_p50_ms > queued.handoff_p50_ms
+    assert m.start_s == pytest.approx(40e-6) and Measured(0.1, 0.01, None, 8).start_s == 0.0

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from stack.link.calibrate import Calibration
 from stack.link.fabric import NicBytes
 from stack.link.meter import NicMeter
+from stack.link.plan import preset, resolve
 
 
 class FakeLink:
@@ -36,3 +38,17 @@ def test_fewer_bytes_than_kv_fails_the_window_and_says_why() -> None:
     check = meter.check(252 * 1024 * 1024)
     assert not check.ok and check.verdict is not None and "bypassed the link" in check.verdict
     assert check.record()["link_drops"] == 3 and check.record()["link_bytes_ok"] is False
+
+
+def test_a_row_keeps_one_prompts_kv_and_the_checked_kv_under_two_names() -> None:
+    """A row is the calibration's record plus the bytes check's: no key may mean two things (they collided on
+    `link_kv_bytes`, one prompt's KV against the KV D received over the row, and the later one won)."""
+    plan = resolve(preset("ethernet-25g-like"), prefill_s=0.12, kv_bytes=4 * 2**20)
+    link = FakeLink()
+    meter = NicMeter(link, "p0")
+    link.tx += 40 * 2**20
+    check = meter.check(36 * 2**20)
+    calibrated, checked = Calibration(plan, (0.12,)).record(), check.record()
+    assert not set(calibrated) & set(checked)
+    row = {**calibrated, **checked}
+    assert row["link_prompt_kv_bytes"] == 4 * 2**20 and row["link_kv_bytes"] == 36 * 2**20

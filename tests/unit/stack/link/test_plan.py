@@ -56,7 +56,7 @@ def test_unshaped_resolves_to_no_shaping_and_is_never_faithful() -> None:
 def test_the_record_says_preset_share_measured_prefill_and_rate() -> None:
     got = resolve(preset("ethernet-100g-like"), prefill_s=0.25, kv_bytes=2 * MIB).record()
     assert got["link"] == "ethernet-100g-like" and got["link_share"] == 1.09
-    assert got["link_prefill_s"] == 0.25 and got["link_kv_bytes"] == 2 * MIB
+    assert got["link_prefill_s"] == 0.25 and got["link_prompt_kv_bytes"] == 2 * MIB
     assert got["link_rate_bit_s"] > 0 and got["link_burst_bytes"] >= 32 * 1024
     assert got["link_expected_transfer_s"] == pytest.approx(1.09 * 0.25, rel=1e-5)
 
