@@ -1,0 +1,111 @@
+"""The multiturn suite's replicas run (suite "multiturn-replicas", issue 24) in bench/README.md's multi-turn
+section: the fronts' table as for any multi-turn run, then issue 24's targets, judged within each repeat (the
+fronts saw the same sessions there) and the median of the repeats' ratios stated.
+
+- decode-local hits (share of an ideal router's reuse) behind two replicas over one replica, both with KV events
+  on: >= 0.9;
+- bypass predictions within ±20 % for >= 90 % of the bypass decisions, on each events front;
+- router CPU per turn with events on over events off (one router each): <= 1.1;
+- what the subscribers consumed: events and messages per second per replica, each live batch's lag from the
+  engine's stamp (mean, max, later than 1 s), gaps and holes; and a decode's reset reflected in every replica's
+  view: <= 1 s.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from loadtest.report import multiturn
+
+EVENTS, REPLICAS, EVENTS_OFF = "kvpush-decider-events", "kvpush-decider-replicas", "kvpush-decider"
+HIT_TARGET = 0.9
+CPU_TARGET = 1.1
+REFLECT_TARGET_S = 1.0
+Row = Mapping[str, Any]
+
+
+def section(rows: Sequence[Row]) -> list[str]:
+    """The subsection's lines (after its heading); nothing without rows."""
+    if not rows:
+        return []
+    replicas = max(int(r.get("replicas") or 1) for r in rows)
+    head = [
+        f"Run {rows[0].get('run_id')}: the decider with the engines' KV events on behind one router"
+        f" (`{EVENTS}`) and behind {replicas} router replicas with each turn of a conversation sent to the next"
+        f" replica (`{REPLICAS}`), and with events off on one router (`{EVENTS_OFF}`), on the same sessions and"
+        " engines (which publish their events throughout).",
+        "",
+    ]
+    body = [line for line in multiturn.section(rows, None) if not line.startswith("\nTTFT p50")]
+    return [*head, *body, "", *targets(rows)]
+
+
+def targets(rows: Sequence[Row]) -> list[str]:
+    out = [
+        _ratio_line(
+            "decode-local hits / ideal reuse, replicas / one replica (events on)",
+            rows,
+            REPLICAS,
+            EVENTS,
+            "local_hit_frac_of_ideal",
+            HIT_TARGET,
+            at_least=True,
+        )
+    ]
+    for front in (EVENTS, REPLICAS):
+        mine = [r for r in rows if r.get("front") == front]
+        if mine:
+            line = multiturn.accuracy_line(multiturn.summed_accuracy(mine))
+            out.append("- " + line.replace(", decider:", f", {front}:").replace("\n", ""))
+    out.append(
+        _ratio_line(
+            "router CPU per turn, events on / off (one router)",
+            rows,
+            EVENTS,
+            EVENTS_OFF,
+            "router_cpu_ms_per_turn",
+            CPU_TARGET,
+            at_least=False,
+        )
+    )
+    out += [f"- {_consumed(front, r)}" for front in (EVENTS, REPLICAS) for r in rows if r.get("front") == front]
+    return out
+
+
+def _ratio_line(what: str, rows: Sequence[Row], ours: str, theirs: str, key: str, target: float, at_least: bool) -> str:
+    per: dict[int, dict[str, float]] = {}
+    for row in rows:
+        value = row.get(key)
+        if value is not None:
+            per.setdefault(int(row.get("repeat") or 0), {})[str(row.get("front"))] = float(value)
+    ratios = [f[ours] / f[theirs] for _, f in sorted(per.items()) if f.get(theirs) and ours in f]
+    sign = ">=" if at_least else "<="
+    if not ratios:
+        return f"- {what}: not measured (target {sign} {target})"
+    ratio = statistics.median(ratios)
+    met = ratio >= target if at_least else ratio <= target
+    each = ", ".join(f"{x:.2f}" for x in ratios)
+    return f"- {what}: {ratio:.2f} (per repeat: {each}; target {sign} {target}: {'met' if met else 'not met'})"
+
+
+def _consumed(front: str, row: Row) -> str:
+    kv: Mapping[str, Any] = row.get("kv_events") or {}
+    reflected = row.get("reset_reflected_s")
+    reset = (
+        "not measured"
+        if reflected is None
+        else f"{reflected * 1000:.0f} ms (target <= {REFLECT_TARGET_S:.0f} s:"
+        f" {'met' if reflected <= REFLECT_TARGET_S else 'not met'})"
+    )
+    if not kv:
+        return f"{front} (repeat {row.get('repeat')}): no KV events consumed; decode reset reflected: {reset}"
+    return (
+        f"{front} (repeat {row.get('repeat')}), per replica: {kv.get('events_per_s_per_replica')} events/s in"
+        f" {kv.get('messages_per_s_per_replica')} messages/s; lag from the engine's stamp mean"
+        f" {kv.get('lag_ms_mean')} ms, max {kv.get('lag_ms_max_so_far')} ms, {kv.get('frames.late', 0)} later than"
+        f" 1 s; gaps {kv.get('sequence.gaps', 0)}, holes {kv.get('sequence.holes', 0)}, malformed"
+        f" {kv.get('frames.malformed', 0)}; router CPU {row.get('router_cpu_ms_per_turn')} ms/turn;"
+        f" decode reset reflected in every replica's view: {reset}"
+    )

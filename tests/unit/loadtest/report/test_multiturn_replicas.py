@@ -1,0 +1,55 @@
+"""The replicas run's subsection of bench/README.md: the fronts' table and issue 24's targets, met or not."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loadtest.report import multiturn_replicas as report
+from loadtest.report.readme import multiturn_section
+
+
+def row(front: str, repeat: int, hits: float, cpu: float, **more: Any) -> dict[str, Any]:
+    return {
+        "run_id": "R1",
+        "front": front,
+        "repeat": repeat,
+        "replicas": 2 if front == report.REPLICAS else 1,
+        "turns_ok": 10,
+        "turns_failed": 0,
+        "local_hit_frac_of_ideal": hits,
+        "router_cpu_ms_per_turn": cpu,
+        **more,
+    }
+
+
+KV = {"events_per_s_per_replica": 40.0, "messages_per_s_per_replica": 12.0, "lag_ms_mean": 1.5}
+
+
+def test_the_targets_are_judged_within_each_repeat() -> None:
+    rows = [
+        row(report.EVENTS, 0, 0.90, 4.0, bypass_accuracy={"checked": 10, "accurate": 10}, kv_events=KV),
+        row(report.REPLICAS, 0, 0.88, 4.2, bypass_accuracy={"checked": 10, "accurate": 9}, reset_reflected_s=0.05),
+        row(report.EVENTS_OFF, 0, 0.90, 3.8, bypass_accuracy={"checked": 10, "accurate": 10}),
+    ]
+    lines = report.targets(rows)
+    assert lines[0].endswith("0.98 (per repeat: 0.98; target >= 0.9: met)")
+    assert "kvpush-decider-replicas: 9/10 (90%)" in lines[2] and lines[2].endswith(": met)")
+    assert lines[3].startswith("- router CPU per turn") and "1.05" in lines[3] and lines[3].endswith(": met)")
+    assert "40.0 events/s" in lines[4] and "reflected in every replica's view: not measured" in lines[4]
+    assert lines[5].endswith("50 ms (target <= 1 s: met)")
+
+
+def test_a_target_missed_or_not_run_says_so() -> None:
+    rows = [row(report.EVENTS, 0, 0.9, 2.0), row(report.REPLICAS, 0, 0.5, 2.0), row(report.EVENTS_OFF, 0, 0.9, 1.0)]
+    lines = report.targets(rows)
+    assert lines[0].endswith(": not met)") and lines[3].endswith("target <= 1.1: not met)")
+    assert report.targets([row(report.EVENTS, 0, 0.9, 2.0)])[0].endswith("not measured (target >= 0.9)")
+
+
+def test_the_subsection_follows_the_multiturn_table_and_stands_alone_too() -> None:
+    replicas = [row(report.EVENTS, 0, 0.9, 2.0), row(report.REPLICAS, 0, 0.9, 2.0)]
+    alone = multiturn_section([], None, replicas)
+    assert alone[0] == "## multiturn" and alone[2].startswith("### multiturn, router replicas")
+    assert multiturn_section([], None, []) == []
+    both = multiturn_section([row("kvpush", 0, 0.8, 1.0)], None, replicas)
+    assert both.count("## multiturn") == 1 and any(line.startswith("### multiturn, router") for line in both)
