@@ -8,6 +8,8 @@ import pytest
 from loadtest import promtext
 from loadtest.bench.suites import multiturn as suite
 from loadtest.bench.suites import multiturn_replicas as replicas
+from loadtest.job import REPO
+from stack.engines import KV_EVENT_OFFSETS
 
 METRICS = """\
 # TYPE kvpush_kv_events_frames_total counter
@@ -31,12 +33,12 @@ def test_a_replicas_plan_runs_the_event_fronts_reference_first_under_its_own_sui
     )
     one = suite.MultiTurnPlan(sessions=2, session_rate=1.0)
     assert (one.fronts, one.suite) == (suite.FRONTS, "multiturn")
-    assert suite.engine_family(one, suite.REPO).specs[0].kv_events is None
+    assert suite.engine_family(one, REPO).specs[0].kv_events is None
 
 
 def test_only_the_replicas_plan_has_its_engines_publish() -> None:
     plan = suite.MultiTurnPlan(sessions=2, session_rate=1.0, replicas=2)
-    assert all(spec.kv_events == replicas.KV_EVENT_OFFSETS for spec in suite.engine_family(plan, suite.REPO).specs)
+    assert all(spec.kv_events == KV_EVENT_OFFSETS for spec in suite.engine_family(plan, REPO).specs)
     assert [replicas.replicas_of(f, 2) for f in plan.fronts] == [1, 2, 1]
     assert [replicas.uses_events(f) for f in plan.fronts] == [True, True, False]
     assert "port_offset: 1000" in replicas.kv_events_yaml()
