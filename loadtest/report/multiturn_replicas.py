@@ -71,7 +71,19 @@ def targets(rows: Sequence[Row]) -> list[str]:
         )
     )
     out += [f"- {_consumed(front, r)}" for front in (EVENTS, REPLICAS) for r in rows if r.get("front") == front]
+    out += [_stopped(found) for r in rows if (found := r.get("engine_stop_reflected"))]
     return out
+
+
+def _stopped(found: Mapping[str, Any]) -> str:
+    after = found.get("after_exit_s")
+    verdict = "not met" if after is None or after > REFLECT_TARGET_S else "met"
+    shown = "not within 10 s" if after is None else f"{after * 1000:.0f} ms"
+    return (
+        f"- a decode engine stopped at the end (SIGTERM, exited in {found.get('stop_s')} s; its views held"
+        f" {found.get('held_blocks_before')} blocks): every replica's view of it empty {shown} after its exit"
+        f" (target <= {REFLECT_TARGET_S:.0f} s: {verdict})"
+    )
 
 
 def _ratio_line(what: str, rows: Sequence[Row], ours: str, theirs: str, key: str, target: float, at_least: bool) -> str:

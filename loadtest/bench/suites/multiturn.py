@@ -320,9 +320,23 @@ def run(plan: MultiTurnPlan, run_dir: Path, summary: Path, progress: bool, run_i
             for front in fronts:
                 if front in ran:
                     rows.append(_row(plan, ran[front], baseline, repeat, run_id, run_dir, checked[front]))
+            if plan.replicas > 1 and repeat == plan.repeats - 1:
+                _stop_one(started.get(replicas_mod.REPLICAS), decodes[-1], rows)
     append_rows(summary, rows)
     report_multiturn.plot_ttft_by_turn(rows, summary.parent / f"{plan.suite}-ttft-by-turn.png")
     return rows
+
+
+def _stop_one(front: _Front | None, engine: Engine, rows: list[dict[str, Any]]) -> None:
+    """The run is over: stop one decode and note on the last replicas row how soon every replica's view of it
+    emptied (multiturn_replicas.stop_reflected)."""
+    if front is None:
+        return
+    found = replicas_mod.stop_reflected(engine, front.bases)
+    print(f"multiturn: {engine.engine_spec.name} stopped: {found}")
+    mine = [row for row in rows if row.get("front") == front.name]
+    if mine:
+        mine[-1]["engine_stop_reflected"] = found
 
 
 def _targets(front: _Front, ratio: float, plan: MultiTurnPlan) -> list[multiturn.Target]:

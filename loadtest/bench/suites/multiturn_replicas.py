@@ -13,7 +13,9 @@ Per front, summed over its replicas: bypass-prediction accuracy and routes (as e
 CPU seconds (their process groups, /proc), and what their subscribers consumed (kvpush_kv_events_frames and
 _sequence: messages, events, lag of each live batch from the engine's stamp, batches later than 1 s, gaps,
 holes). After an events front's run, a decode's prefix cache is reset and the time until every replica's view
-holds nothing for it is taken (`reset_reflected_s`).
+holds nothing for it is taken (`reset_reflected_s`). At the end of the run one decode engine is stopped (what an
+engine restart does first) and the time from its exit until every replica's view of it holds nothing is taken
+(`engine_stop_reflected`, on the last replicas row).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import httpx
 from loadtest import promtext
 from loadtest.bench.point import scrape
 from loadtest.bench.procs import group_cpu_seconds
-from stack.engines import KV_EVENT_OFFSETS
+from stack.engines import KV_EVENT_OFFSETS, Engine
 
 EVENTS = "kvpush-decider-events"
 REPLICAS = "kvpush-decider-replicas"
@@ -130,3 +132,23 @@ def reset_reflected_s(decode_url: str, bases: Sequence[str], limit_s: float = 10
             return round(time.monotonic() - t0, 4)
         time.sleep(0.005)
     return None
+
+
+def stop_reflected(engine: Engine, bases: Sequence[str], limit_s: float = 10.0) -> dict[str, Any]:
+    """Stop the engine (SIGTERM, reaped); the blocks every replica's view held for it before, and seconds from
+    the stop asked and from its exit until every view of it holds nothing (None past `limit_s`)."""
+    held = [promtext.total(scrape(base), "kvpush_kv_events_held_blocks", worker=engine.url) for base in bases]
+    t0 = time.monotonic()
+    engine.stop()
+    exited = time.monotonic()
+    found: dict[str, Any] = {"held_blocks_before": held, "stop_s": round(exited - t0, 3), "after_exit_s": None}
+    while time.monotonic() - exited < limit_s:
+        if all(_held(base, engine.url) == 0 for base in bases):
+            found["after_exit_s"] = round(time.monotonic() - exited, 4)
+            break
+        time.sleep(0.005)
+    return found
+
+
+def _held(base: str, worker: str) -> float:
+    return promtext.total(scrape(base), "kvpush_kv_events_held_blocks", worker=worker)

@@ -37,6 +37,11 @@ def test_the_targets_are_judged_within_each_repeat() -> None:
     assert lines[3].startswith("- router CPU per turn") and "1.05" in lines[3] and lines[3].endswith(": met)")
     assert "40.0 events/s" in lines[4] and "reflected in every replica's view: not measured" in lines[4]
     assert lines[5].endswith("50 ms (target <= 1 s: met)")
+    stopped = {"stop_s": 2.1, "held_blocks_before": [30, 30], "after_exit_s": 0.004}
+    last = report.targets([*rows, row(report.REPLICAS, 1, 0.9, 4.0, engine_stop_reflected=stopped)])[-1]
+    assert "held [30, 30] blocks" in last and last.endswith("empty 4 ms after its exit (target <= 1 s: met)")
+    late = report.targets([row(report.REPLICAS, 1, 0.9, 4.0, engine_stop_reflected={"after_exit_s": None})])[-1]
+    assert late.endswith("not within 10 s after its exit (target <= 1 s: not met)")
 
 
 def test_a_target_missed_or_not_run_says_so() -> None:
