@@ -396,7 +396,7 @@ def _run_front(
         done = replicas_mod.read(front.bases, front.pids)
         events = replicas_mod.figures(read, done, duration, len(turns), len(front.bases))
         if replicas_mod.uses_events(front.name):
-            events["reset_reflected_s"] = replicas_mod.reset_reflected_s(decodes[0].url, front.bases)
+            events["reset_reflected"] = replicas_mod.reset_reflected(decodes[0].url, front.bases)
         if progress:
             print(f"multiturn {front.name}: {events}")
     return _FrontRun(front.name, turns, duration, sources, served, accuracy, len(front.bases), events)

@@ -119,19 +119,23 @@ def _empty_everywhere(bases: Sequence[str], worker: str) -> bool:
     return True
 
 
-def reset_reflected_s(decode_url: str, bases: Sequence[str], limit_s: float = 10.0) -> float | None:
+def reset_reflected(decode_url: str, bases: Sequence[str], limit_s: float = 10.0) -> dict[str, float | None]:
     """Reset the decode's prefix cache and step it once (vLLM publishes what a step collected: an idle engine's
-    AllBlocksCleared goes out with its next step); seconds from the reset until every replica's view of that
-    decode is caught up and empty, polled every 5 ms; None past `limit_s`."""
+    AllBlocksCleared goes out with its next step); seconds from the reset asked until every replica's view of
+    that decode is caught up and empty (`total_s`, polled every 5 ms, None past `limit_s`), of which the reset
+    and the one-token request that steps the engine took `reset_and_step_s` (the views may empty before that
+    request's answer is back: the event leaves with the step, the answer after it)."""
     poke = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
     t0 = time.monotonic()
     httpx.post(f"{decode_url}/reset_prefix_cache", timeout=30).raise_for_status()
     httpx.post(f"{decode_url}/v1/completions", json=poke, timeout=60).raise_for_status()
+    found: dict[str, float | None] = {"reset_and_step_s": round(time.monotonic() - t0, 4), "total_s": None}
     while time.monotonic() - t0 < limit_s:
         if _empty_everywhere(bases, decode_url):
-            return round(time.monotonic() - t0, 4)
+            found["total_s"] = round(time.monotonic() - t0, 4)
+            break
         time.sleep(0.005)
-    return None
+    return found
 
 
 def stop_reflected(engine: Engine, bases: Sequence[str], limit_s: float = 10.0) -> dict[str, Any]:
