@@ -136,3 +136,17 @@ def test_prompt_token_ids() -> None:
     assert prompt_token_ids({"prompt": [[1, 2]]}) == [1, 2]
     for prompt in ("text", [], [[1], [2]], [1, True], [1.0], None):
         assert prompt_token_ids({"prompt": prompt}) is None
+
+
+def test_another_replicas_turns_are_placed_at_a_message_boundary_so_the_suffix_is_the_new_message() -> None:
+    """The ratio overestimates this conversation's tokens by about a fifth: placed by the ratio, the engine's 768
+    held tokens would end some 500 characters before the new message and the suffix be predicted ~130 tokens;
+    placed at the boundary before the new message, it is that message plus half a block."""
+    engines = Engines()
+    history = [{"role": "user", "content": "word " * 360}, {"role": "assistant", "content": "more " * 360}]
+    engines.store("d2", 48, "s")  # 768 tokens of the session: what the engine really computed for the history
+    engines.up.add("d1")
+    d = decider(engines)
+    decision = d.decide(chat(*history, SHORT), DECODES, PREFILLS, 2.0)
+    assert (decision.route, decision.decode, decision.predicted_cached_tokens) == (Route.BYPASS, "d2", 768)
+    assert decision.state.predicted_uncached < 2 * BLOCK  # the new message's ~10 tokens and half a block
