@@ -8,13 +8,17 @@ fronts saw the same sessions there) and the median of the repeats' ratios stated
 - router CPU per turn with events on over events off (one router each): <= 1.1;
 - what the subscribers consumed: events and messages per second per replica, each live batch's lag from the
   engine's stamp (mean, max, later than 1 s), gaps and holes; and a decode's reset reflected in every replica's
-  view: <= 1 s.
+  view: <= 1 s;
+- the subscriber's capacity against a paced synthetic publisher (bench/results/kv-events-rate.json, written by
+  loadtest/bench/suites/multiturn_kv_events_rate.py), when that file is there.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from loadtest.report import multiturn
@@ -26,8 +30,8 @@ REFLECT_TARGET_S = 1.0
 Row = Mapping[str, Any]
 
 
-def section(rows: Sequence[Row]) -> list[str]:
-    """The subsection's lines (after its heading); nothing without rows."""
+def section(rows: Sequence[Row], rate: Path | None = None) -> list[str]:
+    """The subsection's lines (after its heading); nothing without rows. `rate`: kv-events-rate.json."""
     if not rows:
         return []
     replicas = max(int(r.get("replicas") or 1) for r in rows)
@@ -39,7 +43,34 @@ def section(rows: Sequence[Row]) -> list[str]:
         "",
     ]
     body = [line for line in multiturn.section(rows, None) if not line.startswith("\nTTFT p50")]
-    return [*head, *body, "", *targets(rows)]
+    return [*head, *body, "", *targets(rows), *capacity(rate)]
+
+
+def capacity(path: Path | None) -> list[str]:
+    """The subscriber against a synthetic publisher, one line per rate; nothing without the file."""
+    if path is None or not path.exists():
+        return []
+    data = json.loads(path.read_text(encoding="utf-8"))
+    rows = data.get("rows") or []
+    if not rows:
+        return []
+    out = [
+        "",
+        f"The subscriber alone against a paced vLLM-shaped publisher (run {data.get('run_id')}, load average"
+        f" {data.get('loadavg', 0):.1f} on the 2 cores; {rows[0].get('blocks_per_message')} blocks stored and as many"
+        " evicted per message; loadtest/bench/suites/multiturn_kv_events_rate.py):",
+        "",
+        "| messages/s asked | events/s consumed | blocks/s | gaps | lag mean / max (ms) | later than 1 s"
+        " | CPU per 1000 messages (ms) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r.get('rate_asked', 0):.0f} | {r.get('events_per_s')} | {r.get('blocks_per_s')} | {r.get('gaps')}"
+            f" | {r.get('lag_ms_mean')} / {r.get('lag_ms_max')} | {r.get('late_over_1s')}"
+            f" | {r.get('cpu_ms_per_1k_messages')} |"
+        )
+    return out
 
 
 def targets(rows: Sequence[Row]) -> list[str]:
@@ -105,15 +136,15 @@ def _ratio_line(what: str, rows: Sequence[Row], ours: str, theirs: str, key: str
 def _consumed(front: str, row: Row) -> str:
     kv: Mapping[str, Any] = row.get("kv_events") or {}
     found: Mapping[str, Any] = row.get("reset_reflected") or {}
-    reflected, step = found.get("total_s"), found.get("reset_and_step_s")
+    reflected, step = found.get("total_s"), float(found.get("reset_and_step_s") or 0.0)
     reset = (
         "not measured"
         if not found
         else "not within 10 s (target <= 1 s: not met)"
         if reflected is None
-        else f"{reflected * 1000:.0f} ms after the reset asked (the reset and the one-token step that publishes it"
-        f" answered in {step * 1000:.0f} ms; target <= {REFLECT_TARGET_S:.0f} s:"
-        f" {'met' if reflected <= REFLECT_TARGET_S else 'not met'})"
+        else f"{float(reflected) * 1000:.0f} ms after the reset asked (the reset and the one-token step that"
+        f" publishes it answered in {step * 1000:.0f} ms; target <= {REFLECT_TARGET_S:.0f} s:"
+        f" {'met' if float(reflected) <= REFLECT_TARGET_S else 'not met'})"
     )
     if not kv:
         return f"{front} (repeat {row.get('repeat')}): no KV events consumed; decode reset reflected: {reset}"

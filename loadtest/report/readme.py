@@ -121,5 +121,6 @@ def multiturn_section(rows: Sequence[Row], results_dir: Path | None, replicas: S
     if replicas:
         head = "### multiturn, router replicas sharing the engines' KV events"
         out += ["## multiturn", ""] if not rows else []
-        out += [head, "", *multiturn_replicas.section(replicas), ""]
+        rate = None if results_dir is None else results_dir / "kv-events-rate.json"
+        out += [head, "", *multiturn_replicas.section(replicas, rate), ""]
     return out

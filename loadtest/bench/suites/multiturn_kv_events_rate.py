@@ -7,9 +7,10 @@ BlockRemoved of as many older ones, as a busy engine's step stores and evicts), 
 does; this process runs the router's own `KvEventSubscriber` on an asyncio loop and, after the publisher is done
 and the socket drained, reads its counters: messages and events consumed, seq gaps (a subscriber that falls behind
 overflows ZMQ's queues: the lost messages show as gaps), each batch's lag from its stamp, and this process's CPU
-seconds per 1000 messages. One line of JSON per rate.
+seconds per 1000 messages. One line of JSON per rate, and all of them in bench/results/kv-events-rate.json
+(bench/README.md's multi-turn replicas part shows them).
 
-    .venv/bin/python -m loadtest.bench.suites.multiturn_kv_events_rate --rates 1000,5000,20000 --seconds 3
+    .venv/bin/python -m loadtest.bench.suites.multiturn_kv_events_rate --rates 500,2000,5000,10000 --seconds 3
 """
 
 from __future__ import annotations
@@ -17,15 +18,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import datetime as dt
 import json
 import multiprocessing
+import os
 import resource
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import zmq
 
+from loadtest.job import REPO
+from loadtest.results import git_commit
 from router.kv_events.endpoints import Endpoint
 from router.kv_events.index import KvIndex
 from router.kv_events.subscriber import KvEventSubscriber
@@ -121,9 +127,17 @@ def main() -> None:
     parser.add_argument("--rates", default="1000,5000,20000", help="messages per second, comma-separated")
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--blocks", type=int, default=8, help="blocks stored (and as many evicted) per message")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "kv-events-rate.json")
     args = parser.parse_args()
+    rows = []
     for rate in (float(r) for r in args.rates.split(",")):
-        print(json.dumps(asyncio.run(_consume(free_port(), rate, args.seconds, args.blocks))), flush=True)
+        rows.append(asyncio.run(_consume(free_port(), rate, args.seconds, args.blocks)))
+        print(json.dumps(rows[-1]), flush=True)
+    run_id = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    record = {"run_id": run_id, "git_commit": git_commit(REPO), "loadavg": os.getloadavg()[0], "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    print(f"-> {args.out} (run {run_id})")
 
 
 if __name__ == "__main__":

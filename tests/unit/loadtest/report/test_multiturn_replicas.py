@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from loadtest.report import multiturn_replicas as report
@@ -65,3 +67,12 @@ def test_the_subsection_follows_the_multiturn_table_and_stands_alone_too() -> No
     assert multiturn_section([], None, []) == []
     both = multiturn_section([row("kvpush", 0, 0.8, 1.0)], None, replicas)
     assert both.count("## multiturn") == 1 and any(line.startswith("### multiturn, router") for line in both)
+
+
+def test_the_subscribers_capacity_is_shown_when_measured(tmp_path: Path) -> None:
+    assert report.capacity(tmp_path / "kv-events-rate.json") == [] and report.capacity(None) == []
+    rate = {"rate_asked": 5000.0, "events_per_s": 9999.7, "blocks_per_s": 40000.0, "gaps": 0, "lag_ms_mean": 8.1}
+    data = {"run_id": "R2", "loadavg": 4.7, "rows": [{**rate, "blocks_per_message": 8, "lag_ms_max": 31.4}]}
+    (tmp_path / "kv-events-rate.json").write_text(json.dumps(data), encoding="utf-8")
+    lines = report.capacity(tmp_path / "kv-events-rate.json")
+    assert "run R2" in lines[1] and lines[-1].startswith("| 5000 | 9999.7 | 40000.0 | 0 | 8.1 / 31.4 |")
