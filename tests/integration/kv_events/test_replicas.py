@@ -13,6 +13,9 @@ other's requests: what they share is what the engines say they hold.
 (c) The subscriber itself, in this process, against the decode engine: a prompt's blocks appear block by block
     with the prompt's own token ids, so `held_prefix` finds the whole prompt there, counted for the request's
     X-Session-ID (vLLM tags each stored block with it).
+(d) Last, as it restarts the decode engine: its exit empties both replicas' views of it (the publisher's
+    connection dropped), and once it is back the conversation it held is pushed, not bypassed, on either replica.
+    (How soon the views empty is a figure of the multiturn suite's replicas run, not asserted here.)
 
 Every wait is on state (the engines' counters, the routers' /metrics), never on time.
 """
@@ -54,6 +57,8 @@ class Bed:
     decode: Engine
     replicas: tuple[str, str]  # the two routers' base URLs
     block: int  # the engines' KV block size
+    fleet: Fleet  # to start the decode again (d)
+    env: dict[str, str]
 
 
 def _block_size(url: str) -> int:
@@ -97,7 +102,7 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
             router = fleet.start(Router(spec, log_dir=LOGS))
             router.wait_healthy(60.0)
             urls.append(router.url)
-        yield Bed(engines.prefills[0], engines.decode, (urls[0], urls[1]), block)
+        yield Bed(engines.prefills[0], engines.decode, (urls[0], urls[1]), block, fleet, env)
 
 
 def _caught_up(router: str, worker: str) -> bool:
@@ -232,3 +237,38 @@ async def test_a_prompts_blocks_appear_with_its_token_ids(bed: Bed) -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         subscriber.close()
+
+
+def _views_dropped(router: str, worker: str) -> bool:
+    return _held(router, worker) == 0
+
+
+def test_a_restarted_decode_is_dropped_from_both_views_and_its_conversation_is_pushed(bed: Bed) -> None:
+    a, b = bed.replicas
+    session = f"kvr-{uuid.uuid4().hex}"
+    history = [{"role": "user", "content": prompt_text(50)}]
+    first = _turn(bed, a, history, session)
+    _decode_holds(bed, first.prompt_tokens)
+    bed.decode.stop()
+    for router in bed.replicas:
+        wait_for(partial(_views_dropped, router, bed.decode.url), partial(_debug, router))
+    restarts = [metric(r, "kvpush_kv_events_sequence_total", kind="restarts") for r in bed.replicas]
+    assert all(n >= 1 for n in restarts), restarts
+    bed.decode = bed.fleet.start(Engine(bed.decode.engine_spec, log_dir=LOGS, base_env=bed.env))
+    bed.decode.wait_healthy(STARTUP_TIMEOUT)
+    for router in bed.replicas:
+        wait_for(partial(_healthy, router, bed.decode.url), f"{router} sees the decode back")
+    bypassed = [metric(r, "kvpush_decisions_total", route="bypass") for r in bed.replicas]
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Short follow-up?"}]
+    second = _turn(bed, b, history, session)
+    assert second.moved["external_kv_transfer"] > 0 and second.moved["local_cache_hit"] == 0, second.moved
+    history += [{"role": "assistant", "content": second.text}, {"role": "user", "content": "And then?"}]
+    _decode_holds(bed, second.prompt_tokens)
+    third = _turn(bed, a, history, session)  # a served turn 1 on the engine before its restart
+    assert third.moved["external_kv_transfer"] == 0, third.moved  # bypassed on what the new engine holds
+    assert third.moved["local_cache_hit"] >= (second.prompt_tokens // bed.block) * bed.block, third.moved
+    assert [metric(r, "kvpush_decisions_total", route="bypass") for r in bed.replicas] == [bypassed[0] + 1, bypassed[1]]
+
+
+def _healthy(router: str, worker: str) -> bool:
+    return metric(router, "kvpush_worker_healthy", worker=worker) == 1
