@@ -43,7 +43,14 @@ def section(rows: Sequence[Row], rate: Path | None = None) -> list[str]:
         "",
     ]
     body = [line for line in multiturn.section(rows, None) if not line.startswith("\nTTFT p50")]
-    return [*head, *body, "", *targets(rows), *capacity(rate)]
+    return [*head, *body, "", *targets(rows), *capacity(rate), "", reproduce(rows[0].get("plan") or {})]
+
+
+def reproduce(plan: Mapping[str, Any]) -> str:
+    """The command that runs this plan again (the fields a replicas run usually sets)."""
+    keys = ("replicas", "sessions", "session_rate", "turns_min", "turns_max", "repeats", "warmup_sessions", "connector")
+    sets = " ".join(f"--set {k}={plan[k]}" for k in keys if k in plan)
+    return f"Reproduce: `flock /tmp/kvpush-vllm.lock kvpush bench --suite multiturn {sets}`."
 
 
 def capacity(path: Path | None) -> list[str]:

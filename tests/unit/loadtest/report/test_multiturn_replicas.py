@@ -76,3 +76,12 @@ def test_the_subscribers_capacity_is_shown_when_measured(tmp_path: Path) -> None
     (tmp_path / "kv-events-rate.json").write_text(json.dumps(data), encoding="utf-8")
     lines = report.capacity(tmp_path / "kv-events-rate.json")
     assert "run R2" in lines[1] and lines[-1].startswith("| 5000 | 9999.7 | 40000.0 | 0 | 8.1 / 31.4 |")
+
+
+def test_the_subsection_says_how_to_run_it_again() -> None:
+    plan = {"replicas": 2, "sessions": 8, "session_rate": 0.4, "repeats": 2, "seed": 11}
+    lines = report.section([{**row(report.EVENTS, 0, 0.9, 2.0), "plan": plan}])
+    assert lines[-1] == (
+        "Reproduce: `flock /tmp/kvpush-vllm.lock kvpush bench --suite multiturn --set replicas=2 --set sessions=8"
+        " --set session_rate=0.4 --set repeats=2`."
+    )
