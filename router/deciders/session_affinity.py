@@ -336,14 +336,19 @@ class SessionAffinity:
         return {worker: tokens.get(worker, 0) for worker in up}
 
     def _reconcile(self, learned: Match, chain: Chain, truth: Mapping[str, int]) -> Match:
-        """`learned` as the worker's KV events judge it: kept when the engine holds at least its whole blocks,
-        else what the engine holds, placed in the prompt by the learned ratio (at most the whole prompt; the
+        """`learned` as the worker's KV events judge it: kept when the engine holds at least its whole blocks (a
+        chat prompt's held prefix moved further on when the engine holds a block or more beyond it), else what
+        the engine holds, placed in the prompt by the learned ratio (at most the whole prompt; the
         tokens are the engine's, which a next turn extending the session finds whole)."""
         held = truth.get(learned.worker)
         if held is None:
             return learned
         bt = self.options.block_tokens
         if learned.tokens > 0 and held >= (learned.reusable // bt) * bt:
+            if held >= learned.reusable + bt and chain.endpoint is Endpoint.CHAT and chain.links:
+                # the engine holds more than this replica saw (another replica served the turns since)
+                placed = self._at_message(learned.worker, chain, held)
+                return placed if placed.chars > learned.chars else learned
             return learned
         if held <= 0:
             return Match(learned.worker, 0, 0, 0, 0)

@@ -150,3 +150,19 @@ def test_another_replicas_turns_are_placed_at_a_message_boundary_so_the_suffix_i
     decision = d.decide(chat(*history, SHORT), DECODES, PREFILLS, 2.0)
     assert (decision.route, decision.decode, decision.predicted_cached_tokens) == (Route.BYPASS, "d2", 768)
     assert decision.state.predicted_uncached < 2 * BLOCK  # the new message's ~10 tokens and half a block
+
+
+def test_a_replica_that_served_an_earlier_turn_follows_the_engine_past_what_it_saw() -> None:
+    """Turns alternate replicas: this one served turn 1, another served turn 2, and turn 3 comes back here. Its
+    own index ends at turn 1's answer; the engine holds turn 2 as well, so the suffix is turn 3's message alone."""
+    engines = Engines()
+    d = decider(engines)
+    first = chat(QUESTION)
+    served(d, first, d.decide(first, DECODES, PREFILLS, 1.0), "d1", 80)
+    turn2 = [{"role": "user", "content": "word " * 40}, {"role": "assistant", "content": "more " * 800}]
+    engines.store("d1", 1 + (80 + 97 + 50 + 1000) // BLOCK, "s")  # turns 1 and 2, as the engine computed them
+    engines.up.add("d2")
+    third = chat(QUESTION, {"role": "assistant", "content": ANSWER}, *turn2, SHORT)
+    decision = d.decide(third, DECODES, PREFILLS, 2.0)
+    assert (decision.route, decision.decode) == (Route.BYPASS, "d1")
+    assert decision.state.predicted_uncached < 2 * BLOCK
