@@ -30,8 +30,9 @@ REFLECT_TARGET_S = 1.0
 Row = Mapping[str, Any]
 
 
-def section(rows: Sequence[Row], rate: Path | None = None) -> list[str]:
-    """The subsection's lines (after its heading); nothing without rows. `rate`: kv-events-rate.json."""
+def section(rows: Sequence[Row], rate: Path | None = None, overhead: Sequence[Row] = ()) -> list[str]:
+    """The subsection's lines (after its heading); nothing without rows. `rate`: kv-events-rate.json;
+    `overhead`: the latest overhead-events run's rows."""
     if not rows:
         return []
     replicas = max(int(r.get("replicas") or 1) for r in rows)
@@ -43,7 +44,37 @@ def section(rows: Sequence[Row], rate: Path | None = None) -> list[str]:
         "",
     ]
     body = [line for line in multiturn.section(rows, None) if not line.startswith("\nTTFT p50")]
-    return [*head, *body, "", *targets(rows), *capacity(rate), "", reproduce(rows[0].get("plan") or {})]
+    more = [*capacity(rate), *overhead_cpu(overhead)]
+    return [*head, *body, "", *targets(rows), *more, "", reproduce(rows[0].get("plan") or {})]
+
+
+def overhead_cpu(rows: Sequence[Row]) -> list[str]:
+    """The overhead suite's kvpush push router with KV events on over off: CPU per request, paired by repeat at
+    each concurrency, the median ratio judged against the target; nothing without such a run."""
+    cpu: dict[tuple[int, int], dict[str, float]] = {}
+    for r in rows:
+        if r.get("router") == "kvpush" and r.get("mode") == "push" and r.get("cpu_s_per_1k") is not None:
+            key = (int(r.get("concurrency") or 0), int(r.get("repeat") or 0))
+            cpu.setdefault(key, {})[str(r.get("kv_events") or "off")] = float(r["cpu_s_per_1k"])
+    per: dict[int, list[float]] = {}
+    for (conc, _), pair in sorted(cpu.items()):
+        if pair.get("off") and "on" in pair:
+            per.setdefault(conc, []).append(pair["on"] / pair["off"])
+    if not per:
+        return []
+    out = [
+        "",
+        f"Router CPU per request, KV events on / off, overhead suite on zero-cost simulated workers (run"
+        f" {rows[0].get('run_id')}; they publish nothing: the events' fixed cost on a request, not their"
+        " consumption; target <= 1.1):",
+        "",
+    ]
+    for conc, ratios in per.items():
+        ratio = statistics.median(ratios)
+        each = ", ".join(f"{x:.2f}" for x in ratios)
+        verdict = "met" if ratio <= CPU_TARGET else "not met"
+        out.append(f"- concurrency {conc}: {ratio:.2f} (per repeat: {each}; {verdict})")
+    return out
 
 
 def reproduce(plan: Mapping[str, Any]) -> str:

@@ -85,3 +85,18 @@ def test_the_subsection_says_how_to_run_it_again() -> None:
         "Reproduce: `flock /tmp/kvpush-vllm.lock kvpush bench --suite multiturn --set replicas=2 --set sessions=8"
         " --set session_rate=0.4 --set repeats=2`."
     )
+
+
+def over(events: str, conc: int, repeat: int, cpu: float) -> dict[str, Any]:
+    return {"router": "kvpush", "mode": "push", "run_id": "O1", "kv_events": events, "concurrency": conc} | {
+        "repeat": repeat,
+        "cpu_s_per_1k": cpu,
+    }
+
+
+def test_the_overhead_suites_events_on_off_cpu_is_paired_by_repeat() -> None:
+    rows = [over("off", 64, 0, 1.0), over("on", 64, 0, 1.04), over("off", 64, 1, 1.0), over("on", 64, 1, 1.2)]
+    rows.append({"router": "kvpush", "mode": "pull", "concurrency": 64, "repeat": 0, "cpu_s_per_1k": 9.0})
+    lines = report.overhead_cpu(rows)
+    assert "run O1" in lines[1] and lines[-1] == "- concurrency 64: 1.12 (per repeat: 1.04, 1.20; not met)"
+    assert report.overhead_cpu([over("off", 1, 0, 1.0)]) == []
