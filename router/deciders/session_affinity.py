@@ -347,7 +347,7 @@ class SessionAffinity:
         if learned.tokens > 0 and held >= (learned.reusable // bt) * bt:
             if held >= learned.reusable + bt and chain.endpoint is Endpoint.CHAT and chain.links:
                 # the engine holds more than this replica saw (another replica served the turns since)
-                placed = self._at_message(learned.worker, chain, held)
+                placed = self._at_message(learned.worker, chain, held, anchor=learned)
                 return placed if placed.chars > learned.chars else learned
             return learned
         if held <= 0:
@@ -357,20 +357,32 @@ class SessionAffinity:
         chars = min(chain.chars, round(held / self.ratio.value)) if chain.links else 0
         return Match(learned.worker, 0, chars, held, held)
 
-    def _at_message(self, worker: str, chain: Chain, held: int) -> Match:
+    def _at_message(self, worker: str, chain: Chain, held: int, anchor: Match | None = None) -> Match:
         """A chat prompt whose engine holds `held` tokens (whole blocks) of the session that this replica has no
         count of (another replica served the turns before): a session's blocks are its earlier prompts and
         answers, so the held prefix ends at a message boundary before the new last message, the last one whose
-        estimated tokens are within `PLACE_SLACK` of `held` plus a block; past it the engine computed about half a
-        block more than its whole blocks. The suffix is then predicted from that boundary on, as for a learned
-        match, rather than as the whole prompt's estimate less `held`, whose error (a few percent of a long
-        prompt) can exceed a short suffix. No boundary that near (blocks evicted): placed by the ratio."""
+        estimated tokens are within `PLACE_SLACK` of `held` plus a block. Past `held` the engine computed the
+        tokens up to that boundary that fill no whole block: estimated as the boundary's tokens less `held`
+        (0 to a block), the boundary's tokens counted from `anchor` (this replica's own match, exact up to its
+        end) where there is one. The suffix is then predicted from the boundary on, as for a learned match,
+        rather than as the whole prompt's estimate less `held`, whose error (a few percent of a long prompt) can
+        exceed a short suffix. No boundary that near (blocks evicted): placed by the ratio."""
         bt = self.options.block_tokens
         reach = (held + bt) * (1 + PLACE_SLACK)
-        fits = [link for link in chain.links[:-1] or chain.links if self.ratio.tokens(link.chars) <= reach]
+        fits = [link for link in chain.links[:-1] or chain.links if self._tokens_at(link.chars, anchor) <= reach]
         if not fits:
             return Match(worker, 0, min(chain.chars, round(held / self.ratio.value)), held, held)
-        return Match(worker, 0, fits[-1].chars, held + bt // 2, held)
+        at = fits[-1].chars
+        rest = min(bt - 1, max(0, self._tokens_at(at, anchor) - held))
+        return Match(worker, 0, at, held + rest, held)
+
+    def _tokens_at(self, chars: int, anchor: Match | None) -> int:
+        """The prompt's tokens up to `chars`: from the anchor's exact count on when it ends before, else the
+        ratio's estimate of the whole."""
+        if anchor is None or anchor.tokens <= 0 or anchor.chars > chars:
+            return self.ratio.tokens(chars)
+        ratio = self.suffix_ratio if self.suffix_ratio.samples else self.ratio
+        return anchor.tokens + ratio.tokens(chars - anchor.chars)
 
     def _uncached(self, chain: Chain, held: Match | None) -> int:
         if held is None:

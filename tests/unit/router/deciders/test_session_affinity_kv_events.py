@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from router.decider import Decision, Outcome, Route, Turn
+from router.deciders.conversation import conversation_key
 from router.deciders.session_affinity import AffinityOptions, SessionAffinity, prompt_token_ids
 from router.domain import Endpoint, Mode, RequestInfo, WorkerView
 from router.kv_events.frames import Cleared, Removed, Stored
@@ -166,3 +167,23 @@ def test_a_replica_that_served_an_earlier_turn_follows_the_engine_past_what_it_s
     decision = d.decide(third, DECODES, PREFILLS, 2.0)
     assert (decision.route, decision.decode) == (Route.BYPASS, "d1")
     assert decision.state.predicted_uncached < 2 * BLOCK
+
+
+def test_the_part_block_past_the_held_blocks_is_counted_from_this_replicas_own_match() -> None:
+    """CPU engines use 128-token blocks: guessing half a block past the held ones would be off by up to 64 tokens
+    of a suffix of ~20. The replica counts the boundary's tokens from its own exact match (turn 1's prompt and
+    answer) plus the estimate of turn 2, and adds what of that fills no whole block."""
+    engines = Engines()
+    d = SessionAffinity(AffinityOptions(block_tokens=128), engines.view)
+    first = chat(QUESTION)
+    served(d, first, d.decide(first, DECODES, PREFILLS, 1.0), "d1", 80)  # 80 prompt + 97 answer tokens
+    turn2 = [{"role": "user", "content": "word " * 40}, {"role": "assistant", "content": "more " * 140}]
+    third = chat(QUESTION, {"role": "assistant", "content": ANSWER}, *turn2, SHORT)
+    links = conversation_key(Endpoint.CHAT, third.body, third.headers, 256).chain.links
+    boundary = 80 + 97 + d.ratio.tokens(links[-2].chars - links[2].chars)  # links[2]: turn 1's answer
+    engines.store("d1", (boundary // 128) * 8, "s")  # whole 128-token blocks, stored as 16-token ones
+    engines.up.add("d2")
+    decision = d.decide(third, DECODES, PREFILLS, 2.0)
+    assert (decision.route, decision.decode) == (Route.BYPASS, "d1")
+    suffix = d.ratio.tokens(links[-1].chars - links[-2].chars)
+    assert decision.state.predicted_uncached == suffix + boundary % 128
