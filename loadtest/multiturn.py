@@ -5,6 +5,10 @@ A session starts at a Poisson arrival time, then runs its turns one after the ot
 message (even turns read like a user reply, odd ones like a pasted tool result; both go as role "user", which any
 chat template accepts) to the history, streams the answer greedily at a fixed length, appends the answer exactly
 as received, and waits its think time before the next turn. Every turn carries the session's `X-Session-ID`.
+
+Against several targets (router replicas in front of the same engines) every turn goes to another replica than
+the turn before: turn n of the i-th session to replica (i + n - 1) mod k (`turn_target`), so no replica sees two
+turns of a conversation in a row and each starts its share of the conversations.
 """
 
 from __future__ import annotations
@@ -159,21 +163,31 @@ class Target:
     timeout_s: float = 300.0
 
 
+def turn_target(targets: Sequence[Target], session_index: int, turn: int) -> Target:
+    """Where turn `turn` (1-based) of the `session_index`-th session goes: the next replica each turn."""
+    return targets[(session_index + turn - 1) % len(targets)]
+
+
 async def run_sessions(
-    target: Target, sessions: Sequence[Session], clock: Clock = time.monotonic
+    target: Target | Sequence[Target], sessions: Sequence[Session], clock: Clock = time.monotonic
 ) -> tuple[list[TurnRecord], float]:
-    """Every session on its own schedule; returns the turn records (session, then turn order) and the duration."""
-    url = target.base_url.rstrip("/") + "/v1/chat/completions"
+    """Every session on its own schedule, each turn on `turn_target` of the targets (one target: all of them);
+    returns the turn records (session, then turn order) and the duration."""
+    targets = (target,) if isinstance(target, Target) else tuple(target)
+    if not targets:
+        raise ValueError("run_sessions: no target")
     limits = httpx.Limits(max_connections=max(64, len(sessions)), max_keepalive_connections=max(64, len(sessions)))
     t0 = clock()
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(target.timeout_s, connect=10.0)) as client:
-        done = await asyncio.gather(*(_session(client, url, target, s, t0, clock) for s in sessions))
+    timeout = httpx.Timeout(max(t.timeout_s for t in targets), connect=10.0)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        done = await asyncio.gather(*(_session(client, targets, i, s, t0, clock) for i, s in enumerate(sessions)))
     return [r for turns in done for r in turns], clock() - t0
 
 
 async def _session(
-    client: httpx.AsyncClient, url: str, target: Target, session: Session, t0: float, clock: Clock
+    client: httpx.AsyncClient, targets: Sequence[Target], index: int, session: Session, t0: float, clock: Clock
 ) -> list[TurnRecord]:
+    target = targets[0]  # the history's text is the same on every target (one model, one words_per_token)
     await asyncio.sleep(max(0.0, t0 + session.start_s - clock()))
     messages: list[dict[str, str]] = []
     if session.system_tokens:
@@ -193,10 +207,12 @@ async def _session(
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        where = turn_target(targets, index, n)
+        url = where.base_url.rstrip("/") + "/v1/chat/completions"
         rec = RequestRecord(index=len(out), request_id=f"{session.id}-t{n}", sent=clock() - t0)
         headers = {SESSION_HEADER: session.id, "x-request-id": rec.request_id}
         rec, answer, cached = await send_turn(
-            client, url, body, headers, rec, clock, target.timeout_s, spec.answer_tokens
+            client, url, body, headers, rec, clock, where.timeout_s, spec.answer_tokens
         )
         out.append(TurnRecord(session.id, n, rec, cached, answer))
         if not rec.ok:

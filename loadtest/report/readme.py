@@ -5,7 +5,7 @@ import platform
 from collections.abc import Sequence
 from pathlib import Path
 
-from loadtest.report import cpu, link, multiturn, overhead, samepair, seed
+from loadtest.report import cpu, link, multiturn, multiturn_replicas, overhead, samepair, seed
 from loadtest.results import Row, latest, latest_tracing, latest_what_if
 
 
@@ -70,7 +70,12 @@ def render(rows: Sequence[Row], results_dir: Path | None = None) -> str:
         "",
         *overhead.overhead_section(over, results_dir, latest_tracing(rows)),
         "",
-        *multiturn_section(latest(rows, "multiturn"), results_dir),
+        *multiturn_section(
+            latest(rows, "multiturn"),
+            results_dir,
+            latest(rows, "multiturn-replicas"),
+            latest(rows, "overhead-events"),
+        ),
         *link_section(rows, results_dir),
         *REPRODUCE,
     ]
@@ -114,6 +119,15 @@ def link_section(rows: Sequence[Row], results_dir: Path | None) -> list[str]:
     return [*head, *body, "", *plots, ""]
 
 
-def multiturn_section(rows: Sequence[Row], results_dir: Path | None) -> list[str]:
-    """The multiturn suite's part, given its latest run's rows; nothing before its first run."""
-    return ["## multiturn", "", *multiturn.section(rows, results_dir), ""] if rows else []
+def multiturn_section(
+    rows: Sequence[Row], results_dir: Path | None, replicas: Sequence[Row] = (), events_cpu: Sequence[Row] = ()
+) -> list[str]:
+    """The multiturn suite's part, given its latest run's rows, then its latest run with router replicas (issue
+    24); nothing before its first run."""
+    out = ["## multiturn", "", *multiturn.section(rows, results_dir), ""] if rows else []
+    if replicas:
+        head = "### multiturn, router replicas sharing the engines' KV events"
+        out += ["## multiturn", ""] if not rows else []
+        rate = None if results_dir is None else results_dir / "kv-events-rate.json"
+        out += [head, "", *multiturn_replicas.section(replicas, rate, events_cpu), ""]
+    return out

@@ -13,7 +13,8 @@
   session id; vLLM tags each stored block with it), or, for a prompt sent as token ids, the longest prefix of
   those ids it holds. A learned match the events confirm is kept (it knows where in the prompt it ends); one
   they contradict (evicted, restarted, or never routed here by this replica) is replaced by what the events say,
-  its position in the prompt estimated with the learned tokens-per-character ratio. Workers without a caught-up
+  its position in the prompt placed at the message boundary its tokens reach (chat: `_at_message`) or estimated
+  with the learned tokens-per-character ratio. Workers without a caught-up
   view, and prompts with neither a session nor token ids, keep the request-learned index (router/README.md,
   "KV events": why no tokenizer).
 - An answer is credited at first by `reusable_answer_tokens` (no tokenizer here). With `verify_answers` (the
@@ -34,12 +35,13 @@ from router import values
 from router.decider import AnswerCheck, DeciderStats, Decision, Outcome, Route, Turn
 from router.deciders.conversation import Chain, ConversationKey, Link, conversation_key
 from router.deciders.prefix_index import Match, PrefixIndex, SessionTable, TokenRatio, prorated, reusable_answer_tokens
-from router.domain import WorkerView
+from router.domain import Endpoint, WorkerView
 from router.errors import ConfigError
 from router.kv_events.view import KvEventView
 
 logger = logging.getLogger("kvpush.decider")
 ACCURATE = 0.2  # a bypass prediction is "accurate" when uncached tokens are within 20 % of the actual
+PLACE_SLACK = 0.25  # how far the tokens-per-character estimate of a held chat prefix may be off (_at_message)
 MISS_WINDOW, MISS_LIMIT = 16, 4  # this many of the last checked bypasses holding under half the predicted cache:
 # the answers the router relays are not what the engines cache (e.g. reasoning the relay does not show), so
 # generated text stops being credited
@@ -334,19 +336,53 @@ class SessionAffinity:
         return {worker: tokens.get(worker, 0) for worker in up}
 
     def _reconcile(self, learned: Match, chain: Chain, truth: Mapping[str, int]) -> Match:
-        """`learned` as the worker's KV events judge it: kept when the engine holds at least its whole blocks,
-        else what the engine holds, placed in the prompt by the learned ratio (at most the whole prompt; the
+        """`learned` as the worker's KV events judge it: kept when the engine holds at least its whole blocks (a
+        chat prompt's held prefix moved further on when the engine holds a block or more beyond it), else what
+        the engine holds, placed in the prompt by the learned ratio (at most the whole prompt; the
         tokens are the engine's, which a next turn extending the session finds whole)."""
         held = truth.get(learned.worker)
         if held is None:
             return learned
         bt = self.options.block_tokens
         if learned.tokens > 0 and held >= (learned.reusable // bt) * bt:
+            if held >= learned.reusable + bt and chain.endpoint is Endpoint.CHAT and chain.links:
+                # the engine holds more than this replica saw (another replica served the turns since)
+                placed = self._at_message(learned.worker, chain, held, anchor=learned)
+                return placed if placed.chars > learned.chars else learned
             return learned
         if held <= 0:
             return Match(learned.worker, 0, 0, 0, 0)
+        if chain.endpoint is Endpoint.CHAT and chain.links:
+            return self._at_message(learned.worker, chain, held)
         chars = min(chain.chars, round(held / self.ratio.value)) if chain.links else 0
         return Match(learned.worker, 0, chars, held, held)
+
+    def _at_message(self, worker: str, chain: Chain, held: int, anchor: Match | None = None) -> Match:
+        """A chat prompt whose engine holds `held` tokens (whole blocks) of the session that this replica has no
+        count of (another replica served the turns before): a session's blocks are its earlier prompts and
+        answers, so the held prefix ends at a message boundary before the new last message, the last one whose
+        estimated tokens are within `PLACE_SLACK` of `held` plus a block. Past `held` the engine computed the
+        tokens up to that boundary that fill no whole block: estimated as the boundary's tokens less `held`
+        (0 to a block), the boundary's tokens counted from `anchor` (this replica's own match, exact up to its
+        end) where there is one. The suffix is then predicted from the boundary on, as for a learned match,
+        rather than as the whole prompt's estimate less `held`, whose error (a few percent of a long prompt) can
+        exceed a short suffix. No boundary that near (blocks evicted): placed by the ratio."""
+        bt = self.options.block_tokens
+        reach = (held + bt) * (1 + PLACE_SLACK)
+        fits = [link for link in chain.links[:-1] or chain.links if self._tokens_at(link.chars, anchor) <= reach]
+        if not fits:
+            return Match(worker, 0, min(chain.chars, round(held / self.ratio.value)), held, held)
+        at = fits[-1].chars
+        rest = min(bt - 1, max(0, self._tokens_at(at, anchor) - held))
+        return Match(worker, 0, at, held + rest, held)
+
+    def _tokens_at(self, chars: int, anchor: Match | None) -> int:
+        """The prompt's tokens up to `chars`: from the anchor's exact count on when it ends before, else the
+        ratio's estimate of the whole."""
+        if anchor is None or anchor.tokens <= 0 or anchor.chars > chars:
+            return self.ratio.tokens(chars)
+        ratio = self.suffix_ratio if self.suffix_ratio.samples else self.ratio
+        return anchor.tokens + ratio.tokens(chars - anchor.chars)
 
     def _uncached(self, chain: Chain, held: Match | None) -> int:
         if held is None:

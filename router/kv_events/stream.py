@@ -3,11 +3,14 @@
 `Stream` reads the raw multipart messages the subscriber received, runs them through the stream's
 `SequenceTracker` and carries out what it decides on the index (`Apply`, `Reset`); what needs sockets
 (`RequestReplay`, `EndReplay`) it hands back. A frame that cannot be read is counted (`FrameCounters`) and
-skipped; when its seq is known the tracker treats it as a hole. Nothing here raises past the caller.
+skipped; when its seq is known the tracker treats it as a hole. Nothing here raises past the caller. Each live
+batch's lag (the engine's stamp, its wall clock when the scheduler step made the batch, to the moment it is read
+here, which is when an in-sync stream applies it) is counted: mean, max and how many came later than `LATE_S`.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,6 +38,7 @@ from router.kv_events.sequence import (
 )
 
 IoOp = RequestReplay | EndReplay
+LATE_S = 1.0  # issue 24: what an engine stores, evicts or clears is in every replica's view within 1 s
 
 
 @dataclass
@@ -47,7 +51,20 @@ class FrameCounters:
     unknown_events: int = 0  # events of a type we do not know, skipped
     rank_mismatch: int = 0  # batches whose data_parallel_rank is not their endpoint's
     disconnects: int = 0  # publisher connections dropped (the stream started over)
+    events: int = 0  # events in the batches applied
+    timed: int = 0  # live batches whose lag was taken: the engine's stamp (`ts`, its wall clock) to received here
+    lag_us_total: int = 0  # their lags summed, in microseconds (mean: / timed)
+    lag_us_max: int = 0
+    late: int = 0  # live batches received more than LATE_S after the engine stamped them
     layouts: dict[str, int] = field(default_factory=dict)
+
+    def took(self, lag_s: float) -> None:
+        """A live batch arrived `lag_s` after its engine stamped it (clamped at 0: the two clocks may differ)."""
+        lag_us = max(0, round(lag_s * 1e6))
+        self.timed += 1
+        self.lag_us_total += lag_us
+        self.lag_us_max = max(self.lag_us_max, lag_us)
+        self.late += lag_s > LATE_S
 
 
 @dataclass(frozen=True)
@@ -82,8 +99,10 @@ class Stream:
         limits: StreamLimits,
         frames: FrameCounters,
         sequence: SeqCounters,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self.endpoint = endpoint
+        self._wall = wall  # the clock vLLM stamps its batches with (time.time), for their lag
         self.index = index
         self.tracker: SequenceTracker[Batch] = SequenceTracker(
             clock, endpoint.replay is not None, limits.replay_timeout_s, limits.max_held, sequence
@@ -100,6 +119,8 @@ class Stream:
         except FrameError as error:
             self._count(error.kind)
             return []
+        if message.batch is not None:
+            self.frames.took(self._wall() - message.batch.ts)
         return self._run(self.tracker.published(message.seq, self._batch(message)))
 
     def replayed(self, parts: list[bytes]) -> list[IoOp]:
@@ -146,6 +167,7 @@ class Stream:
 
     def _apply(self, batch: Batch) -> None:
         self.frames.batches += 1
+        self.frames.events += len(batch.events)
         self.frames.unknown_events += batch.unknown
         layout: Layout = batch.layout
         self.frames.layouts[layout.value] = self.frames.layouts.get(layout.value, 0) + 1

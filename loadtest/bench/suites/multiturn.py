@@ -18,6 +18,10 @@ share of an ideal router's reusable tokens that were local cache hits on decode,
 first front's (greedy: all must) and, for a kvpush front, the decider's bypass predictions within 20 % of the
 actual uncached tokens (its router's kvpush_bypass_accurate / kvpush_bypass_checked counters at the end of the
 run; issue 11's target: >= 90 % of bypass decisions). A PNG of TTFT p50 by turn goes next to summary.json.
+
+With `replicas=2` (issue 24) the engines publish their KV events and the fronts are the decider's with events on
+(one router), with events on behind two router replicas that take a conversation's turns in turn, and with events
+off (loadtest/bench/suites/multiturn_replicas.py); those rows are suite "multiturn-replicas".
 """
 
 from __future__ import annotations
@@ -34,12 +38,13 @@ import httpx
 from loadtest import multiturn, promtext
 from loadtest.bench.point import kv_sources, scrape
 from loadtest.bench.procs import url, vllm_lock, vrouter_binary
+from loadtest.bench.suites import multiturn_replicas as replicas_mod
 from loadtest.job import REPO
 from loadtest.records import write_jsonl
 from loadtest.report import multiturn as report_multiturn
 from loadtest.results import RowLabels, append_rows, build_row, git_commit
 from loadtest.stats import summarize
-from stack.engines import Engine, Fleet
+from stack.engines import KV_EVENT_OFFSETS, Engine, Fleet
 from stack.family import PdFamily, pd_family, start_family
 from stack.link.calibrate import calibrate
 from stack.link.fabric import Link
@@ -78,17 +83,27 @@ class MultiTurnPlan:
     warmup_sessions: int = 4  # short 2-turn sessions through every front first (P-D handshakes, first shapes)
     link: str = ""  # a stack.link preset (ethernet-25g-like, ...): engines in namespaces behind a shaped link
     link_calibrate_tokens: int = 1024  # the prompt P's prefill is timed on to resolve the preset's rate
+    replicas: int = 1  # 2-4: the KV-event fronts, one of them behind this many router replicas (docstring)
+    events_off_row: bool = True  # with replicas: the decider with events off too
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
             raise ValueError("multiturn repeats: at least 1")
         if self.link:
             preset(self.link)  # ValueError naming the known presets
+        if not 1 <= self.replicas <= 4 or (self.replicas > 1 and self.link):
+            raise ValueError("multiturn replicas: 1 to 4, and on loopback only")
 
     @property
     def suite(self) -> str:
-        """The rows' suite: "multiturn", or "multiturn-link" on a link (the loopback section stays as it is)."""
-        return "multiturn-link" if self.link else "multiturn"
+        """The rows' suite: "multiturn", "multiturn-link" on a link or "multiturn-replicas" with replicas (the
+        loopback section stays as it is)."""
+        return "multiturn-link" if self.link else "multiturn-replicas" if self.replicas > 1 else "multiturn"
+
+    @property
+    def fronts(self) -> tuple[str, ...]:
+        """The fronts in the order of even repeats; the first is the answers' reference."""
+        return replicas_mod.fronts(self.replicas, self.events_off_row) if self.replicas > 1 else FRONTS
 
     def shape(self, repeat: int = 0) -> multiturn.SessionShape:
         return multiturn.SessionShape(
@@ -136,6 +151,7 @@ def engine_family(plan: MultiTurnPlan, model: Path) -> PdFamily:
         extra_args=(DETAILS,),
         max_model_len=plan.max_model_len,
         connector_extra=extra,
+        kv_events=KV_EVENT_OFFSETS if plan.replicas > 1 else None,
     )
 
 
@@ -221,27 +237,46 @@ def decode_sources(decodes: list[Engine]) -> dict[str, float]:
     return total
 
 
+@dataclass(frozen=True)
+class _Front:
+    """A started front: its router replicas' base URLs (turns go to them in turn) and their process ids."""
+
+    name: str
+    bases: tuple[str, ...]
+    pids: tuple[int, ...] = ()
+
+    @property
+    def kvpush(self) -> bool:
+        return self.name != "vllm-router"
+
+
 def _start_front(
     front: str, plan: MultiTurnPlan, fleet: Fleet, p: Engine, decodes: list[str], logs: Path, run_dir: Path
-) -> str | None:
+) -> _Front | None:
     prefill = p.engine_spec.prefill_arg()
-    port = free_port()
     if front == "vllm-router":
         binary = vrouter_binary()
         if binary is None:
             print("multiturn: vllm-router not found (.venv-vrouter, `make bench` installs it); its row is skipped")
             return None
+        port = free_port()
         proc = fleet.start(vrouter_push_proc(plan, port, free_port(), p.url, decodes, logs, binary))
         proc.wait_healthy(timeout=120.0)
-        return url(port)
+        return _Front(front, (url(port),))
     config = None
-    if front == "kvpush-decider":
-        config = run_dir / "multiturn-decider.yaml"
+    if front != "kvpush":
+        config = run_dir / f"multiturn-{front}.yaml"
         config.parent.mkdir(parents=True, exist_ok=True)
-        config.write_text(decider_yaml(plan, block_size(p.url)), encoding="utf-8")
-    proc = fleet.start(kvpush_proc(f"router-mt-{front}", port, prefill, decodes, logs, config))
-    proc.wait_healthy(timeout=60.0)
-    return url(port)
+        events = replicas_mod.kv_events_yaml() if replicas_mod.uses_events(front) else ""
+        config.write_text(decider_yaml(plan, block_size(p.url)) + events, encoding="utf-8")
+    bases, pids = [], []
+    for i in range(replicas_mod.replicas_of(front, plan.replicas)):
+        port = free_port()
+        proc = fleet.start(kvpush_proc(f"router-mt-{front}-{i}", port, prefill, decodes, logs, config))
+        proc.wait_healthy(timeout=60.0)
+        bases.append(url(port))
+        pids += [proc.pid] if proc.pid else []
+    return _Front(front, tuple(bases), tuple(pids))
 
 
 def run(plan: MultiTurnPlan, run_dir: Path, summary: Path, progress: bool, run_id: str) -> list[dict[str, Any]]:
@@ -260,32 +295,51 @@ def run(plan: MultiTurnPlan, run_dir: Path, summary: Path, progress: bool, run_i
             link_record = cal.record()
             print(f"multiturn: on the link {link_record}")
         ratio = words_per_token(p.url)
-        bases = {f: _start_front(f, plan, fleet, p, [d.url for d in decodes], logs, run_dir) for f in FRONTS}
-        for base in bases.values():
-            if base is not None and plan.warmup_sessions:
-                asyncio.run(multiturn.run_sessions(multiturn.Target(base, "tiny", ratio, plan.timeout_s), warmup(plan)))
+        fronts = plan.fronts
+        started = {f: _start_front(f, plan, fleet, p, [d.url for d in decodes], logs, run_dir) for f in fronts}
+        for one in started.values():
+            if one is not None and plan.warmup_sessions:
+                asyncio.run(multiturn.run_sessions(_targets(one, ratio, plan), warmup(plan)))
         for repeat in range(plan.repeats):
             shape = plan.shape(repeat)
             sessions, prefix = multiturn.plan_sessions(shape), multiturn.session_prefix(shape.seed)
-            order = FRONTS if repeat % 2 == 0 else tuple(reversed(FRONTS))
+            order = fronts if repeat % 2 == 0 else tuple(reversed(fronts))
             ran: dict[str, _FrontRun] = {}
             checked: dict[str, dict[str, Any]] = {}
             for front in order:
-                base = bases[front]
-                if base is not None:
+                one = started[front]
+                if one is not None:
                     meter = NicMeter(link, p.engine_spec.name) if link is not None else None
-                    ran[front] = _run_front(front, base, plan, sessions, prefix, engines, decodes, ratio, progress)
+                    ran[front] = _run_front(one, plan, sessions, prefix, engines, decodes, ratio, progress)
                     checked[front] = dict(link_record)
                     if meter is not None:
                         kv = int(ran[front].sources.get("external_kv_transfer", 0.0)) * per_token
                         checked[front].update(meter.check(kv).record())
-            baseline = ran[FRONTS[0]].turns if FRONTS[0] in ran else []
-            for front in FRONTS:
+            baseline = ran[fronts[0]].turns if fronts[0] in ran else []
+            for front in fronts:
                 if front in ran:
                     rows.append(_row(plan, ran[front], baseline, repeat, run_id, run_dir, checked[front]))
+            if plan.replicas > 1 and repeat == plan.repeats - 1:
+                _stop_one(started.get(replicas_mod.REPLICAS), decodes[-1], rows)
     append_rows(summary, rows)
     report_multiturn.plot_ttft_by_turn(rows, summary.parent / f"{plan.suite}-ttft-by-turn.png")
     return rows
+
+
+def _stop_one(front: _Front | None, engine: Engine, rows: list[dict[str, Any]]) -> None:
+    """The run is over: stop one decode and note on the last replicas row how soon every replica's view of it
+    emptied (multiturn_replicas.stop_reflected)."""
+    if front is None:
+        return
+    found = replicas_mod.stop_reflected(engine, front.bases)
+    print(f"multiturn: {engine.engine_spec.name} stopped: {found}")
+    mine = [row for row in rows if row.get("front") == front.name]
+    if mine:
+        mine[-1]["engine_stop_reflected"] = found
+
+
+def _targets(front: _Front, ratio: float, plan: MultiTurnPlan) -> list[multiturn.Target]:
+    return [multiturn.Target(base, "tiny", ratio, plan.timeout_s) for base in front.bases]
 
 
 def warmup(plan: MultiTurnPlan) -> list[multiturn.Session]:
@@ -311,11 +365,12 @@ class _FrontRun:
     sources: dict[str, float]  # decode's prompt tokens by source during this front's run
     routes: dict[str, int] | None  # kvpush fronts: how its router served this run's turns
     accuracy: dict[str, int] | None  # the decider's bypass counters' growth during this run
+    replicas: int = 1
+    events: dict[str, Any] | None = None  # kvpush fronts: router CPU and KV-event figures (multiturn_replicas)
 
 
 def _run_front(
-    front: str,
-    base: str,
+    front: _Front,
     plan: MultiTurnPlan,
     sessions: list[multiturn.Session],
     prefix: str,  # the sessions' id prefix: their requests among the router's records
@@ -324,17 +379,42 @@ def _run_front(
     ratio: float,
     progress: bool,
 ) -> _FrontRun:
-    kvpush = front != "vllm-router"
+    kvpush = front.kvpush
     reset_caches(engines)
-    before, counted = decode_sources(decodes), scrape_bypass_accuracy(base) if kvpush else None
-    target = multiturn.Target(base, "tiny", ratio, plan.timeout_s)
-    turns, duration = asyncio.run(multiturn.run_sessions(target, sessions))
+    before, counted = decode_sources(decodes), _accuracy(front) if kvpush else None
+    read = replicas_mod.read(front.bases, front.pids) if kvpush else None
+    turns, duration = asyncio.run(multiturn.run_sessions(_targets(front, ratio, plan), sessions))
     after = decode_sources(decodes)
     if progress:
-        print(f"multiturn {front}: {sum(t.rec.ok for t in turns)}/{len(turns)} turns ok in {duration:.1f} s")
+        print(f"multiturn {front.name}: {sum(t.rec.ok for t in turns)}/{len(turns)} turns ok in {duration:.1f} s")
     sources = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(set(after) | set(before))}
-    accuracy = grown(counted, scrape_bypass_accuracy(base)) if kvpush else None
-    return _FrontRun(front, turns, duration, sources, routes(base, prefix) if kvpush else None, accuracy)
+    accuracy = grown(counted, _accuracy(front)) if kvpush else None
+    served = _summed_counts(routes(base, prefix) for base in front.bases) if kvpush else None
+    events = None
+    if read is not None:
+        done = replicas_mod.read(front.bases, front.pids)
+        events = replicas_mod.figures(read, done, duration, len(turns), len(front.bases))
+        if replicas_mod.uses_events(front.name):
+            events["reset_reflected"] = replicas_mod.reset_reflected(decodes[0].url, front.bases)
+        if progress:
+            print(f"multiturn {front.name}: {events}")
+    return _FrontRun(front.name, turns, duration, sources, served, accuracy, len(front.bases), events)
+
+
+def _accuracy(front: _Front) -> dict[str, int] | None:
+    """The bypass counters summed over the front's replicas (None when one has none)."""
+    found = [scrape_bypass_accuracy(base) for base in front.bases]
+    if any(f is None for f in found):
+        return None
+    return _summed_counts(f for f in found if f is not None)
+
+
+def _summed_counts(parts: Iterator[Mapping[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for part in parts:
+        for k, v in part.items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 def grown(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, int] | None:
@@ -402,7 +482,9 @@ def _row(
         "run_id": run_id,
         "front": front,
         "repeat": repeat,
-        "decider": "session-affinity" if front == "kvpush-decider" else None,
+        "decider": "session-affinity" if front.startswith("kvpush-decider") else None,
+        "replicas": ran.replicas,
+        "kv_events": replicas_mod.uses_events(front),
         "model": plan.model_size,
         "plan": asdict(plan),
         "decode_prompt_tokens_by_source": sources,
@@ -414,6 +496,7 @@ def _row(
         "routes": ran.routes,
         "bypass_accuracy": ran.accuracy,
         **figures,
+        **(ran.events or {}),
         **(more or {}),
     }
     labels = RowLabels(

@@ -25,6 +25,14 @@ OTLP/gRPC to a sink on the suite's own threads (loadtest/bench/otlp_sink.py: it 
 not the router's); rows record `tracing`, and the report shows a traced front as its own (`kvpush (tracing
 100 %)`) and compares its CPU per request with the untraced one's (bench/README.md, "Tracing overhead").
 
+`kv_events` (`--set kv_events=off,on`, issue 24) runs one kvpush push front per setting: `on` starts the router
+with `--kv-events` (it follows each worker's publisher on its HTTP port + 1000, with a replay socket on + 2000, and
+forwards the session id on both legs). The simulated workers publish nothing, so this prices what events cost a
+request when nothing arrives (the subscriber's sockets, its 0.1 s tick, the session header), not consuming them
+(loadtest/bench/suites/multiturn_kv_events_rate.py prices that, the multiturn suite's replicas run both on real
+engines). Such runs write suite "overhead-events" rows (each kvpush row records `kv_events`), kept out of the
+overhead tables; bench/README.md's multi-turn replicas part compares CPU per request on and off.
+
 `cprofile=True` runs the kvpush push router under cProfile (its rows are marked `profiled` and left out of
 the targets) and writes router-profile.json next to summary.json: where its time went, by category.
 """
@@ -62,6 +70,12 @@ class OverheadPlan:
     leg_clients: tuple[str, ...] = (Settings.leg_client,)  # kvpush push fronts, one per leg client
     servers: tuple[str, ...] = (Settings.server,)  # ... and per HTTP server (router/config.py SERVERS)
     tracings: tuple[str, ...] = ("off",)  # ... and per tracing setting: off or a sample ratio (docstring)
+    kv_events: tuple[str, ...] = ("off",)  # ... and per KV-event setting: off, on (docstring)
+
+    @property
+    def suite(self) -> str:
+        """The rows' suite: "overhead", or "overhead-events" when a front follows KV events."""
+        return "overhead-events" if "on" in self.kv_events else "overhead"
 
 
 # 5 fronts x 3 repeats x (300 + 1500 + 3000 requests): about 5-7 minutes on 2 idle cores.
@@ -77,15 +91,18 @@ class KvpushVariant:
     leg_client: str
     server: str
     tracing: str = "off"  # off, or the sample ratio of a traced router
+    kv_events: str = "off"  # on: the router follows the workers' KV events
 
     @property
     def default(self) -> bool:
-        return self.leg_client == Settings.leg_client and self.server == Settings.server and self.tracing == "off"
+        default_legs = self.leg_client == Settings.leg_client and self.server == Settings.server
+        return default_legs and self.tracing == "off" and self.kv_events == "off"
 
     @property
     def name(self) -> str:
         tags = [t for t, d in ((self.leg_client, Settings.leg_client), (self.server, Settings.server)) if t != d]
         tags += [] if self.tracing == "off" else [f"trace{self.tracing}"]
+        tags += [] if self.kv_events == "off" else ["events"]
         return "-".join([f"router-{self.mode}", *tags])
 
 
@@ -97,8 +114,13 @@ def kvpush_fronts(plan: OverheadPlan) -> list[KvpushVariant]:
     for ratio in plan.tracings:
         if ratio != "off" and not _is_ratio(ratio):
             raise ValueError(f"overhead: tracings must be off or sample ratios in [0, 1], got {ratio!r}")
+    if not plan.kv_events or set(plan.kv_events) - {"off", "on"}:
+        raise ValueError(f"overhead: kv_events must name off and/or on, got {plan.kv_events}")
+    if plan.cprofile and "on" in plan.kv_events:
+        raise ValueError("overhead: cprofile profiles the default push router; run kv_events=on without it")
     push = [
-        KvpushVariant("push", c, s, t)
+        KvpushVariant("push", c, s, t, e)
+        for e in dict.fromkeys(plan.kv_events)
         for t in dict.fromkeys(plan.tracings)
         for s in dict.fromkeys(plan.servers)
         for c in dict.fromkeys(plan.leg_clients)
@@ -147,7 +169,8 @@ def _start(fleet: Fleet, proc: ManagedProcess) -> ManagedProcess:
 
 def _fronts(
     fleet: Fleet, plan: OverheadPlan, logs: Path, prof_out: Path | None, sink: str | None
-) -> tuple[list[Front], str]:
+) -> tuple[list[Front], str, dict[str, str]]:
+    """The fronts, D's URL, and each kvpush front's KV-event setting by its base URL."""
     d_port = free_port()
     fleet.start(procs.sim_proc("sim-zero-d", "decode", d_port, PROFILE, "both", logs))
     p_urls: dict[str, str] = {}
@@ -158,14 +181,15 @@ def _fronts(
     fleet.wait_all_healthy(timeout=60.0)
     d_url = procs.url(d_port)
     fronts = [Front("direct", "direct", d_url)]
+    events: dict[str, str] = {}
     for k in kvpush_fronts(plan):
         port, mode = free_port(), k.mode
         spec = f"{p_urls[mode]},engine_id=sim-zero-p-{mode},side_port={p_urls[mode].rsplit(':', 1)[1]}"
         out = prof_out if mode == "push" and k.default else None
+        flags = (*ROUTER_FLAGS, "--kv-events") if k.kv_events == "on" else ROUTER_FLAGS
+        events[procs.url(port)] = k.kv_events
         with _router_env(k, sink):
-            proc = _start(
-                fleet, procs.router_proc(k.name, port, mode, spec, d_url, logs, cprofile_to=out, flags=ROUTER_FLAGS)
-            )
+            proc = _start(fleet, procs.router_proc(k.name, port, mode, spec, d_url, logs, cprofile_to=out, flags=flags))
         fronts.append(
             Front(
                 "kvpush",
@@ -182,13 +206,13 @@ def _fronts(
     if binary is None:
         hint = f"pip install vllm-router=={procs.VROUTER_VERSION} into .venv-vrouter"
         print(f"overhead: vllm-router not found ({hint}); its rows are skipped")
-        return fronts, d_url
+        return fronts, d_url, events
     for mode in ("push", "pull"):
         port, prom = free_port(), free_port()
         name = f"vllm-router-{mode}"
         proc = _start(fleet, procs.vrouter_proc(name, port, prom, p_urls[mode], d_url, logs, binary))
         fronts.append(Front("vllm-router", mode, procs.url(port), proc, p_urls[mode]))
-    return fronts, d_url
+    return fronts, d_url, events
 
 
 def run(plan: OverheadPlan, run_dir: Path, summary: Path, progress: bool, run_id: str) -> list[dict[str, Any]]:
@@ -199,7 +223,7 @@ def run(plan: OverheadPlan, run_dir: Path, summary: Path, progress: bool, run_id
     traced = any(t != "off" for t in plan.tracings)
     with Fleet(logs) as fleet, contextlib.ExitStack() as running:
         sink = running.enter_context(OtlpSink()).endpoint if traced else None
-        fronts, d_url = _fronts(fleet, plan, logs, prof_out, sink)
+        fronts, d_url, events = _fronts(fleet, plan, logs, prof_out, sink)
         profiled = [f.proc.pid for f in fronts if _is_profiled(f) and f.proc and f.proc.pid and prof_out]
         for pid in profiled:
             os.kill(pid, signal.SIGUSR1)  # start-up done: profile from here on
@@ -208,7 +232,8 @@ def run(plan: OverheadPlan, run_dir: Path, summary: Path, progress: bool, run_id
             for rep in range(plan.repeats):
                 for j in range(k):
                     front = fronts[(j + rep + li) % k]
-                    rows.append(_point(front, plan, conc, n, rep, j, run_id, d_url, run_dir, summary, progress))
+                    at = (rep, j, run_id, d_url, run_dir, summary, progress)
+                    rows.append(_point(front, plan, conc, n, *at, kv_events=events.get(front.base)))
         for pid in profiled:
             os.kill(pid, signal.SIGUSR2)  # stop and write the profile
             _wait_for(prof_out)
@@ -248,8 +273,11 @@ def _point(
     run_dir: Path,
     summary: Path,
     progress: bool,
+    kv_events: str | None = None,
 ) -> dict[str, Any]:
     extra: dict[str, Any] = {"run_id": run_id, "profile": PROFILE, "repeat": rep, "order": order}
+    if kv_events is not None:
+        extra["kv_events"] = kv_events
     if front.leg_client is not None:
         extra["leg_client"] = front.leg_client
     if front.server is not None:
@@ -262,7 +290,7 @@ def _point(
         extra["profiling_run"] = True  # the report keeps such runs out of the overhead tables
         if _is_profiled(front):
             extra["profiled"] = True
-    labels = RowLabels("overhead", front.router, front.mode, "sim", None, conc, plan.input_len, plan.output_len, extra)
+    labels = RowLabels(plan.suite, front.router, front.mode, "sim", None, conc, plan.input_len, plan.output_len, extra)
     point = Point(
         labels,
         front.base,

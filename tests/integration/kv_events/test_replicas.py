@@ -15,6 +15,9 @@ decode prefix cache that both replicas have seen emptied.
 (c) The subscriber itself, in this process, against the decode engine: a prompt's blocks appear block by block
     with the prompt's own token ids, so `held_prefix` finds the whole prompt there, counted for the request's
     X-Session-ID (vLLM tags each stored block with it).
+(d) Last, as it restarts the decode engine: its exit empties both replicas' views of it (the publisher's
+    connection dropped), and once it is back the conversation it held is pushed, not bypassed, on either replica.
+    (How soon the views empty is a figure of the multiturn suite's replicas run, not asserted here.)
 
 Every wait is on state (the engines' counters, the routers' /metrics), never on time.
 """
@@ -22,6 +25,7 @@ Every wait is on state (the engines' counters, the routers' /metrics), never on 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -41,7 +45,7 @@ from stack.engines import KV_EVENT_OFFSETS, Engine, Fleet
 from stack.procs import free_port
 from stack.routers import Router, router_spec
 from tests.integration.families import UPSTREAM_PUSH, Family, FamilyPool
-from tests.integration.support import LOGS, VLLM, metric, wait_for
+from tests.integration.support import LOGS, STARTUP_TIMEOUT, VLLM, metric, wait_for
 from tests.integration.vllm_support import kv_sources, prompt_text
 
 pytestmark = [*VLLM, pytest.mark.family(UPSTREAM_PUSH)]
@@ -244,3 +248,40 @@ async def test_a_prompts_blocks_appear_with_its_token_ids(bed: Bed) -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         subscriber.close()
+
+
+def _views_dropped(router: str, worker: str) -> bool:
+    return _held(router, worker) == 0
+
+
+def test_a_restarted_decode_is_dropped_from_both_views_and_its_conversation_is_pushed(bed: Bed) -> None:
+    a, b = bed.replicas
+    session = f"kvr-{uuid.uuid4().hex}"
+    history = [{"role": "user", "content": prompt_text(50)}]
+    first = _turn(bed, a, history, session)
+    _decode_holds(bed, first.prompt_tokens)
+    bed.decode.stop()
+    for router in bed.replicas:
+        wait_for(partial(_views_dropped, router, bed.decode.url), partial(_debug, router))
+    restarts = [metric(r, "kvpush_kv_events_sequence_total", kind="restarts") for r in bed.replicas]
+    assert all(n >= 1 for n in restarts), restarts
+    engines = bed.family.engines
+    env = {**os.environ, **dict(bed.family.spec.env)}
+    bed.decode = engines.decode = engines.fleet.start(Engine(bed.decode.engine_spec, log_dir=LOGS, base_env=env))
+    bed.decode.wait_healthy(STARTUP_TIMEOUT)
+    for router in bed.replicas:
+        wait_for(partial(_healthy, router, bed.decode.url), f"{router} sees the decode back")
+    bypassed = [metric(r, "kvpush_decisions_total", route="bypass") for r in bed.replicas]
+    history += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Short follow-up?"}]
+    second = _turn(bed, b, history, session)
+    assert second.moved["external_kv_transfer"] > 0 and second.moved["local_cache_hit"] == 0, second.moved
+    history += [{"role": "assistant", "content": second.text}, {"role": "user", "content": "And then?"}]
+    _decode_holds(bed, second.prompt_tokens)
+    third = _turn(bed, a, history, session)  # a served turn 1 on the engine before its restart
+    assert third.moved["external_kv_transfer"] == 0, third.moved  # bypassed on what the new engine holds
+    assert third.moved["local_cache_hit"] >= (second.prompt_tokens // bed.block) * bed.block, third.moved
+    assert [metric(r, "kvpush_decisions_total", route="bypass") for r in bed.replicas] == [bypassed[0] + 1, bypassed[1]]
+
+
+def _healthy(router: str, worker: str) -> bool:
+    return metric(router, "kvpush_worker_healthy", worker=worker) == 1

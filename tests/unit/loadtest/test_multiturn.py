@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from typing import Any
 
@@ -125,3 +126,14 @@ def test_the_suite_plans_fit_the_issue_and_its_engines() -> None:
     assert suite.decider_yaml(plan, 128).endswith("  block_tokens: 128\n")
     pinned = suite.MultiTurnPlan(sessions=1, session_rate=1.0, decider_options=(("block_tokens", 16),))
     assert suite.decider_yaml(pinned, 128).endswith("  block_tokens: 16\n")
+
+
+def test_each_turn_goes_to_another_replica_and_sessions_start_on_each() -> None:
+    targets = [multiturn.Target(f"http://r{i}", "tiny", 0.7) for i in range(2)]
+    for session in range(4):
+        seq = [multiturn.turn_target(targets, session, turn).base_url for turn in range(1, 7)]
+        assert all(a != b for a, b in itertools.pairwise(seq)), seq
+    firsts = {multiturn.turn_target(targets, session, 1).base_url for session in range(4)}
+    assert firsts == {"http://r0", "http://r1"}
+    one = targets[:1]
+    assert {multiturn.turn_target(one, s, t).base_url for s in range(3) for t in range(1, 4)} == {"http://r0"}

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from router.decider import Decision, Outcome, Route, Turn
+from router.deciders.conversation import conversation_key
 from router.deciders.session_affinity import AffinityOptions, SessionAffinity, prompt_token_ids
 from router.domain import Endpoint, Mode, RequestInfo, WorkerView
 from router.kv_events.frames import Cleared, Removed, Stored
@@ -136,3 +137,53 @@ def test_prompt_token_ids() -> None:
     assert prompt_token_ids({"prompt": [[1, 2]]}) == [1, 2]
     for prompt in ("text", [], [[1], [2]], [1, True], [1.0], None):
         assert prompt_token_ids({"prompt": prompt}) is None
+
+
+def test_another_replicas_turns_are_placed_at_a_message_boundary_so_the_suffix_is_the_new_message() -> None:
+    """The ratio overestimates this conversation's tokens by about a fifth: placed by the ratio, the engine's 768
+    held tokens would end some 500 characters before the new message and the suffix be predicted ~130 tokens;
+    placed at the boundary before the new message, it is that message plus half a block."""
+    engines = Engines()
+    history = [{"role": "user", "content": "word " * 360}, {"role": "assistant", "content": "more " * 360}]
+    engines.store("d2", 48, "s")  # 768 tokens of the session: what the engine really computed for the history
+    engines.up.add("d1")
+    d = decider(engines)
+    decision = d.decide(chat(*history, SHORT), DECODES, PREFILLS, 2.0)
+    assert (decision.route, decision.decode, decision.predicted_cached_tokens) == (Route.BYPASS, "d2", 768)
+    assert decision.state.predicted_uncached < 2 * BLOCK  # the new message's ~10 tokens and half a block
+
+
+def test_a_replica_that_served_an_earlier_turn_follows_the_engine_past_what_it_saw() -> None:
+    """Turns alternate replicas: this one served turn 1, another served turn 2, and turn 3 comes back here. Its
+    own index ends at turn 1's answer; the engine holds turn 2 as well, so the suffix is turn 3's message alone."""
+    engines = Engines()
+    d = decider(engines)
+    first = chat(QUESTION)
+    served(d, first, d.decide(first, DECODES, PREFILLS, 1.0), "d1", 80)
+    turn2 = [{"role": "user", "content": "word " * 40}, {"role": "assistant", "content": "more " * 800}]
+    engines.store("d1", 1 + (80 + 97 + 50 + 1000) // BLOCK, "s")  # turns 1 and 2, as the engine computed them
+    engines.up.add("d2")
+    third = chat(QUESTION, {"role": "assistant", "content": ANSWER}, *turn2, SHORT)
+    decision = d.decide(third, DECODES, PREFILLS, 2.0)
+    assert (decision.route, decision.decode) == (Route.BYPASS, "d1")
+    assert decision.state.predicted_uncached < 2 * BLOCK
+
+
+def test_the_part_block_past_the_held_blocks_is_counted_from_this_replicas_own_match() -> None:
+    """CPU engines use 128-token blocks: guessing half a block past the held ones would be off by up to 64 tokens
+    of a suffix of ~20. The replica counts the boundary's tokens from its own exact match (turn 1's prompt and
+    answer) plus the estimate of turn 2, and adds what of that fills no whole block."""
+    engines = Engines()
+    d = SessionAffinity(AffinityOptions(block_tokens=128), engines.view)
+    first = chat(QUESTION)
+    served(d, first, d.decide(first, DECODES, PREFILLS, 1.0), "d1", 80)  # 80 prompt + 97 answer tokens
+    turn2 = [{"role": "user", "content": "word " * 40}, {"role": "assistant", "content": "more " * 140}]
+    third = chat(QUESTION, {"role": "assistant", "content": ANSWER}, *turn2, SHORT)
+    links = conversation_key(Endpoint.CHAT, third.body, third.headers, 256).chain.links
+    boundary = 80 + 97 + d.ratio.tokens(links[-2].chars - links[2].chars)  # links[2]: turn 1's answer
+    engines.store("d1", (boundary // 128) * 8, "s")  # whole 128-token blocks, stored as 16-token ones
+    engines.up.add("d2")
+    decision = d.decide(third, DECODES, PREFILLS, 2.0)
+    assert (decision.route, decision.decode) == (Route.BYPASS, "d1")
+    suffix = d.ratio.tokens(links[-1].chars - links[-2].chars)
+    assert decision.state.predicted_uncached == suffix + boundary % 128

@@ -134,3 +134,20 @@ def test_the_view_trusts_a_worker_when_every_rank_is_caught_up() -> None:
     assert view.held_prefix("w", [5, 6]).blocks == 1 and len(view.status("w")) == 2
     streams[0].published(frame(1, {**store([3], None, [1, 1]), "session_id": "s"}))
     assert view.session_holders("s") == {"w": 1}
+
+
+def test_each_live_batchs_lag_and_events_are_counted() -> None:
+    index = KvIndex(100)
+    endpoint = Endpoint("w", 0, "tcp://h:1", "tcp://h:2", "kv")
+    wall = Clock(1.25)  # the frames are stamped ts=1.0
+    frames = FrameCounters()
+    stream = Stream(endpoint, index.stream("w", 0), Clock(), StreamLimits(), frames, SeqCounters(), wall=wall)
+    stream.published(frame(0, store([1], None, [5, 6]), store([2], 1, [7, 8])))
+    wall.now = 2.5
+    stream.published(frame(1, store([3], 2, [9, 9])))
+    wall.now = 0.5  # the engine's clock ahead of ours: no negative lag
+    stream.published(frame(2))
+    assert (frames.timed, frames.lag_us_total, frames.lag_us_max, frames.late) == (3, 1_750_000, 1_500_000, 1)
+    assert frames.events == 3
+    stream.published([TOPIC, (3).to_bytes(8, "big"), b"\xc1"])  # unreadable: not timed
+    assert frames.timed == 3

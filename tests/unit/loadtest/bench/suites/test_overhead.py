@@ -67,3 +67,20 @@ def test_a_traced_front_per_ratio_with_its_tracing_environment(monkeypatch: pyte
     assert "KVPUSH_TRACING" not in os.environ
     with pytest.raises(ValueError, match="tracings"):
         suite_overhead.kvpush_fronts(suite_overhead.OverheadPlan(8, 2, ((1, 2),), tracings=("2",)))
+
+
+def test_kv_events_from_set_add_a_push_front_that_follows_events_under_its_own_suite() -> None:
+    plan = with_overrides(FULL, ["kv_events=off,on"])
+    fronts = kvpush_fronts(plan)
+    assert [(f.mode, f.kv_events, f.name, f.default) for f in fronts] == [
+        ("push", "off", "router-push", True),
+        ("push", "on", "router-push-events", False),
+        ("pull", "off", "router-pull", True),
+    ]
+    assert (plan.suite, FULL.suite) == ("overhead-events", "overhead")
+
+
+@pytest.mark.parametrize("changes", [["kv_events=maybe"], ["kv_events=on", "cprofile=true"]])
+def test_unknown_kv_event_settings_and_profiling_an_events_run_are_refused(changes: list[str]) -> None:
+    with pytest.raises(ValueError, match="kv_events"):
+        kvpush_fronts(with_overrides(FULL, changes))

@@ -1,0 +1,158 @@
+"""The multiturn suite's KV-event fronts (issue 24): which fronts a plan with router replicas runs, and what is
+read from their routers besides the turns.
+
+With `replicas >= 2` the engines publish their KV events (HTTP port + stack.engines.KV_EVENT_OFFSETS) and the
+suite runs, side by side on the same sessions:
+
+- `kvpush-decider-events`: one router, the session-affinity decider judging decode by the engines' events;
+- `kvpush-decider-replicas`: `replicas` routers configured alike, each turn of a conversation sent to the next
+  replica (loadtest/multiturn.py `turn_target`), so no replica saw the turn before;
+- `kvpush-decider` (unless `events_off_row=false`): one router on its own request-learned index, events off.
+
+Per front, summed over its replicas: bypass-prediction accuracy and routes (as every kvpush front), the routers'
+CPU seconds (their process groups, /proc), and what their subscribers consumed (kvpush_kv_events_frames and
+_sequence: messages, events, lag of each live batch from the engine's stamp, batches later than 1 s, gaps,
+holes). After an events front's run, a decode's prefix cache is reset and the time until every replica's view
+holds nothing for it is taken (`reset_reflected_s`). At the end of the run one decode engine is stopped (what an
+engine restart does first) and the time from its exit until every replica's view of it holds nothing is taken
+(`engine_stop_reflected`, on the last replicas row).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from loadtest import promtext
+from loadtest.bench.point import scrape
+from loadtest.bench.procs import group_cpu_seconds
+from stack.engines import KV_EVENT_OFFSETS, Engine
+
+EVENTS = "kvpush-decider-events"
+REPLICAS = "kvpush-decider-replicas"
+EVENTS_OFF = "kvpush-decider"
+# the frames and sequence counters a run reads (kvpush_kv_events_frames{kind}, kvpush_kv_events_sequence{kind})
+FRAME_KINDS = ("messages", "batches", "events", "timed", "lag_us_total", "late", "malformed", "oversized")
+SEQUENCE_KINDS = ("gaps", "holes", "replays", "restarts")
+
+
+def fronts(replicas: int, events_off_row: bool) -> tuple[str, ...]:
+    """The fronts of a replicas run, the answers' reference first."""
+    if replicas < 2:
+        raise ValueError("the KV-event fronts need replicas >= 2")
+    return (EVENTS, REPLICAS, EVENTS_OFF) if events_off_row else (EVENTS, REPLICAS)
+
+
+def uses_events(front: str) -> bool:
+    return front in (EVENTS, REPLICAS)
+
+
+def replicas_of(front: str, replicas: int) -> int:
+    return replicas if front == REPLICAS else 1
+
+
+def kv_events_yaml() -> str:
+    """The routers' kv_events block: the engines' offsets."""
+    offset, replay = KV_EVENT_OFFSETS
+    return f"kv_events:\n  port_offset: {offset}\n  replay_offset: {replay}\n"
+
+
+def event_counters(samples: Mapping[promtext.Sample, float]) -> dict[str, float]:
+    """The subscriber's counters this suite reads, by `frames.<kind>` / `sequence.<kind>`, and the max lag."""
+    out: dict[str, float] = {}
+    for group, kinds in (("frames", FRAME_KINDS), ("sequence", SEQUENCE_KINDS)):
+        name = f"kvpush_kv_events_{group}_total"
+        for kind in kinds:
+            out[f"{group}.{kind}"] = promtext.total(samples, name, kind=kind)
+    out["frames.lag_us_max"] = promtext.total(samples, "kvpush_kv_events_frames_total", kind="lag_us_max")
+    return out
+
+
+@dataclass
+class Readings:
+    """What the suite reads from a front's routers before and after its run."""
+
+    cpu_s: float
+    events: dict[str, float]  # summed over the replicas (lag_us_max: the largest)
+
+
+def read(bases: Sequence[str], pids: Sequence[int]) -> Readings:
+    events: dict[str, float] = {}
+    for base in bases:
+        for key, value in event_counters(scrape(base)).items():
+            events[key] = max(events.get(key, 0.0), value) if key.endswith("_max") else events.get(key, 0.0) + value
+    return Readings(sum(group_cpu_seconds(pid) for pid in pids), events)
+
+
+def figures(before: Readings, after: Readings, duration_s: float, turns: int, replicas: int) -> dict[str, Any]:
+    """The row's router CPU and KV-event figures for one front's run."""
+    cpu = after.cpu_s - before.cpu_s
+    grew = {k: after.events.get(k, 0.0) - before.events.get(k, 0.0) for k in after.events}
+    out: dict[str, Any] = {
+        "router_cpu_s": round(cpu, 3),
+        "router_cpu_ms_per_turn": round(cpu / turns * 1000, 3) if turns else None,
+    }
+    if not grew.get("frames.messages"):
+        return out
+    timed = grew.get("frames.timed", 0.0)
+    per = max(1, replicas)
+    out["kv_events"] = {
+        **{k: int(v) for k, v in grew.items() if not k.endswith("_max")},
+        "lag_ms_mean": round(grew["frames.lag_us_total"] / timed / 1000, 3) if timed else None,
+        "lag_ms_max_so_far": round(after.events.get("frames.lag_us_max", 0.0) / 1000, 3),
+        "events_per_s_per_replica": round(grew.get("frames.events", 0.0) / per / duration_s, 1),
+        "messages_per_s_per_replica": round(grew.get("frames.messages", 0.0) / per / duration_s, 1),
+    }
+    return out
+
+
+def _empty_everywhere(bases: Sequence[str], worker: str) -> bool:
+    for base in bases:
+        samples = scrape(base)
+        up = promtext.total(samples, "kvpush_kv_events_caught_up", worker=worker)
+        if up != 1 or promtext.total(samples, "kvpush_kv_events_held_blocks", worker=worker) != 0:
+            return False
+    return True
+
+
+def reset_reflected(decode_url: str, bases: Sequence[str], limit_s: float = 10.0) -> dict[str, float | None]:
+    """Reset the decode's prefix cache and step it once (vLLM publishes what a step collected: an idle engine's
+    AllBlocksCleared goes out with its next step); seconds from the reset asked until every replica's view of
+    that decode is caught up and empty (`total_s`, polled every 5 ms, None past `limit_s`), of which the reset
+    and the one-token request that steps the engine took `reset_and_step_s` (the views may empty before that
+    request's answer is back: the event leaves with the step, the answer after it)."""
+    poke = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
+    t0 = time.monotonic()
+    httpx.post(f"{decode_url}/reset_prefix_cache", timeout=30).raise_for_status()
+    httpx.post(f"{decode_url}/v1/completions", json=poke, timeout=60).raise_for_status()
+    found: dict[str, float | None] = {"reset_and_step_s": round(time.monotonic() - t0, 4), "total_s": None}
+    while time.monotonic() - t0 < limit_s:
+        if _empty_everywhere(bases, decode_url):
+            found["total_s"] = round(time.monotonic() - t0, 4)
+            break
+        time.sleep(0.005)
+    return found
+
+
+def stop_reflected(engine: Engine, bases: Sequence[str], limit_s: float = 10.0) -> dict[str, Any]:
+    """Stop the engine (SIGTERM, reaped); the blocks every replica's view held for it before, and seconds from
+    the stop asked and from its exit until every view of it holds nothing (None past `limit_s`)."""
+    held = [promtext.total(scrape(base), "kvpush_kv_events_held_blocks", worker=engine.url) for base in bases]
+    t0 = time.monotonic()
+    engine.stop()
+    exited = time.monotonic()
+    found: dict[str, Any] = {"held_blocks_before": held, "stop_s": round(exited - t0, 3), "after_exit_s": None}
+    while time.monotonic() - exited < limit_s:
+        if all(_held(base, engine.url) == 0 for base in bases):
+            found["after_exit_s"] = round(time.monotonic() - exited, 4)
+            break
+        time.sleep(0.005)
+    return found
+
+
+def _held(base: str, worker: str) -> float:
+    return promtext.total(scrape(base), "kvpush_kv_events_held_blocks", worker=worker)

@@ -1,0 +1,196 @@
+"""The multiturn suite's replicas run (suite "multiturn-replicas", issue 24) in bench/README.md's multi-turn
+section: the fronts' table as for any multi-turn run, then issue 24's targets, judged within each repeat (the
+fronts saw the same sessions there) and the median of the repeats' ratios stated.
+
+- decode-local hits (share of an ideal router's reuse) behind two replicas over one replica, both with KV events
+  on: >= 0.9;
+- bypass predictions within ±20 % for >= 90 % of the bypass decisions, on each events front;
+- router CPU per turn with events on over events off (one router each): <= 1.1;
+- what the subscribers consumed: events and messages per second per replica, each live batch's lag from the
+  engine's stamp (mean, max, later than 1 s), gaps and holes; and a decode's reset reflected in every replica's
+  view: <= 1 s;
+- the subscriber's capacity against a paced synthetic publisher (bench/results/kv-events-rate.json, written by
+  loadtest/bench/suites/multiturn_kv_events_rate.py), when that file is there.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from loadtest.report import multiturn
+
+EVENTS, REPLICAS, EVENTS_OFF = "kvpush-decider-events", "kvpush-decider-replicas", "kvpush-decider"
+HIT_TARGET = 0.9
+CPU_TARGET = 1.1
+REFLECT_TARGET_S = 1.0
+Row = Mapping[str, Any]
+
+
+def section(rows: Sequence[Row], rate: Path | None = None, overhead: Sequence[Row] = ()) -> list[str]:
+    """The subsection's lines (after its heading); nothing without rows. `rate`: kv-events-rate.json;
+    `overhead`: the latest overhead-events run's rows."""
+    if not rows:
+        return []
+    replicas = max(int(r.get("replicas") or 1) for r in rows)
+    head = [
+        f"Run {rows[0].get('run_id')}: the decider with the engines' KV events on behind one router"
+        f" (`{EVENTS}`) and behind {replicas} router replicas with each turn of a conversation sent to the next"
+        f" replica (`{REPLICAS}`), and with events off on one router (`{EVENTS_OFF}`), on the same sessions and"
+        " engines (which publish their events throughout).",
+        "",
+    ]
+    body = [line for line in multiturn.section(rows, None) if not line.startswith("\nTTFT p50")]
+    more = [*capacity(rate), *overhead_cpu(overhead)]
+    return [*head, *body, "", *targets(rows), *more, "", reproduce(rows[0].get("plan") or {})]
+
+
+def overhead_cpu(rows: Sequence[Row]) -> list[str]:
+    """The overhead suite's kvpush push router with KV events on over off: CPU per request, paired by repeat at
+    each concurrency, the median ratio judged against the target; nothing without such a run."""
+    cpu: dict[tuple[int, int], dict[str, float]] = {}
+    for r in rows:
+        if r.get("router") == "kvpush" and r.get("mode") == "push" and r.get("cpu_s_per_1k") is not None:
+            key = (int(r.get("concurrency") or 0), int(r.get("repeat") or 0))
+            cpu.setdefault(key, {})[str(r.get("kv_events") or "off")] = float(r["cpu_s_per_1k"])
+    per: dict[int, list[float]] = {}
+    for (conc, _), pair in sorted(cpu.items()):
+        if pair.get("off") and "on" in pair:
+            per.setdefault(conc, []).append(pair["on"] / pair["off"])
+    if not per:
+        return []
+    out = [
+        "",
+        f"Router CPU per request, KV events on / off, overhead suite on zero-cost simulated workers (run"
+        f" {rows[0].get('run_id')}; they publish nothing: the events' fixed cost on a request, not their"
+        " consumption; target <= 1.1):",
+        "",
+    ]
+    for conc, ratios in per.items():
+        ratio = statistics.median(ratios)
+        each = ", ".join(f"{x:.2f}" for x in ratios)
+        verdict = "met" if ratio <= CPU_TARGET else "not met"
+        out.append(f"- concurrency {conc}: {ratio:.2f} (per repeat: {each}; {verdict})")
+    return out
+
+
+def reproduce(plan: Mapping[str, Any]) -> str:
+    """The command that runs this plan again (the fields a replicas run usually sets)."""
+    keys = ("replicas", "sessions", "session_rate", "turns_min", "turns_max", "repeats", "warmup_sessions", "connector")
+    sets = " ".join(f"--set {k}={plan[k]}" for k in keys if k in plan)
+    return f"Reproduce: `flock /tmp/kvpush-vllm.lock kvpush bench --suite multiturn {sets}`."
+
+
+def capacity(path: Path | None) -> list[str]:
+    """The subscriber against a synthetic publisher, one line per rate; nothing without the file."""
+    if path is None or not path.exists():
+        return []
+    data = json.loads(path.read_text(encoding="utf-8"))
+    rows = data.get("rows") or []
+    if not rows:
+        return []
+    out = [
+        "",
+        f"The subscriber alone against a paced vLLM-shaped publisher (run {data.get('run_id')}, load average"
+        f" {data.get('loadavg', 0):.1f} on the 2 cores; {rows[0].get('blocks_per_message')} blocks stored and as many"
+        " evicted per message; loadtest/bench/suites/multiturn_kv_events_rate.py):",
+        "",
+        "| messages/s asked | events/s consumed | blocks/s | gaps | lag mean / max (ms) | later than 1 s"
+        " | CPU per 1000 messages (ms) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r.get('rate_asked', 0):.0f} | {r.get('events_per_s')} | {r.get('blocks_per_s')} | {r.get('gaps')}"
+            f" | {r.get('lag_ms_mean')} / {r.get('lag_ms_max')} | {r.get('late_over_1s')}"
+            f" | {r.get('cpu_ms_per_1k_messages')} |"
+        )
+    return out
+
+
+def targets(rows: Sequence[Row]) -> list[str]:
+    out = [
+        _ratio_line(
+            "decode-local hits / ideal reuse, replicas / one replica (events on)",
+            rows,
+            REPLICAS,
+            EVENTS,
+            "local_hit_frac_of_ideal",
+            HIT_TARGET,
+            at_least=True,
+        )
+    ]
+    for front in (EVENTS, REPLICAS):
+        mine = [r for r in rows if r.get("front") == front]
+        if mine:
+            line = multiturn.accuracy_line(multiturn.summed_accuracy(mine))
+            out.append("- " + line.replace(", decider:", f", {front}:").replace("\n", ""))
+    out.append(
+        _ratio_line(
+            "router CPU per turn, events on / off (one router)",
+            rows,
+            EVENTS,
+            EVENTS_OFF,
+            "router_cpu_ms_per_turn",
+            CPU_TARGET,
+            at_least=False,
+        )
+    )
+    out += [f"- {_consumed(front, r)}" for front in (EVENTS, REPLICAS) for r in rows if r.get("front") == front]
+    out += [_stopped(found) for r in rows if (found := r.get("engine_stop_reflected"))]
+    return out
+
+
+def _stopped(found: Mapping[str, Any]) -> str:
+    after = found.get("after_exit_s")
+    verdict = "not met" if after is None or after > REFLECT_TARGET_S else "met"
+    shown = "not within 10 s" if after is None else f"{after * 1000:.0f} ms"
+    return (
+        f"- a decode engine stopped at the end (SIGTERM, exited in {found.get('stop_s')} s; its views held"
+        f" {found.get('held_blocks_before')} blocks): every replica's view of it empty {shown} after its exit"
+        f" (target <= {REFLECT_TARGET_S:.0f} s: {verdict})"
+    )
+
+
+def _ratio_line(what: str, rows: Sequence[Row], ours: str, theirs: str, key: str, target: float, at_least: bool) -> str:
+    per: dict[int, dict[str, float]] = {}
+    for row in rows:
+        value = row.get(key)
+        if value is not None:
+            per.setdefault(int(row.get("repeat") or 0), {})[str(row.get("front"))] = float(value)
+    ratios = [f[ours] / f[theirs] for _, f in sorted(per.items()) if f.get(theirs) and ours in f]
+    sign = ">=" if at_least else "<="
+    if not ratios:
+        return f"- {what}: not measured (target {sign} {target})"
+    ratio = statistics.median(ratios)
+    met = ratio >= target if at_least else ratio <= target
+    each = ", ".join(f"{x:.2f}" for x in ratios)
+    return f"- {what}: {ratio:.2f} (per repeat: {each}; target {sign} {target}: {'met' if met else 'not met'})"
+
+
+def _consumed(front: str, row: Row) -> str:
+    kv: Mapping[str, Any] = row.get("kv_events") or {}
+    found: Mapping[str, Any] = row.get("reset_reflected") or {}
+    reflected, step = found.get("total_s"), float(found.get("reset_and_step_s") or 0.0)
+    reset = (
+        "not measured"
+        if not found
+        else "not within 10 s (target <= 1 s: not met)"
+        if reflected is None
+        else f"{float(reflected) * 1000:.0f} ms after the reset asked (the reset and the one-token step that"
+        f" publishes it answered in {step * 1000:.0f} ms; target <= {REFLECT_TARGET_S:.0f} s:"
+        f" {'met' if float(reflected) <= REFLECT_TARGET_S else 'not met'})"
+    )
+    if not kv:
+        return f"{front} (repeat {row.get('repeat')}): no KV events consumed; decode reset reflected: {reset}"
+    return (
+        f"{front} (repeat {row.get('repeat')}), per replica: {kv.get('events_per_s_per_replica')} events/s in"
+        f" {kv.get('messages_per_s_per_replica')} messages/s; lag from the engine's stamp mean"
+        f" {kv.get('lag_ms_mean')} ms, max {kv.get('lag_ms_max_so_far')} ms, {kv.get('frames.late', 0)} later than"
+        f" 1 s; gaps {kv.get('sequence.gaps', 0)}, holes {kv.get('sequence.holes', 0)}, malformed"
+        f" {kv.get('frames.malformed', 0)}; router CPU {row.get('router_cpu_ms_per_turn')} ms/turn;"
+        f" decode reset reflected in every replica's view: {reset}"
+    )

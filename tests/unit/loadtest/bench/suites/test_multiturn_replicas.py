@@ -1,0 +1,70 @@
+"""The multiturn suite's replicas plan: its fronts, its rows' suite, and the router CPU and KV-event figures read
+from the routers' /metrics (issue 24)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loadtest import promtext
+from loadtest.bench.suites import multiturn as suite
+from loadtest.bench.suites import multiturn_replicas as replicas
+from loadtest.job import REPO
+from stack.engines import KV_EVENT_OFFSETS
+
+METRICS = """\
+# TYPE kvpush_kv_events_frames_total counter
+kvpush_kv_events_frames_total{kind="messages"} 120.0
+kvpush_kv_events_frames_total{kind="events"} 300.0
+kvpush_kv_events_frames_total{kind="timed"} 120.0
+kvpush_kv_events_frames_total{kind="lag_us_total"} 240000.0
+kvpush_kv_events_frames_total{kind="lag_us_max"} 9000.0
+kvpush_kv_events_frames_total{kind="late"} 0.0
+kvpush_kv_events_sequence_total{kind="gaps"} 1.0
+kvpush_kv_events_sequence_total{kind="holes"} 0.0
+"""
+
+
+def test_a_replicas_plan_runs_the_event_fronts_reference_first_under_its_own_suite() -> None:
+    plan = suite.MultiTurnPlan(sessions=2, session_rate=1.0, replicas=2)
+    assert plan.fronts == (replicas.EVENTS, replicas.REPLICAS, replicas.EVENTS_OFF)
+    assert plan.suite == "multiturn-replicas"
+    assert suite.MultiTurnPlan(sessions=2, session_rate=1.0, replicas=2, events_off_row=False).fronts[-1] == (
+        replicas.REPLICAS
+    )
+    one = suite.MultiTurnPlan(sessions=2, session_rate=1.0)
+    assert (one.fronts, one.suite) == (suite.FRONTS, "multiturn")
+    assert suite.engine_family(one, REPO).specs[0].kv_events is None
+
+
+def test_only_the_replicas_plan_has_its_engines_publish() -> None:
+    plan = suite.MultiTurnPlan(sessions=2, session_rate=1.0, replicas=2)
+    assert all(spec.kv_events == KV_EVENT_OFFSETS for spec in suite.engine_family(plan, REPO).specs)
+    assert [replicas.replicas_of(f, 2) for f in plan.fronts] == [1, 2, 1]
+    assert [replicas.uses_events(f) for f in plan.fronts] == [True, True, False]
+    assert "port_offset: 1000" in replicas.kv_events_yaml()
+
+
+@pytest.mark.parametrize("changes", [{"replicas": 5}, {"replicas": 0}, {"replicas": 2, "link": "ethernet-25g-like"}])
+def test_replicas_are_one_to_four_and_on_loopback(changes: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="replicas"):
+        suite.MultiTurnPlan(sessions=2, session_rate=1.0, **changes)  # type: ignore[arg-type]
+
+
+def test_the_subscribers_counters_are_read_and_turned_into_rates_and_lag() -> None:
+    counters = replicas.event_counters(promtext.parse(METRICS))
+    assert counters["frames.events"] == 300 and counters["sequence.gaps"] == 1 and counters["frames.lag_us_max"] == 9000
+    before = replicas.Readings(1.0, {k: 0.0 for k in counters})
+    after = replicas.Readings(1.5, counters)
+    got = replicas.figures(before, after, duration_s=10.0, turns=50, replicas=2)
+    assert got["router_cpu_s"] == 0.5 and got["router_cpu_ms_per_turn"] == 10.0
+    kv = got["kv_events"]
+    assert (kv["events_per_s_per_replica"], kv["messages_per_s_per_replica"]) == (15.0, 6.0)
+    assert (kv["lag_ms_mean"], kv["lag_ms_max_so_far"], kv["sequence.gaps"]) == (2.0, 9.0, 1)
+
+
+def test_a_router_that_consumed_nothing_has_no_event_figures() -> None:
+    none = replicas.Readings(2.0, {})
+    assert replicas.figures(none, replicas.Readings(2.2, {}), 5.0, 0, 1) == {
+        "router_cpu_s": 0.2,
+        "router_cpu_ms_per_turn": None,
+    }

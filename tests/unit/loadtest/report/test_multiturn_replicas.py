@@ -1,0 +1,102 @@
+"""The replicas run's subsection of bench/README.md: the fronts' table and issue 24's targets, met or not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from loadtest.report import multiturn_replicas as report
+from loadtest.report.readme import multiturn_section
+
+
+def row(front: str, repeat: int, hits: float, cpu: float, **more: Any) -> dict[str, Any]:
+    return {
+        "run_id": "R1",
+        "front": front,
+        "repeat": repeat,
+        "replicas": 2 if front == report.REPLICAS else 1,
+        "turns_ok": 10,
+        "turns_failed": 0,
+        "local_hit_frac_of_ideal": hits,
+        "router_cpu_ms_per_turn": cpu,
+        **more,
+    }
+
+
+KV = {"events_per_s_per_replica": 40.0, "messages_per_s_per_replica": 12.0, "lag_ms_mean": 1.5}
+
+
+def test_the_targets_are_judged_within_each_repeat() -> None:
+    rows = [
+        row(report.EVENTS, 0, 0.90, 4.0, bypass_accuracy={"checked": 10, "accurate": 10}, kv_events=KV),
+        row(
+            report.REPLICAS,
+            0,
+            0.88,
+            4.2,
+            bypass_accuracy={"checked": 10, "accurate": 9},
+            reset_reflected={"total_s": 0.05, "reset_and_step_s": 0.04},
+        ),
+        row(report.EVENTS_OFF, 0, 0.90, 3.8, bypass_accuracy={"checked": 10, "accurate": 10}),
+    ]
+    lines = report.targets(rows)
+    assert lines[0].endswith("0.98 (per repeat: 0.98; target >= 0.9: met)")
+    assert "kvpush-decider-replicas: 9/10 (90%)" in lines[2] and lines[2].endswith(": met)")
+    assert lines[3].startswith("- router CPU per turn") and "1.05" in lines[3] and lines[3].endswith(": met)")
+    assert "40.0 events/s" in lines[4] and "reflected in every replica's view: not measured" in lines[4]
+    assert "50 ms after the reset asked" in lines[5] and lines[5].endswith("in 40 ms; target <= 1 s: met)")
+    stopped = {"stop_s": 2.1, "held_blocks_before": [30, 30], "after_exit_s": 0.004}
+    last = report.targets([*rows, row(report.REPLICAS, 1, 0.9, 4.0, engine_stop_reflected=stopped)])[-1]
+    assert "held [30, 30] blocks" in last and last.endswith("empty 4 ms after its exit (target <= 1 s: met)")
+    late = report.targets([row(report.REPLICAS, 1, 0.9, 4.0, engine_stop_reflected={"after_exit_s": None})])[-1]
+    assert late.endswith("not within 10 s after its exit (target <= 1 s: not met)")
+
+
+def test_a_target_missed_or_not_run_says_so() -> None:
+    rows = [row(report.EVENTS, 0, 0.9, 2.0), row(report.REPLICAS, 0, 0.5, 2.0), row(report.EVENTS_OFF, 0, 0.9, 1.0)]
+    lines = report.targets(rows)
+    assert lines[0].endswith(": not met)") and lines[3].endswith("target <= 1.1: not met)")
+    assert report.targets([row(report.EVENTS, 0, 0.9, 2.0)])[0].endswith("not measured (target >= 0.9)")
+
+
+def test_the_subsection_follows_the_multiturn_table_and_stands_alone_too() -> None:
+    replicas = [row(report.EVENTS, 0, 0.9, 2.0), row(report.REPLICAS, 0, 0.9, 2.0)]
+    alone = multiturn_section([], None, replicas)
+    assert alone[0] == "## multiturn" and alone[2].startswith("### multiturn, router replicas")
+    assert multiturn_section([], None, []) == []
+    both = multiturn_section([row("kvpush", 0, 0.8, 1.0)], None, replicas)
+    assert both.count("## multiturn") == 1 and any(line.startswith("### multiturn, router") for line in both)
+
+
+def test_the_subscribers_capacity_is_shown_when_measured(tmp_path: Path) -> None:
+    assert report.capacity(tmp_path / "kv-events-rate.json") == [] and report.capacity(None) == []
+    rate = {"rate_asked": 5000.0, "events_per_s": 9999.7, "blocks_per_s": 40000.0, "gaps": 0, "lag_ms_mean": 8.1}
+    data = {"run_id": "R2", "loadavg": 4.7, "rows": [{**rate, "blocks_per_message": 8, "lag_ms_max": 31.4}]}
+    (tmp_path / "kv-events-rate.json").write_text(json.dumps(data), encoding="utf-8")
+    lines = report.capacity(tmp_path / "kv-events-rate.json")
+    assert "run R2" in lines[1] and lines[-1].startswith("| 5000 | 9999.7 | 40000.0 | 0 | 8.1 / 31.4 |")
+
+
+def test_the_subsection_says_how_to_run_it_again() -> None:
+    plan = {"replicas": 2, "sessions": 8, "session_rate": 0.4, "repeats": 2, "seed": 11}
+    lines = report.section([{**row(report.EVENTS, 0, 0.9, 2.0), "plan": plan}])
+    assert lines[-1] == (
+        "Reproduce: `flock /tmp/kvpush-vllm.lock kvpush bench --suite multiturn --set replicas=2 --set sessions=8"
+        " --set session_rate=0.4 --set repeats=2`."
+    )
+
+
+def over(events: str, conc: int, repeat: int, cpu: float) -> dict[str, Any]:
+    return {"router": "kvpush", "mode": "push", "run_id": "O1", "kv_events": events, "concurrency": conc} | {
+        "repeat": repeat,
+        "cpu_s_per_1k": cpu,
+    }
+
+
+def test_the_overhead_suites_events_on_off_cpu_is_paired_by_repeat() -> None:
+    rows = [over("off", 64, 0, 1.0), over("on", 64, 0, 1.04), over("off", 64, 1, 1.0), over("on", 64, 1, 1.2)]
+    rows.append({"router": "kvpush", "mode": "pull", "concurrency": 64, "repeat": 0, "cpu_s_per_1k": 9.0})
+    lines = report.overhead_cpu(rows)
+    assert "run O1" in lines[1] and lines[-1] == "- concurrency 64: 1.12 (per repeat: 1.04, 1.20; not met)"
+    assert report.overhead_cpu([over("off", 1, 0, 1.0)]) == []
