@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +46,11 @@ from loadtest.results import RowLabels, append_rows, build_row, git_commit
 from loadtest.stats import summarize
 from stack.engines import KV_EVENT_OFFSETS, Engine, Fleet
 from stack.family import PdFamily, pd_family, start_family
+from stack.link import bypass
 from stack.link.calibrate import calibrate
 from stack.link.fabric import Link
 from stack.link.meter import NicMeter
-from stack.link.plan import Shaping, nominal_prefill_s, preset, resolve
+from stack.link.plan import LinkPlan, Shaping, nominal_prefill_s, preset, resolve
 from stack.local import StackOptions, ensure_model
 from stack.procs import LOOPBACK, ManagedProcess, ProcessSpec, free_port
 from stack.routers import Router, router_spec
@@ -175,6 +176,13 @@ def _env() -> dict[str, str]:
     return env
 
 
+def on_link(plan: MultiTurnPlan, link: LinkPlan) -> MultiTurnPlan:
+    """`plan` with the decider's bypass threshold derived from the calibrated link (stack.link.bypass), unless
+    the plan set one by hand."""
+    options = bypass.decider_options(plan.decider_options, link, plan.link_calibrate_tokens)
+    return replace(plan, decider_options=options)
+
+
 def decider_yaml(plan: MultiTurnPlan, block_tokens: int | None = None) -> str:
     """The router's decider block; the engines' block size unless the plan sets one."""
     options = dict(plan.decider_options)
@@ -293,6 +301,8 @@ def run(plan: MultiTurnPlan, run_dir: Path, summary: Path, progress: bool, run_i
                 link, preset(plan.link), p.url, prompt_tokens=plan.link_calibrate_tokens, kv_bytes_per_token=per_token
             )
             link_record = cal.record()
+            plan = on_link(plan, cal.plan)
+            link_record["link_bypass_max_uncached_tokens"] = dict(plan.decider_options)[bypass.OPTION]
             print(f"multiturn: on the link {link_record}")
         ratio = words_per_token(p.url)
         fronts = plan.fronts

@@ -3,11 +3,14 @@ row and stated against issue 11's target (>= 90 % of bypass decisions within 20 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from loadtest import multiturn, promtext
 from loadtest.bench.suites import multiturn as suite
 from loadtest.report import multiturn as report
+from stack.link import bypass
+from stack.link.plan import preset, resolve
 
 # what prometheus_client renders for the decider collector's counters (a counter gets the `_total` suffix)
 METRICS = """\
@@ -73,3 +76,14 @@ def test_warmup_sessions_are_short_and_never_share_an_id_with_a_measured_one() -
     measured = {s.id for r in range(plan.repeats) for s in multiturn.plan_sessions(plan.shape(r))}
     assert not measured & {s.id for s in warm}
     assert suite.SMOKE.warmup_sessions == 0  # make test's smoke stays as cheap as it was
+
+
+def test_on_a_link_the_decider_gets_the_bypass_threshold_the_link_derives_unless_set_by_hand() -> None:
+    plan = suite.MultiTurnPlan(sessions=4, session_rate=0.5, link="ethernet-25g-like")
+    kv = plan.link_calibrate_tokens * 65536
+    link = resolve(preset("ethernet-25g-like"), prefill_s=0.5, kv_bytes=kv)
+    derived = dict(suite.on_link(plan, link).decider_options)[bypass.OPTION]
+    assert derived == bypass.for_link(link, plan.link_calibrate_tokens) > bypass.BASE_TOKENS
+    assert f"bypass_max_uncached_tokens: {derived:g}" in suite.decider_yaml(suite.on_link(plan, link))
+    by_hand = replace(plan, decider_options=((bypass.OPTION, 512.0),))
+    assert suite.on_link(by_hand, link).decider_options == ((bypass.OPTION, 512.0),)
