@@ -172,7 +172,12 @@ class Registration:
     block_ids: tuple[int, ...]
     write_deadline: float
     num_tokens: int  # D's prompt length: P refuses blocks that cannot hold exactly this prompt
-    d_rank: int = 0  # the D rank whose blocks these are (its agent: ``peer_key(d_engine_id, RankId(0, d_rank))``)
+    d_rank: int = 0  # the D rank whose blocks these are
+
+    @property
+    def sender(self) -> str:
+        """The D rank's peer key (its agent on P)."""
+        return peer_key(self.d_engine_id, RankId(0, self.d_rank))
 
 
 @dataclass(frozen=True)
@@ -183,6 +188,11 @@ class Cancel:
     key: str
     d_request_id: str
     d_engine_id: str
+    d_rank: int = 0
+
+    @property
+    def sender(self) -> str:
+        return peer_key(self.d_engine_id, RankId(0, self.d_rank))
 
 
 @dataclass(frozen=True)
