@@ -133,6 +133,8 @@ class PrefillAnswer:
     remote_block_ids: tuple[int, ...]
     remote_num_tokens: int
     transfer_id: str | None
+    tp_size: int = 1  # the prefill engine's: decode derives its source ranks from it (``connector.ranks``)
+    pp_size: int = 1
 
     def to_params(self) -> dict[str, Any]:
         return {
@@ -143,8 +145,8 @@ class PrefillAnswer:
             "remote_request_id": self.remote_request_id,
             "remote_host": self.remote_host,
             "remote_port": self.remote_port,
-            "tp_size": 1,
-            "pp_size": 1,
+            "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
             "remote_num_tokens": self.remote_num_tokens,
             "transfer_mode": "push",
             "transfer_id": self.transfer_id,
