@@ -116,15 +116,18 @@ def prefill_slices(
 class _Request:
     sources: SourceSet
     legs: dict[str, Hashable]  # leg request id -> source
+    aborted: bool = False  # vLLM finished it while it waited: report it only once freed
 
 
 @dataclass(frozen=True)
 class FanInStep:
-    """What one leg event means for its request on this D rank."""
+    """What one leg event means for its request on this D rank (what the worker half is told)."""
 
     request_id: str
-    outcome: SourceOutcome
     cancel_legs: tuple[str, ...] = ()  # legs to cancel (the request failed while they were pending)
+    fail_now: bool = False  # report it failed now; its blocks stay held (a quarantine to the worker half)
+    finish: bool = False  # report it received: its blocks may be freed (no leg can land any more)
+    ok: bool = False  # with ``finish``: every leg's data landed (valid KV)
 
 
 @dataclass
@@ -166,6 +169,7 @@ class DecodeFanIn:
 
     def on_abort(self, request_id: str) -> FanInStep:
         req = self.requests[request_id]
+        req.aborted = True
         return self._step(request_id, req, req.sources.on_abort())
 
     def _step(self, request_id: str, req: _Request, outcome: SourceOutcome) -> FanInStep:
@@ -175,4 +179,10 @@ class DecodeFanIn:
             del self.requests[request_id]
             for leg in req.legs:
                 self.leg_of.pop(leg, None)
-        return FanInStep(request_id, outcome, cancel)
+        return FanInStep(
+            request_id,
+            cancel,
+            fail_now=outcome.failed and not req.aborted,
+            finish=outcome.freed,
+            ok=outcome.freed and req.sources.received and not req.aborted,
+        )

@@ -169,7 +169,6 @@ class TransferThread:
         self._rank = rank or RankInfo()  # this worker's rank in its engine (wire v3, ``connector.ranks``)
         self._leader = self._rank.rank == RankId(0, 0)  # request-level counters from the leader rank only
         self._fanin = DecodeFanIn()  # D: requests with several source ranks
-        self._aborted: set[str] = set()  # D: fanned-in requests vLLM finished while they waited
         self._fence: StepFence = fence or HostFence()
         self._gated: deque[_Gated] = deque()  # orders in submission order, the first maybe not ready yet
         self.engine_id = engine_id
@@ -344,7 +343,6 @@ class TransferThread:
                 self._register(cmd, now)
             case CancelOrder():
                 if cmd.request_id in self._fanin.requests:
-                    self._aborted.add(cmd.request_id)
                     self._fan_in(self._fanin.on_abort(cmd.request_id), now)
                 else:
                     self._perform(self._decode.on_abort(cmd.request_id, now), now)
@@ -396,14 +394,12 @@ class TransferThread:
         """D: a leg of a fanned-in request ended: report the request as its ``SourceSet`` decides."""
         for leg in step.cancel_legs:
             self._perform(self._decode.on_abort(leg, now), now)
-        out, request_id = step.outcome, step.request_id
-        if out.failed and request_id not in self._aborted:
-            self._pending.failed.add(request_id)  # fail now (and free only with ``freed``: a quarantine)
-        if out.freed:
-            self._pending.received.add(request_id)
-            if request_id in self._aborted or not out.received:
-                self._pending.failed.add(request_id)
-            self._aborted.discard(request_id)
+        if step.fail_now:
+            self._pending.failed.add(step.request_id)  # failed now, blocks held: a quarantine upstream
+        if step.finish:
+            self._pending.received.add(step.request_id)
+            if not step.ok:
+                self._pending.failed.add(step.request_id)
 
     def _on_peer_ready(self, cmd: _PeerReady, now: float) -> None:
         try:
