@@ -365,7 +365,8 @@ def compatibility_fields(
 
     From the config: model, model dtype, ``cache_dtype`` (e.g. ``auto``, ``fp8``), attention backend
     name, KV heads and head size, manager block size, vLLM version. From the tensors: layout, kernel
-    block size (states per block), head slots, content width, element dtype and page length. Two
+    block size (states per block), content width, element dtype and bytes per head per block (the same on
+    every rank: ranks of unequal TP pair; ``connector.ranks.prefill_slices`` checks each pair's geometry). Two
     engines that differ in any of these would read each other's blocks as garbage even where the byte
     counts agree (e.g. LBHNC vs LBNHC pages of equal size).
     """
@@ -379,11 +380,10 @@ def compatibility_fields(
         "kv_layout": g.layout,
         "num_kv_heads": str(num_kv_heads),
         "head_size": str(head_size),
-        "head_slots": str(g.num_heads),
         "block_size": str(block_size),
         "kernel_block_size": str(g.states_per_block),
         "page_content": str(g.content),
-        "page_bytes": str(g.block_len),
+        "head_page_bytes": str(g.block_len // max(1, g.num_heads)),  # equal on every rank, whatever the TP
         "vllm_version": vllm_version,
     }
 

@@ -292,9 +292,9 @@ class KVLayout:
     regions: tuple[Region, ...]
 
     def shape_signature(self) -> str:
-        """The parts of the layout that must be equal on P and D (addresses may differ)."""
-        lens = ",".join(str(r.block_len) for r in self.regions)
-        return f"{self.block_size}|{len(self.regions)}|{lens}"
+        """The parts of the layout that must be equal on every P and D rank (addresses may differ; block lengths
+        differ between ranks of unequal TP and are checked per pair by ``connector.ranks.prefill_slices``)."""
+        return f"{self.block_size}|{len(self.regions)}"
 
 
 def compatibility_hash(model_signature: str, layout: KVLayout) -> str:
