@@ -259,10 +259,10 @@ class PrefillRendezvous:
         entry = self.entries.get(cancel.key)
         ack = Send(cancel.sender, CancelAck(cancel.key, cancel.d_request_id))
         if entry is None:
-            self._add(
-                cancel.key,
-                PEntry(PState.CANCELLED, now + self.timeouts.lease_s, cancelled_d_request=cancel.d_request_id),
-            )
+            # A registration D sent before this Cancel may still arrive (notices can be reordered): its write
+            # deadline is under kv_timeout_s after it was sent, so a tombstone that long refuses it.
+            hold = max(self.timeouts.lease_s, self.timeouts.kv_timeout_s)
+            self._add(cancel.key, PEntry(PState.CANCELLED, now + hold, cancelled_d_request=cancel.d_request_id))
             self.counters[Tally.CANCELLED] += 1
             return [ack]
         reg = entry.registration
