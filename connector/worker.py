@@ -119,7 +119,9 @@ class WorkerHalf:
         total = int(self._vllm_config.model_config.get_total_num_kv_heads())
         heads = heads_of(self._rank.tp, self._tp, total)
         g = caches.geometry  # LBHNC: a block of a region is its heads one after the other
-        head_bytes = g.block_len // g.num_heads if g.num_heads == len(heads) and g.layout == "LBHNC" else 0
+        # Head slices need LBHNC pages without padding; otherwise only whole blocks (equal TP) can pair.
+        sliceable = g.num_heads == len(heads) and g.layout == "LBHNC" and g.block_len == g.page_bytes
+        head_bytes = g.page_bytes // g.num_heads if sliceable else 0
         return RankInfo(self._tp, self._pp, self._rank, total, heads, head_bytes, (0, len(caches.layers)))
 
     def _signature(self, caches: KVCaches) -> str:

@@ -19,6 +19,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 from connector.plugin import KvpushConnector, KvpushWorkerMeta, _dp_index
 from connector.scheduler import Ending, SchedulerHalf
+from connector.topology import RankId
 from connector.transfer_thread import Results
 from connector.worker import WorkerHalf
 
@@ -151,3 +152,32 @@ def test_the_side_channel_index_is_the_data_parallel_index_not_the_reset_rank() 
     """vLLM 0.32 resets data_parallel_rank to 0 for dense-model DP ranks (connector.kvcache.side_channel_port)."""
     assert _dp_index(SimpleNamespace(data_parallel_index=3, data_parallel_rank=0)) == 3
     assert _dp_index(SimpleNamespace(data_parallel_rank=2)) == 2
+
+
+def _tp_worker(tp: int, rank: int) -> WorkerHalf:
+    config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}, kv_buffer_device="cpu"),
+        cache_config=SimpleNamespace(block_size=16),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
+        model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 4),
+    )
+    return WorkerHalf(config, "p0", "127.0.0.1", 5610, rank=RankId(0, rank))
+
+
+def test_each_tp_worker_listens_on_its_rank_port_and_describes_its_heads() -> None:
+    assert [_tp_worker(4, r)._side_port for r in range(4)] == [5610, 5611, 5612, 5613]
+    caches = SimpleNamespace(
+        geometry=SimpleNamespace(layout="LBHNC", num_heads=2, block_len=2048, page_bytes=2048), layers=("l0", "l1")
+    )
+    info = _tp_worker(2, 1)._rank_info(caches)  # type: ignore[arg-type]
+    assert (info.tp_size, info.rank, info.num_kv_heads, info.heads, info.head_bytes) == (
+        2,
+        RankId(0, 1),
+        4,
+        (2, 3),
+        1024,
+    )
+    padded = SimpleNamespace(
+        geometry=SimpleNamespace(layout="LBHNC", num_heads=2, block_len=2560, page_bytes=2048), layers=("l0",)
+    )
+    assert _tp_worker(2, 0)._rank_info(padded).head_bytes == 0, "padded pages: whole blocks only"  # type: ignore[arg-type]
