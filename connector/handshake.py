@@ -206,6 +206,15 @@ class SideChannelServer:
                 conn.shutdown(socket.SHUT_RDWR)
 
 
+def mismatched_parallelism(payload: HandshakePayload, peer: PeerAddress) -> str:
+    """The refusal of a prefill whose TP/PP is not what the decode leg said (a wrong router configuration
+    would otherwise make decode wait for too few parts: wrong KV)."""
+    return (
+        f"prefill {payload.engine_id!r} runs tp_size {payload.rank.tp_size} pp_size {payload.rank.pp_size}, the "
+        f"decode leg said tp_size {peer.tp_size} pp_size {peer.pp_size} (check the router's tp/pp for this prefill)"
+    )
+
+
 class PeerLink:
     """Decode's link to one prefill instance (see the module docstring)."""
 
@@ -264,6 +273,8 @@ class PeerLink:
         payload = HandshakePayload.decode(reply[2:], expect_hash=self._expect_hash)
         if payload.engine_id != self.peer.engine_id:
             raise ProtocolError(f"peer is engine {payload.engine_id!r}, request named {self.peer.engine_id!r}")
+        if (payload.rank.tp_size, payload.rank.pp_size) != (self.peer.tp_size, self.peer.pp_size):
+            raise ProtocolError(mismatched_parallelism(payload, self.peer))
         if payload.rank.rank != self.peer.rank:
             raise ProtocolError(
                 f"peer {payload.engine_id!r} answered as rank {payload.rank.rank} on port {self.peer.port}, "

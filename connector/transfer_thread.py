@@ -169,6 +169,7 @@ class TransferThread:
         self._rank = rank or RankInfo()  # this worker's rank in its engine (wire v3, ``connector.ranks``)
         self._leader = self._rank.rank == RankId(0, 0)  # request-level counters from the leader rank only
         self._fanin = DecodeFanIn()  # D: requests with several source ranks
+        self._peer_ranks: dict[str, RankInfo] = {}  # D: each prefill rank's RankInfo from its handshake
         self._fence: StepFence = fence or HostFence()
         self._gated: deque[_Gated] = deque()  # orders in submission order, the first maybe not ready yet
         self.engine_id = engine_id
@@ -385,6 +386,11 @@ class TransferThread:
             self._pending.counters[Tally.FAILED] += self._leader
             self._perform([Received(cmd.request_id, ok=False)], now)  # no prefill rank knows our blocks
             return
+        known = [self._peer_ranks.get(peer.key) for _, peer in legs]
+        if any(r is not None and (r.tp_size, r.pp_size) != (cmd.peer.tp_size, cmd.peer.pp_size) for r in known):
+            logger.warning("request %s refused: the prefill's tp/pp is not what its decode leg says", cmd.request_id)
+            self._perform([Received(cmd.request_id, ok=False)], now)  # would wait for too few parts: wrong KV
+            return
         if len(legs) > 1:
             self._fanin.add(cmd.request_id, legs)
         for leg, peer in legs:
@@ -408,6 +414,7 @@ class TransferThread:
             logger.exception("could not load prefill agent %s", cmd.payload.peer_key)
             self._on_peer_lost(cmd.payload.peer_key, now)
             return
+        self._peer_ranks[cmd.payload.peer_key] = cmd.payload.rank
         self._perform(self._decode.on_peer_ready(cmd.payload.peer_key, cmd.clock_offset, now), now)
 
     def _on_peer_lost(self, engine_id: str, now: float, ended: Link | None = None) -> None:

@@ -77,6 +77,7 @@ class _Link:
             theirs.compat_hash != self.expect_hash
             or theirs.engine_id != self.peer.engine_id
             or theirs.rank.rank != self.peer.rank
+            or (theirs.rank.tp_size, theirs.rank.pp_size) != (self.peer.tp_size, self.peer.pp_size)
         ):
             self._end()
             return

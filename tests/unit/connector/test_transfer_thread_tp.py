@@ -227,3 +227,19 @@ def test_request_counters_come_from_the_leader_rank_only(engines: tuple[Engine, 
     p.released("p1")
     assert [r.results.counters["received"] for r in d.ranks] == [1, 0]  # request-level: the leader rank only
     assert [r.results.counters["writes_posted"] for r in p.ranks] == [1, 1]  # per-WRITE series: every rank
+
+
+@pytest.mark.parametrize("engines", [(2, 1)], indirect=True, ids=str)
+def test_a_decode_leg_that_misstates_the_prefills_tp_is_refused_not_half_received(
+    engines: tuple[Engine, Engine], model: np.ndarray
+) -> None:
+    """A router configured with tp 1 for a TP=2 prefill: D would take P rank 0's half of the heads for the whole
+    KV. The handshake refuses it (the payload states tp_size 2), so the request fails and nothing is written."""
+    p, d = engines
+    wrong = PeerAddress("P", "127.0.0.1", p.ranks[0].thread.side_port, tp_size=1)
+    for rank in p.ranks:
+        rank.thread.submit(PrefillFinished("p1", "t:1", P_BLOCKS, 32))
+    d.ranks[0].thread.submit(RegisterOrder("d1", "t:1", wrong, D_BLOCKS, 32))
+    wait_for(lambda: d.finished("d1"))
+    assert d.failed("d1")
+    assert not any(r.results.records for r in p.ranks) and not d.ranks[0].kv[0].any()
