@@ -53,6 +53,7 @@ class DecodeRendezvous:
 
     timeouts: Timeouts
     engine_id: str
+    d_rank: int = 0  # this D rank (its registrations and cancels name it)
     entries: dict[str, DEntry] = field(default_factory=dict)
     peers: dict[str, float] = field(default_factory=dict)  # P engine id -> min clock offset (P - D)
     counters: Counter[str] = field(default_factory=Counter)
@@ -81,7 +82,7 @@ class DecodeRendezvous:
             return []
         entry = DEntry(DState.PENDING_SEND, 0.0, key, peer, block_ids, num_tokens)
         self._put(request_id, entry, now + self.timeouts.connect_timeout_s)
-        if peer.engine_id in self.peers:
+        if peer.key in self.peers:
             return self._send_registration(request_id, entry, now)
         return [Connect(peer)]
 
@@ -91,8 +92,8 @@ class DecodeRendezvous:
             self.counters[Tally.DUPLICATE] += 1
             return []
         self.counters[Tally.CANCELLED] += 1
-        if peer.engine_id in self.peers:
-            return [Send(peer.engine_id, Cancel(key, request_id, self.engine_id))]
+        if peer.key in self.peers:
+            return [Send(peer.key, Cancel(key, request_id, self.engine_id, self.d_rank))]
         entry = DEntry(DState.PENDING_CANCEL, 0.0, key, peer, ())
         self._put(request_id, entry, now + self.timeouts.connect_timeout_s)
         return [Connect(peer)]
@@ -102,13 +103,13 @@ class DecodeRendezvous:
         self.peers[engine_id] = clock_offset
         actions: list[Action] = []
         for request_id, entry in list(self.entries.items()):
-            if entry.peer.engine_id != engine_id:
+            if entry.peer.key != engine_id:
                 continue
             if entry.state is DState.PENDING_SEND:
                 actions += self._send_registration(request_id, entry, now)
             elif entry.state is DState.PENDING_CANCEL:
                 del self.entries[request_id]
-                actions.append(Send(engine_id, Cancel(entry.key, request_id, self.engine_id)))
+                actions.append(Send(engine_id, Cancel(entry.key, request_id, self.engine_id, self.d_rank)))
         return actions
 
     def on_peer_lost(self, engine_id: str, now: float) -> list[Action]:
@@ -117,7 +118,7 @@ class DecodeRendezvous:
         self.peers.pop(engine_id, None)
         actions: list[Action] = []
         for request_id, entry in list(self.entries.items()):
-            if entry.peer.engine_id != engine_id:
+            if entry.peer.key != engine_id:
                 continue
             if entry.state is DState.PENDING_SEND:
                 self.counters[Tally.PEER_LOST] += 1
@@ -155,7 +156,7 @@ class DecodeRendezvous:
             return [self._leave(request_id, ok=False)]  # P never learnt our block ids
         if entry.state is DState.AWAITING_KV:
             entry.state = DState.CANCELLING  # keeps the hold deadline set at send time
-            return [Send(entry.peer.engine_id, Cancel(entry.key, request_id, self.engine_id))]
+            return [Send(entry.peer.key, Cancel(entry.key, request_id, self.engine_id, self.d_rank))]
         self.counters[Tally.DUPLICATE] += 1
         return []
 
@@ -209,10 +210,11 @@ class DecodeRendezvous:
             d_request_id=request_id,
             d_engine_id=self.engine_id,
             block_ids=entry.block_ids,
-            write_deadline=last_write_d + self.peers[entry.peer.engine_id],
+            write_deadline=last_write_d + self.peers[entry.peer.key],
             num_tokens=entry.num_tokens,
+            d_rank=self.d_rank,
         )
-        return [Send(entry.peer.engine_id, reg)]
+        return [Send(entry.peer.key, reg)]
 
     def _put(self, request_id: str, entry: DEntry, deadline: float) -> None:
         self.entries[request_id] = entry

@@ -190,7 +190,7 @@ class SideChannelServer:
             peer = HandshakePayload.decode(recv_frame(conn), expect_hash=self._expect_hash)
             self._on_peer(peer)  # returns once the transfer thread loaded the agent
             send_frame(conn, b"OK" + self._local_payload().encode())
-            return peer.engine_id
+            return peer.peer_key  # one rank of the peer engine
         except (ProtocolError, OSError, ConnectionError, TimeoutError) as exc:
             logger.warning("side-channel handshake refused: %s", exc)
             with contextlib.suppress(OSError):
@@ -204,6 +204,15 @@ class SideChannelServer:
         for conn in list(self._links):
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
+
+
+def mismatched_parallelism(payload: HandshakePayload, peer: PeerAddress) -> str:
+    """The refusal of a prefill whose TP/PP is not what the decode leg said (a wrong router configuration
+    would otherwise make decode wait for too few parts: wrong KV)."""
+    return (
+        f"prefill {payload.engine_id!r} runs tp_size {payload.rank.tp_size} pp_size {payload.rank.pp_size}, the "
+        f"decode leg said tp_size {peer.tp_size} pp_size {peer.pp_size} (check the router's tp/pp for this prefill)"
+    )
 
 
 class PeerLink:
@@ -230,7 +239,7 @@ class PeerLink:
         self._clock = clock
         self._sock: socket.socket | None = None
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"kvpush-link-{peer.engine_id}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"kvpush-link-{peer.key}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -240,14 +249,14 @@ class PeerLink:
             payload, offset = self._handshake()
         except (ProtocolError, OSError, ConnectionError, TimeoutError) as exc:
             logger.warning("handshake with %s:%d failed: %s", self.peer.host, self.peer.port, exc)
-            self._on_lost(self.peer.engine_id)
+            self._on_lost(self.peer.key)
             return
         self._on_ready(payload, offset)
         assert self._sock is not None
         why = watch_link(self._sock, self._liveness, self._clock, self._closed)
         if not self._closed.is_set():
-            logger.warning("side-channel link to prefill %s lost: %s", self.peer.engine_id, why)
-        self._on_lost(self.peer.engine_id)
+            logger.warning("side-channel link to prefill %s lost: %s", self.peer.key, why)
+        self._on_lost(self.peer.key)
 
     def _handshake(self) -> tuple[HandshakePayload, float]:
         sock = socket.create_connection((self.peer.host, self.peer.port), timeout=self._timeout_s)
@@ -264,6 +273,13 @@ class PeerLink:
         payload = HandshakePayload.decode(reply[2:], expect_hash=self._expect_hash)
         if payload.engine_id != self.peer.engine_id:
             raise ProtocolError(f"peer is engine {payload.engine_id!r}, request named {self.peer.engine_id!r}")
+        if (payload.rank.tp_size, payload.rank.pp_size) != (self.peer.tp_size, self.peer.pp_size):
+            raise ProtocolError(mismatched_parallelism(payload, self.peer))
+        if payload.rank.rank != self.peer.rank:
+            raise ProtocolError(
+                f"peer {payload.engine_id!r} answered as rank {payload.rank.rank} on port {self.peer.port}, "
+                f"expected rank {self.peer.rank} (side-channel ports: rank-0 port + pp * tp_size + tp)"
+            )
         # The peer read its clock before we read t1: (peer - local) >= payload.clock - t1.
         return payload, payload.clock - t1
 

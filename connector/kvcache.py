@@ -72,19 +72,18 @@ class KVCacheUnsupported(ValueError):
 def check_parallelism(
     *, tensor_parallel_size: int, pipeline_parallel_size: int = 1, decode_context_parallel_size: int = 1
 ) -> None:
-    """Refuse what one P rank -> one D rank block copies cannot serve (call from the connector's
-    ``__init__``, both roles). Data parallelism is fine: each DP rank is its own engine (give each its
-    own side-channel port: ``side_channel_port``)."""
-    if tensor_parallel_size != 1:
-        raise KVCacheUnsupported(
-            f"kvpush supports tensor_parallel_size=1 only (got {tensor_parallel_size}): with TP each rank holds "
-            "a shard of the KV heads and would have to WRITE it to the matching decode rank, which kvpush does "
-            "not do; run one engine per GPU (data parallel) or use vLLM's NixlConnector"
-        )
+    """Refuse what kvpush cannot transfer (call from the connector's ``__init__``, both roles).
+
+    Tensor parallelism is served rank by rank (``connector.ranks``: P_tp = D_tp and P_tp > D_tp; P_tp < D_tp is
+    refused per request). Data parallelism is fine: each DP rank is its own engine with its own ports
+    (``side_channel_port``)."""
+    if tensor_parallel_size < 1:
+        raise KVCacheUnsupported(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
     if pipeline_parallel_size != 1:
         raise KVCacheUnsupported(
-            f"kvpush supports pipeline_parallel_size=1 only (got {pipeline_parallel_size}): each stage holds "
-            "other layers and kvpush pairs one prefill worker with one decode worker"
+            f"kvpush supports pipeline_parallel_size=1 only (got {pipeline_parallel_size}): pushing from pipeline "
+            "stages (each stage WRITEs its own layers) is not wired yet; use tensor parallelism or vLLM's "
+            "NixlConnector"
         )
     if decode_context_parallel_size != 1:
         raise KVCacheUnsupported(
@@ -93,19 +92,27 @@ def check_parallelism(
         )
 
 
-def side_channel_port(base_port: int, dp_rank: int) -> int:
-    """The side-channel port of data-parallel rank ``dp_rank``: ``base_port + dp_rank`` (as upstream),
-    so DP ranks on one host do not collide. The router/launcher must use the same rule.
+def side_channel_port(base_port: int, dp_rank: int, world_size: int = 1) -> int:
+    """The side-channel port of rank (0, 0) of data-parallel engine ``dp_rank``: ``base_port + dp_rank *
+    world_size`` with ``world_size = tensor_parallel_size * pipeline_parallel_size``. Rank ``(pp, tp)`` of the
+    engine listens on that port ``+ pp * tensor_parallel_size + tp`` (``connector.ranks.rank_port``), so the
+    ports of an engine's ranks are consecutive and DP engines on one host do not collide. With TP = PP = 1 this
+    is ``base_port + dp_rank``, as upstream. A router or launcher naming the port of a DP engine with TP > 1
+    must use the same rule (the prefill's own answer states its rank-0 port).
 
     Pass vLLM's ``parallel_config.data_parallel_index``, not ``data_parallel_rank``: vLLM 0.32 runs
     the DP ranks of a dense (non-MoE) model as independent engines and resets their
     ``data_parallel_rank`` to 0 (``reconfigure_for_independent_dp_rank``); only the index keeps
     the rank."""
-    if dp_rank < 0:
-        raise ValueError(f"data-parallel rank must be >= 0, got {dp_rank}")
-    port = base_port + dp_rank
-    if not 0 < port < 65536:
-        raise ValueError(f"side-channel port {base_port} + DP rank {dp_rank} = {port} is not a TCP port")
+    if dp_rank < 0 or world_size < 1:
+        raise ValueError(f"data-parallel rank must be >= 0 and world size >= 1, got {dp_rank} and {world_size}")
+    port = base_port + dp_rank * world_size
+    last = port + world_size - 1
+    if not (port > 0 and last < 65536):
+        raise ValueError(
+            f"side-channel ports {port}..{last} (base {base_port} + DP rank {dp_rank} x world {world_size}) "
+            "are not TCP ports"
+        )
     return port
 
 
@@ -358,7 +365,8 @@ def compatibility_fields(
 
     From the config: model, model dtype, ``cache_dtype`` (e.g. ``auto``, ``fp8``), attention backend
     name, KV heads and head size, manager block size, vLLM version. From the tensors: layout, kernel
-    block size (states per block), head slots, content width, element dtype and page length. Two
+    block size (states per block), content width, element dtype and bytes per head per block (the same on
+    every rank: ranks of unequal TP pair; ``connector.ranks.prefill_slices`` checks each pair's geometry). Two
     engines that differ in any of these would read each other's blocks as garbage even where the byte
     counts agree (e.g. LBHNC vs LBNHC pages of equal size).
     """
@@ -372,11 +380,10 @@ def compatibility_fields(
         "kv_layout": g.layout,
         "num_kv_heads": str(num_kv_heads),
         "head_size": str(head_size),
-        "head_slots": str(g.num_heads),
         "block_size": str(block_size),
         "kernel_block_size": str(g.states_per_block),
         "page_content": str(g.content),
-        "page_bytes": str(g.block_len),
+        "head_page_bytes": str(g.block_len // max(1, g.num_heads)),  # equal on every rank, whatever the TP
         "vllm_version": vllm_version,
     }
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from connector.layout import pair_blocks
 from connector.metadata import HandshakePayload, KVLayout
+from connector.topology import Slice
 from connector.transfer import TransferError, WriteState, WriteTicket
 
 
@@ -61,6 +62,7 @@ class _Peer:
     layout: KVLayout
     metadata: bytes
     writable: bool = True  # False: loaded for notices only (add_peer(writes_to=False)), a WRITE is refused
+    slices: tuple[Slice, ...] | None = None  # a TP leg: only these byte ranges of each block
 
 
 class MemoryBackend:
@@ -99,13 +101,15 @@ class MemoryBackend:
     def agent_metadata(self) -> bytes:
         return f"{self._name}|{self.incarnation}".encode()
 
-    def add_peer(self, payload: HandshakePayload, *, writes_to: bool = True) -> None:
+    def add_peer(
+        self, payload: HandshakePayload, *, writes_to: bool = True, slices: tuple[Slice, ...] | None = None
+    ) -> None:
         name = payload.agent_metadata.decode().split("|")[0]
         if name not in self.fabric.agents:
             raise TransferError(f"no agent {payload.agent_name!r} on the fabric")
         known = self.peers.get(payload.agent_name)
         writes_to = writes_to or (known is not None and known.metadata == payload.agent_metadata and known.writable)
-        self.peers[payload.agent_name] = _Peer(payload.layout, payload.agent_metadata, writes_to)
+        self.peers[payload.agent_name] = _Peer(payload.layout, payload.agent_metadata, writes_to, slices)
 
     def remove_peer(self, agent_name: str) -> None:
         self.peers.pop(agent_name, None)
@@ -140,10 +144,12 @@ class MemoryBackend:
             raise TransferError(f"WRITE to notices-only agent {agent_name!r}")
         remote = self.peers[agent_name].layout
         local_blocks, remote_blocks = pair_blocks(local_blocks, remote_blocks)
+        slices = self.peers[agent_name].slices
         pairs = [
-            (lr.base + lb * lr.block_len, rr.base + rb * rr.block_len, lr.block_len)
+            (lr.base + lb * lr.block_len + s.src, rr.base + rb * rr.block_len + s.dst, s.length)
             for lr, rr in zip(self.layout.regions, remote.regions, strict=True)
             for lb, rb in zip(local_blocks, remote_blocks, strict=True)
+            for s in (slices or (Slice(0, 0, lr.block_len),))
         ]
         n = max(1, min(self.subrequests, len(pairs)))
         parts = [_Part(pairs[i::n], self.polls_before_done, self.fail_writes) for i in range(n)]

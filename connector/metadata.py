@@ -23,6 +23,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
+from connector.topology import RankId
+
 # History:
 #   1  first version: Registration / Cancel / CancelAck / Failure / Done notices, JSON bodies,
 #      handshake with regions + clock sample, pairing key "t:<transfer_id>" or "r:<base request id>".
@@ -30,7 +32,11 @@ from typing import Any, ClassVar
 #      cannot fill; Failure carries ``quarantine`` (D fails the request now but holds its blocks until
 #      its hold deadline: a WRITE P could not release may still land); agent names are unique per
 #      incarnation; the side channel carries heartbeats after the handshake.
-PROTOCOL_VERSION = 2
+#   3  tensor/pipeline parallelism: the handshake payload carries the sender's ``RankInfo`` (TP and PP sizes,
+#      its rank, the model's total KV heads, the heads it holds, bytes per head per block, its layer window);
+#      ``Registration`` carries the D rank (``d_rank``); each rank listens on its own side-channel port
+#      (``connector.kvcache.side_channel_port``) and a peer is known per (engine, rank).
+PROTOCOL_VERSION = 3
 
 NOTICE_PREFIX = b"kvpush:"
 
@@ -127,6 +133,8 @@ class PrefillAnswer:
     remote_block_ids: tuple[int, ...]
     remote_num_tokens: int
     transfer_id: str | None
+    tp_size: int = 1  # the prefill engine's: decode derives its source ranks from it (``connector.ranks``)
+    pp_size: int = 1
 
     def to_params(self) -> dict[str, Any]:
         return {
@@ -137,8 +145,8 @@ class PrefillAnswer:
             "remote_request_id": self.remote_request_id,
             "remote_host": self.remote_host,
             "remote_port": self.remote_port,
-            "tp_size": 1,
-            "pp_size": 1,
+            "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
             "remote_num_tokens": self.remote_num_tokens,
             "transfer_mode": "push",
             "transfer_id": self.transfer_id,
@@ -166,6 +174,12 @@ class Registration:
     block_ids: tuple[int, ...]
     write_deadline: float
     num_tokens: int  # D's prompt length: P refuses blocks that cannot hold exactly this prompt
+    d_rank: int = 0  # the D rank whose blocks these are
+
+    @property
+    def sender(self) -> str:
+        """The D rank's peer key (its agent on P)."""
+        return peer_key(self.d_engine_id, RankId(0, self.d_rank))
 
 
 @dataclass(frozen=True)
@@ -176,6 +190,11 @@ class Cancel:
     key: str
     d_request_id: str
     d_engine_id: str
+    d_rank: int = 0
+
+    @property
+    def sender(self) -> str:
+        return peer_key(self.d_engine_id, RankId(0, self.d_rank))
 
 
 @dataclass(frozen=True)
@@ -273,15 +292,57 @@ class KVLayout:
     regions: tuple[Region, ...]
 
     def shape_signature(self) -> str:
-        """The parts of the layout that must be equal on P and D (addresses may differ)."""
-        lens = ",".join(str(r.block_len) for r in self.regions)
-        return f"{self.block_size}|{len(self.regions)}|{lens}"
+        """The parts of the layout that must be equal on every P and D rank (addresses may differ; block lengths
+        differ between ranks of unequal TP and are checked per pair by ``connector.ranks.prefill_slices``)."""
+        return f"{self.block_size}|{len(self.regions)}"
 
 
 def compatibility_hash(model_signature: str, layout: KVLayout) -> str:
     """Hash of everything that must match between P and D before any block id is trusted."""
     text = f"kvpush/{PROTOCOL_VERSION}|{model_signature}|{layout.shape_signature()}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where the sender sits in its engine and which part of the model's KV its blocks hold (wire v3).
+
+    A block of one region of this rank holds ``len(heads)`` KV heads of ``head_bytes`` bytes each, in the
+    order of ``heads`` (LBHNC); the rank holds the layers ``[layers[0], layers[1])`` (its PP stage).
+    ``num_kv_heads``/``head_bytes`` 0 and ``heads`` empty: not described (whole blocks only)."""
+
+    tp_size: int = 1
+    pp_size: int = 1
+    rank: RankId = field(default_factory=lambda: RankId(0, 0))
+    num_kv_heads: int = 0  # the model's total KV heads
+    heads: tuple[int, ...] = ()
+    head_bytes: int = 0
+    layers: tuple[int, int] = (0, 0)
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.pp_size < 1:
+            raise ProtocolError(f"tp_size and pp_size must be >= 1, got {self.tp_size} and {self.pp_size}")
+        if not (0 <= self.rank.tp < self.tp_size and 0 <= self.rank.pp < self.pp_size):
+            raise ProtocolError(f"rank {self.rank} outside tp_size {self.tp_size} x pp_size {self.pp_size}")
+
+    @property
+    def world(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @classmethod
+    def from_json(cls, body: Any) -> RankInfo:
+        if not isinstance(body, dict):
+            raise ProtocolError("handshake payload: rank is not an object")
+        rank = body.get("rank") or {}
+        return cls(
+            tp_size=int(body["tp_size"]),
+            pp_size=int(body["pp_size"]),
+            rank=RankId(int(rank["pp"]), int(rank["tp"])),
+            num_kv_heads=int(body.get("num_kv_heads", 0)),
+            heads=tuple(int(h) for h in body.get("heads", ())),
+            head_bytes=int(body.get("head_bytes", 0)),
+            layers=(int(body["layers"][0]), int(body["layers"][1])),
+        )
 
 
 @dataclass(frozen=True)
@@ -295,6 +356,12 @@ class HandshakePayload:
     agent_metadata: bytes
     layout: KVLayout
     clock: float = field(default=0.0)  # sender's time.monotonic() when it built the payload
+    rank: RankInfo = field(default_factory=RankInfo)  # wire v3: the sender's rank and head layout
+
+    @property
+    def peer_key(self) -> str:
+        """How the receiver knows this sender: ``peer_key(engine_id, rank)``."""
+        return peer_key(self.engine_id, self.rank.rank)
 
     def encode(self) -> bytes:
         body = asdict(self)
@@ -332,8 +399,9 @@ class HandshakePayload:
                     regions=tuple(Region(**r) for r in layout["regions"]),
                 ),
                 clock=float(body.get("clock", 0.0)),
+                rank=RankInfo.from_json(body["rank"]),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ProtocolError(f"malformed handshake payload: {exc!r}") from exc
 
 
@@ -342,13 +410,28 @@ class HandshakePayload:
 # --------------------------------------------------------------------------------------------
 
 
+def peer_key(engine_id: str, rank: RankId) -> str:
+    """How one rank of a peer engine is known (agents, links, notices): the engine id for rank (0, 0), so a
+    TP = PP = 1 peer is named as before, else ``<engine>#pp<p>tp<t>``."""
+    return engine_id if rank == RankId(0, 0) else f"{engine_id}#pp{rank.pp}tp{rank.tp}"
+
+
 @dataclass(frozen=True)
 class PeerAddress:
-    """Where a prefill instance's side channel listens, and who it claims to be."""
+    """Where a prefill engine's side channel listens (its rank (0, 0): the router's ``remote_port``), who it
+    claims to be, its parallelism as the decode leg states it (``tp_size``/``pp_size``), and which of its
+    ranks this address reaches (``rank``; ``port`` is then that rank's own port)."""
 
     engine_id: str
     host: str
     port: int
+    tp_size: int = 1
+    pp_size: int = 1
+    rank: RankId = field(default_factory=lambda: RankId(0, 0))
+
+    @property
+    def key(self) -> str:
+        return peer_key(self.engine_id, self.rank)
 
 
 @dataclass(frozen=True)

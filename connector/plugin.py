@@ -7,12 +7,15 @@ Launch (P and D differ only in ``kv_role`` and ``engine_id``)::
                            "kv_role":"kv_producer","engine_id":"p0","kv_buffer_device":"cpu"}'
 
 The side channel listens on ``VLLM_NIXL_SIDE_CHANNEL_HOST``:``VLLM_NIXL_SIDE_CHANNEL_PORT`` (the same
-variables as upstream NIXL, so routers and launchers need no change). TP = PP = 1 only.
+variables as upstream NIXL, so routers and launchers need no change): the port of rank (0, 0) of DP engine ``i`` is
+``base + i * TP * PP``, rank ``(pp, tp)`` adds ``pp * TP + tp`` (``connector.kvcache.side_channel_port``,
+``connector.ranks``). TP > 1 is served rank by rank; PP > 1 is refused at startup.
 """
 
 from __future__ import annotations
 
 import os
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -58,15 +61,23 @@ class KvpushMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 
 class KvpushWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
-    """Worker -> scheduler, per step: the receives the worker quarantined in this step (reported
-    failed and finished so vLLM fails them now; the scheduler half withholds the finish)."""
+    """Worker -> scheduler, per step, summed over ranks by vLLM's aggregator: per receive, how many ranks
+    quarantined it in this step (reported failed and finished so vLLM fails it now; the scheduler half
+    withholds the finish) and how many lifted a quarantine (its blocks freed); the receives any rank failed."""
 
-    def __init__(self, quarantined: frozenset[str]) -> None:
+    def __init__(
+        self, quarantined: Counter[str], lifted: Counter[str] | None = None, failed: frozenset[str] = frozenset()
+    ) -> None:
         self.quarantined = quarantined
+        self.lifted = lifted if lifted is not None else Counter()
+        self.failed = failed
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        theirs = other.quarantined if isinstance(other, KvpushWorkerMeta) else frozenset()
-        return KvpushWorkerMeta(self.quarantined | theirs)
+        if not isinstance(other, KvpushWorkerMeta):
+            return self
+        return KvpushWorkerMeta(
+            self.quarantined + other.quarantined, self.lifted + other.lifted, self.failed | other.failed
+        )
 
 
 def _dp_index(parallel: Any) -> int:
@@ -75,10 +86,11 @@ def _dp_index(parallel: Any) -> int:
     return int(getattr(parallel, "data_parallel_index", getattr(parallel, "data_parallel_rank", 0)) or 0)
 
 
-def _side_channel(dp_rank: int) -> tuple[str, int]:
-    """Host and port of this engine's side channel: the base port plus the data-parallel rank."""
+def _side_channel(dp_rank: int, world_size: int = 1) -> tuple[str, int]:
+    """Host and rank-0 port of this engine's side channel: base + DP index x world size."""
     host = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
-    return host, side_channel_port(int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600")), dp_rank)
+    base = int(os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT", "5600"))
+    return host, side_channel_port(base, dp_rank, world_size)
 
 
 class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vllm is untyped for mypy here
@@ -91,14 +103,22 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vllm is unty
             decode_context_parallel_size=getattr(parallel, "decode_context_parallel_size", 1),
         )
         engine_id = str(vllm_config.kv_transfer_config.engine_id)
-        host, port = _side_channel(_dp_index(parallel))
+        tp, pp = int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
+        host, port = _side_channel(_dp_index(parallel), tp * pp)  # the engine's rank-0 port
         self._scheduler: SchedulerHalf | None = None
         self._worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
             options = Options.from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
             block_size = int(vllm_config.cache_config.block_size)
             self._scheduler = SchedulerHalf(
-                engine_id, host, port, block_size, options.early_write, progressive=options.progressive
+                engine_id,
+                host,
+                port,
+                block_size,
+                options.early_write,
+                progressive=options.progressive,
+                tp_size=tp,
+                pp_size=pp,
             )
         else:
             self._worker = WorkerHalf(vllm_config, engine_id, host, port)
@@ -121,13 +141,21 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vllm is unty
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
         meta = connector_output.kv_connector_worker_meta
-        quarantined = meta.quarantined if isinstance(meta, KvpushWorkerMeta) else frozenset()
+        if not isinstance(meta, KvpushWorkerMeta):
+            meta = KvpushWorkerMeta(Counter())
         withheld = self._scheduler.update_connector_output(
-            connector_output.finished_recving or (), connector_output.finished_sending or (), quarantined
+            connector_output.finished_recving or (),
+            connector_output.finished_sending or (),
+            meta.quarantined,
+            meta.lifted,
+            meta.failed,
         )
         if withheld and connector_output.finished_recving:
             # vLLM reads finished_recving after this hook: a quarantined request's blocks stay held.
             connector_output.finished_recving.difference_update(withheld)
+        lifted = self._scheduler.take_lifted()
+        if lifted:  # every rank freed a quarantined receive: vLLM may free its blocks now
+            connector_output.finished_recving = set(connector_output.finished_recving or ()) | lifted
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
@@ -172,8 +200,10 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vllm is unty
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self._worker is None:
             return None
-        quarantined = self._worker.take_quarantined()
-        return KvpushWorkerMeta(quarantined) if quarantined else None
+        quarantined, lifted, failed = self._worker.take_report()
+        if not (quarantined or lifted or failed):
+            return None
+        return KvpushWorkerMeta(Counter(quarantined), Counter(lifted), failed)
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         return self._worker.take_stats() if self._worker is not None else None

@@ -257,12 +257,12 @@ class PrefillRendezvous:
 
     def on_cancel(self, cancel: Cancel, now: float) -> list[Action]:
         entry = self.entries.get(cancel.key)
-        ack = Send(cancel.d_engine_id, CancelAck(cancel.key, cancel.d_request_id))
+        ack = Send(cancel.sender, CancelAck(cancel.key, cancel.d_request_id))
         if entry is None:
-            self._add(
-                cancel.key,
-                PEntry(PState.CANCELLED, now + self.timeouts.lease_s, cancelled_d_request=cancel.d_request_id),
-            )
+            # A registration D sent before this Cancel may still arrive (notices can be reordered): its write
+            # deadline is under kv_timeout_s after it was sent, so a tombstone that long refuses it.
+            hold = max(self.timeouts.lease_s, self.timeouts.kv_timeout_s)
+            self._add(cancel.key, PEntry(PState.CANCELLED, now + hold, cancelled_d_request=cancel.d_request_id))
             self.counters[Tally.CANCELLED] += 1
             return [ack]
         reg = entry.registration
@@ -293,7 +293,7 @@ class PrefillRendezvous:
         actions: list[Action] = [Release(entry.request_id)]
         self.counters[Tally.WRITTEN] += 1
         if entry.cancel_pending:
-            actions.append(Send(reg.d_engine_id, CancelAck(key, reg.d_request_id)))
+            actions.append(Send(reg.sender, CancelAck(key, reg.d_request_id)))
         self._finish(key, entry, PState.DONE, now)
         return actions
 
@@ -333,7 +333,7 @@ class PrefillRendezvous:
         """D's link is gone: drop registrations waiting for a prefill (nothing will be written)."""
         for key, entry in self.entries.items():
             reg = entry.registration
-            if entry.state is PState.AWAIT_PREFILL and reg is not None and reg.d_engine_id == engine_id:
+            if entry.state is PState.AWAIT_PREFILL and reg is not None and reg.sender == engine_id:
                 self._finish(key, entry, PState.DONE, now)
                 self.counters[Tally.PEER_LOST] += 1
         return []
@@ -356,7 +356,7 @@ class PrefillRendezvous:
         if entry.cancel_pending:
             return [
                 *self._cancel_now(key, entry, reg.d_request_id, now),
-                Send(reg.d_engine_id, CancelAck(key, reg.d_request_id)),
+                Send(reg.sender, CancelAck(key, reg.d_request_id)),
             ]
         if entry.state is PState.PUSHING:
             entry.state = PState.AWAIT_PREFILL
@@ -447,7 +447,7 @@ class PrefillRendezvous:
             if not local:  # every block already landed: Done alone (nothing is in flight)
                 self.counters[Tally.WRITTEN] += 1
                 self._finish(key, entry, PState.DONE, now)
-                return [Release(request_id), Send(reg.d_engine_id, Done(key, reg.d_request_id))]
+                return [Release(request_id), Send(reg.sender, Done(key, reg.d_request_id))]
         entry.state = PState.WRITING
         entry.writes += 1
         self._set_deadline(key, entry, now + self.timeouts.write_timeout_s)
@@ -501,4 +501,4 @@ class PrefillRendezvous:
 
     @staticmethod
     def _fail(reg: Registration, reason: str, quarantine: bool = False) -> Send:
-        return Send(reg.d_engine_id, Failure(reg.key, reg.d_request_id, reason, quarantine))
+        return Send(reg.sender, Failure(reg.key, reg.d_request_id, reason, quarantine))

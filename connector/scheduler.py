@@ -15,8 +15,11 @@ Bookkeeping (all keyed by vLLM request id):
   ``finished_recving`` frees the blocks, at once or at the quarantine's hold deadline); any other
   error just waits for the transfer's own end (Done, Failure, link loss or deadline), blocks held.
   A quarantined receive is reported failed and finished at once (so vLLM fails the request now);
-  ``update_connector_output`` withholds that finish from vLLM and keeps the id here until the
-  worker's second finish at the hold deadline, so vLLM frees the blocks only then.
+  ``update_connector_output`` withholds that finish from vLLM and keeps the id here until every rank
+  that quarantined it lifted it (its blocks freed at its hold deadline: ``lifted`` in the workers'
+  metadata, never a second finish, which vLLM's per-rank count could not complete when ranks end a
+  request differently); ``take_lifted`` hands the finish to vLLM then (``plugin`` adds it to
+  ``finished_recving``). Under TP a failure on one rank is turned into a cancel on every rank.
 * ``_cancelling`` (decode): the finished subset of ``_awaiting``; keeps the engine stepping.
 * ``_p_legs`` (prefill): prefill legs seen in scheduling: pairing key and prompt length.
 * ``_completing`` (prefill, guarantee G10): legs whose last prompt token was scheduled in a step;
@@ -36,7 +39,8 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -106,8 +110,15 @@ class SchedulerHalf:
         early_write: bool = True,
         *,
         progressive: bool = False,
+        tp_size: int = 1,
+        pp_size: int = 1,
     ) -> None:
         self.engine_id = engine_id
+        self.tp_size, self.pp_size = tp_size, pp_size  # this engine's; answered to the router
+        self._quarantines: Counter[str] = Counter()  # D: ranks still holding a quarantined receive
+        self._withheld: set[str] = set()  # D: aggregated finishes kept from vLLM until every rank lifted
+        self._lifted: set[str] = set()  # D: finishes to hand to vLLM now (``take_lifted``)
+        self._failing: set[str] = set()  # D: failed on some rank, cancelled on every rank
         self.side_host, self.side_port = side_host, side_port
         self._block_size = block_size
         self._early_write = early_write
@@ -139,12 +150,9 @@ class SchedulerHalf:
         leg = DecodeLeg.parse(params) if num_external_tokens > 0 else None
         if leg is None or params is None:
             return
-        if leg.tp_size != 1 or leg.pp_size != 1:
-            logger.warning(
-                "request %s: prefill tp/pp %d/%d > 1 is not supported", request.request_id, leg.tp_size, leg.pp_size
-            )
         key = pairing_key(leg.transfer_id, request.request_id)
-        peer = PeerAddress(leg.remote_engine_id, leg.remote_host, leg.remote_port)
+        # Each worker rank works out which prefill ranks it registers with (``connector.ranks``).
+        peer = PeerAddress(leg.remote_engine_id, leg.remote_host, leg.remote_port, leg.tp_size, leg.pp_size)
         # Only the blocks without a local prefix-cache hit: prefill writes exactly these (tail-aligned).
         block_ids = tuple(blocks.get_unhashed_block_ids())
         num_tokens = len(request.prompt_token_ids or ())
@@ -161,28 +169,57 @@ class SchedulerHalf:
         return plan
 
     def update_connector_output(
-        self, finished_recving: Iterable[str], finished_sending: Iterable[str], quarantined: Iterable[str] = ()
+        self,
+        finished_recving: Iterable[str],
+        finished_sending: Iterable[str],
+        quarantined: Mapping[str, int] | Iterable[str] = (),
+        lifted: Mapping[str, int] | Iterable[str] = (),
+        failed: Iterable[str] = (),
     ) -> set[str]:
         """Apply the workers' reports; return the ids ``plugin`` must strip from vLLM's ``finished_recving``.
 
-        ``quarantined``: receives the worker reported failed and finished in this step only so that vLLM
-        passes the failure on now (its output aggregator holds a failure back until the finish). Their
-        blocks stay held (withheld from vLLM's finish, request kept in ``_awaiting``) until the worker
-        reports them finished again without quarantine: at the hold deadline (G2, G3).
+        ``quarantined``: receives a rank reported failed and finished in this step only so that vLLM passes
+        the failure on now (its output aggregator holds a failure back until every rank finished); with the
+        number of ranks. Their blocks stay held (the aggregated finish withheld, request kept in ``_awaiting``)
+        until as many ranks ``lifted`` them (at their hold deadlines, G2, G3); ``take_lifted`` then hands the
+        finish to vLLM. ``failed``: receives any rank failed in this step; with several ranks each is cancelled
+        on every rank at once (the others stop waiting for their own parts).
         """
-        held_back = set(quarantined)
+        self._quarantines.update({r: n for r, n in Counter(quarantined).items() if r in self._awaiting})
+        self._quarantines.subtract(Counter(lifted))
+        for request_id in [r for r, n in self._quarantines.items() if n <= 0]:
+            del self._quarantines[request_id]
+            if request_id in self._withheld:
+                self._withheld.discard(request_id)
+                self._lifted.add(request_id)
+                self._finish_receive(request_id)
         withheld: set[str] = set()
         for request_id in finished_recving:
-            if request_id in held_back:
+            if request_id in self._quarantines:
                 withheld.add(request_id)
+                self._withheld.add(request_id)
                 continue
-            self._awaiting.discard(request_id)
-            self._cancelling.discard(request_id)
+            self._finish_receive(request_id)
+        if self.tp_size * self.pp_size > 1:
+            for request_id in failed:
+                if request_id in self._awaiting and request_id not in self._failing | self._cancelling:
+                    self._failing.add(request_id)
+                    self._plan.cancel.append(request_id)
         for request_id in finished_sending:
             self._held.discard(request_id)
             self._completing.discard(request_id)
             self._progressing.discard(request_id)
         return withheld
+
+    def take_lifted(self) -> set[str]:
+        """Quarantined receives every rank has now freed: add them to vLLM's ``finished_recving``."""
+        lifted, self._lifted = self._lifted, set()
+        return lifted
+
+    def _finish_receive(self, request_id: str) -> None:
+        self._awaiting.discard(request_id)
+        self._cancelling.discard(request_id)
+        self._failing.discard(request_id)
 
     def request_finished(
         self, request: RequestView, block_ids: list[int], ending: Ending
@@ -190,7 +227,7 @@ class SchedulerHalf:
         request_id = request.request_id
         if request_id in self._awaiting:
             self._cancelling.add(request_id)
-            if ending is not Ending.ERROR:
+            if ending is not Ending.ERROR and request_id not in self._failing:
                 self._plan.cancel.append(request_id)
             return False, None  # vLLM holds the blocks until we report the request received
         self._cancel_unallocated(request)
@@ -217,7 +254,7 @@ class SchedulerHalf:
         return True, answer.to_params()
 
     def has_pending_push_work(self) -> bool:
-        return bool(self._held or self._cancelling or not self._plan.is_empty())
+        return bool(self._held or self._cancelling or self._quarantines or self._lifted or not self._plan.is_empty())
 
     # ---- helpers -------------------------------------------------------------------------
 
@@ -230,6 +267,8 @@ class SchedulerHalf:
             remote_block_ids=tuple(block_ids),
             remote_num_tokens=request.num_computed_tokens,
             transfer_id=transfer_id,
+            tp_size=self.tp_size,
+            pp_size=self.pp_size,
         )
 
     def _note_prefill_leg(self, request: RequestView) -> None:
@@ -312,5 +351,5 @@ class SchedulerHalf:
         if leg is None:
             return
         key = pairing_key(leg.transfer_id, request.request_id)
-        peer = PeerAddress(leg.remote_engine_id, leg.remote_host, leg.remote_port)
+        peer = PeerAddress(leg.remote_engine_id, leg.remote_host, leg.remote_port, leg.tp_size, leg.pp_size)
         self._plan.cancel_unallocated.append(CancelUnallocated(request.request_id, key, peer))

@@ -11,7 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from connector.rendezvous import Tally
-from connector.transfer_thread import TransferRecord
+from connector.results import TransferRecord
 
 _SERIES = ("transfer_duration", "bytes_transferred", "num_descriptors")
 

@@ -60,11 +60,14 @@ class TransferBackend(Protocol):
     def agent_metadata(self) -> bytes:
         """Opaque bytes a peer passes to ``add_peer`` (sent over the side channel)."""
 
-    def add_peer(self, payload: HandshakePayload, *, writes_to: bool = True) -> None:
+    def add_peer(
+        self, payload: HandshakePayload, *, writes_to: bool = True, slices: tuple[Slice, ...] | None = None
+    ) -> None:
         """Load a peer's agent metadata and remember its KV layout. Idempotent for the same
         metadata; metadata that changed under a known agent name (a restarted peer) is reloaded.
         ``writes_to=False``: notices only (decode never WRITEs to prefill): no descriptor list is
-        prepared for it, and a WRITE to it raises ``TransferError``."""
+        prepared for it, and a WRITE to it raises ``TransferError``. ``slices``: a TP leg
+        (``connector.ranks.prefill_slices``) writes only these byte ranges of each block."""
 
     def remove_peer(self, agent_name: str) -> None:
         """Forget a peer's agent (the caller ensures no WRITE to it is in flight)."""

@@ -38,7 +38,7 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import assert_never
@@ -60,6 +60,7 @@ from connector.metadata import (
     PrefillProgress,
     PrefillRestarted,
     ProtocolError,
+    RankInfo,
     RegisterOrder,
     Registration,
     decode_notice,
@@ -67,6 +68,7 @@ from connector.metadata import (
     is_notice,
 )
 from connector.options import Options
+from connector.ranks import DecodeFanIn, FanInStep, Unpairable, decode_legs, prefill_slices
 from connector.ready import READY, HostFence, ReadyEvent, StepFence
 from connector.rendezvous import (
     AbandonWrite,
@@ -81,6 +83,9 @@ from connector.rendezvous import (
     StartWrite,
     Tally,
 )
+from connector.results import Results as Results
+from connector.results import TransferRecord
+from connector.topology import RankId
 from connector.transfer import TransferBackend, TransferError, WriteTicket
 
 logger = logging.getLogger(__name__)
@@ -134,36 +139,6 @@ class _Gated:
 _Command = _Gated | _PeerReady | _PeerLost | _AddPeer
 
 
-@dataclass(frozen=True)
-class TransferRecord:
-    """One completed WRITE, for statistics."""
-
-    num_bytes: int
-    seconds: float
-    num_descriptors: int
-
-
-@dataclass
-class Results:
-    """What the owner thread reported since the last ``collect_results``."""
-
-    released: set[str] = field(default_factory=set)  # P: finished sending
-    received: set[str] = field(default_factory=set)  # D: finished receiving (ok or not): blocks may be freed
-    failed: set[str] = field(default_factory=set)  # D: without valid KV (reported now, freed with ``received``)
-    records: list[TransferRecord] = field(default_factory=list)
-    counters: Counter[str] = field(default_factory=Counter)
-
-    def merge(self, other: Results) -> None:
-        self.released |= other.released
-        self.received |= other.received
-        self.failed |= other.failed
-        self.records += other.records
-        self.counters.update(other.counters)
-
-    def __bool__(self) -> bool:
-        return bool(self.released or self.received or self.failed or self.records or self.counters)
-
-
 @dataclass
 class _Write:
     ticket: WriteTicket
@@ -188,8 +163,13 @@ class TransferThread:
         clock: Callable[[], float] = time.monotonic,
         side_channel: SideChannel | None = None,
         fence: StepFence | None = None,
+        rank: RankInfo | None = None,
     ) -> None:
         options = options or Options()
+        self._rank = rank or RankInfo()  # this worker's rank in its engine (wire v3, ``connector.ranks``)
+        self._leader = self._rank.rank == RankId(0, 0)  # request-level counters from the leader rank only
+        self._fanin = DecodeFanIn()  # D: requests with several source ranks
+        self._peer_ranks: dict[str, RankInfo] = {}  # D: each prefill rank's RankInfo from its handshake
         self._fence: StepFence = fence or HostFence()
         self._gated: deque[_Gated] = deque()  # orders in submission order, the first maybe not ready yet
         self.engine_id = engine_id
@@ -203,10 +183,10 @@ class TransferThread:
         self._timeouts = options.timeouts
         self._side_host, self._side_port = side_host, side_port
         self._prefill = PrefillRendezvous(self._timeouts)
-        self._decode = DecodeRendezvous(self._timeouts, engine_id)
+        self._decode = DecodeRendezvous(self._timeouts, engine_id, self._rank.rank.tp)
         self._writes: dict[str, _Write] = {}
         self._write_backoff = self._polling.write_poll_min_s
-        self._agents: dict[str, str] = {}  # engine id -> agent name
+        self._agents: dict[str, str] = {}  # peer key (engine, rank: ``metadata.peer_key``) -> agent name
         self._retired: set[str] = set()  # agent names to remove once no WRITE to them is in flight
         self._links: dict[str, Link] = {}
         self._side_channel: SideChannel = side_channel or TcpSideChannel()
@@ -277,6 +257,7 @@ class TransferThread:
             self._metadata,
             self._layout,
             clock=self._clock(),
+            rank=self._rank,
         )
 
     def _add_peer_and_wait(self, payload: HandshakePayload) -> None:
@@ -349,9 +330,9 @@ class TransferThread:
 
     def _publish(self) -> None:
         for counters in (self._prefill.counters, self._decode.counters):
-            if counters:
+            if counters and self._leader:  # request-level: counted once per engine, not per rank
                 self._pending.counters.update(counters)
-                counters.clear()
+            counters.clear()
         if self._pending:
             self._outbox.put(self._pending)
             self._pending = Results()
@@ -360,14 +341,19 @@ class TransferThread:
         match cmd:
             case RegisterOrder():
                 self._write_backoff = self._polling.write_poll_min_s  # a receive in flight: poll (G7)
-                actions = self._decode.on_register(
-                    cmd.request_id, cmd.key, cmd.peer, cmd.block_ids, now, cmd.num_tokens
-                )
-                self._perform(actions, now)
+                self._register(cmd, now)
             case CancelOrder():
-                self._perform(self._decode.on_abort(cmd.request_id, now), now)
+                if cmd.request_id in self._fanin.requests:
+                    self._fan_in(self._fanin.on_abort(cmd.request_id), now)
+                else:
+                    self._perform(self._decode.on_abort(cmd.request_id, now), now)
             case CancelUnallocated():
-                self._perform(self._decode.on_abort_unallocated(cmd.request_id, cmd.key, cmd.peer, now), now)
+                try:
+                    legs = decode_legs(cmd.request_id, cmd.peer, self._rank)
+                except Unpairable:
+                    return  # nothing was registered with any prefill rank
+                for leg, peer in legs:
+                    self._perform(self._decode.on_abort_unallocated(leg, cmd.key, peer, now), now)
             case PrefillFinished():
                 actions = self._prefill.on_prefill_finished(cmd.key, cmd.request_id, cmd.block_ids, now, cmd.num_tokens)
                 self._perform(actions, now)
@@ -391,14 +377,45 @@ class TransferThread:
             case _:
                 assert_never(cmd)
 
+    def _register(self, cmd: RegisterOrder, now: float) -> None:
+        """D: register with every P rank the topology makes a source of this rank (``connector.ranks``)."""
+        try:
+            legs = decode_legs(cmd.request_id, cmd.peer, self._rank)
+        except Unpairable as exc:
+            logger.warning("request %s refused: %s", cmd.request_id, exc)
+            self._pending.counters[Tally.FAILED] += self._leader
+            self._perform([Received(cmd.request_id, ok=False)], now)  # no prefill rank knows our blocks
+            return
+        known = [self._peer_ranks.get(peer.key) for _, peer in legs]
+        if any(r is not None and (r.tp_size, r.pp_size) != (cmd.peer.tp_size, cmd.peer.pp_size) for r in known):
+            logger.warning("request %s refused: the prefill's tp/pp is not what its decode leg says", cmd.request_id)
+            self._perform([Received(cmd.request_id, ok=False)], now)  # would wait for too few parts: wrong KV
+            return
+        if len(legs) > 1:
+            self._fanin.add(cmd.request_id, legs)
+        for leg, peer in legs:
+            self._perform(self._decode.on_register(leg, cmd.key, peer, cmd.block_ids, now, cmd.num_tokens), now)
+
+    def _fan_in(self, step: FanInStep, now: float) -> None:
+        """D: a leg of a fanned-in request ended: report the request as its ``SourceSet`` decides."""
+        for leg in step.cancel_legs:
+            self._perform(self._decode.on_abort(leg, now), now)
+        if step.fail_now:
+            self._pending.failed.add(step.request_id)  # failed now, blocks held: a quarantine upstream
+        if step.finish:
+            self._pending.received.add(step.request_id)
+            if not step.ok:
+                self._pending.failed.add(step.request_id)
+
     def _on_peer_ready(self, cmd: _PeerReady, now: float) -> None:
         try:
             self._load_peer(cmd.payload, writes_to=False)  # the prefill we dialled: notices only
         except TransferError:
-            logger.exception("could not load prefill agent %s", cmd.payload.engine_id)
-            self._on_peer_lost(cmd.payload.engine_id, now)
+            logger.exception("could not load prefill agent %s", cmd.payload.peer_key)
+            self._on_peer_lost(cmd.payload.peer_key, now)
             return
-        self._perform(self._decode.on_peer_ready(cmd.payload.engine_id, cmd.clock_offset, now), now)
+        self._peer_ranks[cmd.payload.peer_key] = cmd.payload.rank
+        self._perform(self._decode.on_peer_ready(cmd.payload.peer_key, cmd.clock_offset, now), now)
 
     def _on_peer_lost(self, engine_id: str, now: float, ended: Link | None = None) -> None:
         if ended is not None and self._links.get(engine_id) is not ended:
@@ -413,13 +430,22 @@ class TransferThread:
         self._perform(self._prefill.on_peer_lost(engine_id, now), now)
 
     def _load_peer(self, payload: HandshakePayload, writes_to: bool) -> None:
-        # Reloads when the metadata changed (a restarted peer). Decode loads prefill for notices only.
-        self._backend.add_peer(payload, writes_to=writes_to)
-        previous = self._agents.get(payload.engine_id)
+        # Reloads when the metadata changed (a restarted peer). Decode loads prefill for notices only; prefill
+        # writes a decode rank whole blocks or, under unequal TP, the slices the topology gives it.
+        if writes_to:
+            try:
+                slices = prefill_slices(self._rank, payload.rank, self._layout, payload.layout)
+            except Unpairable as exc:
+                raise TransferError(f"decode {payload.peer_key} cannot be paired with this rank: {exc}") from exc
+            self._backend.add_peer(payload, writes_to=True, slices=slices)
+        else:
+            self._backend.add_peer(payload, writes_to=False)
+        key = payload.peer_key
+        previous = self._agents.get(key)
         if previous is not None and previous != payload.agent_name:
-            self._retired.add(previous)  # an older incarnation of that engine
+            self._retired.add(previous)  # an older incarnation of that rank
         self._retired.discard(payload.agent_name)
-        self._agents[payload.engine_id] = payload.agent_name
+        self._agents[key] = payload.agent_name
 
     def _reap_agents(self) -> None:
         busy = {w.agent for w in self._writes.values()}
@@ -496,6 +522,8 @@ class TransferThread:
                     self._send(action, now)
                 case Release():
                     self._pending.released.add(action.request_id)
+                case Received() | Failed() | Freed() if self._fanin.owns(action.request_id):
+                    self._fan_in(self._fanin.on_leg(action.request_id, _leg_event(action)), now)
                 case Received():
                     self._pending.received.add(action.request_id)
                     if not action.ok:
@@ -512,7 +540,7 @@ class TransferThread:
     def _start_write(self, action: StartWrite, now: float) -> None:
         reg = action.registration
         try:
-            agent = self._agents[reg.d_engine_id]
+            agent = self._agents[reg.sender]
             done = encode_notice(Done(reg.key, reg.d_request_id)) if action.final else b""
             remote = reg.block_ids if action.remote_blocks is None else action.remote_blocks
             # The order behind this WRITE reached the machine only after its step's ReadyEvent completed.
@@ -541,17 +569,23 @@ class TransferThread:
             # Done likewise ends at decode's deadline. Safe, only slower.
 
     def _connect(self, peer: PeerAddress) -> None:
-        if peer.engine_id in self._links:
+        if peer.key in self._links:
             return
         link = self._side_channel.connect(
             peer,
             self._local_payload,
             lambda payload, offset: self._inbox_put(_PeerReady(payload, offset)),
-            lambda engine_id: self._inbox_put(_PeerLost(engine_id, link)),
+            lambda key: self._inbox_put(_PeerLost(key, link)),
             self._compat_hash,
             self._timeouts.connect_timeout_s,
             self._liveness,
             self._clock,
         )
-        self._links[peer.engine_id] = link
+        self._links[peer.key] = link
         link.start()
+
+
+def _leg_event(action: Received | Failed | Freed) -> str:
+    if isinstance(action, Received):
+        return "done" if action.ok else "ended"
+    return "quarantined" if isinstance(action, Failed) else "freed"

@@ -23,10 +23,12 @@ from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_bac
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from connector.kvcache import KVCaches, compatibility_fields, compatibility_signature, describe_kv_caches
-from connector.metadata import StepPlan, compatibility_hash
+from connector.metadata import RankInfo, StepPlan, compatibility_hash
 from connector.options import Options
+from connector.ranks import rank_port
 from connector.ready import HostFence, StepFence, fence_for
 from connector.stats import KvpushStats
+from connector.topology import RankId, heads_of
 from connector.transfer import NixlBackend
 from connector.transfer_thread import CancelOrder, Order, TransferThread
 
@@ -36,20 +38,36 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+def this_rank() -> RankId:
+    """This worker's (pp, tp) rank in its engine (vLLM's model-parallel groups are set up by now)."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    return RankId(int(get_pp_group().rank_in_group), int(get_tp_group().rank_in_group))
+
+
 class WorkerHalf:
-    def __init__(self, vllm_config: VllmConfig, engine_id: str, side_host: str, side_port: int) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, engine_id: str, side_host: str, side_port: int, rank: RankId | None = None
+    ) -> None:
+        """``side_port``: the engine's rank-0 port; this rank listens on ``connector.ranks.rank_port``."""
         kv_config = vllm_config.kv_transfer_config
         # Unknown keys are refused here, at engine start, with the list of known ones.
         self._options = Options.from_extra(kv_config.kv_connector_extra_config)
         self.engine_id = engine_id
         self._vllm_config = vllm_config
-        self._side_host, self._side_port = side_host, side_port
+        parallel = vllm_config.parallel_config
+        self._tp, self._pp = int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
+        self._rank = rank if rank is not None else (this_rank() if self._tp * self._pp > 1 else RankId(0, 0))
+        self._side_host, self._side_port = side_host, rank_port(side_port, self._rank, self._tp)
         self._kv_buffer_device = kv_config.kv_buffer_device
         self._block_size = vllm_config.cache_config.block_size
         self._num_blocks = 0
         self._thread: TransferThread | None = None
         self._stats = KvpushStats()
-        self._quarantined: set[str] = set()
+        self._quarantined: set[str] = set()  # reported quarantined since the last worker metadata
+        self._lifted: set[str] = set()  # quarantines freed since the last worker metadata
+        self._failed: set[str] = set()  # receives failed since the last worker metadata
+        self._quarantining: set[str] = set()  # quarantined, not yet freed
         self._fence: StepFence = HostFence()
 
     def set_num_blocks(self, num_blocks: int) -> None:
@@ -83,6 +101,7 @@ class WorkerHalf:
             side_port=self._side_port,
             options=self._options,
             fence=self._fence,
+            rank=self._rank_info(caches),
         )
         self._thread.start()
         logger.info(
@@ -95,6 +114,15 @@ class WorkerHalf:
             self._side_host,
             self._thread.side_port,
         )
+
+    def _rank_info(self, caches: KVCaches) -> RankInfo:
+        total = int(self._vllm_config.model_config.get_total_num_kv_heads())
+        heads = heads_of(self._rank.tp, self._tp, total)
+        g = caches.geometry  # LBHNC: a block of a region is its heads one after the other
+        # Head slices need LBHNC pages without padding; otherwise only whole blocks (equal TP) can pair.
+        sliceable = g.num_heads == len(heads) and g.layout == "LBHNC" and g.block_len == g.page_bytes
+        head_bytes = g.page_bytes // g.num_heads if sliceable else 0
+        return RankInfo(self._tp, self._pp, self._rank, total, heads, head_bytes, (0, len(caches.layers)))
 
     def _signature(self, caches: KVCaches) -> str:
         config = self._vllm_config
@@ -109,7 +137,7 @@ class WorkerHalf:
             model_dtype=str(model.dtype),
             cache_dtype=str(config.cache_config.cache_dtype),
             attn_backend=str(attn_backend),
-            num_kv_heads=int(model.get_num_kv_heads(config.parallel_config)),
+            num_kv_heads=int(model.get_total_num_kv_heads()),  # the model's: ranks of unequal TP may pair
             head_size=int(model.get_head_size()),
             block_size=int(self._block_size),
             vllm_version=str(vllm.__version__),
@@ -154,17 +182,25 @@ class WorkerHalf:
             self._stats.record(r.records, r.counters)
         # A quarantine (failed now, blocks held to the hold deadline) is reported finished too: vLLM's
         # output aggregator passes a failure on only with a finish. The scheduler half withholds that
-        # finish (it learns the ids from ``take_quarantined``) and frees at the later ``Freed``.
+        # finish (it learns the ids from ``take_report``) until every rank lifted it: the later ``Freed``
+        # is reported as lifted, never as a second finish (vLLM counts one finish per rank).
         quarantined = r.failed - r.received
+        lifted = r.received & self._quarantining
+        self._quarantining = (self._quarantining | quarantined) - lifted
         self._quarantined |= quarantined
+        self._lifted |= lifted
+        self._failed |= r.failed
         return KVConnectorTransferResults(
-            finished_sending=r.released, finished_recving=r.received | quarantined, failed_recving=r.failed
+            finished_sending=r.released,
+            finished_recving=(r.received - lifted) | quarantined,
+            failed_recving=r.failed - lifted,
         )
 
-    def take_quarantined(self) -> frozenset[str]:
-        """The receives quarantined since the last call (sent to the scheduler half in this step)."""
-        ids, self._quarantined = frozenset(self._quarantined), set()
-        return ids
+    def take_report(self) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
+        """(quarantined, lifted, failed) since the last call: sent to the scheduler half in this step."""
+        report = frozenset(self._quarantined), frozenset(self._lifted), frozenset(self._failed)
+        self._quarantined, self._lifted, self._failed = set(), set(), set()
+        return report
 
     def take_stats(self) -> KvpushStats | None:
         if self._stats.is_empty():

@@ -121,3 +121,26 @@ def test_a_peer_of_the_old_wire_version_is_refused_at_the_handshake_naming_both_
     [line] = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert f"the peer speaks kvpush wire protocol version {PROTOCOL_VERSION - 1}" in line, line
     assert f"this connector speaks version {PROTOCOL_VERSION}" in line, line
+
+
+def test_a_prefill_whose_tp_is_not_what_the_decode_leg_said_is_refused_at_the_handshake(
+    prefill: tuple[Any, int], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server is a TP = 1 prefill; the decode leg claims tp_size 2 (a wrong router configuration)."""
+    _, port = prefill
+    ready, lost = threading.Event(), threading.Event()
+    link = PeerLink(
+        PeerAddress("P", "127.0.0.1", port, tp_size=2),
+        lambda: payload("D"),
+        on_ready=lambda p, offset: ready.set(),
+        on_lost=lambda engine: lost.set(),
+        expect_hash="it",
+        timeout_s=5.0,
+        liveness=LIVENESS,
+    )
+    with caplog.at_level("WARNING"):
+        link.start()
+        assert wait_for(lost.is_set, 10.0), "refused: reported lost"
+    link.close()
+    assert not ready.is_set()
+    assert "runs tp_size 1 pp_size 1, the decode leg said tp_size 2" in caplog.text

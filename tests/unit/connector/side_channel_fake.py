@@ -63,7 +63,7 @@ class _Link:
     def _handshake(self) -> None:
         server = self.channel.servers.get(self.peer.port)
         mine = self.local_payload()
-        self.engine_id = mine.engine_id
+        self.engine_id = mine.peer_key
         if server is None or server.closed or mine.compat_hash != server.expect_hash:
             self._end()
             return
@@ -73,7 +73,12 @@ class _Link:
             self._end()
             return
         theirs = server.local_payload()
-        if theirs.compat_hash != self.expect_hash or theirs.engine_id != self.peer.engine_id:
+        if (
+            theirs.compat_hash != self.expect_hash
+            or theirs.engine_id != self.peer.engine_id
+            or theirs.rank.rank != self.peer.rank
+            or (theirs.rank.tp_size, theirs.rank.pp_size) != (self.peer.tp_size, self.peer.pp_size)
+        ):
             self._end()
             return
         with self.channel.lock:
@@ -92,7 +97,7 @@ class _Link:
             if self.ended:
                 return False
             self.ended = True
-        self.on_lost(self.peer.engine_id)
+        self.on_lost(self.peer.key)
         return True
 
     def close(self) -> None:

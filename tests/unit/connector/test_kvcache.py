@@ -31,6 +31,8 @@ from connector.kvcache import (
     side_channel_port,
 )
 from connector.metadata import compatibility_hash
+from connector.ranks import rank_port
+from connector.topology import RankId
 
 BLOCKS, LAYERS, HEADS, TOKENS, HEAD_SIZE = 10, 3, 4, 16, 8
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
@@ -247,15 +249,17 @@ def test_other_devices_are_refused() -> None:
 # ---- parallelism and ports -------------------------------------------------------------------
 
 
-def test_one_rank_everywhere_is_accepted() -> None:
+def test_one_rank_everywhere_and_tensor_parallelism_are_accepted() -> None:
     check_parallelism(tensor_parallel_size=1, pipeline_parallel_size=1, decode_context_parallel_size=1)
+    for tp in (2, 4, 8):
+        check_parallelism(tensor_parallel_size=tp)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "says"),
     [
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size=1 only \\(got 2\\)"),
-        ({"tensor_parallel_size": 1, "pipeline_parallel_size": 4}, "pipeline_parallel_size=1 only"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
+        ({"tensor_parallel_size": 2, "pipeline_parallel_size": 4}, "pipeline_parallel_size=1 only.*not wired"),
         ({"tensor_parallel_size": 1, "decode_context_parallel_size": 2}, "decode_context_parallel_size=1 only"),
     ],
 )
@@ -266,6 +270,16 @@ def test_sharded_engines_are_refused(kwargs: dict[str, int], says: str) -> None:
 
 def test_each_data_parallel_rank_gets_its_own_side_channel_port() -> None:
     assert [side_channel_port(5600, rank) for rank in range(4)] == [5600, 5601, 5602, 5603]
+
+
+def test_every_rank_of_every_dp_engine_gets_its_own_port() -> None:
+    """Rank (0, tp) of DP engine i: base + i * world + tp; with TP = 1 that is base + i (as before)."""
+    ports = [rank_port(side_channel_port(5600, dp, 2), RankId(0, tp), 2) for dp in range(3) for tp in range(2)]
+    assert ports == [5600, 5601, 5602, 5603, 5604, 5605]
+    pp_tp = [rank_port(side_channel_port(5600, 1, 4), RankId(pp, tp), 2) for pp in range(2) for tp in range(2)]
+    assert pp_tp == [5604, 5605, 5606, 5607]
+    with pytest.raises(ValueError, match="not TCP ports"):
+        side_channel_port(65534, 0, 4)
 
 
 @pytest.mark.parametrize(("base", "rank"), [(5600, -1), (65535, 1), (0, 0)])
@@ -295,7 +309,8 @@ def test_the_fields_cover_layout_backend_geometry_dtypes_and_version(lbhnc: dict
     fields = fields_of(describe_kv_caches(lbhnc, num_blocks=BLOCKS))
     assert fields["kv_layout"] == "LBHNC"
     assert fields["attn_backend"] == "FLASH_ATTN"
-    assert (fields["num_kv_heads"], fields["head_size"], fields["head_slots"]) == ("4", "8", "4")
+    assert (fields["num_kv_heads"], fields["head_size"]) == ("4", "8")
+    assert "head_slots" not in fields and "page_bytes" not in fields  # per rank: ranks of unequal TP pair
     assert (fields["block_size"], fields["kernel_block_size"]) == ("16", "16")
     assert (fields["kv_dtype"], fields["model_dtype"], fields["cache_dtype"]) == ("bfloat16", "bfloat16", "auto")
     assert fields["vllm_version"] == "0.32.0"

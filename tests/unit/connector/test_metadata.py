@@ -19,6 +19,7 @@ from connector.metadata import (
     Notice,
     PrefillLeg,
     ProtocolError,
+    RankInfo,
     Region,
     Registration,
     base_request_id,
@@ -27,6 +28,7 @@ from connector.metadata import (
     encode_notice,
     pairing_key,
 )
+from connector.topology import RankId
 
 NOTICES = [
     Registration("t:x", "d-1", "D", (3, 4, 5), 12.5, 40),
@@ -152,3 +154,35 @@ def test_a_peer_of_the_old_wire_version_is_refused_naming_both_versions() -> Non
     notice = encode_notice(Done("t:1", "d1")).replace(f'"v":{PROTOCOL_VERSION}'.encode(), b'"v":1')
     with pytest.raises(ProtocolError, match=f"version 1, this connector speaks version {PROTOCOL_VERSION}"):
         decode_notice(notice)
+
+
+def test_a_v3_payload_carries_the_senders_rank_and_head_layout() -> None:
+    info = RankInfo(
+        tp_size=4, pp_size=2, rank=RankId(1, 3), num_kv_heads=8, heads=(6, 7), head_bytes=512, layers=(2, 4)
+    )
+    p = HandshakePayload(PROTOCOL_VERSION, "h1", "p0", "agent-p0", b"m", LAYOUT, 1.0, info)
+    back = HandshakePayload.decode(p.encode(), expect_hash="h1")
+    assert back == p and back.rank.world == 8
+    assert back.peer_key == "p0#pp1tp3" and _payload().peer_key == "p0"  # rank (0, 0) keeps the engine id
+    reg = Registration("t:1", "d1", "d0", (1, 2), 9.0, 32, d_rank=3)
+    assert decode_notice(encode_notice(reg)) == reg
+
+
+def test_a_v3_payload_without_its_rank_or_with_a_rank_outside_its_sizes_is_refused() -> None:
+    body = json.loads(_payload().encode())
+    del body["rank"]
+    with pytest.raises(ProtocolError, match="malformed"):
+        HandshakePayload.decode(json.dumps(body).encode())
+    body = json.loads(_payload().encode())
+    body["rank"]["rank"] = {"pp": 0, "tp": 2}  # tp_size 1
+    with pytest.raises(ProtocolError, match="outside tp_size 1"):
+        HandshakePayload.decode(json.dumps(body).encode())
+
+
+def test_a_v2_peer_is_refused_at_the_handshake_naming_versions_2_and_3() -> None:
+    v2 = {k: v for k, v in json.loads(_payload().encode()).items() if k != "rank"}  # what a v2 peer sent
+    v2["protocol_version"] = 2
+    with pytest.raises(
+        ProtocolError, match="peer speaks kvpush wire protocol version 2, this connector speaks version 3"
+    ):
+        HandshakePayload.decode(json.dumps(v2).encode(), expect_hash="h1")

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from connector.decode_rendezvous import DecodeRendezvous
@@ -254,6 +254,15 @@ OPS = st.tuples(
 
 @settings(max_examples=1500, deadline=None)
 @given(st.lists(OPS, max_size=60))
+@example(  # a Cancel overtaking its Registration, the tombstone expiring at the lease, the prefill finishing after
+    [
+        ("d_register", 1, False, 0.1),
+        ("d_abort", 1, False, 0.1),
+        ("deliver_p", 1, False, 0.1),
+        ("tick", 0, False, 31.0),
+        ("p_finish", 1, False, 0.1),
+    ]
+)
 def test_random_interleavings_keep_the_guarantees(ops: list[tuple[str, int, bool, float]]) -> None:
     w = World()
     for op in ops:

@@ -238,7 +238,8 @@ def test_a_quarantined_receive_is_withheld_from_vllm_until_its_hold_deadline() -
     assert withheld == {"d-1"}, "vLLM would free the quarantined blocks now"
     assert plan(h).is_empty(), "no cancel: the prefill is gone or failed"
     assert h.has_pending_push_work(), "the engine must keep stepping until the hold deadline"
-    assert h.update_connector_output({"d-1"}, set()) == set(), "the deadline's finish frees the blocks"
+    assert h.update_connector_output(set(), set(), lifted={"d-1"}) == set()
+    assert h.take_lifted() == {"d-1"}, "the hold deadline's lift hands vLLM the finish: it frees the blocks"
     assert not h.has_pending_push_work()
 
 
@@ -250,8 +251,35 @@ def test_a_quarantine_before_vllm_finishes_the_request_is_withheld_too() -> None
     assert h.update_connector_output({"d-1"}, set(), quarantined={"d-1"}) == {"d-1"}
     assert h.request_finished(req, [3, 4, 5], Ending.ABORTED) == (False, None), "still held"
     assert plan(h).cancel == ["d-1"]
-    assert h.update_connector_output({"d-1"}, set()) == set()
+    assert h.update_connector_output(set(), set(), lifted={"d-1"}) == set()
+    assert h.take_lifted() == {"d-1"}
     assert not h.has_pending_push_work()
+
+
+def test_a_rank_that_lifts_before_the_others_finished_lets_the_finish_through_when_it_comes() -> None:
+    h = half()
+    registered(h)
+    plan(h)
+    h.update_connector_output(set(), set(), quarantined={"d-1": 1}, failed={"d-1"})
+    h.update_connector_output(set(), set(), lifted={"d-1": 1})  # its hold deadline passed first
+    assert h.update_connector_output({"d-1"}, set()) == set(), "every rank finished: nothing held any more"
+    assert h.take_lifted() == set() and not h.has_pending_push_work()
+
+
+def test_under_tp_a_failure_on_one_rank_is_cancelled_on_every_rank_once() -> None:
+    h = SchedulerHalf("d", "127.0.0.1", 5600, 16, tp_size=2)
+    req = registered(h)
+    plan(h)
+    h.update_connector_output(set(), set(), failed={"d-1"})
+    h.update_connector_output(set(), set(), failed={"d-1"})
+    assert plan(h).cancel == ["d-1"]
+    assert h.request_finished(req, [3, 4, 5], Ending.ABORTED) == (False, None)
+    assert plan(h).cancel == [], "already cancelled on every rank"
+
+
+def test_the_prefill_answer_states_the_engines_tp_and_pp() -> None:
+    h = SchedulerHalf("p", "127.0.0.1", 5600, 16, tp_size=4)
+    assert h._answer(SimpleNamespace(request_id="p-1", num_computed_tokens=3), [1], "x").to_params()["tp_size"] == 4
 
 
 def test_a_plain_failure_or_a_finish_is_passed_to_vllm_at_once() -> None:

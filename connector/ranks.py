@@ -1,0 +1,188 @@
+"""One rank's part of a transfer under tensor parallelism (pure: no I/O, no clock).
+
+``connector.topology`` decides which P rank writes which bytes of which D rank's blocks; this module turns
+that into what one rank's transfer thread does:
+
+* **Ports.** Every worker rank runs its own side channel. The port of rank ``(pp, tp)`` of an engine is
+  ``side_channel_port(base, dp_index, world) + pp * tp_size + tp`` where the engine's rank-0 port is
+  ``base + dp_index * world`` and ``world = tp_size * pp_size`` (``connector.kvcache.side_channel_port``).
+  With TP = PP = 1 that is ``base + dp_index``, as before. The router (and the prefill's answer) names the
+  rank-0 port; a D rank derives its sources' ports from it and the prefill's ``tp_size``.
+* **Decode legs** (``decode_legs``): the P ranks a D rank registers with for one request, each with its own
+  leg request id (the request id itself when there is one source) and address.
+* **Prefill slices** (``prefill_slices``): what a P rank writes into a D rank whose handshake it answered.
+* **Fan-in** (``DecodeFanIn``): a D rank's request with several sources is received only when every leg sent
+  ``Done``, fails at the first failed leg (the others are cancelled) and frees its blocks only once no leg
+  can still write (``connector.fanin.SourceSet``).
+
+Supported: P_tp = D_tp (whole blocks, one leg per rank) and P_tp > D_tp (each P rank writes its heads into a
+slice of one D rank's blocks; that D rank fans in). Refused per request with the reason (``Unpairable``):
+P_tp < D_tp (a P rank would write several D ranks: the P-side fan-out is not wired) and prefill PP > 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field, replace
+
+from connector.fanin import SourceOutcome, SourceSet
+from connector.metadata import KVLayout, PeerAddress, RankInfo
+from connector.topology import RankId, Slice, TopologyError, plan
+
+
+class Unpairable(ValueError):
+    """This rank cannot take part in a transfer with that peer; the text says why."""
+
+
+def rank_port(rank0_port: int, rank: RankId, tp_size: int) -> int:
+    """The side-channel port of ``rank`` of an engine whose rank (0, 0) listens on ``rank0_port``."""
+    return rank0_port + rank.pp * tp_size + rank.tp
+
+
+def _topology_sources(p_tp: int, mine: RankInfo) -> tuple[RankId, ...]:
+    if not (mine.num_kv_heads and mine.head_bytes):
+        raise Unpairable(f"prefill tp_size {p_tp} != decode tp_size {mine.tp_size} and this rank's heads are unknown")
+    try:
+        topo = plan(
+            p_tp=p_tp, d_tp=mine.tp_size, num_kv_heads=mine.num_kv_heads, head_bytes=mine.head_bytes, num_layers=1
+        )
+    except TopologyError as exc:
+        raise Unpairable(str(exc)) from exc
+    sources = topo.sources(mine.rank.tp)
+    if any(len(topo.targets(s)) > 1 for s in sources):
+        raise Unpairable(
+            f"prefill tp_size {p_tp} < decode tp_size {mine.tp_size}: one prefill rank would write several decode "
+            "ranks, which kvpush does not do yet (use prefill tp_size >= decode tp_size)"
+        )
+    return sources
+
+
+def decode_legs(request_id: str, peer: PeerAddress, mine: RankInfo) -> tuple[tuple[str, PeerAddress], ...]:
+    """``(leg request id, source address)`` per P rank D rank ``mine`` registers with for ``request_id``."""
+    if peer.pp_size != 1:
+        raise Unpairable(f"prefill pipeline_parallel_size {peer.pp_size}: kvpush does not push from PP stages yet")
+    if peer.tp_size == mine.tp_size:
+        sources: tuple[RankId, ...] = (RankId(0, mine.rank.tp),)
+    else:
+        sources = _topology_sources(peer.tp_size, mine)
+    return tuple(
+        (
+            request_id if len(sources) == 1 else f"{request_id}@{s.pp}.{s.tp}",
+            replace(peer, port=rank_port(peer.port, s, peer.tp_size), rank=s),
+        )
+        for s in sources
+    )
+
+
+def prefill_slices(
+    mine: RankInfo, theirs: RankInfo, my_layout: KVLayout, their_layout: KVLayout
+) -> tuple[Slice, ...] | None:
+    """What P rank ``mine`` writes into each block of D rank ``theirs``: ``None`` for whole blocks, else byte
+    slices. Raises ``Unpairable`` when the two ranks' geometries do not fit together (the text names it)."""
+    if len(my_layout.regions) != len(their_layout.regions) or my_layout.block_size != their_layout.block_size:
+        raise Unpairable(
+            f"{len(my_layout.regions)} regions of {my_layout.block_size}-token blocks here, "
+            f"{len(their_layout.regions)} of {their_layout.block_size} on the peer"
+        )
+    if theirs.pp_size != 1:
+        raise Unpairable(f"decode pipeline_parallel_size {theirs.pp_size} is not supported")
+    if mine.tp_size == theirs.tp_size:
+        if mine.rank.tp != theirs.rank.tp:
+            raise Unpairable(f"prefill rank {mine.rank.tp} is not the source of decode rank {theirs.rank.tp}")
+        if [r.block_len for r in my_layout.regions] != [r.block_len for r in their_layout.regions]:
+            raise Unpairable("block lengths differ between the two ranks at equal tp_size")
+        return None
+    if (mine.num_kv_heads, mine.head_bytes) != (theirs.num_kv_heads, theirs.head_bytes) or not mine.head_bytes:
+        raise Unpairable(
+            f"KV heads x bytes per head {mine.num_kv_heads} x {mine.head_bytes} here, "
+            f"{theirs.num_kv_heads} x {theirs.head_bytes} on the peer"
+        )
+    if mine.rank not in _topology_sources(mine.tp_size, theirs):
+        raise Unpairable(f"prefill rank {mine.rank} writes nothing into decode rank {theirs.rank.tp}")
+    topo = plan(
+        p_tp=mine.tp_size, d_tp=theirs.tp_size, num_kv_heads=mine.num_kv_heads, head_bytes=mine.head_bytes, num_layers=1
+    )
+    [leg] = [leg for leg in topo.legs if leg.src == mine.rank and leg.dst == theirs.rank.tp]
+    for mine_r, theirs_r in zip(my_layout.regions, their_layout.regions, strict=True):
+        if (
+            mine_r.block_len != len(mine.heads) * mine.head_bytes
+            or theirs_r.block_len != len(theirs.heads) * theirs.head_bytes
+        ):
+            raise Unpairable("a region's block length is not heads x bytes per head (not an LBHNC layout?)")
+    return None if leg.whole_blocks else leg.slices
+
+
+@dataclass
+class _Request:
+    sources: SourceSet
+    legs: dict[str, Hashable]  # leg request id -> source
+    aborted: bool = False  # vLLM finished it while it waited: report it only once freed
+
+
+@dataclass(frozen=True)
+class FanInStep:
+    """What one leg event means for its request on this D rank (what the worker half is told)."""
+
+    request_id: str
+    cancel_legs: tuple[str, ...] = ()  # legs to cancel (the request failed while they were pending)
+    fail_now: bool = False  # report it failed now; its blocks stay held (a quarantine to the worker half)
+    finish: bool = False  # report it received: its blocks may be freed (no leg can land any more)
+    ok: bool = False  # with ``finish``: every leg's data landed (valid KV)
+
+
+@dataclass
+class DecodeFanIn:
+    """D rank: the requests with several sources (``connector.fanin.SourceSet`` per request, keyed by leg)."""
+
+    requests: dict[str, _Request] = field(default_factory=dict)
+    leg_of: dict[str, str] = field(default_factory=dict)  # leg request id -> request id
+
+    def add(self, request_id: str, legs: tuple[tuple[str, PeerAddress], ...]) -> None:
+        by_leg: dict[str, Hashable] = {leg: peer.rank for leg, peer in legs}
+        # Each leg's own machine bounds it (its hold deadline), so the set needs none of its own.
+        self.requests[request_id] = _Request(SourceSet(tuple(by_leg.values()), float("inf")), by_leg)
+        for leg in by_leg:
+            self.leg_of[leg] = request_id
+
+    def owns(self, leg: str) -> bool:
+        return leg in self.leg_of
+
+    def legs(self, request_id: str) -> tuple[str, ...]:
+        req = self.requests.get(request_id)
+        return tuple(req.legs) if req is not None else ()
+
+    def on_leg(self, leg: str, event: str) -> FanInStep:
+        """``event``: ``done`` (Received ok), ``ended`` (Received not ok), ``quarantined`` (Failed), ``freed``."""
+        request_id = self.leg_of[leg]
+        req = self.requests[request_id]
+        source = req.legs[leg]
+        match event:
+            case "done":
+                outcome = req.sources.on_done(source)
+            case "ended" | "freed":
+                outcome = (
+                    req.sources.on_cancel_ack(source) if event == "freed" else req.sources.on_failure(source, False)
+                )
+            case _:
+                outcome = req.sources.on_failure(source, True)
+        return self._step(request_id, req, outcome)
+
+    def on_abort(self, request_id: str) -> FanInStep:
+        req = self.requests[request_id]
+        req.aborted = True
+        return self._step(request_id, req, req.sources.on_abort())
+
+    def _step(self, request_id: str, req: _Request, outcome: SourceOutcome) -> FanInStep:
+        by_source = {source: leg for leg, source in req.legs.items()}
+        cancel = tuple(by_source[s] for s in outcome.cancel)
+        if req.sources.freed:
+            del self.requests[request_id]
+            for leg in req.legs:
+                self.leg_of.pop(leg, None)
+        return FanInStep(
+            request_id,
+            cancel,
+            fail_now=outcome.failed and not req.aborted,
+            finish=outcome.freed,
+            ok=outcome.freed and req.sources.received and not req.aborted,
+        )

@@ -1,0 +1,245 @@
+"""N prefill ranks and M decode ranks as transfer threads in one process (issue 20): the TP wiring.
+
+Every rank is a ``TransferThread`` with its own ``MemoryBackend`` agent, its own side-channel port (rank-0 port
++ rank, ``connector.ranks.rank_port``) and its ``RankInfo``. The KV of a made-up model (4 KV heads of 16 bytes
+per block, 2 layer regions) is split by head as vLLM does; a D rank's blocks must end up holding exactly its
+heads of the prefill's blocks. ``Engine`` plays vLLM's part across ranks: a request is finished when every rank
+reported it received, failed when any rank did, and (as the scheduler half does with the workers' failures) a
+failure on one rank is turned into a cancel on every other rank. G-numbers are connector/README.md's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from connector.handshake import Liveness
+from connector.memory_backend import MemoryBackend, MemoryFabric
+from connector.metadata import KVLayout, PeerAddress, PrefillFinished, RankInfo, Region, RegisterOrder
+from connector.options import Options
+from connector.rendezvous import Timeouts
+from connector.topology import RankId, heads_of
+from connector.transfer_thread import CancelOrder, Results, TransferThread
+from tests.unit.connector.side_channel_fake import LoopbackSideChannel
+
+HEADS, HEAD_BYTES, BLOCKS, REGIONS = 4, 16, 8, 2
+FAST = Timeouts(lease_s=2, kv_timeout_s=3, write_grace_s=1, write_timeout_s=0.5, connect_timeout_s=2)
+OPTIONS = Options(timeouts=FAST, liveness=Liveness(heartbeat_s=0.2, dead_after_s=0.8))
+CHANNEL = LoopbackSideChannel()
+_PORTS = itertools.count(52000, 10)
+P_BLOCKS, D_BLOCKS = (1, 2), (5, 6)
+
+
+@dataclass
+class Rank:
+    thread: TransferThread
+    backend: MemoryBackend
+    kv: list[np.ndarray]  # per region: [BLOCKS, heads of this rank, HEAD_BYTES]
+    results: Results = field(default_factory=Results)
+
+    def collect(self) -> Results:
+        self.results.merge(self.thread.collect_results())
+        return self.results
+
+
+def make_engine(fabric: MemoryFabric, name: str, tp: int, model: np.ndarray | None) -> list[Rank]:
+    """``model``: the whole KV [REGIONS, BLOCKS, HEADS, HEAD_BYTES] (prefill) or None (decode: zeros)."""
+    port0 = next(_PORTS)
+    ranks = []
+    for r in range(tp):
+        heads = heads_of(r, tp, HEADS)
+        kv = [
+            np.ascontiguousarray(model[g][:, list(heads)])
+            if model is not None
+            else np.zeros((BLOCKS, len(heads), HEAD_BYTES), np.uint8)
+            for g in range(REGIONS)
+        ]
+        layout = KVLayout("DRAM", 0, 16, tuple(Region(a.ctypes.data, len(heads) * HEAD_BYTES, BLOCKS) for a in kv))
+        info = RankInfo(tp, 1, RankId(0, r), HEADS, heads, HEAD_BYTES, (0, REGIONS))
+        backend = MemoryBackend(fabric, f"agent-{name}-{r}", layout)
+        thread = TransferThread(
+            backend,
+            engine_id=name,
+            layout=layout,
+            compat_hash="c1",
+            side_host="127.0.0.1",
+            side_port=port0 + r,
+            options=OPTIONS,
+            side_channel=CHANNEL,
+            rank=info,
+        )
+        thread.start()
+        ranks.append(Rank(thread, backend, kv))
+    return ranks
+
+
+@dataclass
+class Engine:
+    """vLLM across one engine's ranks (the output aggregator and the scheduler half's cross-rank cancel)."""
+
+    ranks: list[Rank]
+    cancelled: bool = False
+
+    def step(self, request_id: str) -> None:
+        for rank in self.ranks:
+            rank.collect()
+        if not self.cancelled and any(request_id in r.results.failed for r in self.ranks):
+            self.cancelled = True  # the scheduler half's plan: a cancel reaches every rank
+            for rank in self.ranks:
+                rank.thread.submit(CancelOrder(request_id))
+
+    def finished(self, request_id: str) -> bool:
+        self.step(request_id)
+        return all(request_id in r.results.received for r in self.ranks)
+
+    def failed(self, request_id: str) -> bool:
+        self.step(request_id)
+        return any(request_id in r.results.failed for r in self.ranks)
+
+    def released(self, request_id: str) -> bool:
+        self.step(request_id)
+        return all(request_id in r.results.released for r in self.ranks)
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 8.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.005)
+    raise AssertionError("condition not met in time")
+
+
+@pytest.fixture
+def model() -> np.ndarray:
+    return np.random.default_rng(7).integers(1, 256, (REGIONS, BLOCKS, HEADS, HEAD_BYTES), dtype=np.uint8)
+
+
+@pytest.fixture
+def engines(request: pytest.FixtureRequest, model: np.ndarray) -> Iterator[tuple[Engine, Engine]]:
+    p_tp, d_tp = request.param
+    fabric = MemoryFabric()
+    p, d = Engine(make_engine(fabric, "P", p_tp, model)), Engine(make_engine(fabric, "D", d_tp, None))
+    yield p, d
+    for rank in d.ranks + p.ranks:
+        rank.thread.close()
+
+
+def start(p: Engine, d: Engine, req: str = "d1", key: str = "t:1") -> None:
+    peer = PeerAddress("P", "127.0.0.1", p.ranks[0].thread.side_port, tp_size=len(p.ranks))
+    for rank in p.ranks:  # vLLM's step plan reaches every rank
+        rank.thread.submit(PrefillFinished("p1", key, P_BLOCKS, 32))
+    for rank in d.ranks:
+        rank.thread.submit(RegisterOrder(req, key, peer, D_BLOCKS, 32))
+
+
+def heads_landed(d: Engine, model: np.ndarray) -> bool:
+    for r, rank in enumerate(d.ranks):
+        heads = list(heads_of(r, len(d.ranks), HEADS))
+        for g in range(REGIONS):
+            if not np.array_equal(rank.kv[g][list(D_BLOCKS)], model[g][list(P_BLOCKS)][:, heads]):
+                return False
+            untouched = [b for b in range(BLOCKS) if b not in D_BLOCKS]
+            if rank.kv[g][untouched].any():
+                return False
+    return True
+
+
+def nothing_in_flight_to(p: Engine, d: Engine) -> bool:
+    return all(pr.backend.in_flight_to(dr.backend.agent_name) == 0 for pr in p.ranks for dr in d.ranks)
+
+
+PAIRS = [(n, m) for n in (1, 2, 4) for m in (1, 2, 4)]
+
+
+@pytest.mark.parametrize("engines", PAIRS, indirect=True, ids=[f"P{n}-D{m}" for n, m in PAIRS])
+def test_every_tp_pair_moves_each_d_ranks_heads_or_is_refused_at_once(
+    engines: tuple[Engine, Engine], model: np.ndarray
+) -> None:
+    p, d = engines
+    start(p, d)
+    if len(p.ranks) >= len(d.ranks):
+        wait_for(lambda: d.finished("d1") and p.released("p1"))
+        assert not d.failed("d1")
+        assert heads_landed(d, model)  # every byte of each D rank's heads, nothing else
+        writes = sum(len(r.results.records) for r in p.ranks)
+        assert writes == len(p.ranks)  # one WRITE per leg: each P rank has one target
+    else:  # P_tp < D_tp: a P rank would write several D ranks (not wired): refused at once, never a hang
+        wait_for(lambda: d.finished("d1"), timeout=1.0)
+        assert all("d1" in r.results.failed for r in d.ranks)
+        wait_for(lambda: p.released("p1"))  # P's lease frees what nobody registered for
+        assert not any(r.results.records for r in p.ranks)
+        assert not any(r.kv[g].any() for r in d.ranks for g in range(REGIONS))
+
+
+@pytest.mark.parametrize("engines", [(2, 2), (2, 1), (4, 2), (4, 1)], indirect=True, ids=str)
+def test_a_failing_write_on_one_p_rank_fails_the_request_on_every_d_rank(engines: tuple[Engine, Engine]) -> None:
+    p, d = engines
+    p.ranks[0].backend.fail_writes = True
+    start(p, d)
+    wait_for(lambda: d.finished("d1") and p.released("p1"))
+    assert d.failed("d1")
+    assert nothing_in_flight_to(p, d)  # freed on every D rank only once no leg can land (G2)
+    assert all(r.thread._decode.live == 0 for r in d.ranks)  # quiescent
+
+
+@pytest.mark.parametrize("engines", [(2, 2), (4, 2), (2, 1)], indirect=True, ids=str)
+def test_a_d_rank_whose_handshake_fails_fails_the_request_on_every_rank(engines: tuple[Engine, Engine]) -> None:
+    p, d = engines
+    d.ranks[-1].thread._compat_hash = "other"  # its payload no longer matches: P refuses the handshake
+    start(p, d)
+    wait_for(lambda: d.finished("d1") and p.released("p1"))
+    assert d.failed("d1") and "d1" in d.ranks[-1].results.failed
+    assert nothing_in_flight_to(p, d)
+    assert all(r.thread._decode.live == 0 for r in d.ranks)
+
+
+@pytest.mark.parametrize("engines", [(2, 2), (2, 1), (4, 2)], indirect=True, ids=str)
+def test_a_killed_p_rank_fails_the_request_and_blocks_are_freed_only_when_nothing_can_land(
+    engines: tuple[Engine, Engine],
+) -> None:
+    p, d = engines
+    peer = PeerAddress("P", "127.0.0.1", p.ranks[0].thread.side_port, tp_size=len(p.ranks))
+    for rank in d.ranks:
+        rank.thread.submit(RegisterOrder("d1", "t:1", peer, D_BLOCKS, 32))
+    wait_for(lambda: all(r.thread._prefill.entries for r in p.ranks))  # every leg registered
+    p.ranks[-1].thread.close()  # a P rank dies: its links drop like a process exit
+    for rank in p.ranks[:-1]:
+        rank.thread.submit(PrefillFinished("p1", "t:1", P_BLOCKS, 32))
+    wait_for(lambda: d.failed("d1"), timeout=2.0)  # failed at once (link lost), not at the deadline
+    wait_for(lambda: d.finished("d1"))  # freed at the hold deadline: the dead rank's WRITE could still land
+    assert nothing_in_flight_to(p, d)
+    assert all(r.thread._decode.live == 0 for r in d.ranks)
+
+
+@pytest.mark.parametrize("engines", [(2, 2)], indirect=True, ids=str)
+def test_request_counters_come_from_the_leader_rank_only(engines: tuple[Engine, Engine]) -> None:
+    p, d = engines
+    start(p, d)
+    wait_for(lambda: d.finished("d1") and p.released("p1"))
+    time.sleep(0.05)
+    d.finished("d1")
+    p.released("p1")
+    assert [r.results.counters["received"] for r in d.ranks] == [1, 0]  # request-level: the leader rank only
+    assert [r.results.counters["writes_posted"] for r in p.ranks] == [1, 1]  # per-WRITE series: every rank
+
+
+@pytest.mark.parametrize("engines", [(2, 1)], indirect=True, ids=str)
+def test_a_decode_leg_that_misstates_the_prefills_tp_is_refused_not_half_received(
+    engines: tuple[Engine, Engine], model: np.ndarray
+) -> None:
+    """A router configured with tp 1 for a TP=2 prefill: D would take P rank 0's half of the heads for the whole
+    KV. The handshake refuses it (the payload states tp_size 2), so the request fails and nothing is written."""
+    p, d = engines
+    wrong = PeerAddress("P", "127.0.0.1", p.ranks[0].thread.side_port, tp_size=1)
+    for rank in p.ranks:
+        rank.thread.submit(PrefillFinished("p1", "t:1", P_BLOCKS, 32))
+    d.ranks[0].thread.submit(RegisterOrder("d1", "t:1", wrong, D_BLOCKS, 32))
+    wait_for(lambda: d.finished("d1"))
+    assert d.failed("d1")
+    assert not any(r.results.records for r in p.ranks) and not d.ranks[0].kv[0].any()
