@@ -268,15 +268,20 @@ class HotPath:
 def _start_trace(
     tracing: Tracing, headers: list[tuple[bytes, bytes]], endpoint: Endpoint, body: dict[str, Any], request_id: str
 ) -> RequestTrace:
-    """The request's server span: a child of the client's W3C trace context when it sent a valid one."""
-    model = body.get("model")
-    attributes = semconv.request_attributes(
-        endpoint=str(endpoint),
-        model=model,
-        max_tokens=body.get("max_tokens", body.get("max_completion_tokens")),
-        request_id=request_id,
-    )
-    return tracing.start(trace_context.read(headers), semconv.server_span_name(str(endpoint), model), attributes)
+    """The request's server span: a child of the client's W3C trace context when it sent a valid one. Its name and
+    attributes are built only when the request is sampled."""
+
+    def describe() -> tuple[str, semconv.Attributes]:
+        model = body.get("model")
+        attributes = semconv.request_attributes(
+            endpoint=str(endpoint),
+            model=model,
+            max_tokens=body.get("max_tokens", body.get("max_completion_tokens")),
+            request_id=request_id,
+        )
+        return semconv.server_span_name(str(endpoint), model), attributes
+
+    return tracing.begin(trace_context.read(headers), describe)
 
 
 async def _send_error(send: Send, error: RouterError, request_id: str | None, pairing_id: str | None = None) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.trace import SpanKind, StatusCode
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 _KIND = {
     SpanKind.INTERNAL: 1,
@@ -34,10 +34,16 @@ _IS_REMOTE = 0x200
 _pack_fixed64 = struct.Struct("<Q").pack
 _pack_fixed32 = struct.Struct("<I").pack
 _pack_double = struct.Struct("<d").pack
+_KIND_FIELD = {kind: b"\x30" + bytes((code,)) for kind, code in _KIND.items()}  # Span.kind (field 6)
+_LOCAL_FLAGS = b"\x85\x01" + _pack_fixed32(_HAS_IS_REMOTE)  # Span.flags (field 16, fixed32), as the SDK's encoder:
+_REMOTE_FLAGS = b"\x85\x01" + _pack_fixed32(_HAS_IS_REMOTE | _IS_REMOTE)  # the W3C trace flags are not copied
+_EMPTY_STATUS = b"\x7a\x00"  # Span.status (field 15), empty
 
 
 _SMALL = [bytes((i,)) for i in range(128)]  # one-byte varints
 _KEY_CACHE_MAX = 4096  # encoded attribute keys kept (keys are the router's own, a few dozen)
+_PAIR_CACHE_MAX = 4096  # encoded attribute fields kept (emptied when full: unique ids pass through it)
+_CACHED_TYPES = (str, bool, int, float)  # hashable values; the type is part of the key (1 == 1.0 == True)
 
 
 def _varint(value: int) -> bytes:
@@ -81,6 +87,8 @@ class Encoder:
 
     def __init__(self) -> None:
         self._keys: dict[str, bytes] = {}
+        self._pairs: dict[tuple[int, str, type, Any], bytes] = {}
+        self._names: dict[tuple[str, str], bytes] = {}
 
     def encode(self, spans: Iterable[ReadableSpan]) -> bytes:
         """ExportTraceServiceRequest bytes: spans grouped by resource, then by instrumentation scope."""
@@ -118,48 +126,59 @@ class Encoder:
         return encoded
 
     def _attributes(self, field: int, attributes: Mapping[str, Any] | None) -> bytes:
+        """The attributes as repeated KeyValue fields. A field seen before comes from the cache: most of the
+        router's attributes repeat from span to span (operation, provider, worker, attempt, outcome, route)."""
         if not attributes:
             return b""
-        tag = _SMALL[(field << 3) | 2]
+        pairs = self._pairs
         parts = []
         for key, value in attributes.items():
-            encoded = _any_value(value)
-            if encoded is not None:
-                n = len(encoded)
-                pair = self._key(key) + b"\x12" + (_SMALL[n] if n < 0x80 else _varint(n)) + encoded
-                m = len(pair)
-                parts.append(tag + (_SMALL[m] if m < 0x80 else _varint(m)) + pair)
+            kind = value.__class__
+            cacheable = kind in _CACHED_TYPES
+            encoded = pairs.get((field, key, kind, value)) if cacheable else None
+            if encoded is None:
+                encoded = self._pair(field, key, value)
+                if encoded and cacheable:
+                    if len(pairs) >= _PAIR_CACHE_MAX:
+                        pairs.clear()
+                    pairs[(field, key, kind, value)] = encoded
+            parts.append(encoded)
         return b"".join(parts)
+
+    def _pair(self, field: int, key: str, value: Any) -> bytes:
+        """One KeyValue as field `field` (empty for a value of a type OTLP has no AnyValue for)."""
+        encoded = _any_value(value)
+        if encoded is None:
+            return b""
+        n = len(encoded)
+        pair = self._key(key) + b"\x12" + (_SMALL[n] if n < 0x80 else _varint(n)) + encoded
+        m = len(pair)
+        return _SMALL[(field << 3) | 2] + (_SMALL[m] if m < 0x80 else _varint(m)) + pair
 
     def _span(self, span: ReadableSpan) -> bytes:
         ctx = span.context
         assert ctx is not None
-        out = [
-            b"\x0a\x10" + ctx.trace_id.to_bytes(16, "big"),
-            b"\x12\x08" + ctx.span_id.to_bytes(8, "big"),
-        ]
+        parent = span.parent
+        head = b"\x0a\x10" + ctx.trace_id.to_bytes(16, "big") + b"\x12\x08" + ctx.span_id.to_bytes(8, "big")
         if ctx.trace_state:
-            out.append(_len(3, ctx.trace_state.to_header().encode()))
-        flags = _HAS_IS_REMOTE  # as the SDK's encoder: the W3C trace flags are not copied here
-        if span.parent is not None:
-            out.append(b"\x22\x08" + span.parent.span_id.to_bytes(8, "big"))
-            if span.parent.is_remote:
-                flags |= _IS_REMOTE
-        out.append(_len(5, span.name.encode()))
-        out.append(b"\x30" + _varint(_KIND[span.kind]))
-        out.append(b"\x39" + _pack_fixed64(span.start_time or 0))
-        out.append(b"\x41" + _pack_fixed64(span.end_time or 0))
-        out.append(self._attributes(9, span.attributes))
+            head += _len(3, ctx.trace_state.to_header().encode())
+        remote = False
+        if parent is not None:
+            head += b"\x22\x08" + parent.span_id.to_bytes(8, "big")
+            remote = parent.is_remote
+        out = [
+            head,
+            self._name(span.name),
+            _KIND_FIELD[span.kind],
+            b"\x39" + _pack_fixed64(span.start_time or 0),
+            b"\x41" + _pack_fixed64(span.end_time or 0),
+            self._attributes(9, span.attributes),
+        ]
         if span.dropped_attributes:
             out.append(b"\x50" + _varint(span.dropped_attributes))
         for event in span.events:
-            body = (
-                b"\x09"
-                + _pack_fixed64(event.timestamp)
-                + _len(2, event.name.encode())
-                + self._attributes(3, event.attributes)
-            )
-            out.append(_len(11, body))
+            body = b"\x09" + _pack_fixed64(event.timestamp) + self._event_name(event.name)
+            out.append(_len(11, body + self._attributes(3, event.attributes)))
         if span.dropped_events:
             out.append(b"\x60" + _varint(span.dropped_events))
         for link in span.links:
@@ -170,11 +189,34 @@ class Encoder:
             out.append(_len(13, body))
         if span.dropped_links:
             out.append(b"\x70" + _varint(span.dropped_links))
-        status = span.status
-        code = _STATUS[status.status_code]
-        body = (_len(2, status.description.encode()) if status.description else b"") + (
-            b"\x18" + _varint(code) if code else b""
-        )
-        out.append(_len(15, body))  # always present, empty when unset (as the SDK's encoder writes it)
-        out.append(b"\x85\x01" + _pack_fixed32(flags))  # field 16, fixed32
+        out.append(_status(span.status))
+        out.append(_REMOTE_FLAGS if remote else _LOCAL_FLAGS)
         return b"".join(out)
+
+    def _name(self, name: str) -> bytes:
+        """Span.name (field 5), encoded; cached with the keys (the router's span names repeat)."""
+        return self._cached(("span", name), 5, name)
+
+    def _event_name(self, name: str) -> bytes:
+        """Event.name (field 2), encoded, cached likewise."""
+        return self._cached(("event", name), 2, name)
+
+    def _cached(self, key: tuple[str, str], field: int, text: str) -> bytes:
+        encoded = self._names.get(key)
+        if encoded is None:
+            encoded = _len(field, text.encode())
+            if len(self._names) >= _KEY_CACHE_MAX:
+                self._names.clear()
+            self._names[key] = encoded
+        return encoded
+
+
+def _status(status: Status) -> bytes:
+    """Span.status (field 15): always present, empty when unset (as the SDK's encoder writes it)."""
+    code = _STATUS[status.status_code]
+    if not code and not status.description:
+        return _EMPTY_STATUS
+    body = (_len(2, status.description.encode()) if status.description else b"") + (
+        b"\x18" + _varint(code) if code else b""
+    )
+    return _len(15, body)

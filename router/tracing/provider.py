@@ -1,34 +1,31 @@
-"""The process's tracing: its own OpenTelemetry TracerProvider (never the global one), the sampler, the resource
-and the OTLP exporter (gRPC or HTTP/protobuf) behind a batch span processor, built from a resolved ExportPlan.
+"""The process's tracing: the sampling rule, the resource and the OTLP exporter (gRPC or HTTP/protobuf) behind
+the SDK's batch span processor, built from a resolved ExportPlan. No TracerProvider and no global state: spans are
+recorded lean (router/tracing/trace.py) and handed to the processor when they end.
 
 The exporter is the I/O seam: `Tracing` takes any SpanExporter (tests pass an in-memory one and a synchronous
 processor); `exporter_for` builds the OTLP one the plan names (imported only then, so a router with tracing off
 never loads gRPC): over gRPC the SDK's exporter with kvpush's lean encoder (router/tracing/grpc_export.py), over
 HTTP/protobuf the SDK's exporter as it is (its encoder costs about three times ours per span). The batch
-processor exports from its own (daemon) thread; `shutdown` flushes what is queued and holds its caller for a
-bounded time only.
+processor queues ended spans (bounded: OTEL_BSP_MAX_QUEUE_SIZE, 2048; beyond it spans are dropped, never the
+request held) and exports them in batches (OTEL_BSP_MAX_EXPORT_BATCH_SIZE, OTEL_BSP_SCHEDULE_DELAY) from its own
+(daemon) thread, never the event loop's; `shutdown` flushes what is queued and holds its caller for a bounded time
+only.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanLimits
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
-from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
-from opentelemetry.sdk.trace.sampling import (
-    ALWAYS_OFF,
-    ALWAYS_ON,
-    Decision,
-    ParentBased,
-    Sampler,
-    TraceIdRatioBased,
-)
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, Sampler, TraceIdRatioBased
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from router.tracing import context as w3c
-from router.tracing import trace
+from router.tracing import sampling, trace
+from router.tracing.semconv import Attributes
 from router.tracing.settings import GRPC, ExportPlan, Sampling
 
 INSTRUMENTATION = "kvpush.router"
@@ -36,19 +33,20 @@ FLUSH_MILLIS = 2000  # the longest the flush before the SDK's shutdown waits for
 SHUTDOWN_SECONDS = 3.0  # the longest `shutdown` holds its caller
 
 
-def sampler_for(sampling: Sampling) -> Sampler:
-    """The SDK sampler an OTel sampler name stands for."""
+def sampler_for(sampler: Sampling) -> Sampler:
+    """The SDK sampler an OTel sampler name stands for (the reference router/tracing/sampling.py's rule agrees
+    with, checked by the unit tests; the router decides with the rule)."""
     root: Sampler
-    base = sampling.name.removeprefix("parentbased_")
+    base = sampler.name.removeprefix("parentbased_")
     if base == "always_on":
         root = ALWAYS_ON
     elif base == "always_off":
         root = ALWAYS_OFF
     elif base == "traceidratio":
-        root = TraceIdRatioBased(sampling.ratio)
+        root = TraceIdRatioBased(sampler.ratio)
     else:
-        raise ValueError(f"unknown sampler {sampling.name!r}")
-    return ParentBased(root) if sampling.name.startswith("parentbased_") else root
+        raise ValueError(f"unknown sampler {sampler.name!r}")
+    return ParentBased(root) if sampler.name.startswith("parentbased_") else root
 
 
 def exporter_for(plan: ExportPlan) -> SpanExporter:
@@ -63,7 +61,7 @@ def exporter_for(plan: ExportPlan) -> SpanExporter:
 
 
 class Tracing:
-    """Starts request traces; owns the provider, its processor and exporter until `shutdown`."""
+    """Starts request traces; owns the span processor and its exporter until `shutdown`."""
 
     def __init__(
         self,
@@ -74,27 +72,29 @@ class Tracing:
         attributes: Mapping[str, str] | None = None,
     ) -> None:
         resource = Resource.create({**(attributes or {}), SERVICE_NAME: plan.service_name})
-        # The configured sampler decides in `start`, before the SDK makes anything; the SDK records what it is
-        # given (ALWAYS_ON). shutdown_on_exit=False: no atexit hook that could hold the exit for the exporter.
-        self._sampler = sampler_for(plan.sampling)
-        self._ids = RandomIdGenerator()
-        self._provider = TracerProvider(sampler=ALWAYS_ON, resource=resource, shutdown_on_exit=False)
-        processor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
-        self._provider.add_span_processor(processor)
-        self._tracer = self._provider.get_tracer(INSTRUMENTATION)
+        self._rule = sampling.rule_for(plan.sampling)
+        self._processor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
+        limits = SpanLimits()  # reads OTEL_(SPAN_)ATTRIBUTE_VALUE_LENGTH_LIMIT
+        scope = InstrumentationScope(INSTRUMENTATION)
+        self._recorder = trace.Recorder(resource, scope, self._processor.on_end, limits.max_span_attribute_length)
         self.plan = plan
 
     def start(
         self, headers: w3c.TraceHeaders, name: str, attributes: Mapping[str, str | bool | int | float]
     ) -> trace.RequestTrace:
-        """The request's trace. The configured sampler decides first, on the client's trace id (else a fresh one):
-        a dropped request costs an id and one sampler call, not an SDK span (at 1 % sampling, the common case)."""
+        """The request's trace, its server span named `name` with `attributes` when it is sampled."""
+        return self.begin(headers, lambda: (name, dict(attributes)))
+
+    def begin(self, headers: w3c.TraceHeaders, describe: Callable[[], tuple[str, Attributes]]) -> trace.RequestTrace:
+        """The request's trace. The sampling rule decides first, on the client's trace id (else a fresh one): a
+        request that is not sampled costs an id and a comparison; `describe` (the server span's name and
+        attributes) is called only for a sampled one."""
         parent = headers.parent
-        trace_id = parent.trace_id if parent is not None else self._ids.generate_trace_id()
-        decision = self._sampler.should_sample(trace.parent_context(headers), trace_id, name)
-        if decision.decision is not Decision.RECORD_AND_SAMPLE:
-            return trace.dropped(self._tracer, headers, trace_id, self._ids.generate_span_id())
-        return trace.start(self._tracer, headers, name, attributes)
+        trace_id = parent.trace_id if parent is not None else sampling.new_trace_id()
+        if not sampling.sampled(self._rule, parent, trace_id):
+            return trace.dropped(headers, trace_id)
+        name, attributes = describe()
+        return trace.start(self._recorder, headers, trace_id, name, attributes)
 
     def shutdown(self, timeout: float = SHUTDOWN_SECONDS) -> bool:
         """Flushes queued spans and stops the exporter, waiting at most `timeout` seconds (an unreachable collector
@@ -106,8 +106,8 @@ class Tracing:
         return not stopper.is_alive()
 
     def _stop(self) -> None:
-        self._provider.force_flush(FLUSH_MILLIS)
-        self._provider.shutdown()
+        self._processor.force_flush(FLUSH_MILLIS)
+        self._processor.shutdown()
 
 
 def build(plan: ExportPlan | None) -> Tracing | None:

@@ -3,6 +3,7 @@ the router's own spans and for spans with every field the encoder covers."""
 
 from __future__ import annotations
 
+import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.resources import Resource
@@ -91,3 +92,45 @@ def test_every_covered_field_encodes_as_the_sdk_encodes_it() -> None:
 
 def test_nothing_encodes_to_an_empty_request() -> None:
     assert otlp_encode.Encoder().encode([]) == b""
+
+
+def test_an_attribute_seen_before_is_not_encoded_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    tracing, exported = in_memory()
+    for _ in range(4):
+        tracing.start(w3c.NO_HEADERS, "chat", {"gen_ai.operation.name": "chat", "kvpush.attempts": 1}).end("ok")
+    spans = exported.get_finished_spans()
+    encoder = otlp_encode.Encoder()
+    first = encoder.encode(spans[:1])
+    values: list[object] = []
+    real = otlp_encode._any_value
+
+    def counting(value: object) -> bytes | None:
+        values.append(value)
+        return real(value)
+
+    monkeypatch.setattr(otlp_encode, "_any_value", counting)
+    assert encoder.encode(spans[:1]) == first
+    encoder.encode(spans)
+    assert values == []  # every attribute (the resource's too) came from the cache
+    assert ExportTraceServiceRequest.FromString(encoder.encode(spans)) == encode_spans(spans)
+
+
+def test_equal_values_of_other_types_stay_apart() -> None:
+    tracing, exported = in_memory()
+    for value in (1, True, 1.0, "1", 1, True):
+        tracing.start(w3c.NO_HEADERS, "chat", {"x": value}).end("ok")
+    spans = exported.get_finished_spans()
+    encoder = otlp_encode.Encoder()
+    for k in range(len(spans)):
+        assert ExportTraceServiceRequest.FromString(encoder.encode(spans[k:])) == encode_spans(spans[k:])
+
+
+def test_the_cache_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(otlp_encode, "_PAIR_CACHE_MAX", 8)
+    tracing, exported = in_memory()
+    for i in range(30):
+        tracing.start(w3c.NO_HEADERS, "chat", {"kvpush.request.id": f"r{i}"}).end("ok")
+    spans = exported.get_finished_spans()
+    encoder = otlp_encode.Encoder()
+    assert ExportTraceServiceRequest.FromString(encoder.encode(spans)) == encode_spans(spans)
+    assert len(encoder._pairs) <= 8

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+from opentelemetry.sdk import trace as sdk_trace
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
@@ -214,3 +217,74 @@ def test_a_dropped_request_passes_the_client_s_trace_id_and_tracestate_on() -> N
     assert leg.headers["tracestate"] == "vendor=x1" and leg.headers["baggage"] == "user=alice"
     trace.end("ok")
     assert exported.get_finished_spans() == ()
+
+
+def test_an_unsampled_request_never_builds_its_server_span_s_name_or_attributes() -> None:
+    described: list[int] = []
+
+    def describe() -> tuple[str, semconv.Attributes]:
+        described.append(1)
+        return "chat tiny", dict(ATTRS)
+
+    tracing, exported = in_memory(ratio=0.0)
+    for _ in range(50):
+        tracing.begin(w3c.NO_HEADERS, describe).end("ok")
+    assert described == [] and exported.get_finished_spans() == ()
+    tracing.begin(client(sampled=True), describe).end("ok")  # a sampled parent: described once, exported
+    assert described == [1] and len(exported.get_finished_spans()) == 1
+
+
+def test_spans_are_recorded_without_the_sdk_s_tracer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SDK's Tracer/Span (locks, attribute cleaning, context objects, processor hooks) cost several times the
+    whole tree recorded lean; the processor and exporter still get the SDK's ReadableSpans."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the SDK's Tracer was used")
+
+    monkeypatch.setattr(sdk_trace.Tracer, "start_span", refuse)
+    monkeypatch.setattr(sdk_trace.Span, "__init__", refuse)
+    tracing, exported = in_memory()
+    trace = tracing.start(client(state=(("vendor", "x1"),)), "chat tiny", ATTRS)
+    prefill = trace.leg(semconv.PREFILL_SPAN, **leg_attrs("prefill"))
+    prefill.end("connect")
+    decode = trace.leg(semconv.DECODE_SPAN, **leg_attrs("decode", 2))
+    decode.first_byte(0.001)
+    decode.end()
+    trace.end("ok", status=200)
+    spans = by_name(exported.get_finished_spans())
+    assert sorted(spans) == sorted(["chat tiny", semconv.PREFILL_SPAN, semconv.DECODE_SPAN])
+    server = spans["chat tiny"][0]
+    assert all(isinstance(s, ReadableSpan) for group in spans.values() for s in group)
+    assert server.context is not None and server.context.trace_state.to_header() == "vendor=x1"
+    assert spans[semconv.PREFILL_SPAN][0].status.status_code is StatusCode.ERROR
+    for span in (*spans[semconv.PREFILL_SPAN], *spans[semconv.DECODE_SPAN]):
+        assert span.context is not None and span.context.trace_state.to_header() == "vendor=x1"
+        assert span.end_time is not None and span.start_time is not None and span.end_time >= span.start_time
+
+
+def test_a_configured_value_length_limit_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "3")
+    tracing, exported = in_memory()
+    tracing.start(w3c.NO_HEADERS, "chat tiny", ATTRS).end("ok")
+    (span,) = exported.get_finished_spans()
+    assert span.attributes is not None and span.attributes[semconv.REQUEST_ID] == "req"
+
+
+def test_a_worker_s_address_is_parsed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    parsed: list[str] = []
+    real = semconv.address_of
+
+    def counting(url: str) -> semconv.Attributes:
+        parsed.append(url)
+        return real(url)
+
+    monkeypatch.setattr(semconv, "address_of", counting)
+    tracing, exported = in_memory()
+    for _ in range(5):
+        trace = tracing.start(w3c.NO_HEADERS, "chat tiny", ATTRS)
+        trace.leg(semconv.PREFILL_SPAN, **leg_attrs("prefill")).end()
+        trace.leg(semconv.DECODE_SPAN, **leg_attrs("decode")).end()
+        trace.end("ok")
+    assert sorted(parsed) == ["http://h:8100", "http://h:8200"]
+    decode = by_name(exported.get_finished_spans())[semconv.DECODE_SPAN][-1]
+    assert dict(decode.attributes or {})[semconv.SERVER_PORT] == 8200
