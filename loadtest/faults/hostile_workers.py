@@ -15,7 +15,8 @@ Behaviours of the completion endpoints (/health, /stats and /v1/models always an
 
 It can be SIGSTOPped (a hang: it accepts connections in the kernel's backlog and answers nothing).
 GET /stats: connections (open, total), completions (started, running, finished, aborted: the peer left
-while the request ran), bytes of stream sent. Exits on SIGTERM.
+while the request ran), bytes of stream sent, health probes answered (a test counts a router's health rounds
+by them). Exits on SIGTERM.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Stats:
     finished: int = 0
     aborted: int = 0
     stream_bytes_sent: int = 0
+    health_probes: int = 0
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,7 @@ class Worker:
 
     async def _get(self, path: str, writer: asyncio.StreamWriter) -> bool:
         if path == "/health":
+            self.stats.health_probes += 1
             await _reply(writer, 200, b"")
         elif path == "/stats":
             await _reply(writer, 200, json.dumps(asdict(self.stats)).encode())

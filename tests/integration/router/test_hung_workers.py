@@ -247,7 +247,12 @@ def test_credentials_in_an_admin_added_url_are_refused_and_ejected_workers_still
         added = httpx.post(f"{r.url}/admin/workers", json={"role": "decode", "url": spare}, headers=auth, timeout=10)
         assert added.status_code == 400, (added.status_code, added.text)
         assert "secret" not in added.text
-        time.sleep(1.5)  # several health rounds with whatever the admin call left behind
+        probed = decodes[0].stats()["health_probes"]
+        wait_for(
+            lambda: decodes[0].stats()["health_probes"] >= probed + 3,
+            "three more health rounds run with whatever the admin call left behind",
+            timeout=GUARD,
+        )
         decodes[0].hang()
         wait_for(lambda: not healthy(decodes[0].url), "a hung decode is marked down", timeout=GUARD)
         decodes[0].resume()
