@@ -495,15 +495,24 @@ def _align(tail: SessionTail, answer: Sequence[int], guess: int, slack: int) -> 
     `answer` the longest (ties: the nearest to `guess`), and for how many tokens; (guess, 0) when nowhere do
     `MIN_AGREED` agree (the answer's first token re-tokenized otherwise, or no stored block reaches it)."""
     ids = tail.tokens
+    if not answer:
+        return guess, 0
+    low, high = max(0, guess - slack - tail.start), min(len(ids), guess + slack - tail.start + 1)
+    starts, at = [], low
+    while at < high:  # the places the answer's first id is stored (C's search, not a Python loop per position)
+        try:
+            at = ids.index(answer[0], at, high)
+        except ValueError:
+            break
+        starts.append(at)
+        at += 1
     best, agreed = guess, 0
-    low, high = max(tail.start, guess - slack), min(tail.end - 1, guess + slack)
-    for at in sorted(range(low, high + 1), key=lambda p: abs(p - guess)):
-        offset, n = at - tail.start, 0
-        limit = min(len(answer), len(ids) - offset)
+    for offset in sorted(starts, key=lambda o: abs(o + tail.start - guess)):
+        n, limit = 1, min(len(answer), len(ids) - offset)
         while n < limit and ids[offset + n] == answer[n]:
             n += 1
         if n > agreed:
-            best, agreed = at, n
+            best, agreed = tail.start + offset, n
             if n == len(answer):
                 break
     return (best, agreed) if agreed >= min(MIN_AGREED, len(answer)) else (guess, 0)

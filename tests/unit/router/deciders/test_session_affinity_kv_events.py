@@ -284,3 +284,15 @@ def test_a_shared_system_prompt_counts_for_every_session_that_extends_it() -> No
     history = [{"role": "system", "content": "rules " * 150}, {"role": "user", "content": "word " * 25}]
     decision = decider(engines).decide(chat(*history, {"role": "assistant", "content": "ok"}, SHORT), DECODES, [], 2)
     assert (decision.route, decision.decode, decision.predicted_cached_tokens) == (Route.BYPASS, "d2", 12 * BLOCK)
+
+
+def test_an_answer_is_aligned_where_most_of_it_agrees_nearest_the_estimate() -> None:
+    from router.deciders.session_affinity import _align
+    from router.kv_events.index import SessionTail
+
+    ids = [1, 2, 9, 5, 6, 7, 3, 5, 6, 7, 8, 4, 4, 4, 4, 4]  # the answer [5, 6, 7, 8] starts at 7 (chain 107)
+    tail = SessionTail(100, ids, 16)
+    assert _align(tail, [5, 6, 7, 8], 104, 8) == (107, 4)  # not at 103, where only 3 agree
+    assert _align(tail, [5, 6, 7, 0], 104, 8) == (103, 3)  # a tie: the nearer
+    assert _align(tail, [9, 0], 104, 8) == (104, 0)  # one id agreeing places nothing
+    assert _align(tail, [5, 6, 7, 8], 100, 2) == (100, 0)  # out of reach
