@@ -7,10 +7,10 @@ from typing import Any
 
 from router.decider import Decision, Outcome, Route, Turn
 from router.deciders.conversation import conversation_key
-from router.deciders.session_affinity import AffinityOptions, SessionAffinity, prompt_token_ids
+from router.deciders.session_affinity import AffinityOptions, SessionAffinity, _align, prompt_token_ids
 from router.domain import Endpoint, Mode, RequestInfo, WorkerView
 from router.kv_events.frames import Cleared, Removed, Stored
-from router.kv_events.index import KvIndex
+from router.kv_events.index import KvIndex, SessionTail
 from router.kv_events.stream import StreamStatus
 from router.kv_events.view import KvEventView
 
@@ -287,9 +287,6 @@ def test_a_shared_system_prompt_counts_for_every_session_that_extends_it() -> No
 
 
 def test_an_answer_is_aligned_where_most_of_it_agrees_nearest_the_estimate() -> None:
-    from router.deciders.session_affinity import _align
-    from router.kv_events.index import SessionTail
-
     ids = [1, 2, 9, 5, 6, 7, 3, 5, 6, 7, 8, 4, 4, 4, 4, 4]  # the answer [5, 6, 7, 8] starts at 7 (chain 107)
     tail = SessionTail(100, ids, 16)
     assert _align(tail, [5, 6, 7, 8], 104, 8) == (107, 4)  # not at 103, where only 3 agree
