@@ -43,6 +43,7 @@ class SessionShape:
     think_s: float = 2.0  # mean think time between turns (exponential)
     system_tokens: int = 0  # a per-session system prompt (0: none)
     seed: int = 0
+    system_shared: bool = False  # every session opens with the same system prompt (else each its own)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class Session:
     start_s: float
     system_tokens: int
     turns: tuple[TurnSpec, ...]
+    system_seed: int | None = None  # the system prompt's text seed; None: the session id's
 
 
 def plan_sessions(shape: SessionShape) -> list[Session]:
@@ -78,7 +80,8 @@ def plan_sessions(shape: SessionShape) -> list[Session]:
             )
             for t in range(rng.randint(*shape.turns))
         )
-        out.append(Session(f"{session_prefix(shape.seed)}{i:04d}", start, shape.system_tokens, turns))
+        shared = shape.seed if shape.system_shared else None
+        out.append(Session(f"{session_prefix(shape.seed)}{i:04d}", start, shape.system_tokens, turns, shared))
     return out
 
 
@@ -191,7 +194,8 @@ async def _session(
     await asyncio.sleep(max(0.0, t0 + session.start_s - clock()))
     messages: list[dict[str, str]] = []
     if session.system_tokens:
-        text = message_text(session.system_tokens, "system", zlib.crc32(session.id.encode()), target.words_per_token)
+        seed = zlib.crc32(session.id.encode()) if session.system_seed is None else session.system_seed
+        text = message_text(session.system_tokens, "system", seed, target.words_per_token)
         messages.append({"role": "system", "content": text})
     out: list[TurnRecord] = []
     for n, spec in enumerate(session.turns, start=1):

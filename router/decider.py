@@ -140,6 +140,7 @@ class DeciderStats:
     event_decisions: int = 0  # decisions whose decode pick a caught-up KV-event view judged
     event_corrections: int = 0  # learned matches the KV events cut down (evicted, restarted, elsewhere)
     event_matches: int = 0  # matches only the KV events knew of (another replica routed the session)
+    event_answer_checks: int = 0  # answers another replica relayed, checked against the engine's stored ids
 
 
 class ReportsStats(Protocol):

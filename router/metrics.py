@@ -202,6 +202,11 @@ class _DeciderCollector(Collector):
                 "Prefix matches only the KV events knew of (another replica routed the session).",
                 s.event_matches,
             ),
+            (
+                "kvpush_decider_event_answer_checks",
+                "Answers another replica relayed, checked against the engine's stored token ids before a bypass.",
+                s.event_answer_checks,
+            ),
         ):
             yield CounterMetricFamily(name, help_text, value=value)
         yield GaugeMetricFamily(

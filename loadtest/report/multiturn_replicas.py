@@ -41,11 +41,24 @@ def section(rows: Sequence[Row], rate: Path | None = None, overhead: Sequence[Ro
         f" (`{EVENTS}`) and behind {replicas} router replicas with each turn of a conversation sent to the next"
         f" replica (`{REPLICAS}`), and with events off on one router (`{EVENTS_OFF}`), on the same sessions and"
         " engines (which publish their events throughout).",
+        *_tokenizer(rows),
         "",
     ]
     body = [line for line in multiturn.section(rows, None) if not line.startswith("\nTTFT p50")]
     more = [*capacity(rate), *overhead_cpu(overhead)]
     return [*head, *body, "", *targets(rows), *more, "", reproduce(rows[0].get("plan") or {})]
+
+
+def _tokenizer(rows: Sequence[Row]) -> list[str]:
+    """Whether the KV-event fronts' deciders had the model's tokenizer (rows of runs before it have no field)."""
+    if not any(r.get("answer_tokenizer") for r in rows):
+        return []
+    return [
+        "The KV-event fronts' deciders have the model's tokenizer (option `tokenizer`): before a bypass, a replica"
+        " checks the previous answer, which the other replica relayed, against the token ids the engine stored"
+        ' (router/README.md, "Answers another replica relayed"). The box (2 cores) is shared with other work;'
+        " the vLLM lock keeps other engines off it during the run."
+    ]
 
 
 def overhead_cpu(rows: Sequence[Row]) -> list[str]:

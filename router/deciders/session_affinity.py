@@ -17,6 +17,11 @@
   with the learned tokens-per-character ratio. Workers without a caught-up
   view, and prompts with neither a session nor token ids, keep the request-learned index (router/README.md,
   "KV events": why no tokenizer).
+- An answer another replica relayed (the events place the held prefix past it) is checked only when this is a
+  bypass candidate and a `tokenizer` is configured (`_answer_from_events`): its text, encoded in the router, is
+  aligned with the token ids of the blocks the session stored last on that engine (its generated ids, from the
+  KV events) and credited as far as the two agree, as the replica that relayed it checked it; nothing but the
+  engines' events is shared between replicas.
 - An answer is credited at first by `reusable_answer_tokens` (no tokenizer here). With `verify_answers` (the
   default) decode is asked for its generated token ids, and each answer is checked once it is relayed: decode
   tokenizes the text (router/retokenize.py) and the credit becomes exactly the generated tokens it re-tokenizes
@@ -35,13 +40,18 @@ from router import values
 from router.decider import AnswerCheck, DeciderStats, Decision, Outcome, Route, Turn
 from router.deciders.conversation import Chain, ConversationKey, Link, conversation_key
 from router.deciders.prefix_index import Match, PrefixIndex, SessionTable, TokenRatio, prorated, reusable_answer_tokens
+from router.deciders.tokenizer import Tokenize, load_tokenizer
 from router.domain import Endpoint, WorkerView
 from router.errors import ConfigError
+from router.kv_events.index import SessionTail
 from router.kv_events.view import KvEventView
 
 logger = logging.getLogger("kvpush.decider")
 ACCURATE = 0.2  # a bypass prediction is "accurate" when uncached tokens are within 20 % of the actual
 PLACE_SLACK = 0.25  # how far the tokens-per-character estimate of a held chat prefix may be off (_at_message)
+BLOCK_SLACK = 16  # tokens searched either side of an answer's estimated start, beyond PLACE_SLACK of the estimate
+MIN_AGREED = 2  # an answer is placed in the engine's stored ids where this many of its tokens agree (else a first
+# token that also ends the prompt could place it early)
 MISS_WINDOW, MISS_LIMIT = 16, 4  # this many of the last checked bypasses holding under half the predicted cache:
 # the answers the router relays are not what the engines cache (e.g. reasoning the relay does not show), so
 # generated text stops being credited
@@ -63,6 +73,8 @@ class AffinityOptions:
     block_tokens: int = 16  # the engines' KV block size (--block-size; vLLM's CPU backend defaults to 128):
     # a prefix cache holds whole blocks only
     verify_answers: bool = True  # ask decode for the answer's token ids and check what its text re-tokenizes to
+    tokenizer: str | None = None  # the model's tokenizer.json (or its directory): with KV events, an answer another
+    # replica relayed is checked against the engine's stored ids before a bypass (router/deciders/tokenizer.py)
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> AffinityOptions:
@@ -100,6 +112,7 @@ _RULES: dict[str, Callable[[Any, str], Any]] = {
     "chars_per_token": values.positive,
     "block_tokens": _at_least(1),
     "verify_answers": values.boolean,
+    "tokenizer": values.text,
 }
 
 
@@ -125,6 +138,7 @@ class _Counters:
     event_decisions: int = 0  # decisions whose decode pick a caught-up KV-event view judged
     event_corrections: int = 0  # learned matches the KV events cut down (evicted, restarted, elsewhere)
     event_matches: int = 0  # matches only the KV events knew of (e.g. another replica routed the session)
+    event_answer_checks: int = 0  # answers another replica relayed, checked against the engine's stored ids
 
 
 class SessionAffinity:
@@ -132,9 +146,12 @@ class SessionAffinity:
     wants_answer = True
     wants_headers = True  # the session id header keys the conversation
 
-    def __init__(self, options: AffinityOptions | None = None, view: KvEventView | None = None) -> None:
+    def __init__(
+        self, options: AffinityOptions | None = None, view: KvEventView | None = None, tokenize: Tokenize | None = None
+    ) -> None:
         self.options = o = options or AffinityOptions()
         self.view = view  # the engines' KV events (None: off); read on the router's loop, like everything here
+        self.tokenize = tokenize  # text -> token ids (the `tokenizer` option): answers other replicas relayed
         self.decode_index = PrefixIndex(o.max_links_per_worker, o.ttl_s)
         self.prefill_index = PrefixIndex(o.max_links_per_worker, o.ttl_s)
         self.sessions = SessionTable(o.max_sessions, o.ttl_s)
@@ -146,7 +163,9 @@ class SessionAffinity:
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any], view: KvEventView | None = None) -> SessionAffinity:
-        return cls(AffinityOptions.from_mapping(options), view)
+        o = AffinityOptions.from_mapping(options)
+        tokenize = load_tokenizer(o.tokenizer) if o.tokenizer is not None and view is not None else None
+        return cls(o, view, tokenize)
 
     def decide(self, turn: Turn, decode: Sequence[WorkerView], prefill: Sequence[WorkerView], now: float) -> Decision:
         key = conversation_key(turn.info.endpoint, turn.body, turn.headers, self.options.chunk_chars)
@@ -154,13 +173,13 @@ class SessionAffinity:
         usable = self._usable(decode)
         truth = self._truth(key, ids, usable)
         held = self._pick_decode(key, usable, now, truth)
-        o = self.options
-        cached = (held.reusable // o.block_tokens) * o.block_tokens if held is not None else 0  # whole blocks only
-        if ids is not None:
-            uncached = len(ids) - cached
-        else:
-            uncached = self._uncached(key.chain, held) + (held.tokens - cached if held is not None else 0)
-        if held is not None and cached >= o.bypass_min_cached_tokens and uncached <= o.bypass_max_uncached_tokens:
+        cached, uncached = self._predict(key.chain, ids, held)
+        if held is not None and ids is None and self._bypassable(cached, uncached):
+            checked = self._answer_from_events(turn, key, held, now)
+            if checked is not None:
+                held = checked
+                cached, uncached = self._predict(key.chain, ids, held)
+        if held is not None and self._bypassable(cached, uncached):
             return self._count(
                 Decision(Route.BYPASS, held.worker, None, cached, "decode holds all but a short suffix"),
                 key,
@@ -177,6 +196,44 @@ class SessionAffinity:
             uncached,
             held,
         )
+
+    def _predict(self, chain: Chain, ids: Sequence[int] | None, held: Match | None) -> tuple[int, int]:
+        """(cached, uncached) tokens of the prompt on the decode holding `held`: whole blocks only are cached."""
+        bt = self.options.block_tokens
+        cached = (held.reusable // bt) * bt if held is not None else 0
+        if ids is not None:
+            return cached, len(ids) - cached
+        return cached, self._uncached(chain, held) + (held.tokens - cached if held is not None else 0)
+
+    def _bypassable(self, cached: int, uncached: int) -> bool:
+        o = self.options
+        return cached >= o.bypass_min_cached_tokens and uncached <= o.bypass_max_uncached_tokens
+
+    def _answer_from_events(self, turn: Turn, key: ConversationKey, held: Match, now: float) -> Match | None:
+        """`held` with the answer just before it checked, when another replica relayed that answer (this replica's
+        own index ends before `held`) and the engine's KV events hold the session's last stored blocks: the
+        answer's text, encoded here, is aligned with those blocks' token ids (its generated ids) near where the
+        prompt's estimate puts its start, and the prefix held is where they part (whole blocks). None: nothing to
+        check (no tokenizer, this replica's own answer, not an answer, no tip held)."""
+        view, tokenize, chain = self.view, self.tokenize, key.chain
+        if view is None or tokenize is None or key.session is None or chain.endpoint is not Endpoint.CHAT:
+            return None
+        learned = self.decode_index.longest(held.worker, chain, now)
+        at = next((i for i, link in enumerate(chain.links) if link.chars == held.chars), 0)
+        text = _assistant_text(turn.body, at - 1)
+        if held.chars <= learned.chars or at < 2 or text is None:
+            return None
+        tail = view.session_tail(held.worker, key.session)
+        if tail is None:
+            return None
+        answer = tokenize(text)
+        anchor = learned if learned.tokens > 0 else None
+        guess = self._tokens_at(chain.links[at - 1].chars, anchor)
+        slack = BLOCK_SLACK + round(PLACE_SLACK * (guess - (anchor.tokens if anchor is not None else 0)))
+        start, agreed = _align(tail, answer, guess, slack)
+        reached = min(tail.end, start + agreed)
+        self._counts.event_answer_checks += 1
+        return Match(held.worker, 0, held.chars, start + len(answer), (reached // tail.block_size) * tail.block_size)
 
     def record(self, turn: Turn, decision: Decision, outcome: Outcome, now: float) -> AnswerCheck | None:
         plan = decision.state
@@ -268,6 +325,7 @@ class SessionAffinity:
             event_decisions=c.event_decisions,
             event_corrections=c.event_corrections,
             event_matches=c.event_matches,
+            event_answer_checks=c.event_answer_checks,
         )
 
     def _usable(self, workers: Sequence[WorkerView]) -> list[WorkerView]:
@@ -418,3 +476,43 @@ class SessionAffinity:
                 sum(c.recent_misses),
                 len(c.recent_misses),
             )
+
+
+def _assistant_text(body: Mapping[str, Any], index: int) -> str | None:
+    """The text of the chat request's `index`-th message when it is the assistant's (a relayed answer)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not 0 <= index < len(messages):
+        return None
+    message = messages[index]
+    if not isinstance(message, Mapping) or message.get("role") != "assistant":
+        return None
+    content = message.get("content")
+    return content if isinstance(content, str) and content else None
+
+
+def _align(tail: SessionTail, answer: Sequence[int], guess: int, slack: int) -> tuple[int, int]:
+    """(start, agreed): the chain position within `slack` of `guess` from which the tail's token ids agree with
+    `answer` the longest (ties: the nearest to `guess`), and for how many tokens; (guess, 0) when nowhere do
+    `MIN_AGREED` agree (the answer's first token re-tokenized otherwise, or no stored block reaches it)."""
+    ids = tail.tokens
+    if not answer:
+        return guess, 0
+    low, high = max(0, guess - slack - tail.start), min(len(ids), guess + slack - tail.start + 1)
+    starts, at = [], low
+    while at < high:  # the places the answer's first id is stored (C's search, not a Python loop per position)
+        try:
+            at = ids.index(answer[0], at, high)
+        except ValueError:
+            break
+        starts.append(at)
+        at += 1
+    best, agreed = guess, 0
+    for offset in sorted(starts, key=lambda o: abs(o + tail.start - guess)):
+        n, limit = 1, min(len(answer), len(ids) - offset)
+        while n < limit and ids[offset + n] == answer[n]:
+            n += 1
+        if n > agreed:
+            best, agreed = tail.start + offset, n
+            if n == len(answer):
+                break
+    return (best, agreed) if agreed >= min(MIN_AGREED, len(answer)) else (guess, 0)

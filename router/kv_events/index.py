@@ -17,10 +17,19 @@ LRU usually removes blocks first (BlockRemoved). A block is held once per medium
 goes when its last medium removes it. `Cleared` (the engine's reset_prefix_cache) empties the stream.
 Python's `hash` of a tuple of ints is the content key: fast and stable within a process; a collision costs a
 misrouted prefix estimate, never a wrong answer (the engine checks its own hashes).
+
+Per session, the *tip*: the token ids of the blocks the session stored last in one run (a prompt's blocks, then
+its answer's as decode fills them; a next prompt that branches off where the answer's text re-tokenized
+differently starts a new tip) and where in the chain they start (every block's depth is known when its chain
+is). The tip's end is what a next turn of the session finds held, counting once the blocks another session
+stored first (a shared system prompt) and never the blocks of an answer a later prompt branched away from; its
+tokens let a decider check an answer it never relayed (router/deciders/session_affinity.py). Bounded: at most
+`TIP_TOKENS` per session, and a session's tip goes with its last block.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +40,7 @@ _ROOT = 0x6B76707573680000  # the content key a prompt's first block chains from
 _MEDIA = {None: 1, "GPU": 1, "CPU": 2, "STORAGE": 4}
 _OTHER_MEDIUM = 8
 _FIRST_KEYS = 8  # prompt blocks keyed first, half as many again after: a lookup that stops early keys little
+TIP_TOKENS = 2048  # the token ids of a session's last stored blocks kept, at most (8 bytes each)
 
 StreamKey = tuple[str, int]  # (worker id, data-parallel rank)
 
@@ -95,6 +105,30 @@ class _Block:
     key: int | None  # the content key; None: not matchable
     media: int
     session: str | None  # the session of the request that stored it last (vLLM's BlockStored.session_id)
+    depth: int = -1  # blocks before it in its chain; -1: unknown (a parent the index never saw)
+
+
+@dataclass(slots=True)
+class _Tip:
+    """The blocks a session stored last, in chain order, and the chain position (tokens) of the first."""
+
+    start: int
+    hashes: list[BlockHash]
+    tokens: array[int]
+
+
+@dataclass(frozen=True, slots=True)
+class SessionTail:
+    """The token ids a worker's engine holds of a session's chain from position `start` on (whole blocks; the
+    chain before `start` is held too); `end` is what a next turn of the session finds held, at most."""
+
+    start: int
+    tokens: Sequence[int]
+    block_size: int
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
 
 
 @dataclass
@@ -106,6 +140,7 @@ class StreamIndex:
     _blocks: OrderedDict[BlockHash, _Block] = field(default_factory=OrderedDict)
     _by_key: dict[int, BlockHash] = field(default_factory=dict)
     _sessions: dict[str, int] = field(default_factory=dict)  # session -> blocks held that it stored last
+    _tips: dict[str, _Tip] = field(default_factory=dict)  # session -> its tip
 
     def __post_init__(self) -> None:
         if self.max_blocks < 1:
@@ -137,14 +172,17 @@ class StreamIndex:
             return
         medium = _MEDIA.get(event.medium, _OTHER_MEDIUM)
         parent_key = self._parent_key(event)
+        depth = self._depth(event.parent)
         size = event.block_size
         for i, block_hash in enumerate(event.hashes):
             key = None
             if parent_key is not None:
                 key = hash((parent_key, event.token_ids[i * size : (i + 1) * size]))
-            self._put(block_hash, key, medium, event.session_id)
+            self._put(block_hash, key, medium, event.session_id, depth + i if depth >= 0 else -1)
             parent_key = key
         self.counters.stored += len(event.hashes)
+        if event.session_id is not None and depth >= 0 and event.hashes:
+            self._grow_tip(event.session_id, event, depth * size)
         while len(self._blocks) > self.max_blocks:
             block_hash, block = self._blocks.popitem(last=False)
             self._forget(block_hash, block)
@@ -164,12 +202,52 @@ class StreamIndex:
             self.counters.orphans += len(event.hashes)
         return parent.key
 
-    def _put(self, block_hash: BlockHash, key: int | None, medium: int, session: str | None) -> None:
+    def _depth(self, parent: BlockHash | None) -> int:
+        """The depth of a block stored after `parent`; -1 when the parent's is unknown."""
+        if parent is None:
+            return 0
+        block = self._blocks.get(parent)
+        return block.depth + 1 if block is not None and block.depth >= 0 else -1
+
+    def _grow_tip(self, session: str, event: Stored, start: int) -> None:
+        """The session's tip extended by the event's blocks when they follow it, else replaced by them."""
+        size = event.block_size
+        ids = event.token_ids[: len(event.hashes) * size]
+        tip = self._tips.get(session)
+        if tip is not None and tip.hashes and event.parent is not None and tip.hashes[-1] == event.parent:
+            tip.hashes.extend(event.hashes)
+            tip.tokens.extend(ids)
+        else:
+            tip = self._tips[session] = _Tip(start, list(event.hashes), array("q", ids))
+        drop = max(0, (len(tip.tokens) - TIP_TOKENS + size - 1) // size)
+        drop = min(drop, len(tip.hashes) - 1)
+        if drop > 0:
+            del tip.hashes[:drop]
+            del tip.tokens[: drop * size]
+            tip.start += drop * size
+
+    def session_tail(self, session: str) -> SessionTail | None:
+        """The session's tip as far as the engine still holds it, block by block from its start; None when the
+        index has none (its chain began before the subscription, or its first block is gone)."""
+        tip = self._tips.get(session)
+        size = self.block_size
+        if tip is None or size is None:
+            return None
+        held = 0
+        for block_hash in tip.hashes:
+            if block_hash not in self._blocks:
+                break
+            held += 1
+        return SessionTail(tip.start, tip.tokens[: held * size], size) if held else None
+
+    def _put(self, block_hash: BlockHash, key: int | None, medium: int, session: str | None, depth: int) -> None:
         block = self._blocks.get(block_hash)
         if block is None:
-            block = self._blocks[block_hash] = _Block(key, medium, None)
+            block = self._blocks[block_hash] = _Block(key, medium, None, depth)
         else:
             block.media |= medium
+            if depth >= 0:
+                block.depth = depth
             if block.key != key:
                 self._unkey(block_hash, block)
                 block.key = key
@@ -198,6 +276,7 @@ class StreamIndex:
             self._sessions[block.session] = left
         else:
             del self._sessions[block.session]
+            self._tips.pop(block.session, None)
         block.session = None
 
     def session_blocks(self, session: str) -> int:
@@ -229,6 +308,7 @@ class StreamIndex:
         self._blocks.clear()
         self._by_key.clear()
         self._sessions.clear()
+        self._tips.clear()
 
     def longest(self, prompt: PromptKeys) -> int:
         """How many leading whole blocks of the prompt this engine holds."""
@@ -303,14 +383,20 @@ class KvIndex:
         return found
 
     def session_tokens(self, session: str) -> dict[str, int]:
-        """Per worker, the tokens of the blocks `session` stored last that it still holds (its best rank: blocks
-        times that rank's block size); workers holding none are left out."""
+        """Per worker, the tokens of the session's chain it holds (its best rank): the end of the session's tip
+        where the index knows it (blocks other sessions stored first count; blocks of a branch the session left
+        do not), else the blocks `session` stored last times the block size; workers holding none are left out."""
         found = {}
         for worker, ranks in self._streams.items():
-            tokens = max((i.session_blocks(session) * (i.block_size or 0) for i in ranks.values()), default=0)
+            tokens = max((_session_tokens(index, session) for index in ranks.values()), default=0)
             if tokens:
                 found[worker] = tokens
         return found
+
+    def session_tail(self, worker: str, session: str) -> SessionTail | None:
+        """The session's tip on `worker` (the rank whose tip reaches furthest), or None."""
+        tails = [index.session_tail(session) for index in self._streams.get(worker, {}).values()]
+        return max((t for t in tails if t is not None), key=lambda t: t.end, default=None)
 
     def longest_held_prefix(self, worker: str, token_ids: Sequence[int] | PromptKeys) -> HeldPrefix:
         prompt = token_ids if isinstance(token_ids, PromptKeys) else PromptKeys(token_ids)
@@ -320,3 +406,10 @@ class KvIndex:
             if blocks > best.blocks and index.block_size is not None:
                 best = HeldPrefix(worker, blocks * index.block_size, blocks, rank)
         return best
+
+
+def _session_tokens(index: StreamIndex, session: str) -> int:
+    tail = index.session_tail(session)
+    if tail is not None:
+        return tail.end
+    return index.session_blocks(session) * (index.block_size or 0)

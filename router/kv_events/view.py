@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from router.kv_events.index import HeldPrefix, KvIndex, PromptKeys
+from router.kv_events.index import HeldPrefix, KvIndex, PromptKeys, SessionTail
 from router.kv_events.stream import StreamStatus
 
 
@@ -43,9 +43,15 @@ class KvEventView:
         return self._index.session_holders(session_id)
 
     def session_tokens(self, session_id: str) -> dict[str, int]:
-        """Per worker, the tokens of those blocks (blocks times the block size): what a next turn of the session
-        finds cached there, at most (the session's blocks that other sessions stored first are not counted)."""
+        """Per worker, the tokens of the session's chain held there (router/kv_events/index.py: the end of the
+        session's tip, which counts the blocks another session stored first, e.g. a shared system prompt): what a
+        next turn of the session finds cached there, at most."""
         return self._index.session_tokens(session_id)
+
+    def session_tail(self, worker: str, session_id: str) -> SessionTail | None:
+        """The token ids of the session's blocks `worker` stored last and still holds, with their place in the
+        chain: what a decider checks an answer it never relayed against (its generated ids)."""
+        return self._index.session_tail(worker, session_id)
 
     def subscribed(self, worker: str) -> bool:
         return bool(self._status(worker))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -73,6 +74,7 @@ class MultiTurnPlan:
     answer_max: int = 128
     think_s: float = 2.0  # mean think time between turns (exponential)
     system_tokens: int = 0
+    system_shared: bool = False  # every session opens with the same system prompt (system_tokens of it)
     seed: int = 11
     connector: str = "upstream-push"  # or "kvpush-push" (our connector on the three engines)
     model_size: str = "bench"
@@ -86,6 +88,8 @@ class MultiTurnPlan:
     link_calibrate_tokens: int = 1024  # the prompt P's prefill is timed on to resolve the preset's rate
     replicas: int = 1  # 2-4: the KV-event fronts, one of them behind this many router replicas (docstring)
     events_off_row: bool = True  # with replicas: the decider with events off too
+    answer_tokenizer: bool = True  # the KV-event fronts' decider gets the model's tokenizer (option `tokenizer`):
+    # it checks answers another replica relayed against the engines' stored ids (router/deciders/tokenizer.py)
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -116,6 +120,7 @@ class MultiTurnPlan:
             think_s=self.think_s,
             system_tokens=self.system_tokens,
             seed=self.seed + repeat,
+            system_shared=self.system_shared,
         )
 
 
@@ -183,12 +188,14 @@ def on_link(plan: MultiTurnPlan, link: LinkPlan) -> MultiTurnPlan:
     return replace(plan, decider_options=options)
 
 
-def decider_yaml(plan: MultiTurnPlan, block_tokens: int | None = None) -> str:
-    """The router's decider block; the engines' block size unless the plan sets one."""
+def decider_yaml(plan: MultiTurnPlan, block_tokens: int | None = None, tokenizer: Path | None = None) -> str:
+    """The router's decider block; the engines' block size unless the plan sets one; `tokenizer`: the model's
+    directory (its tokenizer.json), for a decider that follows KV events."""
     options = dict(plan.decider_options)
     if block_tokens is not None:
         options.setdefault("block_tokens", block_tokens)
     lines = ["decider:", "  name: session-affinity"] + [f"  {k}: {v:g}" for k, v in options.items()]
+    lines += [f"  tokenizer: {json.dumps(str(tokenizer))}"] if tokenizer is not None else []
     return "\n".join(lines) + "\n"
 
 
@@ -259,7 +266,7 @@ class _Front:
 
 
 def _start_front(
-    front: str, plan: MultiTurnPlan, fleet: Fleet, p: Engine, decodes: list[str], logs: Path, run_dir: Path
+    front: str, plan: MultiTurnPlan, fleet: Fleet, p: Engine, decodes: list[str], logs: Path, run_dir: Path, model: Path
 ) -> _Front | None:
     prefill = p.engine_spec.prefill_arg()
     if front == "vllm-router":
@@ -276,7 +283,8 @@ def _start_front(
         config = run_dir / f"multiturn-{front}.yaml"
         config.parent.mkdir(parents=True, exist_ok=True)
         events = replicas_mod.kv_events_yaml() if replicas_mod.uses_events(front) else ""
-        config.write_text(decider_yaml(plan, block_size(p.url)) + events, encoding="utf-8")
+        tokenizer = model if events and plan.answer_tokenizer else None
+        config.write_text(decider_yaml(plan, block_size(p.url), tokenizer) + events, encoding="utf-8")
     bases, pids = [], []
     for i in range(replicas_mod.replicas_of(front, plan.replicas)):
         port = free_port()
@@ -306,7 +314,7 @@ def run(plan: MultiTurnPlan, run_dir: Path, summary: Path, progress: bool, run_i
             print(f"multiturn: on the link {link_record}")
         ratio = words_per_token(p.url)
         fronts = plan.fronts
-        started = {f: _start_front(f, plan, fleet, p, [d.url for d in decodes], logs, run_dir) for f in fronts}
+        started = {f: _start_front(f, plan, fleet, p, [d.url for d in decodes], logs, run_dir, model) for f in fronts}
         for one in started.values():
             if one is not None and plan.warmup_sessions:
                 asyncio.run(multiturn.run_sessions(_targets(one, ratio, plan), warmup(plan)))
@@ -495,6 +503,7 @@ def _row(
         "decider": "session-affinity" if front.startswith("kvpush-decider") else None,
         "replicas": ran.replicas,
         "kv_events": replicas_mod.uses_events(front),
+        "answer_tokenizer": replicas_mod.uses_events(front) and plan.answer_tokenizer,
         "model": plan.model_size,
         "plan": asdict(plan),
         "decode_prompt_tokens_by_source": sources,

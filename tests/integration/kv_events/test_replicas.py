@@ -213,7 +213,7 @@ def test_a_reset_prefix_cache_reaches_both_replicas_and_stops_the_bypass(clean: 
     assert metric(a, "kvpush_decider_event_corrections_total") == corrected + 1
 
 
-async def test_a_prompts_blocks_appear_with_its_token_ids(bed: Bed) -> None:
+async def test_a_prompts_and_its_answers_blocks_appear_with_their_token_ids(bed: Bed) -> None:
     decode = bed.decode.engine_spec
     offset, replay = KV_EVENT_OFFSETS
     port = decode.http_port
@@ -224,16 +224,23 @@ async def test_a_prompts_blocks_appear_with_its_token_ids(bed: Bed) -> None:
     subscriber.add([endpoint])
     task = asyncio.create_task(subscriber.run())
     try:
+        block = _block_size(decode.url)
         async with httpx.AsyncClient(base_url=decode.url, timeout=120.0) as client:
-            body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+            body = {"model": "tiny", "prompt": PROMPT, "max_tokens": block + 8, "min_tokens": block + 8}
+            body |= {"temperature": 0, "ignore_eos": True, "return_token_ids": True}
             answer = await client.post("/v1/completions", json=body, headers={"X-Session-ID": session})
             assert answer.status_code == 200, answer.text
+        generated = answer.json()["choices"][0]["token_ids"]
+        computed = [*PROMPT, *generated[:-1]]  # the last generated id was sampled, never computed
         stream = subscriber.index.stream("e0", 0)
         deadline = time.monotonic() + 30  # a bound for a failure's message, not a timed assertion
-        while stream.block_size is None or view.held_prefix("e0", PROMPT).blocks < len(PROMPT) // stream.block_size:
-            assert time.monotonic() < deadline, f"the prompt's blocks did not arrive: {view.status('e0')}"
+        while (view.session_tokens(session).get("e0", 0)) < len(computed) // block * block:
+            assert time.monotonic() < deadline, f"the session's blocks did not arrive: {view.status('e0')}"
             await asyncio.sleep(0.05)
-        assert stream.block_size is not None
+        assert stream.block_size == block
+        tail = view.session_tail("e0", session)  # the tip: the blocks its prompt and its answer filled, in order
+        assert tail is not None and tail.end == len(computed) // block * block
+        assert list(tail.tokens) == computed[tail.start : tail.end]
         whole = len(PROMPT) // stream.block_size
         held = view.held_prefix("e0", PROMPT)
         assert (held.blocks, held.tokens, held.rank) == (whole, whole * stream.block_size, 0)

@@ -126,6 +126,15 @@ def test_the_suite_plans_fit_the_issue_and_its_engines() -> None:
     assert suite.decider_yaml(plan, 128).endswith("  block_tokens: 128\n")
     pinned = suite.MultiTurnPlan(sessions=1, session_rate=1.0, decider_options=(("block_tokens", 16),))
     assert suite.decider_yaml(pinned, 128).endswith("  block_tokens: 16\n")
+    assert suite.decider_yaml(plan, 128, Path("/m/bench")).endswith('  block_tokens: 128\n  tokenizer: "/m/bench"\n')
+    assert suite.MultiTurnPlan(sessions=2, session_rate=1.0, system_shared=True).shape().system_shared
+
+
+def test_a_shared_system_prompt_is_one_text_for_every_session() -> None:
+    shared = multiturn.plan_sessions(multiturn.SessionShape(4, 1.0, system_tokens=300, seed=3, system_shared=True))
+    assert {s.system_seed for s in shared} == {3} and all(s.system_tokens == 300 for s in shared)
+    own = multiturn.plan_sessions(multiturn.SessionShape(4, 1.0, system_tokens=300, seed=3))
+    assert {s.system_seed for s in own} == {None}  # each session's own text, seeded by its id
 
 
 def test_each_turn_goes_to_another_replica_and_sessions_start_on_each() -> None:

@@ -64,7 +64,10 @@ def test_the_kv_event_subscribers_counters_and_views_are_read_at_every_scrape() 
 
 def test_the_deciders_event_figures_are_exported() -> None:
     metrics = Metrics()
-    metrics.watch_decider(lambda: replace(stats(1), event_decisions=5, event_corrections=2, event_matches=3))
+    metrics.watch_decider(
+        lambda: replace(stats(1), event_decisions=5, event_corrections=2, event_matches=3, event_answer_checks=4)
+    )
     text = metrics.render()[0].decode()
     assert "kvpush_decider_event_decisions_total 5.0" in text
     assert "kvpush_decider_event_corrections_total 2.0" in text and "kvpush_decider_event_matches_total 3.0" in text
+    assert "kvpush_decider_event_answer_checks_total 4.0" in text

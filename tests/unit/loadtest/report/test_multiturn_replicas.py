@@ -87,6 +87,13 @@ def test_the_subsection_says_how_to_run_it_again() -> None:
     )
 
 
+def test_the_subsection_says_whether_the_deciders_had_the_tokenizer() -> None:
+    before = report.section([row(report.EVENTS, 0, 0.9, 2.0)])
+    after = report.section([{**row(report.EVENTS, 0, 0.9, 2.0), "answer_tokenizer": True}])
+    assert not any("option `tokenizer`" in line for line in before)
+    assert any("option `tokenizer`" in line for line in after)
+
+
 def over(events: str, conc: int, repeat: int, cpu: float) -> dict[str, Any]:
     return {"router": "kvpush", "mode": "push", "run_id": "O1", "kv_events": events, "concurrency": conc} | {
         "repeat": repeat,

@@ -7,10 +7,10 @@ from typing import Any
 
 from router.decider import Decision, Outcome, Route, Turn
 from router.deciders.conversation import conversation_key
-from router.deciders.session_affinity import AffinityOptions, SessionAffinity, prompt_token_ids
+from router.deciders.session_affinity import AffinityOptions, SessionAffinity, _align, prompt_token_ids
 from router.domain import Endpoint, Mode, RequestInfo, WorkerView
 from router.kv_events.frames import Cleared, Removed, Stored
-from router.kv_events.index import KvIndex
+from router.kv_events.index import KvIndex, SessionTail
 from router.kv_events.stream import StreamStatus
 from router.kv_events.view import KvEventView
 
@@ -187,3 +187,109 @@ def test_the_part_block_past_the_held_blocks_is_counted_from_this_replicas_own_m
     assert (decision.route, decision.decode) == (Route.BYPASS, "d1")
     suffix = d.ratio.tokens(links[-1].chars - links[-2].chars)
     assert decision.state.predicted_uncached == suffix + boundary % 128
+
+
+# --- answers another replica relayed: checked against the engine's stored token ids ------------------------------
+
+PROMPT_1 = [5000 + i for i in range(75)]  # turn 1's prompt as the engine tokenized it: 4 whole blocks and 11
+GENERATED = [7000 + i for i in range(97)]  # the answer's generated ids (the last one sampled, never computed)
+ANSWER_ALIKE = [*GENERATED[:20], *[9000 + i for i in range(70)]]  # its text re-tokenizes otherwise from token 20
+
+
+def chained(engines: Engines, worker: str, session: str, runs: list[list[int]]) -> None:
+    """The session's blocks as vLLM stores them: each run (a prefill, a block decode filled) chained to the last."""
+    index, parent, done = engines.index.stream(worker, 0), None, 0
+    engines.up.add(worker)
+    for tokens in runs:
+        blocks = len(tokens) // BLOCK
+        hashes = tuple(range(engines._next, engines._next + blocks))
+        engines._next += blocks
+        index.apply([Stored(hashes, parent, tuple(tokens[: blocks * BLOCK]), BLOCK, None, None, False, session)])
+        parent, done = hashes[-1], done + blocks
+
+
+def turn_1_elsewhere(engines: Engines) -> None:
+    """Turn 1 went through the other replica to d2: its prompt's 4 whole blocks at prefill, then the blocks its
+    answer filled (tokens 64-159: the prompt's last 11 and the first 85 generated)."""
+    computed = [*PROMPT_1, *GENERATED[:-1]]
+    chained(engines, "d2", "s", [computed[:64], *[computed[i : i + BLOCK] for i in range(64, 160, BLOCK)]])
+    engines.up.add("d1")
+
+
+class Spy:
+    def __init__(self, ids: list[int]) -> None:
+        self.ids, self.calls = ids, 0
+
+    def __call__(self, text: str) -> list[int]:
+        self.calls += 1
+        return self.ids
+
+
+def test_an_answer_another_replica_relayed_is_credited_as_far_as_its_text_retokenizes_to_the_stored_ids() -> None:
+    """Run 20261205T075552Z: the replica a turn alternated to credited the whole previous answer the engine had
+    stored (its generated ids) and under-predicted the uncached work by 137-241 tokens. The answer's text, encoded
+    in the router, agrees with the stored ids for 20 tokens: decode holds turn 1 up to token 95, 5 whole blocks."""
+    engines = Engines()
+    turn_1_elsewhere(engines)
+    spy = Spy(ANSWER_ALIKE)
+    d = SessionAffinity(AffinityOptions(block_tokens=BLOCK), engines.view, spy)
+    second = chat(QUESTION, {"role": "assistant", "content": ANSWER}, SHORT)
+    decision = d.decide(second, DECODES, PREFILLS, 2.0)
+    assert (decision.decode, decision.predicted_cached_tokens, spy.calls) == ("d2", 80, 1)
+    assert decision.state.predicted_uncached == decision.state.held.tokens - 80 + d._uncached(
+        conversation_key(Endpoint.CHAT, second.body, second.headers, 256).chain, decision.state.held
+    )
+    assert decision.state.held.tokens == 75 + len(ANSWER_ALIKE)  # the answer's end, from the engine's own count
+    assert d.stats().event_answer_checks == 1
+    without = decider(engines).decide(second, DECODES, PREFILLS, 2.0)  # no tokenizer: the whole answer credited
+    assert (without.route, without.predicted_cached_tokens) == (Route.BYPASS, 160)
+
+
+def test_an_answer_that_retokenizes_as_generated_is_credited_whole() -> None:
+    engines = Engines()
+    turn_1_elsewhere(engines)
+    d = SessionAffinity(AffinityOptions(block_tokens=BLOCK), engines.view, Spy(GENERATED))
+    decision = d.decide(chat(QUESTION, {"role": "assistant", "content": ANSWER}, SHORT), DECODES, PREFILLS, 2.0)
+    assert (decision.route, decision.decode, decision.predicted_cached_tokens) == (Route.BYPASS, "d2", 160)
+
+
+def test_the_tokenizer_runs_only_for_a_bypass_candidate_whose_answer_this_replica_did_not_check() -> None:
+    engines = Engines()
+    turn_1_elsewhere(engines)
+    spy = Spy(ANSWER_ALIKE)
+    d = SessionAffinity(AffinityOptions(block_tokens=BLOCK), engines.view, spy)
+    long_message = {"role": "user", "content": "A long new question. " * 200}
+    decision = d.decide(chat(QUESTION, {"role": "assistant", "content": ANSWER}, long_message), DECODES, [], 2.0)
+    assert decision.route is Route.PUSH and spy.calls == 0  # not a bypass candidate: nothing encoded
+    own = SessionAffinity(AffinityOptions(block_tokens=BLOCK), engines.view, spy)
+    first = chat(QUESTION)
+    served(own, first, own.decide(first, DECODES, PREFILLS, 1.0), "d2", 75)  # this replica relayed the answer
+    assert own.decide(chat(QUESTION, {"role": "assistant", "content": ANSWER}, SHORT), DECODES, [], 2.0).decode == "d2"
+    assert spy.calls == 0 and own.stats().event_answer_checks == 0
+
+
+def test_a_shared_system_prompt_counts_for_every_session_that_extends_it() -> None:
+    """Two sessions open with the same long system prompt: the engine stores its blocks once (the first session's)
+    and the second session's prompt chains from them. Its held prefix is the whole chain, not only its own
+    blocks, so its next turn through another replica is bypassed with the system prompt counted."""
+    engines = Engines()
+    system = [3000 + i for i in range(10 * BLOCK)]
+    chained(engines, "d2", "first", [system, [1 + i for i in range(2 * BLOCK)]])
+    index = engines.index.stream("d2", 0)
+    tail_parent = 10  # the system prompt's last block (hashes 1-10)
+    index.apply([Stored((100, 101), tail_parent, tuple(range(2 * BLOCK)), BLOCK, None, None, False, "s")])
+    engines.up.add("d1")
+    assert engines.view.session_tokens("s") == {"d2": 12 * BLOCK}
+    assert engines.view.session_holders("s") == {"d2": 2}  # the blocks it stored itself, once each
+    history = [{"role": "system", "content": "rules " * 150}, {"role": "user", "content": "word " * 25}]
+    decision = decider(engines).decide(chat(*history, {"role": "assistant", "content": "ok"}, SHORT), DECODES, [], 2)
+    assert (decision.route, decision.decode, decision.predicted_cached_tokens) == (Route.BYPASS, "d2", 12 * BLOCK)
+
+
+def test_an_answer_is_aligned_where_most_of_it_agrees_nearest_the_estimate() -> None:
+    ids = [1, 2, 9, 5, 6, 7, 3, 5, 6, 7, 8, 4, 4, 4, 4, 4]  # the answer [5, 6, 7, 8] starts at 7 (chain 107)
+    tail = SessionTail(100, ids, 16)
+    assert _align(tail, [5, 6, 7, 8], 104, 8) == (107, 4)  # not at 103, where only 3 agree
+    assert _align(tail, [5, 6, 7, 0], 104, 8) == (103, 3)  # a tie: the nearer
+    assert _align(tail, [9, 0], 104, 8) == (104, 0)  # one id agreeing places nothing
+    assert _align(tail, [5, 6, 7, 8], 100, 2) == (100, 0)  # out of reach

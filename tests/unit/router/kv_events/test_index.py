@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.kv_events.frames import Cleared, Removed, Stored
-from router.kv_events.index import HeldPrefix, KvIndex, PromptKeys, StreamIndex, content_keys
+from router.kv_events.index import TIP_TOKENS, HeldPrefix, KvIndex, PromptKeys, StreamIndex, content_keys
 
 BS = 4
 PROMPT = list(range(100, 118))  # 4 whole blocks and 2 tokens
@@ -176,3 +176,33 @@ def test_blocks_are_counted_for_the_session_that_stored_them_last() -> None:
     assert index.session_holders("s1") == {}
     w0.cleared()
     assert index.session_holders("s3") == {"w": 1, "v": 1}
+
+
+def test_a_sessions_tip_follows_its_chain_and_branches_where_a_next_prompt_parts_from_it() -> None:
+    index = StreamIndex(100)
+    index.stored(stored([1, 2], None, PROMPT[:8], session="s"))  # the prompt's blocks
+    index.stored(stored([3], 2, [7, 7, 7, 7], session="s"))  # a block its answer filled
+    tail = index.session_tail("s")
+    assert tail is not None and (tail.start, list(tail.tokens), tail.end) == (0, [*PROMPT[:8], 7, 7, 7, 7], 12)
+    index.stored(stored([4, 5], 2, [8] * 8, session="s"))  # the next prompt parts from the answer after block 2
+    tail = index.session_tail("s")
+    assert tail is not None and (tail.start, list(tail.tokens), tail.end) == (8, [8] * 8, 16)
+    assert KvIndex(1).session_tokens("s") == {}
+    index.removed(Removed((5,), "GPU", 0))  # the tip's last block evicted: held up to it
+    assert (index.session_tail("s") or tail).end == 12
+    index.removed(Removed((1, 2, 3, 4), "GPU", 0))
+    assert index.session_tail("s") is None and index.session_blocks("s") == 0
+
+
+def test_a_tip_is_bounded_and_unknown_without_its_chain() -> None:
+    index = StreamIndex(10_000)
+    parent = None
+    for i in range(1, 1 + 3000 // BS):  # one block per event, as decode fills them
+        index.stored(stored([i], parent, [i] * BS, session="s"))
+        parent = i
+    tail = index.session_tail("s")
+    assert tail is not None and tail.end == 3000 // BS * BS and len(tail.tokens) <= TIP_TOKENS
+    index.stored(stored([90_001], 80_000, [1] * BS, session="orphan"))  # its parent was never seen
+    assert index.session_tail("orphan") is None and index.session_blocks("orphan") == 1
+    index.cleared()
+    assert index.session_tail("s") is None
