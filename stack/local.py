@@ -98,6 +98,10 @@ class StackOptions:
     def log_dir(self) -> Path:
         return self.cache_dir / "logs"
 
+    @property
+    def router_config_path(self) -> Path:
+        return self.log_dir / "router-decider.yaml"
+
 
 def connector_for(mode: Mode, choice: ConnectorChoice) -> tuple[str, str | None]:
     """(kv_connector class name, kv_connector_module_path) for a mode and connector choice."""
@@ -147,12 +151,28 @@ def plan_router(options: StackOptions, prefill: EngineSpec, decode: EngineSpec, 
     identity), on port + replica. With KV events it follows both engines' events (the engines' offsets) and runs
     the session-affinity decider, so any replica can serve any turn of a conversation."""
     flags: list[str] = []
+    config: Path | None = None
     if options.events:
         offset, replay = KV_EVENT_OFFSETS
         flags = ["--kv-events", "--kv-events-port-offset", str(offset), "--kv-events-replay-offset", str(replay)]
-        flags += ["--decider", "session-affinity"]
+        config = options.router_config_path  # the decider with its options: written by write_router_config
     name = "router" if options.replicas == 1 else f"router{replica}"
-    return router_spec(options.router_ports[replica], options.mode, [prefill], [decode], *flags, name=name)
+    port = options.router_ports[replica]
+    return router_spec(port, options.mode, [prefill], [decode], *flags, name=name, config=config)
+
+
+def router_config(options: StackOptions) -> dict[str, object]:
+    """The routers' YAML settings with KV events on: the session-affinity decider with the model's tokenizer, so a
+    replica checks an answer another replica relayed against the token ids the engine stored (router/README.md,
+    "Answers another replica relayed")."""
+    return {"decider": {"name": "session-affinity", "tokenizer": str(options.model_dir)}}
+
+
+def write_router_config(options: StackOptions) -> None:
+    """Write router_config() where plan_router's routers read it (JSON is YAML); nothing without KV events."""
+    if options.events:
+        options.router_config_path.parent.mkdir(parents=True, exist_ok=True)
+        options.router_config_path.write_text(json.dumps(router_config(options), indent=2) + "\n")
 
 
 def plan_routers(options: StackOptions, prefill: EngineSpec, decode: EngineSpec) -> list[RouterSpec]:
@@ -414,6 +434,7 @@ def _serve(options: StackOptions, fleet: Fleet, link: Link | None) -> int:
         return 1
     _say(f"starting prefill {prefill.url} and decode {decode.url} (about a minute); logs in {options.log_dir}")
     specs = plan_routers(options, prefill.engine_spec, decode.engine_spec)
+    write_router_config(options)
     measured: list[Calibration] = []
 
     def measure_and_shape() -> None:

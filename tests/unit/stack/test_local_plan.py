@@ -8,8 +8,9 @@ import shlex
 from pathlib import Path
 
 import pytest
+import yaml
 
-from router.config import Timeouts
+from router.config import Timeouts, build_settings
 from stack.engines import engine_argv, process_spec
 from stack.link.calibrate import Calibration
 from stack.link.plan import Place, preset, resolve
@@ -24,7 +25,9 @@ from stack.local import (
     plan_router,
     plan_routers,
     ready_line,
+    router_config,
     stack_ports,
+    write_router_config,
 )
 from stack.routers import router_argv, router_process
 
@@ -241,7 +244,11 @@ def test_two_replicas_follow_the_engines_kv_events_with_the_decider() -> None:
     assert [(s.name, s.port) for s in specs] == [("router0", 8000), ("router1", 8001)]
     argv = router_argv(specs[1], "py")
     flags = ["--kv-events", "--kv-events-port-offset", "1000", "--kv-events-replay-offset", "2000"]
-    assert argv[-len(flags) - 2 :] == (*flags, "--decider", "session-affinity")
+    assert argv[-len(flags) :] == tuple(flags)
+    assert specs[0].config == specs[1].config == options.router_config_path
+    assert router_config(options) == {
+        "decider": {"name": "session-affinity", "tokenizer": str(options.model_dir)}
+    }  # both replicas check answers the other relayed against the engine's stored ids
     assert stack_ports(options, [prefill, decode]) == [8000, 8001, 8100, 5600, 9100, 10100, 8200, 5601, 9200, 10200]
     assert "routers http://127.0.0.1:8000, http://127.0.0.1:8001" in ready_line(options, prefill.url, decode.url)
     assert "--kv-events-config" not in engine_argv(plan_engines(StackOptions())[1])
@@ -252,3 +259,20 @@ def test_replicas_are_bounded(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--replicas", "0"])
     assert "--replicas" in capsys.readouterr().err
+
+
+def test_the_replicas_config_file_is_one_the_router_accepts_with_the_model_s_tokenizer(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    options = StackOptions(replicas=2, cache_dir=tmp_path)
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    options.model_dir.mkdir(parents=True)
+    tokenizer.save(str(options.model_dir / "tokenizer.json"))
+    write_router_config(options)
+    workers = {"prefill": ["http://127.0.0.1:8100"], "decode": ["http://127.0.0.1:8200"]}
+    settings = build_settings(yaml.safe_load(options.router_config_path.read_text()), workers)
+    assert settings.decider == "session-affinity"
+    assert settings.decider_options == {"tokenizer": str(options.model_dir)}
+    write_router_config(dataclasses.replace(options, replicas=1, cache_dir=tmp_path / "one"))
+    assert not (tmp_path / "one").exists()  # no KV events: the routers keep their flags alone
