@@ -189,8 +189,9 @@ def standin_bed(
 
 
 @contextlib.contextmanager
-def vllm_bed(config: Mapping[str, Any]) -> Iterator[Bed]:
-    """Two prefill engines (core 0) and one decode engine (core 1) on our push connector, behind a router."""
+def vllm_bed(config: Mapping[str, Any], lease_s: float | None = None) -> Iterator[Bed]:
+    """Two prefill engines (core 0) and one decode engine (core 1) on our push connector, behind a router; P's
+    lease (`lease_s`: how long finished blocks wait for a registration) is the connector's default unless given."""
     from stack.engines import Fleet
     from stack.family import pd_family, start_family
     from stack.tiny_model import build
@@ -202,7 +203,7 @@ def vllm_bed(config: Mapping[str, Any]) -> Iterator[Bed]:
         KVPUSH_CONNECTOR[0],
         module=KVPUSH_CONNECTOR[1],
         n_prefill=2,
-        connector_extra={"kv_timeout_s": KV_TIMEOUT_S},
+        connector_extra={"kv_timeout_s": KV_TIMEOUT_S, **({} if lease_s is None else {"lease_s": lease_s})},
     )
     started: list[ManagedProcess] = []
     with Fleet(LOGS) as fleet:
