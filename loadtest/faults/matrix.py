@@ -33,17 +33,19 @@ STANDIN_CONFIG: dict[str, dict[str, Any]] = {"never-read": {"timeouts": {"prefil
 @dataclass(frozen=True)
 class Form:
     """How a run is laid out. The table's form runs one bed at a time on a quiet machine, with the connector's
-    default lease, so its times mean something; the test's form (`TEST_FORM`) checks the same rows for the same
-    verdict in less time: the stand-in rows run while the vLLM bed's engines start (their times then include a
-    busy machine) and P's lease is shorter, so a row whose prefill kept finished blocks nobody registered for
+    default lease and the bed's `kv_timeout_s`, so its times mean something; the test's form (`TEST_FORM`) checks
+    the same rows for the same verdict in less time: the stand-in rows run while the vLLM bed's engines start
+    (their times then include a busy machine), and P's lease and D's hold deadline are shorter, so a row whose
+    prefill kept finished blocks nobody registered for, or whose decode quarantined blocks of a killed prefill,
     settles in seconds (the row still waits until they are freed)."""
 
     overlap: bool = False  # stand-in rows while the vLLM bed starts
     lease_s: float | None = None  # P's lease on the vLLM bed; None: the connector's default (30 s)
+    kv_timeout_s: float = KV_TIMEOUT_S  # D's hold deadline on the vLLM bed
 
 
 TABLE_FORM = Form()
-TEST_FORM = Form(overlap=True, lease_s=10.0)
+TEST_FORM = Form(overlap=True, lease_s=10.0, kv_timeout_s=15.0)
 
 
 @dataclass
@@ -120,7 +122,7 @@ def run(
             standins()
         try:
             if on_vllm:
-                with vllm_bed(VLLM_CONFIG, form.lease_s) as bed:
+                with vllm_bed(VLLM_CONFIG, form.lease_s, form.kv_timeout_s) as bed:
                     for row in on_vllm:
                         results[row.name] = run_row(bed, row)
                         progress(results[row.name])

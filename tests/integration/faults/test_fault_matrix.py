@@ -1,8 +1,9 @@
 """The short fault matrix (loadtest/faults) on real vLLM CPU engines and the hostile stand-ins: every row clean.
 
 The test's form of the run (loadtest.faults.matrix.TEST_FORM): the stand-in rows run while the vLLM bed's engines
-start, and P's lease on that bed is 10 s instead of 30 s, so a row whose prefill holds blocks no decode will
-register for settles sooner; every row, and what makes it clean, is the table's.
+start, P's lease on that bed is 10 s instead of 30 s and D's hold deadline (kv_timeout_s) 15 s instead of 30 s, so
+a row whose prefill holds blocks no decode will register for, or whose decode quarantines the blocks of a killed
+prefill, settles sooner; every row, and what makes it clean, is the table's.
 
 Clean: every client was served or got a clear OpenAI-style error, and afterwards nothing is stuck (engines'
 running + waiting requests 0), no counter is held (router in-flight, queued and per-worker gauges 0) and no KV

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from loadtest.faults import matrix
+from loadtest.faults.bed import KV_TIMEOUT_S
 from loadtest.faults.rows import FaultRow
 
 ROWS = (
@@ -28,7 +29,7 @@ class Fake:
 
     def __init__(self, standin_waits: bool) -> None:
         self.events: list[str] = []
-        self.leases: list[float | None] = []
+        self.leases: list[tuple[float | None, float]] = []  # (P's lease, D's hold deadline) of each vLLM bed
         self.vllm_entered = threading.Event()
         self.standin_waits = standin_waits
 
@@ -37,8 +38,10 @@ class Fake:
         yield "standin"
 
     @contextlib.contextmanager
-    def vllm_bed(self, config: Mapping[str, Any], lease_s: float | None = None) -> Iterator[str]:
-        self.leases.append(lease_s)
+    def vllm_bed(
+        self, config: Mapping[str, Any], lease_s: float | None = None, kv_timeout_s: float = KV_TIMEOUT_S
+    ) -> Iterator[str]:
+        self.leases.append((lease_s, kv_timeout_s))
         self.events.append("vllm bed")
         self.vllm_entered.set()
         yield "vllm"
@@ -64,7 +67,7 @@ def test_the_table_form_runs_the_stand_in_rows_first_then_the_vllm_bed_with_the_
     results = matrix.run(ROWS)
     assert [r.row["name"] for r in results] == ["s1", "v1", "s2", "v2"]
     assert fake.events == ["s1", "s2", "vllm bed", "v1", "v2"]
-    assert fake.leases == [None]
+    assert fake.leases == [(None, KV_TIMEOUT_S)]
 
 
 def test_the_test_form_runs_the_stand_in_rows_while_the_vllm_bed_starts_with_a_shorter_lease(
@@ -75,8 +78,8 @@ def test_the_test_form_runs_the_stand_in_rows_while_the_vllm_bed_starts_with_a_s
     results = matrix.run(ROWS, form=matrix.TEST_FORM)
     assert [r.row["name"] for r in results] == ["s1", "v1", "s2", "v2"]
     assert fake.events[0] == "vllm bed" and sorted(fake.events[1:]) == ["s1", "s2", "v1", "v2"]
-    assert fake.leases == [matrix.TEST_FORM.lease_s] and matrix.TEST_FORM.lease_s is not None
-    assert matrix.TEST_FORM.lease_s < 30.0
+    lease, hold = matrix.TEST_FORM.lease_s, matrix.TEST_FORM.kv_timeout_s
+    assert fake.leases == [(lease, hold)] and lease is not None and lease < 30.0 and hold < KV_TIMEOUT_S
 
 
 def test_the_test_form_without_vllm_rows_runs_the_stand_ins_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
