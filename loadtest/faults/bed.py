@@ -209,7 +209,7 @@ def vllm_bed(
         connector_extra={"kv_timeout_s": kv_timeout_s, **({} if lease_s is None else {"lease_s": lease_s})},
     )
     started: list[ManagedProcess] = []
-    with Fleet(LOGS) as fleet:
+    with Fleet(LOGS, spread_start=True) as fleet:  # both prefills start on both cores, pinned once ready
         engines = start_family(fleet, family, 420.0)
         try:
             p = [
