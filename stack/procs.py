@@ -148,6 +148,28 @@ def tail_lines(path: Path, n: int, max_bytes: int = 65536) -> list[str]:
     return data.decode("utf-8", errors="replace").splitlines()[-n:] if n > 0 else []
 
 
+def pin_group(pgid: int, core: int, proc_root: Path = Path("/proc"), passes: int = 5) -> None:
+    """Pin every thread of every process in group `pgid` to `core`, pass after pass until a pass finds none
+    left elsewhere (a thread started during a pass inherits its creator's cores, perhaps not yet pinned)."""
+    for _ in range(passes):
+        moved = 0
+        for pid in group_members(pgid, proc_root):
+            try:
+                tids = [int(t) for t in os.listdir(proc_root / str(pid) / "task")]
+            except OSError:
+                continue  # exited while we looked
+            for tid in tids:
+                try:
+                    if os.sched_getaffinity(tid) != {core}:
+                        os.sched_setaffinity(tid, {core})
+                        moved += 1
+                except OSError:
+                    continue  # exited while we looked
+        if moved == 0:
+            return
+    raise RuntimeError(f"process group {pgid} kept starting threads off core {core}")
+
+
 def _die_with_parent() -> None:
     """preexec hook: SIGTERM this child when the thread that forked it goes away (Linux prctl)."""
     libc = ctypes.CDLL(None, use_errno=True)

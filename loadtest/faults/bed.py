@@ -189,8 +189,12 @@ def standin_bed(
 
 
 @contextlib.contextmanager
-def vllm_bed(config: Mapping[str, Any]) -> Iterator[Bed]:
-    """Two prefill engines (core 0) and one decode engine (core 1) on our push connector, behind a router."""
+def vllm_bed(
+    config: Mapping[str, Any], lease_s: float | None = None, kv_timeout_s: float = KV_TIMEOUT_S
+) -> Iterator[Bed]:
+    """Two prefill engines (core 0) and one decode engine (core 1) on our push connector, behind a router; P's
+    lease (`lease_s`: how long finished blocks wait for a registration) is the connector's default unless given,
+    D's hold deadline `kv_timeout_s` (how long a registration waits for its KV, and quarantined blocks are kept)."""
     from stack.engines import Fleet
     from stack.family import pd_family, start_family
     from stack.tiny_model import build
@@ -202,10 +206,10 @@ def vllm_bed(config: Mapping[str, Any]) -> Iterator[Bed]:
         KVPUSH_CONNECTOR[0],
         module=KVPUSH_CONNECTOR[1],
         n_prefill=2,
-        connector_extra={"kv_timeout_s": KV_TIMEOUT_S},
+        connector_extra={"kv_timeout_s": kv_timeout_s, **({} if lease_s is None else {"lease_s": lease_s})},
     )
     started: list[ManagedProcess] = []
-    with Fleet(LOGS) as fleet:
+    with Fleet(LOGS, spread_start=True) as fleet:  # both prefills start on both cores, pinned once ready
         engines = start_family(fleet, family, 420.0)
         try:
             p = [

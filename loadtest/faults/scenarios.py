@@ -50,11 +50,12 @@ def _outcome(results: list[client.Result], t_fault: float, note: str = "") -> Fa
     return FaultOutcome(client.summary(results), all(r.acceptable for r in results), max(0.0, last - t_fault), note)
 
 
-def _wait_running(worker: Worker, timeout: float = 10.0) -> None:
-    """Until the worker holds a request (best effort: a fast engine may be done before we look)."""
+def _wait_running(worker: Worker, clients: list[Future[client.Result]], timeout: float = 10.0) -> None:
+    """Until the worker holds a request, or every one of `clients` has its answer (a fast engine may be done before
+    we look: then there is nothing left to catch in flight, and waiting longer would only wait on the clock)."""
     deadline = time.monotonic() + timeout
     with httpx.Client() as http:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not all(f.done() for f in clients):
             state = worker.state(http)
             if (state.running or 0) > 0:
                 return
@@ -85,7 +86,7 @@ def hang(bed: Bed, row: FaultRow) -> FaultOutcome:
         futures = _clients(bed.router.url, 3, lambda: client.body(max_tokens=16))
     else:
         futures = _clients(bed.router.url, 3, lambda: client.body(max_tokens=16, words=120))
-        _wait_running(victim)
+        _wait_running(victim, futures)
         victim.hang()
         t_fault = time.monotonic()
         futures += _clients(bed.router.url, 3, lambda: client.body(max_tokens=16))
@@ -101,7 +102,7 @@ def kill(bed: Bed, row: FaultRow) -> FaultOutcome:
     victim = bed.of(row.target)[-1]
     tokens = 200 if row.target == "decode" else 16
     futures = _clients(bed.router.url, 3, lambda: client.body(max_tokens=tokens, words=120))
-    _wait_running(victim)
+    _wait_running(victim, futures)
     if row.target == "decode":
         time.sleep(0.5)  # let the streams start
     victim.kill()

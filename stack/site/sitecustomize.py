@@ -24,6 +24,9 @@ KVPUSH_KEEP_AFFINITY=1
     `taskset -c CORE` around each engine). vLLM's CPU NIXL worker moves its forward-pass thread to the
     last core of each NUMA node; on a two-core box that is the other engine's core and prefill hangs.
     A request that shares no core with the start set is narrowed to the whole start set.
+    With KVPUSH_KEEP_AFFINITY_CORES=LIST (comma-separated core ids) the allowed set is LIST instead of the
+    start set: an engine that starts on every core and is pinned to its own once ready (stack.engines,
+    `spread_start`) keeps vLLM's moves on its own core from the start.
 """
 
 from __future__ import annotations
@@ -144,7 +147,14 @@ def _install() -> None:
 
         sys.meta_path.insert(0, _PatchOnImport(_NIXL_API_MODULES, patch_all))
     if os.environ.get("KVPUSH_KEEP_AFFINITY") == "1" and hasattr(os, "sched_setaffinity"):
-        _clamp_affinity(frozenset(os.sched_getaffinity(0)))
+        cores = _cores(os.environ.get("KVPUSH_KEEP_AFFINITY_CORES", ""))
+        _clamp_affinity(cores or frozenset(os.sched_getaffinity(0)))
+
+
+def _cores(listed: str) -> frozenset[int]:
+    """The core ids of a comma-separated list ("0", "0,1"); empty when it is not one."""
+    parts = [p.strip() for p in listed.split(",")]
+    return frozenset(int(p) for p in parts) if all(p.isdigit() for p in parts) else frozenset()
 
 
 _install()

@@ -4,11 +4,16 @@ when the engine is not installed; `tiny_model_dir` is the cached tiny model (bui
 Engine families are shared (tests/integration/families.py): `family_pool` is the session's pool, tests marked
 `family(SPEC)` run next to the other tests of that family (the ones marked `spoils=True` last), and the family is
 given back once the group's last test and its module's fixtures are done, before anything else runs.
+
+Every router a test starts (directly, in a stack or a bench suite) closes its listener at once on SIGTERM
+(KVPUSH_DRAIN_DELAY=0, `quick_router_stops`) instead of after the default 3 s: a stop is a wait on that timer, and
+the suite stops some sixty routers. The tests of the drain itself pass --drain-delay, which wins.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Generator, Hashable, Iterator
 from pathlib import Path
 
@@ -60,6 +65,14 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
         pool = item.config.stash.get(POOL, None)
         if pool is not None and (nextitem is None or family_of(nextitem)[0] != family_of(item)[0]):
             pool.release()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def quick_router_stops() -> Iterator[None]:
+    """Routers started by this session inherit KVPUSH_DRAIN_DELAY=0 (unless the caller's environment sets it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVPUSH_DRAIN_DELAY", os.environ.get("KVPUSH_DRAIN_DELAY", "0"))
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -184,7 +184,9 @@ class FamilyPool:
 @contextlib.contextmanager
 def start(spec: FamilySpec) -> Iterator[Family]:
     """Start a family for real, under the machine's vLLM lock (held until it stops), with its OTLP receiver first
-    when it traces; every engine's idle KV usage is read once all are healthy."""
+    when it traces; every engine's idle KV usage is read once all are healthy. The engines start on both cores
+    and each is pinned to its own once ready (stack.engines, spread start): the two prefills of core 0 would
+    otherwise start one after the other while core 1 idles once its decode is up."""
     require_vllm()
     from tests.integration.otlp_receiver import OtlpReceiver
 
@@ -192,7 +194,7 @@ def start(spec: FamilySpec) -> Iterator[Family]:
         running.enter_context(vllm_lock())
         receiver = running.enter_context(OtlpReceiver()) if spec.traces else None
         env = {**os.environ, **dict(spec.env)}
-        fleet = running.enter_context(Fleet(LOGS, base_env=env))
+        fleet = running.enter_context(Fleet(LOGS, base_env=env, spread_start=True))
         family = spec.pd(f"-{uuid.uuid4().hex[:6]}", receiver.grpc_endpoint if receiver else None)
         pd = start_family(fleet, family, STARTUP_TIMEOUT)
         engines = Engines(list(pd.prefills), pd.decode, fleet)

@@ -80,8 +80,9 @@ class Engines:
 
 @contextlib.contextmanager
 def started(family: PdFamily) -> Iterator[Engines]:
-    """Every engine of `family` started at once under one Fleet (stopped when the block ends), idle usage read."""
-    with Fleet(LOGS) as fleet:
+    """Every engine of `family` started at once under one Fleet (stopped when the block ends), idle usage read; they
+    start on both cores, each pinned to its own once ready (stack.engines, spread start)."""
+    with Fleet(LOGS, spread_start=True) as fleet:
         pd = start_family(fleet, family, STARTUP_TIMEOUT)
         engines = Engines(list(pd.prefills), pd.decode, fleet)
         engines.idle_usage = {url: metric(url, "vllm:kv_cache_usage_perc") for url in engines.urls()}

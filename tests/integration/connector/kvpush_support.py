@@ -35,8 +35,10 @@ __all__ = [
 CONNECTOR = "KvpushConnector"
 MODULE = "connector.plugin"
 # D's hold deadline for one registration (kv_connector_extra_config): a request failed by link loss keeps its
-# blocks (quarantine, guarantee G2) this long. Shorter than the default 120 s so a test can watch it end.
-KV_TIMEOUT_S = 45.0
+# blocks (quarantine, guarantee G2) this long. Shorter than the default 120 s so a test can watch it end (the
+# kill test in test_pd_e2e waits for it), long enough for the slowest prefill a registration waits for here (a
+# 600-token prompt on the chunked p1, 2 tokens a step: under 10 s in CI).
+KV_TIMEOUT_S = 25.0
 CONNECTOR_EXTRA = {"kv_timeout_s": KV_TIMEOUT_S}
 
 

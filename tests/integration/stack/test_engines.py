@@ -42,7 +42,7 @@ def test_single_engine_serves_greedy_completions_and_stops_without_leftovers(
 ) -> None:
     require_vllm()
     spec = EngineSpec(name="single", role="single", model=tiny_model_dir, core=0)
-    with Fleet(tmp_path) as fleet:
+    with Fleet(tmp_path, spread_start=True) as fleet:  # started on every core: pinned to core 0 once ready
         (engine,) = fleet.start_all([spec])
         fleet.wait_all_healthy(STARTUP_TIMEOUT)
         body = {"model": "tiny", "prompt": "def fib(n):", "max_tokens": 8, "temperature": 0, "ignore_eos": True}

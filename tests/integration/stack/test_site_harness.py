@@ -72,3 +72,9 @@ def test_affinity_stays_within_the_cores_the_process_started_on() -> None:
 def test_without_the_switch_affinity_calls_are_untouched() -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT / "stack" / "site"))
     assert run_probe(AFFINITY_PROBE, env, core=0) == {"moved_away": [1], "widened": [0, 1]}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_a_spread_engine_s_moves_stay_on_its_own_core_though_it_started_on_every_core() -> None:
+    env = vllm_env(core=0, side_port=None)  # KVPUSH_KEEP_AFFINITY_CORES=0, started without taskset
+    assert run_probe(AFFINITY_PROBE, env) == {"moved_away": [0], "widened": [0]}

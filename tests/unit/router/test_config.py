@@ -104,6 +104,17 @@ def test_env_lists_are_space_separated() -> None:
     assert s.prefill[1].identity is not None
 
 
+def test_the_drain_delay_comes_from_the_environment_below_the_flag() -> None:
+    """KVPUSH_DRAIN_DELAY sets drain_delay (0 turns it off: the listener closes at once); --drain-delay wins."""
+    assert build_settings(MIN).drain_delay == 3.0
+    assert build_settings(MIN, from_env({"KVPUSH_DRAIN_DELAY": "0"})).drain_delay == 0.0
+    assert build_settings(MIN, from_env({"KVPUSH_DRAIN_DELAY": "0.5"})).drain_delay == 0.5
+    flags = ["--prefill", "http://p:1", "--decode", "http://d:1", "--drain-delay", "2"]
+    assert load_serve_settings(flags, {"KVPUSH_DRAIN_DELAY": "0"}).drain_delay == 2.0
+    with pytest.raises(ConfigError, match="drain_delay"):
+        build_settings(MIN, from_env({"KVPUSH_DRAIN_DELAY": "soon"}))
+
+
 def test_cli_reports_a_broken_config_file(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("- just\n- a list\n")

@@ -178,6 +178,7 @@ class TestEnvironment:
             "PYTHONPATH": "/repo/stack/site:/repo",
             "KVPUSH_NIXL_NO_PROG_THREAD": "1",
             "KVPUSH_KEEP_AFFINITY": "1",
+            "KVPUSH_KEEP_AFFINITY_CORES": "1",
         }
 
     def test_without_side_port_an_inherited_one_is_dropped(self) -> None:
@@ -212,6 +213,13 @@ def test_process_spec_logs_by_name_and_waits_for_health() -> None:
     assert proc.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
     assert proc.env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     assert proc.argv[:3] == ("taskset", "-c", "0")
+
+
+def test_a_spread_start_runs_on_its_start_cores_and_keeps_vllm_moves_on_its_own_core() -> None:
+    proc = process_spec(push_prefill(), Path("/logs"), python="py", base_env={}, start_cores=[1, 0])
+    assert proc.argv[:3] == ("taskset", "-c", "0,1")
+    assert proc.env["KVPUSH_KEEP_AFFINITY_CORES"] == "0"  # the engine's core, whatever it starts on
+    assert proc.env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
 
 
 class TestPrefillArg:

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 
-from stack.procs import PICK_RANGE, Readiness, StartupError, free_port, group_members, readiness, tail_lines
+from stack.procs import (
+    PICK_RANGE,
+    Readiness,
+    StartupError,
+    free_port,
+    group_members,
+    pin_group,
+    readiness,
+    tail_lines,
+)
 
 
 class TestReadiness:
@@ -88,3 +99,61 @@ def test_free_port_picks_below_the_ephemeral_range_until_one_binds() -> None:
 
     assert free_port("127.0.0.1", pick, is_free) == 20003
     assert asked == [(20001, "127.0.0.1"), (20002, "127.0.0.1"), (20003, "127.0.0.1")]
+
+
+class Affinities:
+    """os.sched_getaffinity / sched_setaffinity over a table of thread ids; `spawn` adds an off-core thread to
+    the fake /proc on every move (a group that keeps starting threads)."""
+
+    def __init__(self, table: dict[int, set[int]], spawn: Path | None = None) -> None:
+        self.table = table
+        self.moved: list[int] = []
+        self.spawn = spawn
+
+    def get(self, tid: int) -> set[int]:
+        return set(self.table[tid])
+
+    def set(self, tid: int, cores: Iterable[int]) -> None:
+        self.table[tid] = set(cores)
+        self.moved.append(tid)
+        if self.spawn is not None:
+            new = 1000 + len(self.moved)
+            (self.spawn / str(new)).mkdir()
+            self.table[new] = {0, 1}
+
+
+def patched(monkeypatch: pytest.MonkeyPatch, affinities: Affinities) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", affinities.get)
+    monkeypatch.setattr(os, "sched_setaffinity", affinities.set)
+
+
+def with_tasks(root: Path, pid: int, tids: list[int]) -> Path:
+    for tid in tids:
+        (root / str(pid) / "task" / str(tid)).mkdir(parents=True)
+    return root / str(pid) / "task"
+
+
+def test_pin_group_moves_every_thread_of_the_group_that_is_off_its_core(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_proc(tmp_path, 100, "python", "S", 100)
+    fake_proc(tmp_path, 101, "VLLM::EngineCore", "S", 100)
+    fake_proc(tmp_path, 200, "other", "S", 200)
+    with_tasks(tmp_path, 100, [100, 102])
+    with_tasks(tmp_path, 101, [101])
+    with_tasks(tmp_path, 200, [200])
+    affinities = Affinities({100: {0, 1}, 102: {1}, 101: {0}, 200: {0, 1}})
+    patched(monkeypatch, affinities)
+    pin_group(100, 0, proc_root=tmp_path)
+    assert affinities.table == {100: {0}, 102: {0}, 101: {0}, 200: {0, 1}}  # another group is left alone
+    assert sorted(affinities.moved) == [100, 102]
+
+
+def test_pin_group_gives_up_on_a_group_that_keeps_starting_threads_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_proc(tmp_path, 100, "python", "S", 100)
+    tasks = with_tasks(tmp_path, 100, [100])
+    patched(monkeypatch, Affinities({100: {0, 1}}, spawn=tasks))
+    with pytest.raises(RuntimeError, match="kept starting threads"):
+        pin_group(100, 0, proc_root=tmp_path, passes=3)
