@@ -15,9 +15,10 @@ that into what one rank's transfer thread does:
   ``Done``, fails at the first failed leg (the others are cancelled) and frees its blocks only once no leg
   can still write (``connector.fanin.SourceSet``).
 
-Supported: P_tp = D_tp (whole blocks, one leg per rank) and P_tp > D_tp (each P rank writes its heads into a
-slice of one D rank's blocks; that D rank fans in). Refused per request with the reason (``Unpairable``):
-P_tp < D_tp (a P rank would write several D ranks: the P-side fan-out is not wired) and prefill PP > 1.
+Supported: P_tp = D_tp (whole blocks, one leg per rank), P_tp > D_tp (each P rank writes its heads into a
+slice of one D rank's blocks; that D rank fans in) and P_tp < D_tp (each D rank has one source, whose blocks
+hold its heads; that P rank writes a slice of its blocks to each of its targets, ``prefill_targets``, and
+fans out: ``connector.prefill_fanout``). Refused per request with the reason (``Unpairable``): prefill PP > 1.
 """
 
 from __future__ import annotations
@@ -48,13 +49,17 @@ def _topology_sources(p_tp: int, mine: RankInfo) -> tuple[RankId, ...]:
         )
     except TopologyError as exc:
         raise Unpairable(str(exc)) from exc
-    sources = topo.sources(mine.rank.tp)
-    if any(len(topo.targets(s)) > 1 for s in sources):
-        raise Unpairable(
-            f"prefill tp_size {p_tp} < decode tp_size {mine.tp_size}: one prefill rank would write several decode "
-            "ranks, which kvpush does not do yet (use prefill tp_size >= decode tp_size)"
-        )
-    return sources
+    return topo.sources(mine.rank.tp)
+
+
+def prefill_targets(mine: RankInfo, theirs: RankInfo) -> tuple[int, ...]:
+    """The ranks of D rank ``theirs``'s engine that P rank ``mine`` writes (``connector.prefill_fanout``)."""
+    if mine.tp_size == theirs.tp_size:
+        return (mine.rank.tp,)
+    topo = plan(
+        p_tp=mine.tp_size, d_tp=theirs.tp_size, num_kv_heads=mine.num_kv_heads, head_bytes=mine.head_bytes, num_layers=1
+    )
+    return topo.targets(RankId(0, mine.rank.tp))
 
 
 def decode_legs(request_id: str, peer: PeerAddress, mine: RankInfo) -> tuple[tuple[str, PeerAddress], ...]:
