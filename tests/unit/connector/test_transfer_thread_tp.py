@@ -234,3 +234,27 @@ def test_a_decode_leg_that_misstates_the_prefills_tp_is_refused_not_half_receive
     wait_for(lambda: d.finished("d1"))
     assert d.failed("d1")
     assert not any(r.results.records for r in p.ranks) and not d.ranks[0].kv[0].any()
+
+
+@pytest.mark.parametrize("engines", [(1, 2), (2, 4)], indirect=True, ids=str)
+def test_a_lost_d_rank_ends_its_leg_and_p_releases_once_the_other_legs_ended(
+    engines: tuple[Engine, Engine], model: np.ndarray
+) -> None:
+    """P_tp < D_tp: a D rank dies after registering; the P rank serving it drops that leg (its link is gone),
+    still writes its other D rank and releases its blocks once, after that leg, never writing the dead rank."""
+    p, d = engines
+    peer = PeerAddress("P", "127.0.0.1", p.ranks[0].thread.side_port, tp_size=len(p.ranks))
+    for rank in d.ranks:
+        rank.thread.submit(RegisterOrder("d1", "t:1", peer, D_BLOCKS, 32))
+    wait_for(lambda: all(r.thread._prefill.live == len(d.ranks) // len(p.ranks) for r in p.ranks))
+    dead = d.ranks[-1]
+    dead.thread.close()  # its links drop like a process exit
+    wait_for(lambda: p.ranks[-1].thread._prefill.live == len(d.ranks) // len(p.ranks) - 1)  # that leg is over
+    for rank in p.ranks:
+        rank.thread.submit(PrefillFinished("p1", "t:1", P_BLOCKS, 32))
+    wait_for(lambda: p.released("p1"))
+    assert all(r.results.released == {"p1"} for r in p.ranks)
+    assert not dead.kv[0].any() and not dead.kv[1].any(), "nothing was written into the dead rank"
+    alive = d.ranks[0]
+    wait_for(lambda: "d1" in alive.collect().received)
+    assert "d1" not in alive.results.failed
