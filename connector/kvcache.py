@@ -74,8 +74,10 @@ def check_parallelism(
 ) -> None:
     """Refuse what kvpush cannot transfer (call from the connector's ``__init__``, both roles).
 
-    Tensor parallelism is served rank by rank (``connector.ranks``: P_tp = D_tp and P_tp > D_tp; P_tp < D_tp is
-    refused per request). Data parallelism is fine: each DP rank is its own engine with its own ports
+    Tensor parallelism is served rank by rank (``connector.ranks``: P_tp = D_tp, P_tp > D_tp, and P_tp < D_tp
+    through the prefill-side fan-out, ``connector.prefill_fanout``). Pipeline parallelism is refused (its layer
+    windows are planned by ``connector.topology`` but not wired: connector/README.md, "Tensor parallelism").
+    Data parallelism is fine: each DP rank is its own engine with its own ports
     (``side_channel_port``)."""
     if tensor_parallel_size < 1:
         raise KVCacheUnsupported(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
