@@ -47,28 +47,30 @@ class Rank:
         return self.results
 
 
-def make_engine(fabric: MemoryFabric, name: str, tp: int, model: np.ndarray | None) -> list[Rank]:
-    """``model``: the whole KV [REGIONS, BLOCKS, HEADS, HEAD_BYTES] (prefill) or None (decode: zeros)."""
+def make_engine(fabric: MemoryFabric, name: str, tp: int, model: np.ndarray | None, pp: int = 1) -> list[Rank]:
+    """``model``: the whole KV [REGIONS, BLOCKS, HEADS, HEAD_BYTES] (prefill) or None (decode: zeros). ``pp`` 2:
+    stage s holds layer (region) s; ranks in (stage, tp) order, rank (s, t) on port0 + s x tp + t."""
     port0 = next(_PORTS)
     ranks = []
-    for r in range(tp):
+    for s, r in itertools.product(range(pp), range(tp)):
         heads = heads_of(r, tp, HEADS)
+        layers = range(REGIONS) if pp == 1 else range(s, s + 1)
         kv = [
             np.ascontiguousarray(model[g][:, list(heads)])
             if model is not None
             else np.zeros((BLOCKS, len(heads), HEAD_BYTES), np.uint8)
-            for g in range(REGIONS)
+            for g in layers
         ]
         layout = KVLayout("DRAM", 0, 16, tuple(Region(a.ctypes.data, len(heads) * HEAD_BYTES, BLOCKS) for a in kv))
-        info = RankInfo(tp, 1, RankId(0, r), HEADS, heads, HEAD_BYTES, (0, REGIONS))
-        backend = MemoryBackend(fabric, f"agent-{name}-{r}", layout)
+        info = RankInfo(tp, pp, RankId(s, r), HEADS, heads, HEAD_BYTES, (layers[0], layers[-1] + 1))
+        backend = MemoryBackend(fabric, f"agent-{name}-{s}-{r}", layout)
         thread = TransferThread(
             backend,
             engine_id=name,
             layout=layout,
             compat_hash="c1",
             side_host="127.0.0.1",
-            side_port=port0 + r,
+            side_port=port0 + s * tp + r,
             options=OPTIONS,
             side_channel=CHANNEL,
             rank=info,
@@ -258,3 +260,47 @@ def test_a_lost_d_rank_ends_its_leg_and_p_releases_once_the_other_legs_ended(
     alive = d.ranks[0]
     wait_for(lambda: "d1" in alive.collect().received)
     assert "d1" not in alive.results.failed
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 2), (2, 1), (1, 2)], ids=str)
+def test_a_pp_prefill_writes_each_stage_s_layers_and_decode_waits_for_every_stage(
+    model: np.ndarray, p_tp: int, d_tp: int
+) -> None:
+    """PP 2 prefill (stage s holds layer s) with any TP pair: each D rank has one leg per stage, is received only
+    after both stages' Done, and ends holding exactly its heads of every layer."""
+    fabric = MemoryFabric()
+    p = Engine(make_engine(fabric, "P", p_tp, model, pp=2))
+    d = Engine(make_engine(fabric, "D", d_tp, None))
+    try:
+        peer = PeerAddress("P", "127.0.0.1", p.ranks[0].thread.side_port, tp_size=p_tp, pp_size=2)
+        for rank in p.ranks:
+            rank.thread.submit(PrefillFinished("p1", "t:1", P_BLOCKS, 32))
+        for rank in d.ranks:
+            rank.thread.submit(RegisterOrder("d1", "t:1", peer, D_BLOCKS, 32))
+        wait_for(lambda: d.finished("d1") and p.released("p1"))
+        assert not d.failed("d1")
+        assert heads_landed(d, model)
+        legs = len(plan(p_tp=p_tp, d_tp=d_tp, num_kv_heads=HEADS, head_bytes=HEAD_BYTES, num_layers=2, p_pp=2).legs)
+        assert sum(len(r.results.records) for r in p.ranks) == legs  # one WRITE per (stage, leg)
+    finally:
+        for rank in d.ranks + p.ranks:
+            rank.thread.close()
+
+
+def test_a_failing_stage_fails_the_request_and_frees_only_when_no_stage_can_land(model: np.ndarray) -> None:
+    fabric = MemoryFabric()
+    p = Engine(make_engine(fabric, "P", 1, model, pp=2))
+    d = Engine(make_engine(fabric, "D", 1, None))
+    try:
+        p.ranks[1].backend.fail_writes = True  # stage 1's WRITE fails
+        peer = PeerAddress("P", "127.0.0.1", p.ranks[0].thread.side_port, tp_size=1, pp_size=2)
+        for rank in p.ranks:
+            rank.thread.submit(PrefillFinished("p1", "t:1", P_BLOCKS, 32))
+        d.ranks[0].thread.submit(RegisterOrder("d1", "t:1", peer, D_BLOCKS, 32))
+        wait_for(lambda: d.finished("d1") and p.released("p1"))
+        assert d.failed("d1")
+        assert nothing_in_flight_to(p, d)
+        assert d.ranks[0].thread._decode.live == 0
+    finally:
+        for rank in d.ranks + p.ranks:
+            rank.thread.close()
