@@ -79,8 +79,6 @@ def prefill_from_mapping(item: Mapping[str, Any], *, where: str) -> WorkerSpec:
         pp_size=values.integer(item.get("pp", 1), f"{where}: pp", low=1),
         connector=ConnectorKind(kind),
     )
-    if identity.connector is ConnectorKind.KVPUSH and identity.pp_size > 1:
-        raise ConfigError(f"{where}: pp={identity.pp_size}: kvpush's connector does not push from pipeline stages")
     if dp_size > 1 and split_rank(identity.engine_id)[1] is not None:
         raise ConfigError(
             f"{where}: engine_id {identity.engine_id!r} already names a data-parallel rank; give the engine id vLLM "

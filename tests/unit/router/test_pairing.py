@@ -1,6 +1,6 @@
 """router/pairing.py and the worker specs it relies on: which prefill/decode parallelism the router refuses
 before the decode leg leaves (TP sizes that do not divide, a prefill TP never stated while decode runs TP > 1,
-PP on decode, PP on a kvpush prefill), and what it leaves to the engines (decode's TP unknown)."""
+PP on decode), and what it leaves to the engines (decode's TP unknown)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def test_worker_specs_carry_the_connector_kind_and_decode_parallelism() -> None:
     assert parse_decode_url("http://d:8200").tp_size is None
     with pytest.raises(ConfigError, match="pp must be 1"):
         parse_decode_url("http://d:8200,pp=2")
-    with pytest.raises(ConfigError, match="does not push from pipeline stages"):
-        parse_prefill_spec("http://p:8100,engine_id=p0,side_port=5600,pp=2,connector=kvpush")
+    staged = parse_prefill_spec("http://p:8100,engine_id=p0,side_port=5600,tp=2,pp=2,connector=kvpush").identity
+    assert staged is not None and (staged.tp_size, staged.pp_size) == (2, 2)  # PP prefill: each stage its layers
     with pytest.raises(ConfigError, match="connector 'lmcache' is not one of nixl, kvpush"):
         parse_prefill_spec("http://p:8100,engine_id=p0,side_port=5600,connector=lmcache")
