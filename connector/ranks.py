@@ -119,6 +119,15 @@ def stage_window(mine: RankInfo, theirs: RankInfo, my_layout: KVLayout, their_la
     return replace(their_layout, regions=their_layout.regions[first * per_layer : end * per_layer])
 
 
+def prefill_peer(
+    mine: RankInfo, theirs: RankInfo, my_layout: KVLayout, their_layout: KVLayout
+) -> tuple[KVLayout, tuple[Slice, ...] | None]:
+    """What P rank ``mine`` writes into D rank ``theirs``: the D regions (``stage_window``) and, in each block of
+    them, whole blocks (None) or byte slices (``prefill_slices``)."""
+    window = stage_window(mine, theirs, my_layout, their_layout)
+    return window, prefill_slices(mine, theirs, my_layout, window)
+
+
 def prefill_slices(
     mine: RankInfo, theirs: RankInfo, my_layout: KVLayout, their_layout: KVLayout
 ) -> tuple[Slice, ...] | None:

@@ -69,15 +69,7 @@ from connector.metadata import (
 )
 from connector.options import Options
 from connector.prefill_fanout import PrefillFanOut
-from connector.ranks import (
-    DecodeFanIn,
-    FanInStep,
-    Unpairable,
-    decode_legs,
-    prefill_slices,
-    prefill_targets,
-    stage_window,
-)
+from connector.ranks import DecodeFanIn, FanInStep, Unpairable, decode_legs, prefill_peer, prefill_targets
 from connector.ready import READY, HostFence, ReadyEvent, StepFence
 from connector.rendezvous import (
     AbandonWrite,
@@ -443,9 +435,8 @@ class TransferThread:
         # writes a decode rank whole blocks or, under unequal TP, the slices the topology gives it.
         if writes_to:
             try:
-                window = stage_window(self._rank, payload.rank, self._layout, payload.layout)
+                window, slices = prefill_peer(self._rank, payload.rank, self._layout, payload.layout)
                 payload = replace(payload, layout=window)  # a PP stage writes only its layers' regions
-                slices = prefill_slices(self._rank, payload.rank, self._layout, window)
             except Unpairable as exc:
                 raise TransferError(f"decode {payload.peer_key} cannot be paired with this rank: {exc}") from exc
             self._backend.add_peer(payload, writes_to=True, slices=slices)
