@@ -70,20 +70,27 @@ class KVCacheUnsupported(ValueError):
 
 
 def check_parallelism(
-    *, tensor_parallel_size: int, pipeline_parallel_size: int = 1, decode_context_parallel_size: int = 1
+    *,
+    tensor_parallel_size: int,
+    pipeline_parallel_size: int = 1,
+    decode_context_parallel_size: int = 1,
+    kv_role: str = "kv_producer",
 ) -> None:
     """Refuse what kvpush cannot transfer (call from the connector's ``__init__``, both roles).
 
-    Tensor parallelism is served rank by rank (``connector.ranks``: P_tp = D_tp and P_tp > D_tp; P_tp < D_tp is
-    refused per request). Data parallelism is fine: each DP rank is its own engine with its own ports
+    Tensor parallelism is served rank by rank (``connector.ranks``: P_tp = D_tp, P_tp > D_tp, and P_tp < D_tp
+    through the prefill-side fan-out, ``connector.prefill_fanout``). Pipeline parallelism on a prefill
+    (``kv_producer``): each stage writes its own layers (``ranks.stage_window``); a decode needs PP 1.
+    Data parallelism is fine: each DP rank is its own engine with its own ports
     (``side_channel_port``)."""
     if tensor_parallel_size < 1:
         raise KVCacheUnsupported(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-    if pipeline_parallel_size != 1:
+    if pipeline_parallel_size < 1:
+        raise KVCacheUnsupported(f"pipeline_parallel_size must be >= 1, got {pipeline_parallel_size}")
+    if pipeline_parallel_size != 1 and kv_role != "kv_producer":
         raise KVCacheUnsupported(
-            f"kvpush supports pipeline_parallel_size=1 only (got {pipeline_parallel_size}): pushing from pipeline "
-            "stages (each stage WRITEs its own layers) is not wired yet; use tensor parallelism or vLLM's "
-            "NixlConnector"
+            f"kvpush pushes from pipeline stages only on a prefill (kv_role kv_producer); this {kv_role} runs "
+            f"pipeline_parallel_size={pipeline_parallel_size}: a decode must run pipeline_parallel_size=1"
         )
     if decode_context_parallel_size != 1:
         raise KVCacheUnsupported(

@@ -293,8 +293,9 @@ class KVLayout:
 
     def shape_signature(self) -> str:
         """The parts of the layout that must be equal on every P and D rank (addresses may differ; block lengths
-        differ between ranks of unequal TP and are checked per pair by ``connector.ranks.prefill_slices``)."""
-        return f"{self.block_size}|{len(self.regions)}"
+        differ between ranks of unequal TP, region counts between a PP stage and decode: both are checked per pair
+        by ``connector.ranks.stage_window`` / ``prefill_slices``)."""
+        return f"{self.block_size}"
 
 
 def compatibility_hash(model_signature: str, layout: KVLayout) -> str:

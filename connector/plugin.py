@@ -9,7 +9,7 @@ Launch (P and D differ only in ``kv_role`` and ``engine_id``)::
 The side channel listens on ``VLLM_NIXL_SIDE_CHANNEL_HOST``:``VLLM_NIXL_SIDE_CHANNEL_PORT`` (the same
 variables as upstream NIXL, so routers and launchers need no change): the port of rank (0, 0) of DP engine ``i`` is
 ``base + i * TP * PP``, rank ``(pp, tp)`` adds ``pp * TP + tp`` (``connector.kvcache.side_channel_port``,
-``connector.ranks``). TP > 1 is served rank by rank; PP > 1 is refused at startup.
+``connector.ranks``). TP > 1 is served rank by rank; PP > 1 on a prefill stage by stage (decode: refused at startup).
 """
 
 from __future__ import annotations
@@ -101,6 +101,7 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vllm is unty
             tensor_parallel_size=parallel.tensor_parallel_size,
             pipeline_parallel_size=parallel.pipeline_parallel_size,
             decode_context_parallel_size=getattr(parallel, "decode_context_parallel_size", 1),
+            kv_role=str(vllm_config.kv_transfer_config.kv_role),
         )
         engine_id = str(vllm_config.kv_transfer_config.engine_id)
         tp, pp = int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)

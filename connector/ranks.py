@@ -15,13 +15,17 @@ that into what one rank's transfer thread does:
   ``Done``, fails at the first failed leg (the others are cancelled) and frees its blocks only once no leg
   can still write (``connector.fanin.SourceSet``).
 
-Supported: P_tp = D_tp (whole blocks, one leg per rank) and P_tp > D_tp (each P rank writes its heads into a
-slice of one D rank's blocks; that D rank fans in). Refused per request with the reason (``Unpairable``):
-P_tp < D_tp (a P rank would write several D ranks: the P-side fan-out is not wired) and prefill PP > 1.
+Supported: P_tp = D_tp (whole blocks, one leg per rank), P_tp > D_tp (each P rank writes its heads into a
+slice of one D rank's blocks; that D rank fans in) and P_tp < D_tp (each D rank has one source, whose blocks
+hold its heads; that P rank writes a slice of its blocks to each of its targets, ``prefill_targets``, and
+fans out: ``connector.prefill_fanout``). PP prefill: every stage is one more source of each D rank
+(``decode_legs``), and writes only its layers' regions of D's blocks (``stage_window``). Refused with the
+reason (``Unpairable``): decode PP > 1, and what the topology cannot split.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
 
@@ -48,23 +52,29 @@ def _topology_sources(p_tp: int, mine: RankInfo) -> tuple[RankId, ...]:
         )
     except TopologyError as exc:
         raise Unpairable(str(exc)) from exc
-    sources = topo.sources(mine.rank.tp)
-    if any(len(topo.targets(s)) > 1 for s in sources):
-        raise Unpairable(
-            f"prefill tp_size {p_tp} < decode tp_size {mine.tp_size}: one prefill rank would write several decode "
-            "ranks, which kvpush does not do yet (use prefill tp_size >= decode tp_size)"
-        )
-    return sources
+    return topo.sources(mine.rank.tp)
+
+
+def prefill_targets(mine: RankInfo, theirs: RankInfo) -> tuple[int, ...]:
+    """The ranks of D rank ``theirs``'s engine that P rank ``mine`` writes (``connector.prefill_fanout``)."""
+    if mine.tp_size == theirs.tp_size:
+        return (mine.rank.tp,)
+    topo = plan(
+        p_tp=mine.tp_size, d_tp=theirs.tp_size, num_kv_heads=mine.num_kv_heads, head_bytes=mine.head_bytes, num_layers=1
+    )
+    return topo.targets(RankId(0, mine.rank.tp))
 
 
 def decode_legs(request_id: str, peer: PeerAddress, mine: RankInfo) -> tuple[tuple[str, PeerAddress], ...]:
-    """``(leg request id, source address)`` per P rank D rank ``mine`` registers with for ``request_id``."""
-    if peer.pp_size != 1:
-        raise Unpairable(f"prefill pipeline_parallel_size {peer.pp_size}: kvpush does not push from PP stages yet")
+    """``(leg request id, source address)`` per P rank D rank ``mine`` registers with for ``request_id``: the P
+    ranks holding its heads, in every PP stage of the prefill (each stage writes its own layers)."""
+    if mine.pp_size != 1:
+        raise Unpairable(f"decode pipeline_parallel_size {mine.pp_size}: kvpush writes only into a decode with PP 1")
     if peer.tp_size == mine.tp_size:
-        sources: tuple[RankId, ...] = (RankId(0, mine.rank.tp),)
+        by_tp: tuple[RankId, ...] = (RankId(0, mine.rank.tp),)
     else:
-        sources = _topology_sources(peer.tp_size, mine)
+        by_tp = _topology_sources(peer.tp_size, mine)
+    sources = tuple(RankId(stage, s.tp) for stage in range(peer.pp_size) for s in by_tp)
     return tuple(
         (
             request_id if len(sources) == 1 else f"{request_id}@{s.pp}.{s.tp}",
@@ -72,6 +82,50 @@ def decode_legs(request_id: str, peer: PeerAddress, mine: RankInfo) -> tuple[tup
         )
         for s in sources
     )
+
+
+def layer_window(layer_names: tuple[str, ...], pp_size: int) -> tuple[int, int]:
+    """The model layers ``[first, end)`` a rank's KV caches hold, from their names (vLLM's
+    ``model.layers.<i>.self_attn.attn``): at PP 1 all of them, ``(0, count)``; a PP stage its window. ``(0, 0)``:
+    not a contiguous window of numbered layers (``stage_window`` then refuses every pair)."""
+    if pp_size == 1:
+        return (0, len(layer_names))
+    found = [re.search(r"\.(\d+)\.", f".{name}.") for name in layer_names]
+    numbers = [int(m.group(1)) for m in found if m is not None]
+    if not numbers or len(numbers) != len(layer_names) or numbers != list(range(numbers[0], numbers[0] + len(numbers))):
+        return (0, 0)
+    return (numbers[0], numbers[-1] + 1)
+
+
+def stage_window(mine: RankInfo, theirs: RankInfo, my_layout: KVLayout, their_layout: KVLayout) -> KVLayout:
+    """The part of D rank ``theirs``'s layout that P rank ``mine`` writes: all of it at PP 1, else the regions of
+    the layers of ``mine``'s PP stage (``RankInfo.layers``; every layer has the same number of regions on both
+    sides). Raises ``Unpairable`` when the stage's layers do not fit the decode's."""
+    if mine.pp_size == 1:
+        return their_layout
+    first, end = mine.layers
+    total = theirs.layers[1] - theirs.layers[0]
+    span = end - first
+    if span < 1 or not 0 <= first < end <= total or theirs.layers[0] != 0 or len(my_layout.regions) % span:
+        raise Unpairable(
+            f"prefill stage {mine.rank.pp} holds layers [{first}, {end}) in {len(my_layout.regions)} regions, "
+            f"the decode layers {list(theirs.layers)}: the stage's layers do not fit"
+        )
+    per_layer = len(my_layout.regions) // span
+    if len(their_layout.regions) != per_layer * total:
+        raise Unpairable(
+            f"{per_layer} region(s) per layer here, {len(their_layout.regions)} for {total} layers on the peer"
+        )
+    return replace(their_layout, regions=their_layout.regions[first * per_layer : end * per_layer])
+
+
+def prefill_peer(
+    mine: RankInfo, theirs: RankInfo, my_layout: KVLayout, their_layout: KVLayout
+) -> tuple[KVLayout, tuple[Slice, ...] | None]:
+    """What P rank ``mine`` writes into D rank ``theirs``: the D regions (``stage_window``) and, in each block of
+    them, whole blocks (None) or byte slices (``prefill_slices``)."""
+    window = stage_window(mine, theirs, my_layout, their_layout)
+    return window, prefill_slices(mine, theirs, my_layout, window)
 
 
 def prefill_slices(
@@ -97,12 +151,13 @@ def prefill_slices(
             f"KV heads x bytes per head {mine.num_kv_heads} x {mine.head_bytes} here, "
             f"{theirs.num_kv_heads} x {theirs.head_bytes} on the peer"
         )
-    if mine.rank not in _topology_sources(mine.tp_size, theirs):
+    me = RankId(0, mine.rank.tp)  # every PP stage splits heads alike
+    if me not in _topology_sources(mine.tp_size, theirs):
         raise Unpairable(f"prefill rank {mine.rank} writes nothing into decode rank {theirs.rank.tp}")
     topo = plan(
         p_tp=mine.tp_size, d_tp=theirs.tp_size, num_kv_heads=mine.num_kv_heads, head_bytes=mine.head_bytes, num_layers=1
     )
-    [leg] = [leg for leg in topo.legs if leg.src == mine.rank and leg.dst == theirs.rank.tp]
+    [leg] = [leg for leg in topo.legs if leg.src == me and leg.dst == theirs.rank.tp]
     for mine_r, theirs_r in zip(my_layout.regions, their_layout.regions, strict=True):
         if (
             mine_r.block_len != len(mine.heads) * mine.head_bytes

@@ -40,7 +40,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import assert_never
 
 from connector.decode_rendezvous import DecodeRendezvous
@@ -68,7 +68,8 @@ from connector.metadata import (
     is_notice,
 )
 from connector.options import Options
-from connector.ranks import DecodeFanIn, FanInStep, Unpairable, decode_legs, prefill_slices
+from connector.prefill_fanout import PrefillFanOut
+from connector.ranks import DecodeFanIn, FanInStep, Unpairable, decode_legs, prefill_peer, prefill_targets
 from connector.ready import READY, HostFence, ReadyEvent, StepFence
 from connector.rendezvous import (
     AbandonWrite,
@@ -76,7 +77,6 @@ from connector.rendezvous import (
     Connect,
     Failed,
     Freed,
-    PrefillRendezvous,
     Received,
     Release,
     Send,
@@ -182,7 +182,8 @@ class TransferThread:
         self._liveness = options.liveness
         self._timeouts = options.timeouts
         self._side_host, self._side_port = side_host, side_port
-        self._prefill = PrefillRendezvous(self._timeouts)
+        self._prefill = PrefillFanOut(self._timeouts)  # P: legs per D rank (``connector.prefill_fanout``)
+        self._d_ranks: dict[str, RankInfo] = {}  # P: each decode rank's RankInfo from its handshake
         self._decode = DecodeRendezvous(self._timeouts, engine_id, self._rank.rank.tp)
         self._writes: dict[str, _Write] = {}
         self._write_backoff = self._polling.write_poll_min_s
@@ -434,10 +435,12 @@ class TransferThread:
         # writes a decode rank whole blocks or, under unequal TP, the slices the topology gives it.
         if writes_to:
             try:
-                slices = prefill_slices(self._rank, payload.rank, self._layout, payload.layout)
+                window, slices = prefill_peer(self._rank, payload.rank, self._layout, payload.layout)
+                payload = replace(payload, layout=window)  # a PP stage writes only its layers' regions
             except Unpairable as exc:
                 raise TransferError(f"decode {payload.peer_key} cannot be paired with this rank: {exc}") from exc
             self._backend.add_peer(payload, writes_to=True, slices=slices)
+            self._d_ranks[payload.peer_key] = payload.rank
         else:
             self._backend.add_peer(payload, writes_to=False)
         key = payload.peer_key
@@ -466,13 +469,18 @@ class TransferThread:
             return
         match notice:
             case Registration():
-                self._perform(self._prefill.on_registration(notice, now), now)
+                self._perform(self._prefill.on_registration(notice, now, self._targets(notice.sender)), now)
             case Cancel():
-                self._perform(self._prefill.on_cancel(notice, now), now)
+                self._perform(self._prefill.on_cancel(notice, now, self._targets(notice.sender)), now)
             case CancelAck() | Failure() | Done():
                 self._perform(self._decode.on_notice(notice, now), now)
             case _:
                 assert_never(notice)
+
+    def _targets(self, d_peer: str) -> tuple[int, ...] | None:
+        """P: the ranks of that D rank's engine this rank writes (None: unknown peer, that rank alone)."""
+        theirs = self._d_ranks.get(d_peer)
+        return None if theirs is None else prefill_targets(self._rank, theirs)
 
     def _check_writes(self, now: float) -> None:
         for key, w in list(self._writes.items()):

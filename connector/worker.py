@@ -25,7 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from connector.kvcache import KVCaches, compatibility_fields, compatibility_signature, describe_kv_caches
 from connector.metadata import RankInfo, StepPlan, compatibility_hash
 from connector.options import Options
-from connector.ranks import rank_port
+from connector.ranks import layer_window, rank_port
 from connector.ready import HostFence, StepFence, fence_for
 from connector.stats import KvpushStats
 from connector.topology import RankId, heads_of
@@ -122,7 +122,7 @@ class WorkerHalf:
         # Head slices need LBHNC pages without padding; otherwise only whole blocks (equal TP) can pair.
         sliceable = g.num_heads == len(heads) and g.layout == "LBHNC" and g.block_len == g.page_bytes
         head_bytes = g.page_bytes // g.num_heads if sliceable else 0
-        return RankInfo(self._tp, self._pp, self._rank, total, heads, head_bytes, (0, len(caches.layers)))
+        return RankInfo(self._tp, self._pp, self._rank, total, heads, head_bytes, layer_window(caches.layers, self._pp))
 
     def _signature(self, caches: KVCaches) -> str:
         config = self._vllm_config

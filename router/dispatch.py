@@ -30,6 +30,7 @@ from router.domain import Fallback, NixlIdentity, RequestInfo, Role, WorkerView
 from router.errors import (
     NoHealthyWorker,
     RouterError,
+    Unpairable,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamStatus,
@@ -40,7 +41,7 @@ from router.finish import Finisher
 from router.legs.base import LegResponse, LegTransport
 from router.legs.httpx import HttpxLegs
 from router.metrics import Metrics
-from router.pairing import BlockSizes, block_size_mismatch
+from router.pairing import BlockSizes, block_size_mismatch, parallelism_mismatch
 from router.policy import Policy, make_policy
 from router.pool import Pool, Tracked, WorkerLost, WorkerState, unless_lost
 from router.ranks import RankPick, rank_headers, stated_rank
@@ -187,6 +188,7 @@ class Dispatcher:
         identity = prefill.ranks.identity(legs.prefill or 0)
         if identity is None:  # auto: learn the identity (this rank's) from a first, sequential prefill
             return await self._push_learning(request, close, prefill, decode, ids, legs)
+        _check_parallelism(identity, prefill, decode)
         return await self._push(request, close, prefill, decode, identity, ids, legs)
 
     def _decode_rank(self, decode: WorkerState) -> int | None:
@@ -224,6 +226,7 @@ class Dispatcher:
         identity = prefill.ranks.identity(legs.prefill or 0)
         if identity is None:
             raise UpstreamProtocolError("did not state its NIXL identity", leg=Role.PREFILL, worker=prefill.spec.id)
+        _check_parallelism(identity, prefill, decode)
         body = protocol.push_decode_body(request.body, identity, ids)
         return await self._decode(request, close, decode, body, ids, legs.decode)
 
@@ -470,6 +473,14 @@ class Dispatcher:
         await self.feedback.aclose()
         await self.finisher.aclose()
         await self._legs.aclose()
+
+
+def _check_parallelism(identity: NixlIdentity, prefill: WorkerState, decode: WorkerState) -> None:
+    """Refuses (503) a pair whose parallelism the connectors cannot serve, before the decode leg leaves."""
+    why = parallelism_mismatch(identity, decode.spec.tp_size)
+    if why is not None:
+        logger.warning("prefill %s and decode %s cannot be paired: %s", prefill.spec.id, decode.spec.id, why)
+        raise Unpairable(why)
 
 
 def _served_by(

@@ -38,15 +38,25 @@ class Endpoint(enum.StrEnum):
         return "/v1/completions" if self is Endpoint.COMPLETIONS else "/v1/chat/completions"
 
 
+class ConnectorKind(enum.StrEnum):
+    """Which KV connector a prefill server runs: it decides where the side channels of its DP ranks listen."""
+
+    NIXL = "nixl"  # vLLM's NixlConnector / NixlPushConnector: one side channel per DP engine, base port + DP index
+    KVPUSH = "kvpush"  # kvpush's connector: one per worker rank, base + DP index x TP x PP (+ the rank's offset)
+
+
 @dataclass(frozen=True)
 class NixlIdentity:
-    """What a decode instance must know about a prefill instance to register with it (push mode)."""
+    """What a decode instance must know about a prefill instance to register with it (push mode).
+    `tp_known`: False when a learned identity came from an answer that did not state `tp_size` (1 assumed)."""
 
     engine_id: str
     host: str
     port: int
     tp_size: int = 1
     pp_size: int = 1
+    connector: ConnectorKind = ConnectorKind.NIXL
+    tp_known: bool = True
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,7 @@ class WorkerSpec:
     role: Role
     identity: NixlIdentity | None = None
     dp_size: int = 1
+    tp_size: int | None = None  # decode: its tensor-parallel size when configured (None: unknown)
 
     @property
     def id(self) -> str:

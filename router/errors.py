@@ -109,6 +109,15 @@ class NoHealthyWorker(RouterError):
     kind = "no_worker"
 
 
+class Unpairable(RouterError):
+    """The chosen prefill and decode cannot be paired as configured (parallelism): an operator's fix, not the
+    client's; answered before the decode leg leaves, never a hang."""
+
+    status = 503
+    type = "service_unavailable"
+    kind = "unpairable"
+
+
 class UpstreamError(RouterError):
     """One leg to one worker failed. `leg` is the role; `worker` the worker's URL (logs only, never to clients);
     `detail` the low-level cause (logs only: it may name hosts and ports)."""

@@ -288,6 +288,7 @@ def identity_from(kv_params: KvTransferParams) -> NixlIdentity | None:
             port=int(kv_params["remote_port"]),  # type: ignore[arg-type]
             tp_size=int(kv_params.get("tp_size") or 1),
             pp_size=int(kv_params.get("pp_size") or 1),
+            tp_known=bool(kv_params.get("tp_size")),
         )
     except (KeyError, TypeError, ValueError):
         return None

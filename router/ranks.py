@@ -3,8 +3,9 @@ load and its ejection. Pure (the caller passes its monotonic clock as `now`).
 
 A vLLM server started with `--data-parallel-size N` is one HTTP endpoint with N engine ranks. Each rank is an
 engine of its own: its NIXL engine id is `<engine_id>_dp<r>` and its side channel listens on the server's base
-port + r (vLLM's `v1/engine/core.py` and the NIXL connector's `base_scheduler.py`; kvpush's connector reads the
-same config and does the same). The server's API process picks the rank of a request unless the request names
+port + r (vLLM's `v1/engine/core.py` and the NIXL connector's `base_scheduler.py`); kvpush's connector runs one
+side channel per worker rank, so its DP engine r starts at base + r x TP x PP (`rank_identity`, by the
+configured `connector` kind). The server's API process picks the rank of a request unless the request names
 one in the `X-data-parallel-rank` header. A push router therefore pins prefill's rank with that header and gives
 decode that very rank's identity; it pins decode's rank only when it chooses by load (per-rank load from the
 server's /metrics, `rank_metrics.py`), and otherwise leaves decode's rank to the server.
@@ -27,7 +28,7 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-from router.domain import EngineLoad, NixlIdentity
+from router.domain import ConnectorKind, EngineLoad, NixlIdentity
 from router.health import HealthPolicy
 
 __all__ = [
@@ -55,11 +56,16 @@ class NoUsableRank(LookupError):
 
 def rank_identity(base: NixlIdentity, rank: int, dp_size: int) -> NixlIdentity:
     """Rank `rank`'s identity on a server whose base identity (as configured: the engine id and side port vLLM was
-    started with) is `base`. A server without data parallelism (dp_size 1) is its base identity, unsuffixed."""
+    started with) is `base`. A server without data parallelism (dp_size 1) is its base identity, unsuffixed.
+
+    The port is the DP engine's first side channel: upstream's connectors run one per DP engine (base + rank);
+    kvpush's runs one per worker rank, so DP engine `rank` starts at base + rank x TP x PP (its rank (0, 0);
+    decode derives the other ranks' ports from it and `tp_size`)."""
     _check_rank(rank, dp_size)
     if dp_size == 1:
         return base
-    return dataclasses.replace(base, engine_id=f"{base.engine_id}_dp{rank}", port=base.port + rank)
+    stride = base.tp_size * base.pp_size if base.connector is ConnectorKind.KVPUSH else 1
+    return dataclasses.replace(base, engine_id=f"{base.engine_id}_dp{rank}", port=base.port + rank * stride)
 
 
 def split_rank(engine_id: str) -> tuple[str, int | None]:

@@ -11,20 +11,22 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from router import values
-from router.domain import NixlIdentity, Role, WorkerSpec
+from router.domain import ConnectorKind, NixlIdentity, Role, WorkerSpec
 from router.errors import ConfigError
 from router.ranks import MAX_DP_SIZE, split_rank
 
 
 def parse_prefill_spec(spec: str) -> WorkerSpec:
     """`URL` (identity learned from the worker) or `URL,engine_id=ID,side_host=H,side_port=P,tp=1,pp=1`, either
-    with `,dp=N` for a server with N data-parallel ranks."""
+    with `,dp=N` for a server with N data-parallel ranks; `,connector=kvpush` for kvpush's connector (its DP
+    ranks' side ports are base + r x TP x PP; default `nixl`: upstream's, base + r)."""
     where = f"prefill worker {values.shown_url(spec)}"
     return prefill_from_mapping(_spec_options(spec, where), where=where)
 
 
 def parse_decode_url(url: str) -> WorkerSpec:
-    """`URL`, or `URL,dp=N` for a server with N data-parallel ranks."""
+    """`URL`, or `URL,dp=N` for a server with N data-parallel ranks; `,tp=N` its tensor-parallel size (lets the
+    router refuse a prefill it cannot pair with), `,pp=1` (push writes only into PP 1)."""
     where = f"decode worker {values.shown_url(url)}"
     return decode_from_mapping(_spec_options(url, where), where=where)
 
@@ -40,8 +42,8 @@ def _spec_options(spec: str, where: str) -> dict[str, str]:
     return options
 
 
-_PREFILL_KEYS = {"url", "engine_id", "side_host", "side_port", "tp", "pp", "dp"}
-_DECODE_KEYS = {"url", "dp"}
+_PREFILL_KEYS = {"url", "engine_id", "side_host", "side_port", "tp", "pp", "dp", "connector"}
+_DECODE_KEYS = {"url", "dp", "tp", "pp"}
 
 
 def _dp_size(item: Mapping[str, Any], where: str) -> int:
@@ -57,6 +59,10 @@ def prefill_from_mapping(item: Mapping[str, Any], *, where: str) -> WorkerSpec:
     url = values.url(item.get("url"), where)
     dp_size = _dp_size(item, where)
     engine_id = item.get("engine_id")
+    kinds = ", ".join(ConnectorKind)
+    kind = str(item.get("connector", ConnectorKind.NIXL)).lower()
+    if kind not in set(ConnectorKind):
+        raise ConfigError(f"{where}: connector {kind!r} is not one of {kinds}")
     if engine_id in (None, "", "auto"):
         if "side_port" in item:
             raise ConfigError(f"{where}: side_port is given but engine_id is not; give both or neither (auto)")
@@ -71,6 +77,7 @@ def prefill_from_mapping(item: Mapping[str, Any], *, where: str) -> WorkerSpec:
         port=values.port(item["side_port"], f"{where}: side_port"),
         tp_size=values.integer(item.get("tp", 1), f"{where}: tp", low=1),
         pp_size=values.integer(item.get("pp", 1), f"{where}: pp", low=1),
+        connector=ConnectorKind(kind),
     )
     if dp_size > 1 and split_rank(identity.engine_id)[1] is not None:
         raise ConfigError(
@@ -85,7 +92,11 @@ def decode_from_mapping(item: Mapping[str, Any], *, where: str) -> WorkerSpec:
     unknown = set(item) - _DECODE_KEYS
     if unknown:
         raise ConfigError(f"{where}: unknown option(s) {sorted(map(str, unknown))}; known: {sorted(_DECODE_KEYS)}")
-    return WorkerSpec(url=values.url(item.get("url"), where), role=Role.DECODE, dp_size=_dp_size(item, where))
+    if values.integer(item.get("pp", 1), f"{where}: pp", low=1) != 1:
+        raise ConfigError(f"{where}: pp must be 1: a push writes only into a decode without pipeline parallelism")
+    tp = values.integer(item["tp"], f"{where}: tp", low=1) if "tp" in item else None
+    url = values.url(item.get("url"), where)
+    return WorkerSpec(url=url, role=Role.DECODE, dp_size=_dp_size(item, where), tp_size=tp)
 
 
 def workers(value: Any, role: Role, *, where: str | None = None) -> tuple[WorkerSpec, ...]:

@@ -6,8 +6,8 @@ Each rank is a child process with a ``NixlBackend`` over its own KV (2 layers, 1
 bytes on D equal the source's (SHA-256 per slice), every byte of a written block is covered, and blocks
 nobody wrote stay zero. 2 P ranks -> 1 D rank and 1 P rank -> 2 D ranks.
 
-Only the backend's sliced descriptors are exercised here: the transfer thread does not drive TP legs yet
-(TP > 1 is refused at engine start, connector/README.md).
+Only the backend's sliced descriptors are exercised here; the transfer threads drive the same legs in
+``test_nixl_tp_threads.py`` (one process) and ``test_nixl_tp_fanout.py`` (P1 -> D2, one process per rank).
 """
 
 from __future__ import annotations

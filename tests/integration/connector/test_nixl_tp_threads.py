@@ -6,7 +6,8 @@ Every rank of a prefill engine (N ranks) and of a decode engine (M ranks) is a `
 regions). Each D rank dials the P ranks the topology makes its sources, each P rank checks the D rank's
 geometry and writes its heads (whole blocks at equal TP, a slice of the D rank's blocks otherwise). Checked:
 each D rank's blocks hold exactly its heads of the prefill's blocks (SHA-256), blocks nobody wrote stay zero,
-every rank reports the request, and P_tp < D_tp is refused at once. The same path with faults runs in memory
+every rank reports the request; at P_tp < D_tp one P rank fans out a slice of its blocks to each D rank and
+releases its blocks once, after the last leg. The same path with faults runs in memory
 (tests/unit/connector/test_transfer_thread_tp.py).
 """
 
@@ -98,7 +99,7 @@ def sha(a: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
-@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (2, 2), (1, 2)], ids=["P2-D1", "P2-D2", "P1-D2-refused"])
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (2, 2), (1, 2)], ids=["P2-D1", "P2-D2", "P1-D2"])
 def test_each_d_rank_gets_its_heads_from_its_source_ranks_on_real_nixl(p_tp: int, d_tp: int) -> None:
     model = np.random.default_rng(3).integers(1, 256, (REGIONS, BLOCKS, HEADS, HEAD_BYTES), dtype=np.uint8)
     p_threads, _ = engine("p0", p_tp, model)
@@ -117,10 +118,6 @@ def test_each_d_rank_gets_its_heads_from_its_source_ranks_on_real_nixl(p_tp: int
             return all("d1" in r.received for r in d_res)
 
         wait_for(all_received)
-        if p_tp < d_tp:
-            assert all("d1" in r.failed for r in d_res), "P_tp < D_tp is refused per request"
-            assert not any(kv[g].any() for kv in d_kvs for g in range(REGIONS))
-            return
         assert not any("d1" in r.failed for r in d_res)
         for d, kv in enumerate(d_kvs):
             heads = list(heads_of(d, d_tp, HEADS))
@@ -135,7 +132,7 @@ def test_each_d_rank_gets_its_heads_from_its_source_ranks_on_real_nixl(p_tp: int
             return all("p1" in r.released for r in p_res)
 
         wait_for(all_released)
-        assert [len(r.records) for r in p_res] == [1] * p_tp, "one WRITE per P rank"
+        assert [len(r.records) for r in p_res] == [max(1, d_tp // p_tp)] * p_tp, "one WRITE per leg"
     finally:
         for t in d_threads + p_threads:
             t.close()

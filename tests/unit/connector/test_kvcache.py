@@ -253,17 +253,22 @@ def test_one_rank_everywhere_and_tensor_parallelism_are_accepted() -> None:
     check_parallelism(tensor_parallel_size=1, pipeline_parallel_size=1, decode_context_parallel_size=1)
     for tp in (2, 4, 8):
         check_parallelism(tensor_parallel_size=tp)
+    check_parallelism(tensor_parallel_size=2, pipeline_parallel_size=2, kv_role="kv_producer")  # PP on prefill
 
 
 @pytest.mark.parametrize(
     ("kwargs", "says"),
     [
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
-        ({"tensor_parallel_size": 2, "pipeline_parallel_size": 4}, "pipeline_parallel_size=1 only.*not wired"),
+        (
+            {"tensor_parallel_size": 2, "pipeline_parallel_size": 4, "kv_role": "kv_consumer"},
+            "only on a prefill.*a decode must run pipeline_parallel_size=1",
+        ),
+        ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "kv_role": "kv_both"}, "only on a prefill"),
         ({"tensor_parallel_size": 1, "decode_context_parallel_size": 2}, "decode_context_parallel_size=1 only"),
     ],
 )
-def test_sharded_engines_are_refused(kwargs: dict[str, int], says: str) -> None:
+def test_sharded_engines_are_refused(kwargs: dict[str, Any], says: str) -> None:
     with pytest.raises(KVCacheUnsupported, match=says):
         check_parallelism(**kwargs)
 

@@ -23,7 +23,7 @@ from connector.memory_backend import MemoryBackend, MemoryFabric
 from connector.metadata import KVLayout, PeerAddress, PrefillFinished, RankInfo, Region, RegisterOrder
 from connector.options import Options
 from connector.rendezvous import Timeouts
-from connector.topology import RankId, heads_of
+from connector.topology import RankId, heads_of, plan
 from connector.transfer_thread import CancelOrder, Results, TransferThread
 from tests.unit.connector.side_channel_fake import LoopbackSideChannel
 
@@ -47,28 +47,30 @@ class Rank:
         return self.results
 
 
-def make_engine(fabric: MemoryFabric, name: str, tp: int, model: np.ndarray | None) -> list[Rank]:
-    """``model``: the whole KV [REGIONS, BLOCKS, HEADS, HEAD_BYTES] (prefill) or None (decode: zeros)."""
+def make_engine(fabric: MemoryFabric, name: str, tp: int, model: np.ndarray | None, pp: int = 1) -> list[Rank]:
+    """``model``: the whole KV [REGIONS, BLOCKS, HEADS, HEAD_BYTES] (prefill) or None (decode: zeros). ``pp`` 2:
+    stage s holds layer (region) s; ranks in (stage, tp) order, rank (s, t) on port0 + s x tp + t."""
     port0 = next(_PORTS)
     ranks = []
-    for r in range(tp):
+    for s, r in itertools.product(range(pp), range(tp)):
         heads = heads_of(r, tp, HEADS)
+        layers = range(REGIONS) if pp == 1 else range(s, s + 1)
         kv = [
             np.ascontiguousarray(model[g][:, list(heads)])
             if model is not None
             else np.zeros((BLOCKS, len(heads), HEAD_BYTES), np.uint8)
-            for g in range(REGIONS)
+            for g in layers
         ]
         layout = KVLayout("DRAM", 0, 16, tuple(Region(a.ctypes.data, len(heads) * HEAD_BYTES, BLOCKS) for a in kv))
-        info = RankInfo(tp, 1, RankId(0, r), HEADS, heads, HEAD_BYTES, (0, REGIONS))
-        backend = MemoryBackend(fabric, f"agent-{name}-{r}", layout)
+        info = RankInfo(tp, pp, RankId(s, r), HEADS, heads, HEAD_BYTES, (layers[0], layers[-1] + 1))
+        backend = MemoryBackend(fabric, f"agent-{name}-{s}-{r}", layout)
         thread = TransferThread(
             backend,
             engine_id=name,
             layout=layout,
             compat_hash="c1",
             side_host="127.0.0.1",
-            side_port=port0 + r,
+            side_port=port0 + s * tp + r,
             options=OPTIONS,
             side_channel=CHANNEL,
             rank=info,
@@ -158,26 +160,17 @@ PAIRS = [(n, m) for n in (1, 2, 4) for m in (1, 2, 4)]
 
 
 @pytest.mark.parametrize("engines", PAIRS, indirect=True, ids=[f"P{n}-D{m}" for n, m in PAIRS])
-def test_every_tp_pair_moves_each_d_ranks_heads_or_is_refused_at_once(
-    engines: tuple[Engine, Engine], model: np.ndarray
-) -> None:
+def test_every_tp_pair_moves_each_d_ranks_heads(engines: tuple[Engine, Engine], model: np.ndarray) -> None:
     p, d = engines
     start(p, d)
-    if len(p.ranks) >= len(d.ranks):
-        wait_for(lambda: d.finished("d1") and p.released("p1"))
-        assert not d.failed("d1")
-        assert heads_landed(d, model)  # every byte of each D rank's heads, nothing else
-        writes = sum(len(r.results.records) for r in p.ranks)
-        assert writes == len(p.ranks)  # one WRITE per leg: each P rank has one target
-    else:  # P_tp < D_tp: a P rank would write several D ranks (not wired): refused at once, never a hang
-        wait_for(lambda: d.finished("d1"), timeout=1.0)
-        assert all("d1" in r.results.failed for r in d.ranks)
-        wait_for(lambda: p.released("p1"))  # P's lease frees what nobody registered for
-        assert not any(r.results.records for r in p.ranks)
-        assert not any(r.kv[g].any() for r in d.ranks for g in range(REGIONS))
+    wait_for(lambda: d.finished("d1") and p.released("p1"))
+    assert not d.failed("d1")
+    assert heads_landed(d, model)  # every byte of each D rank's heads, nothing else
+    legs = len(plan(p_tp=len(p.ranks), d_tp=len(d.ranks), num_kv_heads=HEADS, head_bytes=HEAD_BYTES, num_layers=1).legs)
+    assert sum(len(r.results.records) for r in p.ranks) == legs  # one WRITE per leg (P_tp < D_tp: fan-out)
 
 
-@pytest.mark.parametrize("engines", [(2, 2), (2, 1), (4, 2), (4, 1)], indirect=True, ids=str)
+@pytest.mark.parametrize("engines", [(2, 2), (2, 1), (4, 2), (4, 1), (1, 2), (1, 4), (2, 4)], indirect=True, ids=str)
 def test_a_failing_write_on_one_p_rank_fails_the_request_on_every_d_rank(engines: tuple[Engine, Engine]) -> None:
     p, d = engines
     p.ranks[0].backend.fail_writes = True
@@ -188,7 +181,7 @@ def test_a_failing_write_on_one_p_rank_fails_the_request_on_every_d_rank(engines
     assert all(r.thread._decode.live == 0 for r in d.ranks)  # quiescent
 
 
-@pytest.mark.parametrize("engines", [(2, 2), (4, 2), (2, 1)], indirect=True, ids=str)
+@pytest.mark.parametrize("engines", [(2, 2), (4, 2), (2, 1), (1, 2), (1, 4), (2, 4)], indirect=True, ids=str)
 def test_a_d_rank_whose_handshake_fails_fails_the_request_on_every_rank(engines: tuple[Engine, Engine]) -> None:
     p, d = engines
     d.ranks[-1].thread._compat_hash = "other"  # its payload no longer matches: P refuses the handshake
@@ -199,7 +192,7 @@ def test_a_d_rank_whose_handshake_fails_fails_the_request_on_every_rank(engines:
     assert all(r.thread._decode.live == 0 for r in d.ranks)
 
 
-@pytest.mark.parametrize("engines", [(2, 2), (2, 1), (4, 2)], indirect=True, ids=str)
+@pytest.mark.parametrize("engines", [(2, 2), (2, 1), (4, 2), (1, 2), (2, 4)], indirect=True, ids=str)
 def test_a_killed_p_rank_fails_the_request_and_blocks_are_freed_only_when_nothing_can_land(
     engines: tuple[Engine, Engine],
 ) -> None:
@@ -243,3 +236,71 @@ def test_a_decode_leg_that_misstates_the_prefills_tp_is_refused_not_half_receive
     wait_for(lambda: d.finished("d1"))
     assert d.failed("d1")
     assert not any(r.results.records for r in p.ranks) and not d.ranks[0].kv[0].any()
+
+
+@pytest.mark.parametrize("engines", [(1, 2), (2, 4)], indirect=True, ids=str)
+def test_a_lost_d_rank_ends_its_leg_and_p_releases_once_the_other_legs_ended(
+    engines: tuple[Engine, Engine], model: np.ndarray
+) -> None:
+    """P_tp < D_tp: a D rank dies after registering; the P rank serving it drops that leg (its link is gone),
+    still writes its other D rank and releases its blocks once, after that leg, never writing the dead rank."""
+    p, d = engines
+    peer = PeerAddress("P", "127.0.0.1", p.ranks[0].thread.side_port, tp_size=len(p.ranks))
+    for rank in d.ranks:
+        rank.thread.submit(RegisterOrder("d1", "t:1", peer, D_BLOCKS, 32))
+    wait_for(lambda: all(r.thread._prefill.live == len(d.ranks) // len(p.ranks) for r in p.ranks))
+    dead = d.ranks[-1]
+    dead.thread.close()  # its links drop like a process exit
+    wait_for(lambda: p.ranks[-1].thread._prefill.live == len(d.ranks) // len(p.ranks) - 1)  # that leg is over
+    for rank in p.ranks:
+        rank.thread.submit(PrefillFinished("p1", "t:1", P_BLOCKS, 32))
+    wait_for(lambda: p.released("p1"))
+    assert all(r.results.released == {"p1"} for r in p.ranks)
+    assert not dead.kv[0].any() and not dead.kv[1].any(), "nothing was written into the dead rank"
+    alive = d.ranks[0]
+    wait_for(lambda: "d1" in alive.collect().received)
+    assert "d1" not in alive.results.failed
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 1), (2, 2), (2, 1), (1, 2)], ids=str)
+def test_a_pp_prefill_writes_each_stage_s_layers_and_decode_waits_for_every_stage(
+    model: np.ndarray, p_tp: int, d_tp: int
+) -> None:
+    """PP 2 prefill (stage s holds layer s) with any TP pair: each D rank has one leg per stage, is received only
+    after both stages' Done, and ends holding exactly its heads of every layer."""
+    fabric = MemoryFabric()
+    p = Engine(make_engine(fabric, "P", p_tp, model, pp=2))
+    d = Engine(make_engine(fabric, "D", d_tp, None))
+    try:
+        peer = PeerAddress("P", "127.0.0.1", p.ranks[0].thread.side_port, tp_size=p_tp, pp_size=2)
+        for rank in p.ranks:
+            rank.thread.submit(PrefillFinished("p1", "t:1", P_BLOCKS, 32))
+        for rank in d.ranks:
+            rank.thread.submit(RegisterOrder("d1", "t:1", peer, D_BLOCKS, 32))
+        wait_for(lambda: d.finished("d1") and p.released("p1"))
+        assert not d.failed("d1")
+        assert heads_landed(d, model)
+        legs = len(plan(p_tp=p_tp, d_tp=d_tp, num_kv_heads=HEADS, head_bytes=HEAD_BYTES, num_layers=2, p_pp=2).legs)
+        assert sum(len(r.results.records) for r in p.ranks) == legs  # one WRITE per (stage, leg)
+    finally:
+        for rank in d.ranks + p.ranks:
+            rank.thread.close()
+
+
+def test_a_failing_stage_fails_the_request_and_frees_only_when_no_stage_can_land(model: np.ndarray) -> None:
+    fabric = MemoryFabric()
+    p = Engine(make_engine(fabric, "P", 1, model, pp=2))
+    d = Engine(make_engine(fabric, "D", 1, None))
+    try:
+        p.ranks[1].backend.fail_writes = True  # stage 1's WRITE fails
+        peer = PeerAddress("P", "127.0.0.1", p.ranks[0].thread.side_port, tp_size=1, pp_size=2)
+        for rank in p.ranks:
+            rank.thread.submit(PrefillFinished("p1", "t:1", P_BLOCKS, 32))
+        d.ranks[0].thread.submit(RegisterOrder("d1", "t:1", peer, D_BLOCKS, 32))
+        wait_for(lambda: d.finished("d1") and p.released("p1"))
+        assert d.failed("d1")
+        assert nothing_in_flight_to(p, d)
+        assert d.ranks[0].thread._decode.live == 0
+    finally:
+        for rank in d.ranks + p.ranks:
+            rank.thread.close()

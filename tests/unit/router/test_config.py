@@ -204,7 +204,8 @@ def test_workers_are_built_from_typed_fields() -> None:
     assert spec == WorkerSpec("https://p:8100", Role.PREFILL, NixlIdentity("p0", "10.0.0.9", 5600))
     assert prefill_from_mapping({"url": "http://p:1"}, where="admin").identity is None
     assert decode_from_mapping({"url": "https://d:1"}, where="admin") == WorkerSpec("https://d:1", Role.DECODE)
-    with pytest.raises(ConfigError, match=r"admin: unknown option\(s\) \['engine_id'\]; known: \['dp', 'url'\]"):
+    known = r"known: \['dp', 'pp', 'tp', 'url'\]"
+    with pytest.raises(ConfigError, match=r"admin: unknown option\(s\) \['engine_id'\]; " + known):
         decode_from_mapping({"url": "http://d:1", "engine_id": "x"}, where="admin")
     with pytest.raises(ConfigError, match="side_host: expected a non-empty string"):
         prefill_from_mapping({"url": "http://p:1", "engine_id": "e", "side_port": 1, "side_host": 7}, where="admin")
@@ -329,4 +330,4 @@ def test_dp_declares_a_server_s_data_parallel_ranks() -> None:
     with pytest.raises(ConfigError, match="already names a data-parallel rank"):
         parse_prefill_spec("http://p:8100,engine_id=p0_dp1,side_port=5600,dp=2")
     with pytest.raises(ConfigError, match="known"):
-        parse_decode_url("http://d:8200,tp=2")
+        parse_decode_url("http://d:8200,engine_id=d0")

@@ -16,7 +16,7 @@ from router.answer import JsonAnswer, StreamAnswer
 from router.config import build_settings
 from router.dispatch import ClientRequest, Dispatcher
 from router.domain import Endpoint, EngineLoad, Role
-from router.errors import UpstreamProtocolError
+from router.errors import Unpairable, UpstreamProtocolError
 from router.health import HealthPolicy
 from router.metrics import Metrics
 from router.pool import Pool
@@ -186,6 +186,30 @@ async def test_unequal_block_sizes_are_refused_before_any_leg() -> None:
         await dispatcher.handle(call_of(dispatcher))
     assert "http://" not in caught.value.message
     assert workers.seen == []
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "says"),
+    [
+        (f"{P_URL},engine_id=p0,side_port=5600,tp=2", "http://d0:8200,tp=3", "tensor_parallel_size 2 and the decode 3"),
+        (P_URL, "http://d0:8200,tp=2", "did not state its tensor-parallel size"),  # learned; the answer lacks tp
+    ],
+)
+async def test_a_pair_of_unservable_parallelism_is_a_503_before_the_decode_leg(
+    prefill: str, decode: str, says: str
+) -> None:
+    async def no_tp(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        answer = await prefill_ok("p0")(request, body)
+        payload = answer.json()
+        payload["kv_transfer_params"].pop("tp_size", None)
+        return httpx.Response(200, json=payload)
+
+    workers = FakeWorkers({"p0": no_tp, "d0": decode_ok()})
+    dispatcher, _, _ = await make(workers, prefill=[prefill], decode=[decode], retries=0)
+    with pytest.raises(Unpairable, match=says) as caught:
+        await dispatcher.handle(call_of(dispatcher))
+    assert caught.value.status == 503 and "http://" not in caught.value.message
+    assert workers.legs("d0") == []  # refused before decode was asked: never a hang
 
 
 async def test_the_gateway_s_named_prefill_is_used() -> None:

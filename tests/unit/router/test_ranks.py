@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from router.domain import EngineLoad, NixlIdentity
+from router.domain import ConnectorKind, EngineLoad, NixlIdentity
 from router.health import HealthPolicy
 from router.ranks import (
     RANK_HEADER,
@@ -33,6 +33,17 @@ POLICY = HealthPolicy(eject_after=3, base_backoff=1.0, max_backoff=8.0)
 def test_a_rank_s_identity_is_the_suffixed_engine_id_on_the_base_port_plus_the_rank(rank: int) -> None:
     got = rank_identity(BASE, rank, 8)
     assert got == NixlIdentity(engine_id=f"prefill-0_dp{rank}", host="10.0.0.5", port=5600 + rank)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (4, 1), (2, 2)])
+def test_kvpush_dp_engines_start_tp_times_pp_ports_apart_and_upstream_ones_one_apart(tp: int, pp: int) -> None:
+    """kvpush's connector runs a side channel per worker rank: DP engine r's rank (0, 0) is at base + r x TP x PP
+    (connector.kvcache.side_channel_port); upstream's runs one per DP engine, at base + r."""
+    ours = NixlIdentity("p0", "h", 5600, tp_size=tp, pp_size=pp, connector=ConnectorKind.KVPUSH)
+    theirs = NixlIdentity("p0", "h", 5600, tp_size=tp, pp_size=pp)
+    assert [rank_identity(ours, r, 3).port for r in range(3)] == [5600 + r * tp * pp for r in range(3)]
+    assert [rank_identity(theirs, r, 3).port for r in range(3)] == [5600, 5601, 5602]
+    assert rank_identity(ours, 2, 3).engine_id == "p0_dp2"
 
 
 def test_a_server_without_data_parallelism_is_its_base_identity() -> None:
