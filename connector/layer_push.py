@@ -29,6 +29,7 @@ descriptors are a contiguous slice of the WRITE's region-major index list (``Tra
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from connector.metadata import HandshakePayload
     from connector.topology import Slice
     from connector.transfer import TransferBackend
+
+logger = logging.getLogger(__name__)
 
 GRANULARITIES = ("step", "layer")
 
@@ -257,7 +260,9 @@ class LayeredBackend:
                 w.parts.on_part_failed()
                 return "ERR"
             w.parts.on_notice_sent()
-            return "DONE"
+            parts = "DONE"
+        if parts == "DONE":
+            logger.info("kvpush layered write parts=%d notice=%s", len(w.parts.spans), _how(w.parts))
         return parts
 
     def release(self, handle: int) -> bool:
@@ -280,3 +285,8 @@ class LayeredBackend:
 
     def close(self) -> None:
         self._inner.close()
+
+
+def _how(parts: LayerParts) -> str:
+    """How Done travelled (for the per-transfer log line): with the last part, alone, or none (partial)."""
+    return "attached" if parts.notice_attached else "alone" if parts.notice_sent else "none"
