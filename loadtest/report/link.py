@@ -170,8 +170,8 @@ def wire_part(wire: Sequence[Row]) -> list[str]:
     """Our connector against bare NIXL, same bytes, same link (suite link-wire): one line per preset."""
     if not wire:
         return [
-            "**Not run** (no `link-wire` rows yet: `flock /tmp/kvpush-vllm.lock python -m "
-            "loadtest.bench.suites.link_wire`, as root): the wire-speed target stays unjudged."
+            "**Not run** (no `link-wire` rows yet: `kvpush bench --suite link-wire`, as root): the wire-speed "
+            "target stays unjudged."
         ]
     r0 = wire[0]
     out = [
@@ -180,8 +180,7 @@ def wire_part(wire: Sequence[Row]) -> list[str]:
         f"time after a pause, {len(r0.get('wire_connector_times_ms') or [])} of each: through our connector "
         "(P's xfer-time histogram, one WRITE per prompt through a kvpush push router) and as a bare NIXL WRITE "
         "between two more namespaces on the same link (stack/link/nixl_peer.py). Target (issue 21 item 3): ours "
-        "within 10 % or 2 ms of bare NIXL. Reproduce (as root, ~4 min): "
-        "`flock /tmp/kvpush-vllm.lock python -m loadtest.bench.suites.link_wire`.",
+        "within 10 % or 2 ms of bare NIXL. Reproduce (as root, ~4 min): `kvpush bench --suite link-wire`.",
         "",
         "| preset | tbf (Mbit/s) | wire (ms) | ours median (ms) | bare NIXL median (ms) | ours / bare | target | "
         "P's NIC / KV bytes |",
