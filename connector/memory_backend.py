@@ -137,7 +137,12 @@ class MemoryBackend:
         return out
 
     def write(
-        self, agent_name: str, local_blocks: tuple[int, ...], remote_blocks: tuple[int, ...], notice: bytes
+        self,
+        agent_name: str,
+        local_blocks: tuple[int, ...],
+        remote_blocks: tuple[int, ...],
+        notice: bytes,
+        layers: tuple[int, int] | None = None,
     ) -> WriteTicket:
         self._target(agent_name)
         if not self.peers[agent_name].writable:
@@ -147,7 +152,7 @@ class MemoryBackend:
         slices = self.peers[agent_name].slices
         pairs = [
             (lr.base + lb * lr.block_len + s.src, rr.base + rb * rr.block_len + s.dst, s.length)
-            for lr, rr in zip(self.layout.regions, remote.regions, strict=True)
+            for lr, rr in list(zip(self.layout.regions, remote.regions, strict=True))[slice(*(layers or (None, None)))]
             for lb, rb in zip(local_blocks, remote_blocks, strict=True)
             for s in (slices or (Slice(0, 0, lr.block_len),))
         ]

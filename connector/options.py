@@ -14,6 +14,10 @@ the *target* must progress too, not one-sided as on RDMA):
   for at most ``progress_delay_us`` (NIXL's Python API would spin: its delay is hard-coded to 0, about
   a core per agent), so bytes move at the link's speed whatever the owner thread does (about 2 % of a
   core idle, research turn3-netem 4.3); the owner thread still reads notices on the same timer.
+
+When P's WRITEs leave (``push_granularity``): ``"step"`` (default), a step's blocks in one WRITE once the step's
+forward is over; ``"layer"``, one part per run of layers whose KV is in the cache, while the forward still
+computes the later layers (``connector.layer_push``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 
 from connector.actions import Timeouts
 from connector.handshake import Liveness
+from connector.layer_push import GRANULARITIES
 
 
 @dataclass(frozen=True)
@@ -51,12 +56,15 @@ class Options:
     progressive: bool = True  # P: WRITE each step's full blocks of a chunked prefill at its end (G14)
     progress: str = "poll"  # "poll" | "thread": who progresses UCX (module docstring)
     progress_delay_us: int = 1000  # "thread": the progress thread's longest sleep in poll()
+    push_granularity: str = "step"  # P: "step" | "layer": WRITE a step's blocks at its end, or layer by layer
 
     def __post_init__(self) -> None:
         if self.progressive and not self.early_write:
             raise ValueError("progressive push needs early_write (its final WRITE is the completing step's)")
         if self.progress not in PROGRESS_MODELS:
             raise ValueError(f"progress must be one of {list(PROGRESS_MODELS)}, not {self.progress!r}")
+        if self.push_granularity not in GRANULARITIES:
+            raise ValueError(f"push_granularity must be one of {list(GRANULARITIES)}, not {self.push_granularity!r}")
         if self.progress_delay_us < 1:
             raise ValueError("progress_delay_us must be >= 1 (0 makes NIXL's progress thread spin)")
 
@@ -77,6 +85,7 @@ class Options:
         backends = extra.pop("backends", ("UCX",))
         progress = extra.pop("progress", cls.progress)
         delay = extra.pop("progress_delay_us", cls.progress_delay_us)
+        granularity = extra.pop("push_granularity", cls.push_granularity)
         switches = {name: extra.pop(name, getattr(cls, name)) for name in _SWITCHES}
         if switches["early_write"] is False and "progressive" not in asked:
             switches["progressive"] = False  # its final WRITE is early_write's: off with it unless asked for
@@ -84,7 +93,7 @@ class Options:
         if unknown:
             raise ValueError(
                 f"unknown kv_connector_extra_config key(s) {unknown} for KvpushConnector; "
-                f"known: {sorted([*known, 'backends', 'progress', 'progress_delay_us', *_SWITCHES])}"
+                f"known: {sorted([*known, *_VALUES, *_SWITCHES])}"
             )
         for name, value in switches.items():
             if not isinstance(value, bool):
@@ -101,10 +110,12 @@ class Options:
                 switches["progressive"],
                 str(progress),
                 int(delay),
+                str(granularity),
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"bad kv_connector_extra_config for KvpushConnector: {exc}") from exc
 
 
 _SWITCHES = ("early_write", "progressive")  # boolean keys of kv_connector_extra_config
+_VALUES = ("backends", "progress", "progress_delay_us", "push_granularity")  # the other keys outside the groups
 PROGRESS_MODELS = ("poll", "thread")

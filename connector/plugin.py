@@ -182,7 +182,10 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vllm is unty
         return None  # KV arrives before the request is scheduled at all
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # prefill's blocks are pushed whole, from the end of the step that computed them
+        # push_granularity "layer": this layer's part of the step's pushes may be written now; "step": nothing
+        # (prefill's blocks are pushed whole, from the end of the step that computed them)
+        if self._worker is not None:
+            self._worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
         assert self._worker is not None

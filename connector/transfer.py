@@ -79,10 +79,16 @@ class TransferBackend(Protocol):
         """Notifications received since the last call, as ``(sender agent name, message)``."""
 
     def write(
-        self, agent_name: str, local_blocks: tuple[int, ...], remote_blocks: tuple[int, ...], notice: bytes
+        self,
+        agent_name: str,
+        local_blocks: tuple[int, ...],
+        remote_blocks: tuple[int, ...],
+        notice: bytes,
+        layers: tuple[int, int] | None = None,
     ) -> WriteTicket:
         """Post a WRITE of local blocks into the peer's blocks (tails aligned); ``notice`` is
-        delivered to the peer after the data. Raise ``TransferError`` if it cannot be posted."""
+        delivered to the peer after the data. ``layers``: only regions ``[lo, hi)`` (one per layer,
+        ``connector.layer_push``); None: all. Raise ``TransferError`` if it cannot be posted."""
 
     def write_state(self, handle: int) -> WriteState: ...
 
@@ -234,7 +240,12 @@ class NixlBackend:
         ]
 
     def write(
-        self, agent_name: str, local_blocks: tuple[int, ...], remote_blocks: tuple[int, ...], notice: bytes
+        self,
+        agent_name: str,
+        local_blocks: tuple[int, ...],
+        remote_blocks: tuple[int, ...],
+        notice: bytes,
+        layers: tuple[int, int] | None = None,
     ) -> WriteTicket:
         peer = self._peers.get(agent_name)
         if peer is None or peer.dlist is None:
@@ -248,6 +259,11 @@ class NixlBackend:
             local_dlist, block_bytes = peer.local_dlist, sum(r.block_len for r in local_layout.regions)
         local_idx = descriptor_indices(local_layout, local_blocks)
         remote_idx = descriptor_indices(remote_layout, remote_blocks)
+        if layers is not None:  # region-major: layer l's rows are a contiguous run (k rows per layer under slices)
+            k = len(local_layout.regions) // len(self._layout.regions)
+            lo, hi = layers[0] * k * len(local_blocks), layers[1] * k * len(local_blocks)
+            local_idx, remote_idx = local_idx[lo:hi], remote_idx[lo:hi]
+            block_bytes = sum(r.block_len for r in local_layout.regions[layers[0] * k : layers[1] * k])
         try:
             xfer = self._agent.make_prepped_xfer("WRITE", local_dlist, local_idx, peer.dlist, remote_idx, notice)
             state = self._agent.transfer(xfer)

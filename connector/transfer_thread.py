@@ -45,6 +45,7 @@ from typing import assert_never
 
 from connector.decode_rendezvous import DecodeRendezvous
 from connector.handshake import Link, Server, SideChannel, TcpSideChannel
+from connector.layer_push import LayeredBackend, StepLayers
 from connector.metadata import (
     PROTOCOL_VERSION,
     Cancel,
@@ -72,6 +73,7 @@ from connector.prefill_fanout import PrefillFanOut
 from connector.ranks import DecodeFanIn, FanInStep, Unpairable, decode_legs, prefill_peer, prefill_targets
 from connector.ready import READY, HostFence, ReadyEvent, StepFence
 from connector.rendezvous import (
+    P_TERMINAL,
     AbandonWrite,
     Action,
     Connect,
@@ -134,6 +136,7 @@ class _Gated:
 
     order: Order
     ready: ReadyEvent
+    layers: StepLayers | None = None  # push_granularity "layer": the step's per-layer readiness (layer_push)
 
 
 _Command = _Gated | _PeerReady | _PeerLost | _AddPeer
@@ -172,6 +175,7 @@ class TransferThread:
         self._peer_ranks: dict[str, RankInfo] = {}  # D: each prefill rank's RankInfo from its handshake
         self._fence: StepFence = fence or HostFence()
         self._gated: deque[_Gated] = deque()  # orders in submission order, the first maybe not ready yet
+        self._layers: dict[str, StepLayers] = {}  # P, layer-wise push: per key, the step of its latest order
         self.engine_id = engine_id
         self._backend = backend
         self._layout = layout
@@ -218,10 +222,11 @@ class TransferThread:
 
     # ---- worker-thread API -------------------------------------------------------------
 
-    def submit(self, order: Order, ready: ReadyEvent = READY) -> None:
+    def submit(self, order: Order, ready: ReadyEvent = READY, layers: StepLayers | None = None) -> None:
         """Queue an order; it reaches the machines (and may post a WRITE) only once ``ready`` completed
-        and every order submitted before it did (``connector.ready``: the forward stream on a GPU)."""
-        self._inbox.put(_Gated(order, ready))
+        and every order submitted before it did (``connector.ready``: the forward stream on a GPU).
+        ``layers``: its WRITE is posted layer by layer as they are marked ready (``connector.layer_push``)."""
+        self._inbox.put(_Gated(order, ready, layers))
         self._wake.set()
 
     def kick(self) -> None:
@@ -315,7 +320,10 @@ class TransferThread:
             else:
                 self._handle(cmd, now)
         while self._gated and self._gated[0].ready.query():
-            self._handle(self._gated.popleft().order, now)
+            gated = self._gated.popleft()
+            if gated.layers is not None and isinstance(gated.order, PrefillProgress | PrefillFinished):
+                self._layers[gated.order.key] = gated.layers
+            self._handle(gated.order, now)
         for sender, raw in self._backend.poll_notices():
             self._on_raw_notice(sender, raw, now)
         if self._writes:
@@ -325,6 +333,9 @@ class TransferThread:
             self._perform(self._decode.expire(now), now)
         if self._retired:
             self._reap_agents()
+        if len(self._layers) > self._prefill.live + 16:  # keys that ended without a WRITE (refused, expired)
+            live = {k for k, e in self._prefill.entries.items() if e.state not in P_TERMINAL}
+            self._layers = {k: v for k, v in self._layers.items() if k in live}
 
     def _due(self, now: float) -> bool:
         return any(d is not None and d <= now for d in (self._prefill.next_deadline(), self._decode.next_deadline()))
@@ -501,10 +512,12 @@ class TransferThread:
             self._pending.records.append(TransferRecord(w.ticket.num_bytes, now - w.started, w.ticket.num_descriptors))
             if w.final:  # one structured line per transfer: how many WRITEs it took (G14)
                 logger.info("kvpush transfer written key=%s writes=%d", key, w.ordinal)
+                self._layers.pop(key, None)
             self._perform(self._prefill.on_write_done(key, now), now)
 
     def _fail_write(self, key: str, w: _Write, now: float) -> None:
         """ERR or abandoned: D may free its blocks only once the backend released the handle."""
+        self._layers.pop(key, None)  # a failed WRITE ends its transfer
         if self._backend.release(w.ticket.handle):
             del self._writes[key]
             self._perform(self._prefill.on_write_released(key, now), now)
@@ -551,8 +564,13 @@ class TransferThread:
             agent = self._agents[reg.sender]
             done = encode_notice(Done(reg.key, reg.d_request_id)) if action.final else b""
             remote = reg.block_ids if action.remote_blocks is None else action.remote_blocks
-            # The order behind this WRITE reached the machine only after its step's ReadyEvent completed.
-            ticket = self._backend.write(agent, action.local_blocks, remote, done)
+            # The order behind this WRITE reached the machine only after its step's ReadyEvent completed,
+            # or, layer-wise, its parts are posted only as their layers' ReadyEvents complete (layer_push).
+            layers = self._layers.get(action.key)
+            if layers is not None and isinstance(self._backend, LayeredBackend):
+                ticket = self._backend.write_layered(agent, action.local_blocks, remote, done, layers)
+            else:
+                ticket = self._backend.write(agent, action.local_blocks, remote, done)
         except (KeyError, TransferError, ValueError) as exc:
             logger.warning("WRITE for %s not posted: %r", action.key, exc)
             self._perform(self._prefill.on_write_released(action.key, now), now)  # nothing can land

@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 import os
 import uuid
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,13 +25,14 @@ from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_bac
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from connector.kvcache import KVCaches, compatibility_fields, compatibility_signature, describe_kv_caches
+from connector.layer_push import LayeredBackend, StepLayers
 from connector.metadata import RankInfo, StepPlan, compatibility_hash
 from connector.options import Options
 from connector.ranks import layer_window, rank_port
-from connector.ready import HostFence, StepFence, fence_for
+from connector.ready import READY, HostFence, StepFence, fence_for
 from connector.stats import KvpushStats
 from connector.topology import RankId, heads_of
-from connector.transfer import NixlBackend
+from connector.transfer import NixlBackend, TransferBackend
 from connector.transfer_thread import CancelOrder, Order, TransferThread
 
 if TYPE_CHECKING:
@@ -46,6 +49,9 @@ def this_rank() -> RankId:
 
 
 class WorkerHalf:
+    _layer_index: Mapping[str, int] = MappingProxyType({})  # push_granularity "layer": layer name -> region
+    _step_layers: StepLayers | None = None  # this step's, while it computes prompt blocks to push (layer-wise)
+
     def __init__(
         self, vllm_config: VllmConfig, engine_id: str, side_host: str, side_port: int, rank: RankId | None = None
     ) -> None:
@@ -84,7 +90,7 @@ class WorkerHalf:
         layout = caches.layout(self._block_size)
         # Unique per incarnation: a restarted peer (same engine id, even the same pid) is a new agent.
         name = f"kvpush-{self.engine_id}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        backend = NixlBackend(
+        backend: TransferBackend = NixlBackend(
             name,
             layout,
             self._options.backends,
@@ -92,6 +98,9 @@ class WorkerHalf:
             progress_thread_delay_us=self._options.progress_thread_delay_us,
         )
         self._fence = fence_for(caches.mem_type, caches.device_id)  # CUDA event + device for VRAM
+        if self._options.push_granularity == "layer":
+            backend = LayeredBackend(backend, len(layout.regions), layout.regions[0].block_len)
+            self._layer_index = {layer: i for i, layer in enumerate(caches.layers)}
         self._thread = TransferThread(
             backend,
             engine_id=self.engine_id,
@@ -157,6 +166,22 @@ class WorkerHalf:
         ]
         for order in orders:
             self._thread.submit(order)
+        if self._layer_index and (plan.progress or plan.completing):
+            # Layer-wise: the step's pushes reach the machines now; their WRITEs' parts wait for the layers
+            # that ``save_layer`` marks (connector.layer_push), the rest for ``end_of_step``.
+            self._step_layers = StepLayers(len(self._layer_index))
+            pushes: list[Order] = [*plan.progress, *plan.completing]
+            for push in pushes:
+                self._thread.submit(push, READY, self._step_layers)
+
+    def save_layer(self, layer_name: str) -> None:
+        """``save_kv_layer``: this layer's KV of the step is in the cache once an event recorded now completed.
+        Only a mark and a wake-up: the owner thread posts the part (the forward never waits on NIXL)."""
+        layers, index = self._step_layers, self._layer_index.get(layer_name)
+        if layers is None or index is None or self._thread is None:
+            return
+        layers.mark(index, self._fence.record())
+        self._thread.kick()
 
     def end_of_step(self, plan: StepPlan) -> None:
         """``wait_for_save``: the forward of this step has computed the prompts in ``completing``;
@@ -165,6 +190,12 @@ class WorkerHalf:
         one ``ReadyEvent`` recorded now on the forward stream goes with these orders, and the owner
         thread posts their WRITEs only once it completed (``connector.ready``; on CPU it is ready)."""
         if self._thread is None:
+            return
+        if self._layer_index:  # layer-wise: the orders went in ``start``; layers not marked are ready after the step
+            if self._step_layers is not None:
+                self._step_layers.close(self._fence.record())
+                self._step_layers = None
+                self._thread.kick()
             return
         orders: list[Order] = [*plan.progress, *plan.completing]
         if not orders:

@@ -14,7 +14,15 @@ from loadtest.stats import Summary
 Row = dict[str, Any]  # one row of summary.json
 ROUTERS = ("kvpush", "vllm-router", "direct")
 MODES = ("push", "pull", "direct")
-CONNECTORS = ("upstream-push", "upstream-pull", "kvpush-push", "kvpush-progressive", "sim")
+CONNECTORS = (
+    "upstream-push",
+    "upstream-pull",
+    "kvpush-push",
+    "kvpush-progressive",
+    "kvpush-layer",
+    "kvpush-layer-chunked",
+    "sim",
+)
 REQUIRED = (
     "suite",
     "router",

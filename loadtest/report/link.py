@@ -16,7 +16,17 @@ HEADLINE = "ethernet-100g-like"
 EFA = "efa-like"
 MT_LINK = "ethernet-25g-like"
 PROG, OURS, UP, PULL = "kvpush-progressive", "kvpush-push", "upstream-push", "upstream-pull"
-FRONT_ORDER = (("kvpush", PULL), ("kvpush", UP), ("vllm-router", UP), ("kvpush", OURS), ("kvpush", PROG))
+LAYER, LAYERC = "kvpush-layer", "kvpush-layer-chunked"  # push_granularity: layer (connector/layer_push.py)
+OVERLAPS = {PROG: "progressive", LAYER: "layer-wise", LAYERC: "layer-wise chunked"}  # judged against the targets
+FRONT_ORDER = (
+    ("kvpush", PULL),
+    ("kvpush", UP),
+    ("vllm-router", UP),
+    ("kvpush", OURS),
+    ("kvpush", PROG),
+    ("kvpush", LAYER),
+    ("kvpush", LAYERC),
+)
 
 
 def _f(v: Any) -> float | None:
@@ -105,20 +115,24 @@ def _lim(ref: float | None, k: float) -> float | None:
 
 
 def headline_verdicts(rows: Sequence[Row]) -> list[Verdict]:
-    """ethernet-100g-like, the first prompt length: progressive push against pull and upstream push (kvpush)."""
+    """ethernet-100g-like, the first prompt length: each of our overlapping pushes (progressive, layer-wise, both)
+    that ran against pull and upstream push (kvpush front)."""
     head = [r for r in rows if r.get("headline") and r.get("router") == "kvpush"]
     by = group(head, "qps", "connector")
     out: list[Verdict] = []
-    for qps in sorted({float(r["qps"]) for r in head}):
-        prog, pull, up = by.get((qps, PROG), []), by.get((qps, PULL), []), by.get((qps, UP), [])
-        point = f"{qps:g} QPS"
-        mean = _med(prog, "ttft_ms", "mean")
-        ref = _med(pull, "ttft_ms", "mean")
-        out.append(Verdict("progressive TTFT mean <= 0.6x pull", point, mean, ref, _lim(ref, 0.6)))
-        ref = _med(up, "ttft_ms", "mean")
-        out.append(Verdict("progressive TTFT mean <= 0.8x upstream push", point, mean, ref, _lim(ref, 0.8)))
-        ref = _med(pull, "tpot_ms", "mean")
-        out.append(Verdict("progressive TPOT mean <= pull", point, _med(prog, "tpot_ms", "mean"), ref, ref))
+    for conn, label in OVERLAPS.items():
+        for qps in sorted({float(r["qps"]) for r in head}):
+            ours, pull, up = by.get((qps, conn), []), by.get((qps, PULL), []), by.get((qps, UP), [])
+            if not ours:
+                continue
+            point = f"{qps:g} QPS"
+            mean = _med(ours, "ttft_ms", "mean")
+            ref = _med(pull, "ttft_ms", "mean")
+            out.append(Verdict(f"{label} TTFT mean <= 0.6x pull", point, mean, ref, _lim(ref, 0.6)))
+            ref = _med(up, "ttft_ms", "mean")
+            out.append(Verdict(f"{label} TTFT mean <= 0.8x upstream push", point, mean, ref, _lim(ref, 0.8)))
+            ref = _med(pull, "tpot_ms", "mean")
+            out.append(Verdict(f"{label} TPOT mean <= pull", point, _med(ours, "tpot_ms", "mean"), ref, ref))
     return out
 
 
@@ -156,8 +170,8 @@ def wire_part(wire: Sequence[Row]) -> list[str]:
     """Our connector against bare NIXL, same bytes, same link (suite link-wire): one line per preset."""
     if not wire:
         return [
-            "**Not run** (no `link-wire` rows yet: `flock /tmp/kvpush-vllm.lock python -m "
-            "loadtest.bench.suites.link_wire`, as root): the wire-speed target stays unjudged."
+            "**Not run** (no `link-wire` rows yet: `kvpush bench --suite link-wire`, as root): the wire-speed "
+            "target stays unjudged."
         ]
     r0 = wire[0]
     out = [
@@ -166,8 +180,7 @@ def wire_part(wire: Sequence[Row]) -> list[str]:
         f"time after a pause, {len(r0.get('wire_connector_times_ms') or [])} of each: through our connector "
         "(P's xfer-time histogram, one WRITE per prompt through a kvpush push router) and as a bare NIXL WRITE "
         "between two more namespaces on the same link (stack/link/nixl_peer.py). Target (issue 21 item 3): ours "
-        "within 10 % or 2 ms of bare NIXL. Reproduce (as root, ~4 min): "
-        "`flock /tmp/kvpush-vllm.lock python -m loadtest.bench.suites.link_wire`.",
+        "within 10 % or 2 ms of bare NIXL. Reproduce (as root, ~4 min): `kvpush bench --suite link-wire`.",
         "",
         "| preset | tbf (Mbit/s) | wire (ms) | ours median (ms) | bare NIXL median (ms) | ours / bare | target | "
         "P's NIC / KV bytes |",
@@ -219,7 +232,10 @@ def section(
         "Every engine in its own network namespace behind a token-bucket-shaped veth (stack/link); KV over UCX's "
         "TCP transport across it. Pairs: upstream pull, upstream push, ours with two prefills on one decode "
         f"(`kvpush-push`: one-step prefill; `kvpush-progressive`: chunks of {chunk_tokens} tokens, each chunk's "
-        "blocks written at its step's end); our engines run the connector's event-driven progress thread. "
+        "blocks written at its step's end), and, where the run had them, two prefills that push layer by layer "
+        "(`push_granularity: layer`: each layer's blocks written as soon as the layer is computed, "
+        "connector/layer_push.py): `kvpush-layer` in one step, `kvpush-layer-chunked` in chunks; our engines run "
+        "the connector's event-driven progress thread. "
         "The rate is set per step from P's prefill measured in the run (the preset's transfer/prefill share). "
         "`transfer measured` = the connectors' own mean WRITE/READ time (their xfer-time histograms; the wire "
         "time of one prompt is in each step's line); `P's NIC / KV bytes` must be >= 1 (else the KV bypassed the "
@@ -240,13 +256,14 @@ def section(
         out += [step_header(mine), "", *step_table(mine), ""]
     out += ["### Targets (issue 21)", "", *verdict_table(headline_verdicts(rows)), ""]
     head = [r for r in rows if r.get("headline")]
-    for ref in (PULL, UP):
-        ratios = paired_ratios(head, PROG, ref)
-        if ratios:
-            out.append(
-                f"Paired within each repeat, progressive / {ref} TTFT mean: median {median(ratios):.2f} "
-                f"(each: {', '.join(f'{x:.2f}' for x in ratios)})."
-            )
+    for conn, label in OVERLAPS.items():
+        for ref in (PULL, UP):
+            ratios = paired_ratios(head, conn, ref)
+            if ratios:
+                out.append(
+                    f"Paired within each repeat, {label} / {ref} TTFT mean: median {median(ratios):.2f} "
+                    f"(each: {', '.join(f'{x:.2f}' for x in ratios)})."
+                )
     loop_id = loopback[0].get("run_id") if loopback else None
     out += [
         "",

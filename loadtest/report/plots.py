@@ -128,6 +128,8 @@ def suite_plots(suite: str, rows: Sequence[Row], out: Path, prefix: str = "") ->
     if suite == "overhead":
         panels = [("ttft_ms", ("p50", "p99")), ("e2e_ms", ("p50", "p99"))]
         return [vs_load(rows, "concurrency", panels, out / "overhead.png", "Front-door overhead (zero-cost workers)")]
+    if suite == "link-wire":
+        return []  # a table in the link section (report/link.py wire_part), no plot
     if suite == "link":
         return [link_bars(rows, out / "link.png"), cdfs(rows, ttft_ms, "TTFT (ms)", out / "link-ttft-cdf.png", "link")]
     name = prefix or suite

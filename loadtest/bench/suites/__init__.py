@@ -11,4 +11,5 @@ SUITES = {
     "overhead": "loadtest.bench.suites.overhead",
     "multiturn": "loadtest.bench.suites.multiturn",
     "link": "loadtest.bench.suites.link",
+    "link-wire": "loadtest.bench.suites.link_wire",
 }

@@ -4,7 +4,10 @@ Every engine runs in its own network namespace behind a token-bucket-shaped veth
 KV goes over UCX's TCP transport across it. Pairs (P on core 0, D on core 1): upstream pull (NixlConnector),
 upstream push (NixlPushConnector) and ours (KvpushConnector) with two prefills on one decode: `p0` prefills a
 prompt in one step (`kvpush-push`), `p1` in chunks of `chunk_tokens` (`kvpush-progressive`: each chunk's full
-blocks are written at the end of its step, overlapping the rest of the prefill). Our engines run the
+blocks are written at the end of its step, overlapping the rest of the prefill); with `layer` two more prefills
+push layer by layer (`push_granularity: layer`, connector/layer_push.py: each layer's blocks are written as soon
+as the layer is computed): `p2` in one step (`kvpush-layer`), `p3` in chunks of `layer_chunk_tokens`
+(`kvpush-layer-chunked`). Our engines run the
 connector's event-driven progress thread (`progress: thread`), so decode moves the bytes as they arrive instead
 of on its idle ticks. Fronts: kvpush on every pair, vllm-router 0.1.17 on upstream push.
 
@@ -18,6 +21,7 @@ Before the first step every front answers a few greedy prompts that P answers al
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -44,6 +48,7 @@ from stack.tiny_model import SIZES
 MODEL_SIZE = "bench"
 SUITE = "link"
 THREAD = {"progress": "thread"}  # our connector on a link: NIXL's event-driven progress thread (connector/options.py)
+LAYER = {"push_granularity": "layer"}  # p2, p3: each layer's blocks written once computed (connector/layer_push.py)
 CHECK_PROMPTS = ("def f0(x): return x * 0\ndef f1(x):", "The link between prefill and decode carries")
 
 
@@ -61,6 +66,9 @@ class LinkBenchPlan:
     max_point_s: float = 8.0  # fewer requests at light points (at least 4)
     warmup: int = 1
     chunk_tokens: int = 256  # kvpush-progressive's P: --max-num-batched-tokens (a multiple of the 128-token block)
+    layer: bool = True  # the layer-wise prefills (kvpush-layer, kvpush-layer-chunked)
+    layer_chunk_tokens: int = 512  # kvpush-layer-chunked's P: --max-num-batched-tokens
+    one_step: bool = True  # kvpush-push (our step-wise push of a one-step prefill)
     vrouter: bool = True
 
     def steps(self) -> list[linkrows.Step]:
@@ -98,19 +106,28 @@ class Pair:
 def families(plan: LinkBenchPlan, model: Path) -> list[PdFamily]:
     batched = ("--max-num-batched-tokens", str(plan.max_model_len))  # one step per prompt unless asked otherwise
     common: dict[str, Any] = {"extra_args": batched, "max_model_len": plan.max_model_len}
+    prefill_args: list[tuple[str, ...]] = [(), ("--max-num-batched-tokens", str(plan.chunk_tokens))]
+    if plan.layer:
+        prefill_args += [(), ("--max-num-batched-tokens", str(plan.layer_chunk_tokens))]
+    ours = pd_family(
+        "ln-ours",
+        model,
+        "KvpushConnector",
+        module="connector.plugin",
+        n_prefill=len(prefill_args),
+        prefill_args=prefill_args,
+        connector_extra=THREAD,
+        **common,
+    )
+    # p2, p3: the same connector on the same decode, pushing layer by layer (a prefill-side option)
+    layered = tuple(
+        dataclasses.replace(spec, connector_extra={**THREAD, **LAYER}) if i >= 2 else spec
+        for i, spec in enumerate(ours.prefills)
+    )
     return [
         pd_family("ln-pull", model, "NixlConnector", **common),
         pd_family("ln-upush", model, "NixlPushConnector", **common),
-        pd_family(
-            "ln-ours",
-            model,
-            "KvpushConnector",
-            module="connector.plugin",
-            n_prefill=2,
-            prefill_args=((), ("--max-num-batched-tokens", str(plan.chunk_tokens))),
-            connector_extra=THREAD,
-            **common,
-        ),
+        PdFamily(prefills=layered, decodes=ours.decodes),
     ]
 
 
@@ -122,7 +139,7 @@ def _kvpush(fleet: Fleet, tag: str, mode: str, p: Engine, d: Engine, conn: str, 
 
 
 def start_fronts(
-    fleet: Fleet, pull: PdEngines, upush: PdEngines, ours: PdEngines, logs: Path, vrouter: bool
+    fleet: Fleet, pull: PdEngines, upush: PdEngines, ours: PdEngines, logs: Path, vrouter: bool, one_step: bool = True
 ) -> list[Pair]:
     out = [
         _kvpush(fleet, "pull", "pull", pull.prefills[0], pull.decode, "upstream-pull", logs),
@@ -137,8 +154,12 @@ def start_fronts(
         out.append(Pair(Front("vllm-router", "push", url(port), proc, p.url, d.url, "upstream-push"), p))
     elif vrouter:
         print("link: vllm-router not found (.venv-vrouter); its rows are skipped")
-    out.append(_kvpush(fleet, "ours", "push", ours.prefills[0], ours.decode, "kvpush-push", logs))
+    if one_step:
+        out.append(_kvpush(fleet, "ours", "push", ours.prefills[0], ours.decode, "kvpush-push", logs))
     out.append(_kvpush(fleet, "prog", "push", ours.prefills[1], ours.decode, "kvpush-progressive", logs))
+    if len(ours.prefills) >= 4:
+        out.append(_kvpush(fleet, "layer", "push", ours.prefills[2], ours.decode, "kvpush-layer", logs))
+        out.append(_kvpush(fleet, "layerc", "push", ours.prefills[3], ours.decode, "kvpush-layer-chunked", logs))
     return out
 
 
@@ -186,7 +207,7 @@ def run(plan: LinkBenchPlan, run_dir: Path, summary: Path, progress: bool, run_i
     )
     with vllm_lock(), Link(start.shaping or Shaping.for_rate(1e9)) as link, Fleet(logs) as fleet:
         started = [start_family(fleet, fam, timeout=600.0, link=link) for fam in families(plan, model)]
-        pairs = start_fronts(fleet, started[0], started[1], started[2], logs, plan.vrouter)
+        pairs = start_fronts(fleet, started[0], started[1], started[2], logs, plan.vrouter, plan.one_step)
         agree = output_check(pairs, started[0].prefills[0].url)
         for k, step in enumerate(plan.steps()):
             cal = calibrate(
@@ -236,6 +257,7 @@ class _Ctx:
             "qps_asked": asked,
             "seed": seed,
             "chunk_tokens": self.plan.chunk_tokens,
+            "layer_chunk_tokens": self.plan.layer_chunk_tokens,
             "warmup": self.plan.warmup,
             "outputs_equal_single": agreed,
             **self.cal.record(),

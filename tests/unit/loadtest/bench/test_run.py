@@ -32,7 +32,7 @@ def test_unknown_fields_raise_when_strict_and_are_skipped_otherwise() -> None:
 
 
 def test_every_suite_in_the_one_table_has_a_module_with_plans_and_run() -> None:
-    assert set(SUITES) == {"seed-sim", "cpu-vllm", "same-pair", "overhead", "multiturn", "link"}
+    assert set(SUITES) == {"seed-sim", "cpu-vllm", "same-pair", "overhead", "multiturn", "link", "link-wire"}
     for name in SUITES:
         mod = bench.suite_module(name)
         assert hasattr(mod, "FULL") and hasattr(mod, "SMOKE") and hasattr(mod, "run")

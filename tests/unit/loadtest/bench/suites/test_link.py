@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from loadtest.bench.suites import link, multiturn
@@ -21,12 +22,24 @@ def test_the_full_plan_puts_the_targets_preset_first_and_repeats_it_three_times(
 def test_ours_runs_the_progress_thread_and_its_second_prefill_prefills_in_chunks() -> None:
     pull, upush, ours = link.families(link.FULL, Path("/m"))
     assert [s.connector for s in (*pull.specs, *upush.specs)] == ["NixlConnector"] * 2 + ["NixlPushConnector"] * 2
-    assert all(s.connector_extra == {"progress": "thread"} for s in ours.specs)
+    assert all(s.connector_extra["progress"] == "thread" for s in ours.specs)
     assert not pull.specs[0].connector_extra
-    p0, p1 = ours.prefills
+    p0, p1, *_ = ours.prefills
     assert p0.extra_args[-2:] == ("--max-num-batched-tokens", str(link.FULL.max_model_len))
     assert p1.extra_args[-2:] == ("--max-num-batched-tokens", "256")
     assert len(ours.decodes) == 1
+
+
+def test_the_layer_wise_prefills_push_by_layer_one_in_one_step_one_in_chunks() -> None:
+    *_, ours = link.families(link.FULL, Path("/m"))
+    _, _, p2, p3 = ours.prefills
+    assert [p.connector_extra.get("push_granularity", "step") for p in ours.specs] == ["step"] * 2 + ["layer"] * 2 + [
+        "step"
+    ], "the decode and the step-wise prefills keep the default"
+    assert p2.extra_args[-2:] == ("--max-num-batched-tokens", str(link.FULL.max_model_len))
+    assert p3.extra_args[-2:] == ("--max-num-batched-tokens", "512")
+    *_, without = link.families(dataclasses.replace(link.FULL, layer=False), Path("/m"))
+    assert len(without.prefills) == 2
 
 
 def test_multiturn_on_a_link_names_its_rows_apart_and_refuses_an_unknown_preset() -> None:
