@@ -2,6 +2,7 @@
 targets (kvpush push vs vllm-router push), how the legs reached the workers, and the router's profile."""
 
 import json
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -142,23 +143,40 @@ def tracing_lines(rows: Sequence[Row]) -> list[str]:
         "kvpush push with OpenTelemetry tracing on (OTLP/gRPC to a sink that drops the spans; sampler "
         "parentbased_traceidratio at the ratio shown) against the same router untraced, in the same run. CPU is "
         "the router process's own, the export thread included; medians of the repeats (min-max). Targets: at most "
-        "10 % more CPU per request at 100 % sampling, 2 % at 1 %.",
+        "10 % more CPU per request at 100 % sampling, 2 % at 1 %. Paired: each repeat's traced front against the "
+        "untraced one of the same repeat (measured minutes apart, not across the run: the box's load drifts), "
+        "median (min-max) of the repeats; the spread is the noise a single cell carries.",
         "",
-        "| conc | tracing | CPU s / 1k req | more than untraced (median) | added TTFT p50 vs untraced (ms) |",
-        "|---|---|---|---|---|",
+        "| conc | tracing | CPU s / 1k req | more than untraced (median) | paired, per repeat | "
+        "added TTFT p50 vs untraced (ms) |",
+        "|---|---|---|---|---|---|",
     ]
     for conc in sorted({int(c) for c, _ in by}):
         base_rows = by.get((conc, "off"), [])
         base = agg(base_rows, "cpu_s_per_1k", "")
         base_ttft = agg(base_rows, "ttft_ms", "p50")
-        out.append(f"| {conc} | off | {_t(base)} | - | - |")
+        out.append(f"| {conc} | off | {_t(base)} | - | - | - |")
         for ratio in traced:
             rs = by.get((conc, ratio), [])
             cpu, ttft = agg(rs, "cpu_s_per_1k", ""), agg(rs, "ttft_ms", "p50")
             more = "-" if cpu is None or base is None else f"{100 * (cpu.med / base.med - 1):+.1f} %"
             added = "-" if ttft is None or base_ttft is None else f"{ttft.med - base_ttft.med:+.2f}"
-            out.append(f"| {conc} | {float(ratio) * 100:g} % | {_t(cpu)} | {more} | {added} |")
+            paired = _paired(rs, base_rows)
+            out.append(f"| {conc} | {float(ratio) * 100:g} % | {_t(cpu)} | {more} | {paired} | {added} |")
     return [*out, ""]
+
+
+def _paired(traced: Sequence[Row], untraced: Sequence[Row]) -> str:
+    """Each repeat's traced CPU per request over the untraced one's of the same repeat: median (min to max)."""
+    base = {r.get("repeat"): r.get("cpu_s_per_1k") for r in untraced if r.get("cpu_s_per_1k")}
+    ratios = sorted(
+        100 * (float(r["cpu_s_per_1k"]) / float(base[r.get("repeat")]) - 1)
+        for r in traced
+        if r.get("cpu_s_per_1k") is not None and base.get(r.get("repeat"))
+    )
+    if not ratios:
+        return "-"
+    return f"{statistics.median(ratios):+.1f} % ({ratios[0]:+.1f} to {ratios[-1]:+.1f})"
 
 
 def profile_lines(path: Path | None) -> list[str]:
