@@ -168,9 +168,9 @@ def tracing_lines(rows: Sequence[Row]) -> list[str]:
 
 def _paired(traced: Sequence[Row], untraced: Sequence[Row]) -> str:
     """Each repeat's traced CPU per request over the untraced one's of the same repeat: median (min to max)."""
-    base = {r.get("repeat"): r.get("cpu_s_per_1k") for r in untraced if r.get("cpu_s_per_1k")}
+    base: dict[Any, float] = {r.get("repeat"): float(r["cpu_s_per_1k"]) for r in untraced if r.get("cpu_s_per_1k")}
     ratios = sorted(
-        100 * (float(r["cpu_s_per_1k"]) / float(base[r.get("repeat")]) - 1)
+        100 * (float(r["cpu_s_per_1k"]) / base[r.get("repeat")] - 1)
         for r in traced
         if r.get("cpu_s_per_1k") is not None and base.get(r.get("repeat"))
     )
