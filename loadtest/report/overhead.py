@@ -163,7 +163,12 @@ def tracing_lines(rows: Sequence[Row]) -> list[str]:
             added = "-" if ttft is None or base_ttft is None else f"{ttft.med - base_ttft.med:+.2f}"
             paired = _paired(rs, base_rows)
             out.append(f"| {conc} | {float(ratio) * 100:g} % | {_t(cpu)} | {more} | {paired} | {added} |")
-    return [*out, ""]
+    note = (
+        "Whole-process CPU on the shared box does not resolve a few per cent (two identical untraced routers "
+        "differed by 3-4 %); where the extra CPU goes, thread by thread and in a profile, and what it adds up to: "
+        'router/README.md, "Tracing\'s cost".'
+    )
+    return [*out, "", note, ""]
 
 
 def _paired(traced: Sequence[Row], untraced: Sequence[Row]) -> str:
