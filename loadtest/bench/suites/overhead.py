@@ -302,4 +302,15 @@ def _point(
         router_timings=front.leg_client is not None,
         legs_of=(front.p_url, d_url) if front.p_url else None,
     )
-    return measure(point, run_dir, summary, progress, cpu_pid=front.proc.pid if front.proc else None)
+    pid = front.proc.pid if front.proc else None
+    if pid is None or front.tracing is None:
+        return measure(point, run_dir, summary, progress, cpu_pid=pid)
+    before = procs.side_threads_cpu_ns(pid)
+    done = n + point.warmup
+
+    def side_threads(_: Any) -> dict[str, Any]:
+        """The router's CPU off its event loop per request (export thread, gRPC's threads), in us: measured per
+        thread, unlike the process's whole CPU, so a few us show (bench/README.md "Tracing overhead")."""
+        return {"side_threads_us_per_req": (procs.side_threads_cpu_ns(pid) - before) / 1e3 / done}
+
+    return measure(point, run_dir, summary, progress, cpu_pid=pid, finish=side_threads)
