@@ -445,11 +445,12 @@ class Dispatcher:
         exemplar = None if trace is None else trace.exemplar()
         if rec.decode_worker is not None:
             self._pool.report(rec.decode_worker, ok=True)
+        m = self._metrics
         if rec.ttft is not None:
-            self._metrics.child(self._metrics.ttft, rec.endpoint, mode).observe(rec.ttft, exemplar)
-            self._metrics.child(self._metrics.decode_ttft, mode, rec.decode_worker or "").observe(rec.ttft, exemplar)
+            m.observe(m.child(m.ttft, rec.endpoint, mode), rec.ttft, exemplar)
+            m.observe(m.child(m.decode_ttft, mode, rec.decode_worker or ""), rec.ttft, exemplar)
         if rec.handoff is not None:
-            self._metrics.child(self._metrics.handoff, mode).observe(max(0.0, rec.handoff), exemplar)
+            m.observe(m.child(m.handoff, mode), max(0.0, rec.handoff), exemplar)
 
     def _passive_check(self, error: UpstreamError, rank: int | None = None) -> None:
         """Feeds a leg's failure to the worker's health, unless the client's request was at fault. A leg pinned to

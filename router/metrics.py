@@ -14,6 +14,7 @@ from prometheus_client.registry import Collector
 
 from router.decider import DeciderStats
 from router.kv_events.view import KvEventReport
+from router.tracing.exemplars import ExemplarGate
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -25,6 +26,7 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.exemplars = exemplars  # OpenMetrics exposition on request (the trace-id exemplars): tracing on
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self.exemplar_gate = ExemplarGate(_LATENCY_BUCKETS)  # one exemplar per bucket per second (its docstring)
         r = self.registry
         self.requests = Counter(
             "kvpush_requests",
@@ -128,6 +130,14 @@ class Metrics:
         if bound is None:
             bound = self._children[key] = metric.labels(*labels)
         return bound
+
+    def observe(self, series: Any, value: float, exemplar: dict[str, str] | None) -> None:
+        """A latency observation on a histogram child (`child`); a traced one's exemplar goes with it when the
+        gate admits it (router/tracing/exemplars.py: one per bucket per second), else it is observed plain."""
+        if exemplar is not None and self.exemplar_gate.admit(series, value):
+            series.observe(value, exemplar)
+        else:
+            series.observe(value)
 
     def render(self, accept: str = "") -> tuple[bytes, str]:
         """The Prometheus text exposition; OpenMetrics (with the exemplars: trace ids on the TTFT and handoff

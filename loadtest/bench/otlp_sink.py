@@ -1,14 +1,30 @@
 """An OTLP/gRPC trace sink for the overhead suite: accepts every TraceService/Export and drops it (no decoding),
-counting requests and bytes. It runs on the suite's own threads, so what it costs is not the router's CPU."""
+counting requests and bytes.
+
+The suite runs it in a process of its own (`SinkProcess`, `python -m loadtest.bench.otlp_sink`): not the router's
+CPU, and not the load generator's either. In the suite's own process its gRPC server took the client's GIL at each
+export (only while a traced router was measured: a different load for the traced fronts), and its poller threads
+made forking the routers and simulators started after it fail now and then (a child killed by gRPC's fork handler
+before its exec: "Epoll1Poller ... epoll_wait error: Bad file descriptor", the process gone with SIGABRT).
+`OtlpSink` is the server itself, in the calling process (the tests use it directly).
+"""
 
 from __future__ import annotations
 
+import argparse
+import signal
+import subprocess
+import sys
 import threading
 from concurrent import futures
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import grpc  # type: ignore[import-untyped]
+
+STOP_SECONDS = 5.0  # the longest SinkProcess waits for the sink to report and exit
+REPO = Path(__file__).resolve().parents[2]  # where `python -m loadtest.bench.otlp_sink` runs
 
 _SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 
@@ -41,3 +57,61 @@ class OtlpSink:
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
         self._server.stop(1.0).wait(5.0)
+
+
+class SinkProcess:
+    """`with SinkProcess() as sink:` an OtlpSink in a child process; `sink.endpoint` while it runs, and once the
+    block ends `sink.requests`, `sink.bytes` (what it took) and `sink.pid`."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.bytes = 0
+        self.port = 0
+        self.pid = 0
+        self._proc: subprocess.Popen[str] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> SinkProcess:
+        cmd = [sys.executable, "-m", "loadtest.bench.otlp_sink"]
+        self._proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()  # "port N" once it listens
+        if not line.startswith("port "):
+            self._proc.kill()
+            self._proc.wait(STOP_SECONDS)
+            raise RuntimeError(f"otlp sink did not start: {line!r}")
+        self.port, self.pid = int(line.split()[1]), self._proc.pid
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        proc = self._proc
+        if proc is None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate(timeout=STOP_SECONDS)
+        for line in out.splitlines():  # "took REQUESTS BYTES" on its way out
+            if line.startswith("took "):
+                self.requests, self.bytes = (int(x) for x in line.split()[1:3])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Serves until SIGTERM, then prints what it took: `port N` first, `took REQUESTS BYTES` last."""
+    argparse.ArgumentParser(description="OTLP/gRPC trace sink (drops what it gets)").parse_args(argv)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with OtlpSink() as sink:
+        print(f"port {sink.port}", flush=True)
+        while not stop.wait(1.0):
+            pass
+    print(f"took {sink.requests} {sink.bytes}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -123,6 +123,22 @@ def group_cpu_seconds(pid: int) -> float:
     return total
 
 
+def side_threads_cpu_ns(pid: int) -> int:
+    """CPU time (ns, /proc/<pid>/task/*/schedstat) of `pid`'s live threads other than its main one: for a traced
+    router, the span export thread and gRPC's, none of which serves requests. Threads that ended are not counted."""
+    total = 0
+    try:
+        tids = [t for t in os.listdir(f"/proc/{pid}/task") if t != str(pid)]
+    except OSError:
+        return 0
+    for tid in tids:
+        try:
+            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
 def group_peak_rss_mb(pid: int) -> float:
     """Sum of VmHWM (peak resident set) over the group's live processes, in MiB."""
     total_kb = 0

@@ -156,6 +156,8 @@ class Encoder:
         return _SMALL[(field << 3) | 2] + (_SMALL[m] if m < 0x80 else _varint(m)) + pair
 
     def _span(self, span: ReadableSpan) -> bytes:
+        if getattr(span, "LEAN_OTLP", False):
+            return self._lean_span(span)
         ctx = span.context
         assert ctx is not None
         parent = span.parent
@@ -190,6 +192,35 @@ class Encoder:
         if span.dropped_links:
             out.append(b"\x70" + _varint(span.dropped_links))
         out.append(_status(span.status))
+        out.append(_REMOTE_FLAGS if remote else _LOCAL_FLAGS)
+        return b"".join(out)
+
+    def _lean_span(self, span: Any) -> bytes:
+        """A span the router recorded (router/tracing/trace.py `_Span`, `LEAN_OTLP`): its fields are read where
+        the ReadableSpan keeps them, not through its properties (each copies or checks: events as a new tuple,
+        attributes behind a proxy, three dropped counts), and it has what `_span` would skip: an attribute dict
+        that drops nothing, no links, no dropped events. The bytes are `_span`'s (the tests compare them)."""
+        ctx = span._context
+        parent = span._parent
+        head = b"\x0a\x10" + ctx.trace_id.to_bytes(16, "big") + b"\x12\x08" + ctx.span_id.to_bytes(8, "big")
+        if ctx.trace_state:
+            head += _len(3, ctx.trace_state.to_header().encode())
+        remote = False
+        if parent is not None:
+            head += b"\x22\x08" + parent.span_id.to_bytes(8, "big")
+            remote = parent.is_remote
+        out = [
+            head,
+            self._name(span._name),
+            _KIND_FIELD[span._kind],
+            b"\x39" + _pack_fixed64(span._start_time or 0),
+            b"\x41" + _pack_fixed64(span._end_time or 0),
+            self._attributes(9, span._attributes),
+        ]
+        for event in span._events:
+            body = b"\x09" + _pack_fixed64(event.timestamp) + self._event_name(event.name)
+            out.append(_len(11, body + self._attributes(3, event.attributes)))
+        out.append(_status(span._status))
         out.append(_REMOTE_FLAGS if remote else _LOCAL_FLAGS)
         return b"".join(out)
 

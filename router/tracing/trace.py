@@ -74,7 +74,10 @@ class Recorder:
 
 class _Span(ReadableSpan):
     """A span being recorded: the SDK's ReadableSpan, filled in until it ends, then handed over (never again
-    touched by the router: `LegSpan`/`RequestTrace` end it once)."""
+    touched by the router: `LegSpan`/`RequestTrace` end it once). `LEAN_OTLP`: its attributes are a plain dict
+    (nothing dropped) and it has no links, so router/tracing/otlp_encode.py reads its fields directly."""
+
+    LEAN_OTLP = True
 
     def __init__(
         self,

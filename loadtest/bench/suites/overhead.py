@@ -21,9 +21,10 @@ a row and was taken down mid-run. Two timeouts in a row still take a worker down
 `tracings` (e.g. `--set tracings=off,1,0.01`) runs one kvpush push front per tracing setting: `off`, or a
 sample ratio with OpenTelemetry tracing on (KVPUSH_TRACING, OTEL_TRACES_SAMPLER=parentbased_traceidratio and its
 ratio, the batch exported at least every 0.5 s so a point's spans go out, and are counted, within the point), over
-OTLP/gRPC to a sink on the suite's own threads (loadtest/bench/otlp_sink.py: it drops what it gets, so its CPU is
-not the router's); rows record `tracing`, and the report shows a traced front as its own (`kvpush (tracing
-100 %)`) and compares its CPU per request with the untraced one's (bench/README.md, "Tracing overhead").
+OTLP/gRPC to a sink in a process of its own (loadtest/bench/otlp_sink.py `SinkProcess`: it drops what it gets;
+its CPU is neither the router's nor the load generator's); rows record `tracing`, and the report shows a traced
+front as its own (`kvpush (tracing 100 %)`) and compares its CPU per request with the untraced one's
+(bench/README.md, "Tracing overhead").
 
 `kv_events` (`--set kv_events=off,on`, issue 24) runs one kvpush push front per setting: `on` starts the router
 with `--kv-events` (it follows each worker's publisher on its HTTP port + 1000, with a replay socket on + 2000, and
@@ -48,7 +49,7 @@ from typing import Any
 
 from loadtest.bench import procs, profiling
 from loadtest.bench.fronts import Front
-from loadtest.bench.otlp_sink import OtlpSink
+from loadtest.bench.otlp_sink import SinkProcess
 from loadtest.bench.point import Point, measure
 from loadtest.job import REPO
 from loadtest.results import RowLabels, git_commit
@@ -222,7 +223,7 @@ def run(plan: OverheadPlan, run_dir: Path, summary: Path, progress: bool, run_id
     run_dir.mkdir(parents=True, exist_ok=True)
     traced = any(t != "off" for t in plan.tracings)
     with Fleet(logs) as fleet, contextlib.ExitStack() as running:
-        sink = running.enter_context(OtlpSink()).endpoint if traced else None
+        sink = running.enter_context(SinkProcess()).endpoint if traced else None
         fronts, d_url, events = _fronts(fleet, plan, logs, prof_out, sink)
         profiled = [f.proc.pid for f in fronts if _is_profiled(f) and f.proc and f.proc.pid and prof_out]
         for pid in profiled:
@@ -301,4 +302,15 @@ def _point(
         router_timings=front.leg_client is not None,
         legs_of=(front.p_url, d_url) if front.p_url else None,
     )
-    return measure(point, run_dir, summary, progress, cpu_pid=front.proc.pid if front.proc else None)
+    pid = front.proc.pid if front.proc else None
+    if pid is None or front.tracing is None:
+        return measure(point, run_dir, summary, progress, cpu_pid=pid)
+    before = procs.side_threads_cpu_ns(pid)
+    done = n + point.warmup
+
+    def side_threads(_: Any) -> dict[str, Any]:
+        """The router's CPU off its event loop per request (export thread, gRPC's threads), in us: measured per
+        thread, unlike the process's whole CPU, so a few us show (bench/README.md "Tracing overhead")."""
+        return {"side_threads_us_per_req": (procs.side_threads_cpu_ns(pid) - before) / 1e3 / done}
+
+    return measure(point, run_dir, summary, progress, cpu_pid=pid, finish=side_threads)

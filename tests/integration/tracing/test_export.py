@@ -4,13 +4,14 @@ the receiver itself decodes what an exporter sends."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
-from loadtest.bench.otlp_sink import OtlpSink
+from loadtest.bench.otlp_sink import OtlpSink, SinkProcess
 from router.tracing import context as w3c
 from router.tracing import provider, semconv
 from router.tracing.grpc_export import LeanGrpcSpanExporter
@@ -75,3 +76,15 @@ def test_the_sink_takes_an_export_without_decoding_it() -> None:
         provider.get_tracer("t").start_span("s").end()
         provider.shutdown()
         assert sink.requests == 1 and sink.bytes > 0
+
+
+def test_the_suite_s_sink_runs_in_a_process_of_its_own() -> None:
+    """The overhead suite's sink is not in the load generator's process (its gRPC threads took the client's GIL at
+    each export, and made forking the routers started after it fail now and then); it still takes the exports."""
+    with SinkProcess() as sink:
+        assert sink.pid != os.getpid()
+        provider = TracerProvider(shutdown_on_exit=False)
+        provider.add_span_processor(SimpleSpanProcessor(LeanGrpcSpanExporter(sink.endpoint)))
+        provider.get_tracer("t").start_span("s").end()
+        provider.shutdown()
+    assert sink.requests == 1 and sink.bytes > 0

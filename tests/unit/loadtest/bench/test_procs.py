@@ -1,4 +1,6 @@
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +25,30 @@ def test_own_process_group_has_cpu_time_and_memory() -> None:
     pgid = os.getpgid(0)
     assert group_cpu_seconds(pgid) > 0
     assert group_peak_rss_mb(pgid) > 0
+
+
+def test_side_threads_cpu_counts_the_threads_besides_the_main_one() -> None:
+    pid = os.getpid()
+    before = procs.side_threads_cpu_ns(pid)
+    deadline = time.thread_time() + 0.05
+    while time.thread_time() < deadline:  # the main thread works: not counted
+        pass
+    assert procs.side_threads_cpu_ns(pid) - before < 40_000_000
+    done = threading.Event()
+
+    def work() -> None:
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:
+            pass
+        done.set()
+        time.sleep(0.5)  # still alive when read (an ended thread is not counted)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    assert done.wait(10.0)
+    assert procs.side_threads_cpu_ns(pid) - before >= 50_000_000 * 0.9
+    worker.join(10.0)
+    assert procs.side_threads_cpu_ns(-1) == 0  # no such process
 
 
 def test_the_vllm_lock_is_not_taken_twice_under_an_ancestor_that_holds_it(tmp_path: Path) -> None:

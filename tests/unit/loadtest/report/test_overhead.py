@@ -51,9 +51,40 @@ def test_traced_fronts_are_their_own_rows_and_get_the_tracing_table() -> None:
     vs = {(v.target, v.point): v for v in report_overhead.verdicts(scored)}
     assert vs[("CPU / 1k req <= 1.0x vllm-router push", "c=1")].ours == 1.0  # the untraced router only
     lines = report_overhead.tracing_lines(rows)
-    assert "| 1 | 100 % | 1.10 (1.10 to 1.10) | +10.0 % | +0.50 |" in lines
-    assert "| 1 | 1 % | 1.01 (1.01 to 1.01) | +1.0 % | +0.10 |" in lines
+    assert "| 1 | 100 % | 1.10 (1.10 to 1.10) | +10.0 % | +10.0 % (+10.0 to +10.0) | - | +0.50 |" in lines
+    assert "| 1 | 1 % | 1.01 (1.01 to 1.01) | +1.0 % | +1.0 % (+1.0 to +1.0) | - | +0.10 |" in lines
     assert report_overhead.tracing_lines([r for r in rows if r.get("tracing") == "off"]) == []
+
+
+def test_the_tracing_table_pairs_each_repeat_with_the_untraced_front_of_the_same_repeat() -> None:
+    """The box's load drifts over a run; each repeat's traced front is compared with its own untraced neighbour
+    (+10 %, +15 %, +0 % here), where medians across the run say +0 %."""
+    rows: list[dict[str, Any]] = []
+    for rep, (off, on) in enumerate(((1.0, 1.1), (2.0, 2.3), (1.5, 1.5))):
+        rows += [
+            over_row("kvpush", "push", 64, rep, 2.0, cpu_s_per_1k=off, tracing="off"),
+            over_row("kvpush", "push", 64, rep, 2.0, cpu_s_per_1k=on, tracing="1"),
+        ]
+    line = next(x for x in report_overhead.tracing_lines(rows) if x.startswith("| 64 | 100 % |"))
+    assert "| +0.0 % | +10.0 % (+0.0 to +15.0) |" in line
+
+
+def test_the_tracing_table_shows_the_routers_cpu_off_its_event_loop() -> None:
+    rows: list[dict[str, Any]] = []
+    for rep, side in enumerate((50.0, 60.0, 55.0)):
+        rows += [
+            {
+                **over_row("kvpush", "push", 64, rep, 2.0, cpu_s_per_1k=1.0, tracing="off"),
+                "side_threads_us_per_req": 0.1,
+            },
+            {
+                **over_row("kvpush", "push", 64, rep, 2.0, cpu_s_per_1k=1.1, tracing="1"),
+                "side_threads_us_per_req": side,
+            },
+        ]
+    lines = report_overhead.tracing_lines(rows)
+    assert next(x for x in lines if x.startswith("| 64 | 100 % |")).endswith("| 55.0 | +0.00 |")
+    assert next(x for x in lines if x.startswith("| 64 | off |")).endswith("| 0.1 | - |")
 
 
 def test_a_tracing_run_stays_out_of_the_latest_overhead_run_and_feeds_its_own_table() -> None:
