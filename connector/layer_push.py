@@ -30,6 +30,7 @@ descriptors are a contiguous slice of the WRITE's region-major index list (``Tra
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -290,3 +291,28 @@ class LayeredBackend:
 def _how(parts: LayerParts) -> str:
     """How Done travelled (for the per-transfer log line): with the last part, alone, or none (partial)."""
     return "attached" if parts.notice_attached else "alone" if parts.notice_sent else "none"
+
+
+class StepsByKey:
+    """P, layer-wise push: per pairing key, the ``StepLayers`` of its latest order. The fan-out's WRITEs carry leg
+    keys (``connector.prefill_fanout``) and every leg of a key reads the same step, so an entry is dropped only
+    once no leg of its key can write any more (``sweep``), never when one leg ends: a leg left without its step
+    would post a whole WRITE before the layers were computed."""
+
+    def __init__(self) -> None:
+        self._steps: dict[str, StepLayers] = {}
+
+    def note(self, key: str, layers: StepLayers) -> None:
+        self._steps[key] = layers
+
+    def for_write(self, key: str) -> StepLayers | None:
+        return self._steps.get(key)
+
+    def sweep(self, live: Callable[[], set[str]], slack: int = 16) -> None:
+        """Drop the steps of keys no longer live; called each turn, it looks only once entries outgrow ``slack``."""
+        if len(self._steps) > slack:
+            alive = live()
+            self._steps = {k: v for k, v in self._steps.items() if k in alive}
+
+    def __len__(self) -> int:
+        return len(self._steps)

@@ -93,6 +93,11 @@ class PrefillFanOut:
         """Legs not in a terminal state, plus transfers whose blocks are held for D ranks yet to register."""
         return self.legs.live + len(self._holding)
 
+    def live_keys(self) -> set[str]:
+        """Pairing keys a leg may still write for: a leg not in a terminal state, or blocks held for D ranks."""
+        legs = {split_leg_key(k)[0] for k, e in self.legs.entries.items() if e.state not in P_TERMINAL}
+        return legs | self._holding
+
     def next_deadline(self) -> float | None:
         nexts = [d for d in (self.legs.next_deadline(), self._deadlines.next()) if d is not None]
         return min(nexts) if nexts else None

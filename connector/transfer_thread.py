@@ -20,8 +20,8 @@ Threading model (guarantee G6):
   ``kick`` and ``collect_results`` (empties the outbox). It never waits on the owner thread, so
   the forward loop never waits on NIXL.
 * **Side-channel threads** (``connector.handshake`` through the ``SideChannel`` seam, TCP unless a
-  test injects another; started by ``start``): put ``_PeerReady`` / ``_PeerLost`` / ``_AddPeer`` in
-  the inbox. ``_AddPeer`` carries an ``Event`` the server thread waits on, so the handshake reply is
+  test injects another; started by ``start``): put ``PeerReady`` / ``PeerLost`` / ``AddPeer`` in
+  the inbox. ``AddPeer`` carries an ``Event`` the server thread waits on, so the handshake reply is
   sent only after the owner loaded the peer's agent. They read only ``_local_payload`` (cached bytes).
 
 Peers (guarantee G8): agent names are unique per process incarnation (the worker adds a uuid);
@@ -40,12 +40,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import assert_never
 
 from connector.decode_rendezvous import DecodeRendezvous
 from connector.handshake import Link, Server, SideChannel, TcpSideChannel
-from connector.layer_push import LayeredBackend, StepLayers
+from connector.layer_push import LayeredBackend, StepLayers, StepsByKey
 from connector.metadata import (
     PROTOCOL_VERSION,
     Cancel,
@@ -69,11 +69,11 @@ from connector.metadata import (
     is_notice,
 )
 from connector.options import Options
-from connector.prefill_fanout import PrefillFanOut
+from connector.orders import AddPeer, CancelOrder, Command, Gated, Order, PeerLost, PeerReady, Write
+from connector.prefill_fanout import PrefillFanOut, split_leg_key
 from connector.ranks import DecodeFanIn, FanInStep, Unpairable, decode_legs, prefill_peer, prefill_targets
 from connector.ready import READY, HostFence, ReadyEvent, StepFence
 from connector.rendezvous import (
-    P_TERMINAL,
     AbandonWrite,
     Action,
     Connect,
@@ -88,68 +88,9 @@ from connector.rendezvous import (
 from connector.results import Results as Results
 from connector.results import TransferRecord
 from connector.topology import RankId
-from connector.transfer import TransferBackend, TransferError, WriteTicket
+from connector.transfer import TransferBackend, TransferError
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CancelOrder:
-    """D: vLLM finished ``request_id`` while it still waited for KV."""
-
-    request_id: str
-
-
-@dataclass(frozen=True)
-class _PeerReady:
-    payload: HandshakePayload
-    clock_offset: float
-
-
-@dataclass(frozen=True)
-class _PeerLost:
-    engine_id: str
-    link: Link | None = None  # the link that ended (a stale one is ignored), None: the server's
-
-
-@dataclass
-class _AddPeer:
-    payload: HandshakePayload
-    done: threading.Event = field(default_factory=threading.Event)
-    error: str | None = None
-
-
-Order = (
-    RegisterOrder
-    | PrefillFinished
-    | PrefillFailed
-    | PrefillProgress
-    | PrefillRestarted
-    | CancelOrder
-    | CancelUnallocated
-)
-
-
-@dataclass(frozen=True)
-class _Gated:
-    """An order and the event after which its blocks hold the step's KV (``connector.ready``)."""
-
-    order: Order
-    ready: ReadyEvent
-    layers: StepLayers | None = None  # push_granularity "layer": the step's per-layer readiness (layer_push)
-
-
-_Command = _Gated | _PeerReady | _PeerLost | _AddPeer
-
-
-@dataclass
-class _Write:
-    ticket: WriteTicket
-    agent: str
-    started: float
-    failed: bool = False  # ERR or abandoned: waiting for the backend to release the handle
-    final: bool = True  # carries Done (a partial WRITE of progressive push does not, G14)
-    ordinal: int = 1  # the how-manieth WRITE of its transfer
 
 
 class TransferThread:
@@ -174,8 +115,8 @@ class TransferThread:
         self._fanin = DecodeFanIn()  # D: requests with several source ranks
         self._peer_ranks: dict[str, RankInfo] = {}  # D: each prefill rank's RankInfo from its handshake
         self._fence: StepFence = fence or HostFence()
-        self._gated: deque[_Gated] = deque()  # orders in submission order, the first maybe not ready yet
-        self._layers: dict[str, StepLayers] = {}  # P, layer-wise push: per key, the step of its latest order
+        self._gated: deque[Gated] = deque()  # orders in submission order, the first maybe not ready yet
+        self._layers = StepsByKey()  # P, layer-wise push: per pairing key, the step of its latest order
         self.engine_id = engine_id
         self._backend = backend
         self._layout = layout
@@ -189,13 +130,13 @@ class TransferThread:
         self._prefill = PrefillFanOut(self._timeouts)  # P: legs per D rank (``connector.prefill_fanout``)
         self._d_ranks: dict[str, RankInfo] = {}  # P: each decode rank's RankInfo from its handshake
         self._decode = DecodeRendezvous(self._timeouts, engine_id, self._rank.rank.tp)
-        self._writes: dict[str, _Write] = {}
+        self._writes: dict[str, Write] = {}
         self._write_backoff = self._polling.write_poll_min_s
         self._agents: dict[str, str] = {}  # peer key (engine, rank: ``metadata.peer_key``) -> agent name
         self._retired: set[str] = set()  # agent names to remove once no WRITE to them is in flight
         self._links: dict[str, Link] = {}
         self._side_channel: SideChannel = side_channel or TcpSideChannel()
-        self._inbox: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue[Results] = queue.SimpleQueue()
         self._pending = Results()
         self._wake = threading.Event()
@@ -226,7 +167,7 @@ class TransferThread:
         """Queue an order; it reaches the machines (and may post a WRITE) only once ``ready`` completed
         and every order submitted before it did (``connector.ready``: the forward stream on a GPU).
         ``layers``: its WRITE is posted layer by layer as they are marked ready (``connector.layer_push``)."""
-        self._inbox.put(_Gated(order, ready, layers))
+        self._inbox.put(Gated(order, ready, layers))
         self._wake.set()
 
     def kick(self) -> None:
@@ -267,7 +208,7 @@ class TransferThread:
         )
 
     def _add_peer_and_wait(self, payload: HandshakePayload) -> None:
-        cmd = _AddPeer(payload)
+        cmd = AddPeer(payload)
         self._inbox_put(cmd)
         if not cmd.done.wait(timeout=self._timeouts.connect_timeout_s):
             raise TimeoutError("transfer thread did not load the peer in time")
@@ -275,9 +216,9 @@ class TransferThread:
             raise ConnectionError(cmd.error)
 
     def _peer_lost(self, engine_id: str) -> None:
-        self._inbox_put(_PeerLost(engine_id))
+        self._inbox_put(PeerLost(engine_id))
 
-    def _inbox_put(self, cmd: _Command) -> None:
+    def _inbox_put(self, cmd: Command) -> None:
         self._inbox.put(cmd)
         self._wake.set()
 
@@ -315,14 +256,14 @@ class TransferThread:
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(cmd, _Gated):
+            if isinstance(cmd, Gated):
                 self._gated.append(cmd)
             else:
                 self._handle(cmd, now)
         while self._gated and self._gated[0].ready.query():
             gated = self._gated.popleft()
             if gated.layers is not None and isinstance(gated.order, PrefillProgress | PrefillFinished):
-                self._layers[gated.order.key] = gated.layers
+                self._layers.note(gated.order.key, gated.layers)
             self._handle(gated.order, now)
         for sender, raw in self._backend.poll_notices():
             self._on_raw_notice(sender, raw, now)
@@ -333,9 +274,7 @@ class TransferThread:
             self._perform(self._decode.expire(now), now)
         if self._retired:
             self._reap_agents()
-        if len(self._layers) > self._prefill.live + 16:  # keys that ended without a WRITE (refused, expired)
-            live = {k for k, e in self._prefill.entries.items() if e.state not in P_TERMINAL}
-            self._layers = {k: v for k, v in self._layers.items() if k in live}
+        self._layers.sweep(self._prefill.live_keys)
 
     def _due(self, now: float) -> bool:
         return any(d is not None and d <= now for d in (self._prefill.next_deadline(), self._decode.next_deadline()))
@@ -349,7 +288,7 @@ class TransferThread:
             self._outbox.put(self._pending)
             self._pending = Results()
 
-    def _handle(self, cmd: Order | _PeerReady | _PeerLost | _AddPeer, now: float) -> None:
+    def _handle(self, cmd: Order | PeerReady | PeerLost | AddPeer, now: float) -> None:
         match cmd:
             case RegisterOrder():
                 self._write_backoff = self._polling.write_poll_min_s  # a receive in flight: poll (G7)
@@ -376,15 +315,15 @@ class TransferThread:
                 self._perform(self._prefill.on_prefill_progress(cmd, now), now)
             case PrefillRestarted():
                 self._perform(self._prefill.on_prefill_restarted(cmd.key, now), now)
-            case _AddPeer():
+            case AddPeer():
                 try:
                     self._load_peer(cmd.payload, writes_to=True)  # a decode dialled us: we WRITE to it
                 except TransferError as exc:
                     cmd.error = str(exc)
                 cmd.done.set()
-            case _PeerReady():
+            case PeerReady():
                 self._on_peer_ready(cmd, now)
-            case _PeerLost():
+            case PeerLost():
                 self._on_peer_lost(cmd.engine_id, now, cmd.link)
             case _:
                 assert_never(cmd)
@@ -419,7 +358,7 @@ class TransferThread:
             if not step.ok:
                 self._pending.failed.add(step.request_id)
 
-    def _on_peer_ready(self, cmd: _PeerReady, now: float) -> None:
+    def _on_peer_ready(self, cmd: PeerReady, now: float) -> None:
         try:
             self._load_peer(cmd.payload, writes_to=False)  # the prefill we dialled: notices only
         except TransferError:
@@ -512,12 +451,10 @@ class TransferThread:
             self._pending.records.append(TransferRecord(w.ticket.num_bytes, now - w.started, w.ticket.num_descriptors))
             if w.final:  # one structured line per transfer: how many WRITEs it took (G14)
                 logger.info("kvpush transfer written key=%s writes=%d", key, w.ordinal)
-                self._layers.pop(key, None)
             self._perform(self._prefill.on_write_done(key, now), now)
 
-    def _fail_write(self, key: str, w: _Write, now: float) -> None:
+    def _fail_write(self, key: str, w: Write, now: float) -> None:
         """ERR or abandoned: D may free its blocks only once the backend released the handle."""
-        self._layers.pop(key, None)  # a failed WRITE ends its transfer
         if self._backend.release(w.ticket.handle):
             del self._writes[key]
             self._perform(self._prefill.on_write_released(key, now), now)
@@ -566,7 +503,7 @@ class TransferThread:
             remote = reg.block_ids if action.remote_blocks is None else action.remote_blocks
             # The order behind this WRITE reached the machine only after its step's ReadyEvent completed,
             # or, layer-wise, its parts are posted only as their layers' ReadyEvents complete (layer_push).
-            layers = self._layers.get(action.key)
+            layers = self._layers.for_write(split_leg_key(action.key)[0])
             if layers is not None and isinstance(self._backend, LayeredBackend):
                 ticket = self._backend.write_layered(agent, action.local_blocks, remote, done, layers)
             else:
@@ -578,7 +515,7 @@ class TransferThread:
         self._pending.counters[Tally.WRITES_POSTED] += 1
         if not action.final:
             self._pending.counters[Tally.PARTIAL_WRITES] += 1
-        self._writes[action.key] = _Write(ticket, agent, now, final=action.final, ordinal=action.ordinal)
+        self._writes[action.key] = Write(ticket, agent, now, final=action.final, ordinal=action.ordinal)
         self._write_backoff = self._polling.write_poll_min_s
 
     def _send(self, action: Send, now: float) -> None:
@@ -600,8 +537,8 @@ class TransferThread:
         link = self._side_channel.connect(
             peer,
             self._local_payload,
-            lambda payload, offset: self._inbox_put(_PeerReady(payload, offset)),
-            lambda key: self._inbox_put(_PeerLost(key, link)),
+            lambda payload, offset: self._inbox_put(PeerReady(payload, offset)),
+            lambda key: self._inbox_put(PeerLost(key, link)),
             self._compat_hash,
             self._timeouts.connect_timeout_s,
             self._liveness,

@@ -28,12 +28,13 @@ from connector.kvcache import KVCaches, compatibility_fields, compatibility_sign
 from connector.layer_push import LayeredBackend, StepLayers
 from connector.metadata import RankInfo, StepPlan, compatibility_hash
 from connector.options import Options
+from connector.orders import CancelOrder, Order
 from connector.ranks import layer_window, rank_port
 from connector.ready import READY, HostFence, StepFence, fence_for
 from connector.stats import KvpushStats
 from connector.topology import RankId, heads_of
 from connector.transfer import NixlBackend, TransferBackend
-from connector.transfer_thread import CancelOrder, Order, TransferThread
+from connector.transfer_thread import TransferThread
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -29,9 +29,10 @@ def peer_main(conn: Connection, engine: str, seed: int | None, progress: str = "
 
     from connector.metadata import KVLayout, PeerAddress, PrefillFailed, PrefillFinished, Region, RegisterOrder
     from connector.options import Options
+    from connector.orders import CancelOrder
     from connector.rendezvous import Timeouts
     from connector.transfer import NixlBackend
-    from connector.transfer_thread import CancelOrder, Results, TransferThread
+    from connector.transfer_thread import Results, TransferThread
 
     rng = np.random.default_rng(seed)
     kv = [

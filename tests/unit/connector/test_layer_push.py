@@ -15,12 +15,13 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from connector.layer_push import LayeredBackend, LayerParts, StepLayers
+from connector.layer_push import LayeredBackend, LayerParts, StepLayers, StepsByKey
 from connector.memory_backend import MemoryBackend, MemoryFabric
 from connector.metadata import HandshakePayload, KVLayout, PrefillFinished, PrefillProgress, Region, StepPlan
 from connector.options import Options
+from connector.orders import CancelOrder
 from connector.ready import READY, ReadyEvent
-from connector.transfer_thread import CancelOrder, Results, TransferThread
+from connector.transfer_thread import Results, TransferThread
 from connector.worker import WorkerHalf
 from tests.unit.connector.test_ready import FakeEvent, FakeFence
 from tests.unit.connector.test_transfer_thread import (
@@ -333,3 +334,15 @@ def test_push_granularity_is_an_option() -> None:
     assert Options.from_extra({"push_granularity": "layer"}).push_granularity == "layer"
     with pytest.raises(ValueError, match="push_granularity"):
         Options.from_extra({"push_granularity": "block"})
+
+
+def test_a_key_s_step_is_kept_for_every_leg_and_dropped_only_once_no_leg_can_write() -> None:
+    steps = StepsByKey()
+    layers = StepLayers(2)
+    steps.note("k", layers)
+    for i in range(20):  # outgrow the slack so the sweep looks
+        steps.note(f"old{i}", StepLayers(2))
+    steps.sweep(lambda: {"k"})  # one leg of k ended, another is still live: k's step stays
+    assert steps.for_write("k") is layers and len(steps) == 1
+    steps.sweep(lambda: set(), slack=0)
+    assert steps.for_write("k") is None

@@ -29,10 +29,11 @@ from connector.metadata import (
     RegisterOrder,
 )
 from connector.options import Options, Polling
+from connector.orders import CancelOrder
 from connector.ready import StepFence
 from connector.rendezvous import Timeouts
 from connector.transfer import TransferError
-from connector.transfer_thread import CancelOrder, Results, TransferThread
+from connector.transfer_thread import Results, TransferThread
 from tests.unit.connector.side_channel_fake import LoopbackSideChannel
 
 BLOCKS, BLOCK_LEN = 8, 64

@@ -14,7 +14,7 @@ import pytest
 
 from connector.memory_backend import MemoryFabric
 from connector.metadata import PrefillFailed, PrefillFinished, PrefillProgress
-from connector.transfer_thread import CancelOrder
+from connector.orders import CancelOrder
 from tests.unit.connector.test_transfer_thread import BLOCK_LEN, FAST, Side, make_side, register, sha, wait_for
 
 KEY = "t:1"

@@ -22,9 +22,10 @@ from connector.handshake import Liveness
 from connector.memory_backend import MemoryBackend, MemoryFabric
 from connector.metadata import KVLayout, PeerAddress, PrefillFinished, RankInfo, Region, RegisterOrder
 from connector.options import Options
+from connector.orders import CancelOrder
 from connector.rendezvous import Timeouts
 from connector.topology import RankId, heads_of, plan
-from connector.transfer_thread import CancelOrder, Results, TransferThread
+from connector.transfer_thread import Results, TransferThread
 from tests.unit.connector.side_channel_fake import LoopbackSideChannel
 
 HEADS, HEAD_BYTES, BLOCKS, REGIONS = 4, 16, 8, 2

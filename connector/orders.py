@@ -1,0 +1,80 @@
+"""What the transfer thread's owner loop is told and keeps (``connector.transfer_thread``): the orders the worker
+submits, the side channel's peer events, and a posted WRITE's record. Plain data, no behaviour."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from connector.handshake import Link
+from connector.layer_push import StepLayers
+from connector.metadata import (
+    CancelUnallocated,
+    HandshakePayload,
+    PrefillFailed,
+    PrefillFinished,
+    PrefillProgress,
+    PrefillRestarted,
+    RegisterOrder,
+)
+from connector.ready import ReadyEvent
+from connector.transfer import WriteTicket
+
+
+@dataclass(frozen=True)
+class CancelOrder:
+    """D: vLLM finished ``request_id`` while it still waited for KV."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class PeerReady:
+    payload: HandshakePayload
+    clock_offset: float
+
+
+@dataclass(frozen=True)
+class PeerLost:
+    engine_id: str
+    link: Link | None = None  # the link that ended (a stale one is ignored), None: the server's
+
+
+@dataclass
+class AddPeer:
+    payload: HandshakePayload
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+
+
+Order = (
+    RegisterOrder
+    | PrefillFinished
+    | PrefillFailed
+    | PrefillProgress
+    | PrefillRestarted
+    | CancelOrder
+    | CancelUnallocated
+)
+
+
+@dataclass(frozen=True)
+class Gated:
+    """An order and the event after which its blocks hold the step's KV (``connector.ready``)."""
+
+    order: Order
+    ready: ReadyEvent
+    layers: StepLayers | None = None  # push_granularity "layer": the step's per-layer readiness (layer_push)
+
+
+Command = Gated | PeerReady | PeerLost | AddPeer
+
+
+@dataclass
+class Write:
+    ticket: WriteTicket
+    agent: str
+    started: float
+    failed: bool = False  # ERR or abandoned: waiting for the backend to release the handle
+    final: bool = True  # carries Done (a partial WRITE of progressive push does not, G14)
+    ordinal: int = 1  # the how-manieth WRITE of its transfer
