@@ -8,7 +8,7 @@ the P side); every notice leaves under the pairing key; everything ends quiescen
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from connector.actions import AbandonWrite, Action, Release, Send, StartWrite, Timeouts
@@ -160,6 +160,17 @@ def _over(f: PrefillFanOut, leg: str) -> bool:
 
 # ---- random interleavings ---------------------------------------------------------------------------------
 
+
+def blocks_of(request_id: str) -> tuple[int, ...]:
+    """Each prefill's own blocks: p1 holds BLOCKS, p<n> holds (10n + 1, 10n + 2)."""
+    n = int(request_id[1:])
+    return BLOCKS if n == 1 else (10 * n + 1, 10 * n + 2)
+
+
+def owner(blocks: tuple[int, ...]) -> str:
+    return f"p{max(1, blocks[0] // 10)}"
+
+
 EVENT = st.tuples(
     st.sampled_from(["reg", "finish", "fail", "done", "err", "stuck", "cancel", "lost", "tick", "progress"]),
     st.integers(0, 3),
@@ -168,13 +179,21 @@ EVENT = st.tuples(
 
 @settings(max_examples=300, deadline=None)
 @given(targets=st.integers(1, 4), events=st.lists(EVENT, max_size=30))
+@example(  # found in a clean-clone run: p1 failed and was released, its tombstone expired, a later p2 paired
+    targets=1, events=[("fail", 1), ("reg", 0), ("reg", 0), ("tick", 0), ("reg", 0), ("finish", 0)]
+)
+@example(
+    targets=1, events=[("reg", 0), ("finish", 0), ("done", 0), ("tick", 0), ("tick", 0), ("reg", 0), ("progress", 0)]
+)
 def test_random_interleavings_keep_the_fan_out_safe_and_quiescent(targets: int, events: list[tuple[str, int]]) -> None:
     f, now = PrefillFanOut(T), 0.0
     ranks = tuple(range(targets))
     in_flight: dict[str, int] = {}  # leg key -> D rank, WRITEs posted and not over (stuck ones included)
     registered: set[int] = set()
     stuck: set[str] = set()
-    released: list[str] = []  # Releases of the first prefill's blocks ("p1"; later prefills are never paired)
+    released: list[str] = []  # Releases of the first prefill's blocks ("p1")
+    freed: set[str] = set()  # every prefill whose blocks P released (a later prefill may pair with the key once
+    # its tombstone is gone: its blocks differ, ``blocks_of``)
     prefills = iter(f"p{n}" for n in range(1, 100))
 
     def run(actions: list[Action]) -> None:
@@ -182,13 +201,16 @@ def test_random_interleavings_keep_the_fan_out_safe_and_quiescent(targets: int, 
             if isinstance(a, StartWrite):
                 d = split_leg_key(a.key)[1]
                 assert d in registered, "a D rank is written only after its own registration"
-                assert not released, "no WRITE from released blocks"
+                assert owner(a.local_blocks) not in freed, "no WRITE from released blocks"
                 assert a.registration.key == KEY
                 in_flight[a.key] = d
+            elif isinstance(a, Release) and a.request_id != "p1":
+                freed.add(a.request_id)
             elif isinstance(a, Release) and a.request_id == "p1":
                 # only a stuck WRITE past its quarantine (D's hold deadline has passed: D freed first) may remain
                 assert all(leg in stuck and _over(f, leg) for leg in in_flight), "no leg can still write P's blocks"
                 released.append(a.request_id)
+                freed.add(a.request_id)
             elif isinstance(a, AbandonWrite):
                 in_flight.pop(a.key, None)
                 run(f.on_write_released(a.key, now))  # the backend releases it
@@ -206,18 +228,22 @@ def test_random_interleavings_keep_the_fan_out_safe_and_quiescent(targets: int, 
             stuck.add(leg)
             run(f.on_write_stuck(leg, now))  # stays in flight until released or its hold deadline
 
+    seen: list[tuple[str, int]] = []
     for kind, i in events:
         d = i % targets
+        seen.append((kind, i))
         now += 0.5
         if kind == "reg":
             registered.add(d)
             run(f.on_registration(reg(d, deadline=now + 40), now, ranks))
         elif kind == "finish":
-            run(f.on_prefill_finished(KEY, next(prefills), BLOCKS, now, 32))
+            rid = next(prefills)
+            run(f.on_prefill_finished(KEY, rid, blocks_of(rid), now, 32))
         elif kind == "fail":
             rid = next(prefills)
             run(f.on_prefill_failed(KEY, "x", now, held=rid if i % 2 else None))
-        elif kind == "progress":
+        elif kind == "progress" and not any(k in ("finish", "fail") for k, _ in seen):
+            # P's scheduler reports progress only while the prefill runs: never after it finished or failed
             run(f.on_prefill_progress(PrefillProgress("p1", KEY, BLOCKS[: 1 + i % 2], 2, 32), now))
         elif kind in ("done", "err", "stuck") and in_flight:
             end_write(sorted(in_flight)[i % len(in_flight)], kind)
