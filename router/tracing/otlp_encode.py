@@ -160,14 +160,7 @@ class Encoder:
             return self._lean_span(span)
         ctx = span.context
         assert ctx is not None
-        parent = span.parent
-        head = b"\x0a\x10" + ctx.trace_id.to_bytes(16, "big") + b"\x12\x08" + ctx.span_id.to_bytes(8, "big")
-        if ctx.trace_state:
-            head += _len(3, ctx.trace_state.to_header().encode())
-        remote = False
-        if parent is not None:
-            head += b"\x22\x08" + parent.span_id.to_bytes(8, "big")
-            remote = parent.is_remote
+        head, remote = _ids(ctx, span.parent)
         out = [
             head,
             self._name(span.name),
@@ -200,15 +193,7 @@ class Encoder:
         the ReadableSpan keeps them, not through its properties (each copies or checks: events as a new tuple,
         attributes behind a proxy, three dropped counts), and it has what `_span` would skip: an attribute dict
         that drops nothing, no links, no dropped events. The bytes are `_span`'s (the tests compare them)."""
-        ctx = span._context
-        parent = span._parent
-        head = b"\x0a\x10" + ctx.trace_id.to_bytes(16, "big") + b"\x12\x08" + ctx.span_id.to_bytes(8, "big")
-        if ctx.trace_state:
-            head += _len(3, ctx.trace_state.to_header().encode())
-        remote = False
-        if parent is not None:
-            head += b"\x22\x08" + parent.span_id.to_bytes(8, "big")
-            remote = parent.is_remote
+        head, remote = _ids(span._context, span._parent)
         out = [
             head,
             self._name(span._name),
@@ -251,3 +236,13 @@ def _status(status: Status) -> bytes:
         b"\x18" + _varint(code) if code else b""
     )
     return _len(15, body)
+
+
+def _ids(ctx: Any, parent: Any) -> tuple[bytes, bool]:
+    """A span's trace id, span id, trace state and parent span id fields, and whether its parent is remote."""
+    head = b"\x0a\x10" + ctx.trace_id.to_bytes(16, "big") + b"\x12\x08" + ctx.span_id.to_bytes(8, "big")
+    if ctx.trace_state:
+        head += _len(3, ctx.trace_state.to_header().encode())
+    if parent is None:
+        return head, False
+    return head + b"\x22\x08" + parent.span_id.to_bytes(8, "big"), bool(parent.is_remote)

@@ -228,21 +228,22 @@ def test_random_interleavings_keep_the_fan_out_safe_and_quiescent(targets: int, 
             stuck.add(leg)
             run(f.on_write_stuck(leg, now))  # stays in flight until released or its hold deadline
 
-    seen: list[tuple[str, int]] = []
+    ended = False  # the first prefill finished or failed
     for kind, i in events:
         d = i % targets
-        seen.append((kind, i))
         now += 0.5
         if kind == "reg":
             registered.add(d)
             run(f.on_registration(reg(d, deadline=now + 40), now, ranks))
         elif kind == "finish":
+            ended = True
             rid = next(prefills)
             run(f.on_prefill_finished(KEY, rid, blocks_of(rid), now, 32))
         elif kind == "fail":
+            ended = True
             rid = next(prefills)
             run(f.on_prefill_failed(KEY, "x", now, held=rid if i % 2 else None))
-        elif kind == "progress" and not any(k in ("finish", "fail") for k, _ in seen):
+        elif kind == "progress" and not ended:
             # P's scheduler reports progress only while the prefill runs: never after it finished or failed
             run(f.on_prefill_progress(PrefillProgress("p1", KEY, BLOCKS[: 1 + i % 2], 2, 32), now))
         elif kind in ("done", "err", "stuck") and in_flight:
