@@ -138,13 +138,17 @@ class EngineSpec:
     @property
     def dp_size(self) -> int:
         """The engine's data-parallel ranks: `--data-parallel-size N` in its extra args (1 without it)."""
-        args = self.extra_args
-        for i, arg in enumerate(args):
-            if arg == "--data-parallel-size" and i + 1 < len(args):
-                return int(args[i + 1])
-            if arg.startswith("--data-parallel-size="):
-                return int(arg.split("=", 1)[1])
-        return 1
+        return _flag_int(self.extra_args, "--data-parallel-size")
+
+    @property
+    def tp_size(self) -> int:
+        """The engine's tensor-parallel ranks: `--tensor-parallel-size N` in its extra args (1 without it)."""
+        return _flag_int(self.extra_args, "--tensor-parallel-size")
+
+    @property
+    def cpu_ranks(self) -> int:
+        """The worker ranks vLLM CPU binds OpenMP for, one CPU list each: every (DP, TP) rank of the engine."""
+        return self.dp_size * self.tp_size
 
     def kv_event_ports(self) -> list[int]:
         """The ports its KV-event publishers and replay sockets bind (every rank); none when events are off."""
@@ -167,18 +171,20 @@ class EngineSpec:
 
     def prefill_arg(self) -> str:
         """The router's `--prefill` SPEC for this engine: its URL and, with a connector, its NIXL identity
-        (`URL,engine_id=...,side_port=...`). Without an engine id the router learns the identity itself."""
+        (`URL,engine_id=...,side_port=...`, and `,tp=N` at TP > 1: a push decode leg leaves before prefill's
+        answer states its TP). Without an engine id the router learns the identity itself."""
         if self.http_port == 0:
             raise ValueError(f"{self.name}: resolve ports before naming the engine to the router")
         if self.connector is None or self.engine_id is None or not self.side_port:
             return self.url
-        return prefill_arg(self.url, self.engine_id, self.side_port)
+        return prefill_arg(self.url, self.engine_id, self.side_port, self.tp_size)
 
 
-def prefill_arg(url: str, engine_id: str, side_port: int) -> str:
+def prefill_arg(url: str, engine_id: str, side_port: int, tp_size: int = 1) -> str:
     """The router's `--prefill` SPEC of a push prefill at `url` with this NIXL identity, for stand-ins and
     simulators too (an engine of ours says it with `EngineSpec.prefill_arg`)."""
-    return f"{url},engine_id={engine_id},side_port={side_port}"
+    tp = f",tp={tp_size}" if tp_size > 1 else ""
+    return f"{url},engine_id={engine_id},side_port={side_port}{tp}"
 
 
 def spec_problems(spec: EngineSpec) -> list[str]:
@@ -262,6 +268,16 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
     return config
 
 
+def _flag_int(args: Sequence[str], flag: str) -> int:
+    """The integer value of `flag` (`FLAG N` or `FLAG=N`) in vLLM's args, 1 without it."""
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return int(args[i + 1])
+        if arg.startswith(f"{flag}="):
+            return int(arg.split("=", 1)[1])
+    return 1
+
+
 def engine_argv(
     spec: EngineSpec, python: str = sys.executable, start_cores: Sequence[int] | None = None
 ) -> tuple[str, ...]:
@@ -307,11 +323,11 @@ def vllm_env(
     side_port: int | None,
     repo_root: Path = REPO_ROOT,
     base: Mapping[str, str] | None = None,
-    dp_size: int = 1,
+    ranks: int = 1,
 ) -> dict[str, str]:
     """Environment for a vLLM process on this box: base (default os.environ) plus the stack's settings.
 
-    Offline, loopback only, 1 GiB of KV cache, OpenMP bound to `core` (one list per data-parallel rank), the
+    Offline, loopback only, 1 GiB of KV cache, OpenMP bound to `core` (one list per worker rank: DP x TP), the
     NIXL side channel on side_port, and PYTHONPATH set to the harness (stack/site) and the repository (replacing
     any inherited value) with both harness switches on (threads kept on `core`).
     """
@@ -326,9 +342,10 @@ def vllm_env(
             "VLLM_NIXL_SIDE_CHANNEL_HOST": LOOPBACK,
             "UCX_NET_DEVICES": "lo",
             "VLLM_CPU_KVCACHE_SPACE": "1",
-            # vLLM CPU binds OpenMP per data-parallel rank: one CPU list per rank ("0|0"), else every rank
-            # but the first fails to start ("CPU id list [] doesn't match local world size 1").
-            "VLLM_CPU_OMP_THREADS_BIND": "|".join([str(core)] * dp_size),
+            # vLLM CPU binds OpenMP per worker rank (data- and tensor-parallel): one CPU list per rank ("0|0"),
+            # else every rank but the first fails to start ("CPU id list [] doesn't match local world size 1").
+            # Every rank of an engine shares its core: a TP=2 engine is one engine's worth of cores here.
+            "VLLM_CPU_OMP_THREADS_BIND": "|".join([str(core)] * ranks),
             "PYTHONPATH": f"{repo_root / 'stack' / 'site'}{os.pathsep}{repo_root}",
             "KVPUSH_NIXL_NO_PROG_THREAD": "1",
             "KVPUSH_KEEP_AFFINITY": "1",
@@ -351,7 +368,7 @@ def process_spec(
 ) -> ProcessSpec:
     """The ManagedProcess description of a resolved engine spec (ready when GET /health is 200); on a link the
     environment is the link's (UCX over TCP on the engine's NIC, its own address: stack.link.plan.engine_env)."""
-    env = vllm_env(core=spec.core, side_port=spec.side_port, base=base_env, dp_size=spec.dp_size)
+    env = vllm_env(core=spec.core, side_port=spec.side_port, base=base_env, ranks=spec.cpu_ranks)
     return ProcessSpec(
         name=spec.name,
         argv=engine_argv(spec, python, start_cores),

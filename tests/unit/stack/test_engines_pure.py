@@ -190,8 +190,8 @@ class TestEnvironment:
         vllm_env(core=0, side_port=1, base=base)
         assert base == {"PATH": "/bin"}
 
-    def test_openmp_is_bound_once_per_data_parallel_rank(self) -> None:
-        assert vllm_env(core=0, side_port=None, base={}, dp_size=2)["VLLM_CPU_OMP_THREADS_BIND"] == "0|0"
+    def test_openmp_is_bound_once_per_worker_rank(self) -> None:
+        assert vllm_env(core=0, side_port=None, base={}, ranks=2)["VLLM_CPU_OMP_THREADS_BIND"] == "0|0"
 
     def test_an_engine_with_data_parallel_ranks_gets_one_bind_list_per_rank(self) -> None:
         dp2 = dataclasses.replace(push_prefill(), extra_args=("--data-parallel-size", "2"))
@@ -199,6 +199,13 @@ class TestEnvironment:
         assert (push_prefill().dp_size, dp2.dp_size, dp3.dp_size) == (1, 2, 3)
         bind = process_spec(dp2, Path("/logs"), python="py", base_env={}).env["VLLM_CPU_OMP_THREADS_BIND"]
         assert bind == "|".join([str(dp2.core)] * 2)
+
+    def test_every_tensor_parallel_rank_of_every_data_parallel_rank_gets_a_bind_list_on_the_engine_core(self) -> None:
+        tp2 = dataclasses.replace(push_prefill(), core=1, extra_args=("--tensor-parallel-size", "2"))
+        both = dataclasses.replace(tp2, extra_args=("--tensor-parallel-size=2", "--data-parallel-size", "2"))
+        assert (tp2.tp_size, tp2.cpu_ranks, both.cpu_ranks) == (2, 2, 4)
+        binds = [process_spec(s, Path("/logs"), python="py", base_env={}).env for s in (tp2, both)]
+        assert [env["VLLM_CPU_OMP_THREADS_BIND"] for env in binds] == ["1|1", "1|1|1|1"]
 
     def test_the_harness_folder_exists_where_the_env_points(self) -> None:
         site = vllm_env(core=0, side_port=None, base={})["PYTHONPATH"].split(":")[0]
@@ -241,6 +248,14 @@ class TestPrefillArg:
         assert worker.url == "http://127.0.0.1:8100"
         assert worker.identity is not None
         assert (worker.identity.engine_id, worker.identity.host, worker.identity.port) == ("p-id", "127.0.0.1", 5600)
+
+    def test_a_tensor_parallel_prefill_states_its_tp_size_to_the_router(self) -> None:
+        from router.config import parse_prefill_spec
+
+        tp2 = dataclasses.replace(push_prefill(), extra_args=("--tensor-parallel-size", "2"))
+        assert tp2.prefill_arg().endswith(",side_port=5600,tp=2")
+        identity = parse_prefill_spec(tp2.prefill_arg()).identity
+        assert identity is not None and identity.tp_size == 2
 
 
 def test_every_engine_reports_its_cached_prompt_tokens() -> None:
