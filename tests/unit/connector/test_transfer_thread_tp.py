@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -25,6 +26,7 @@ from connector.options import Options
 from connector.orders import CancelOrder
 from connector.rendezvous import Timeouts
 from connector.topology import RankId, heads_of, plan
+from connector.transfer import WriteTicket
 from connector.transfer_thread import Results, TransferThread
 from tests.unit.connector.side_channel_fake import LoopbackSideChannel
 
@@ -42,19 +44,25 @@ class Rank:
     backend: MemoryBackend
     kv: list[np.ndarray]  # per region: [BLOCKS, heads of this rank, HEAD_BYTES]
     results: Results = field(default_factory=Results)
+    reports: Counter[str] = field(default_factory=Counter)  # how often each id was reported released or received
 
     def collect(self) -> Results:
-        self.results.merge(self.thread.collect_results())
+        new = self.thread.collect_results()
+        self.reports.update([*new.released, *new.received])
+        self.results.merge(new)
         return self.results
 
 
-def make_engine(fabric: MemoryFabric, name: str, tp: int, model: np.ndarray | None, pp: int = 1) -> list[Rank]:
-    """``model``: the whole KV [REGIONS, BLOCKS, HEADS, HEAD_BYTES] (prefill) or None (decode: zeros). ``pp`` 2:
-    stage s holds layer (region) s; ranks in (stage, tp) order, rank (s, t) on port0 + s x tp + t."""
+def make_engine(
+    fabric: MemoryFabric, name: str, tp: int, model: np.ndarray | None, pp: int = 1, kv_heads: int = HEADS
+) -> list[Rank]:
+    """``model``: the whole KV [REGIONS, BLOCKS, kv_heads, HEAD_BYTES] (prefill) or None (decode: zeros). ``pp`` 2:
+    stage s holds layer (region) s; ranks in (stage, tp) order, rank (s, t) on port0 + s x tp + t. With
+    ``tp > kv_heads`` each rank holds one head, replicated over ``tp / kv_heads`` ranks (as vLLM does)."""
     port0 = next(_PORTS)
     ranks = []
     for s, r in itertools.product(range(pp), range(tp)):
-        heads = heads_of(r, tp, HEADS)
+        heads = heads_of(r, tp, kv_heads)
         layers = range(REGIONS) if pp == 1 else range(s, s + 1)
         kv = [
             np.ascontiguousarray(model[g][:, list(heads)])
@@ -63,7 +71,7 @@ def make_engine(fabric: MemoryFabric, name: str, tp: int, model: np.ndarray | No
             for g in layers
         ]
         layout = KVLayout("DRAM", 0, 16, tuple(Region(a.ctypes.data, len(heads) * HEAD_BYTES, BLOCKS) for a in kv))
-        info = RankInfo(tp, pp, RankId(s, r), HEADS, heads, HEAD_BYTES, (layers[0], layers[-1] + 1))
+        info = RankInfo(tp, pp, RankId(s, r), kv_heads, heads, HEAD_BYTES, (layers[0], layers[-1] + 1))
         backend = MemoryBackend(fabric, f"agent-{name}-{s}-{r}", layout)
         thread = TransferThread(
             backend,
@@ -143,7 +151,7 @@ def start(p: Engine, d: Engine, req: str = "d1", key: str = "t:1") -> None:
 
 def heads_landed(d: Engine, model: np.ndarray) -> bool:
     for r, rank in enumerate(d.ranks):
-        heads = list(heads_of(r, len(d.ranks), HEADS))
+        heads = list(heads_of(r, len(d.ranks), model.shape[2]))
         for g in range(REGIONS):
             if not np.array_equal(rank.kv[g][list(D_BLOCKS)], model[g][list(P_BLOCKS)][:, heads]):
                 return False
@@ -302,6 +310,61 @@ def test_a_failing_stage_fails_the_request_and_frees_only_when_no_stage_can_land
         assert d.failed("d1")
         assert nothing_in_flight_to(p, d)
         assert d.ranks[0].thread._decode.live == 0
+    finally:
+        for rank in d.ranks + p.ranks:
+            rank.thread.close()
+
+
+# (KV heads, P tp, D tp) with tp > KV heads on at least one side: every path (equal TP, P_tp > D_tp with idle
+# replicas, P_tp < D_tp fan-out to every D rank holding a copy)
+REPLICATED = [(2, 4, 4), (2, 4, 2), (2, 4, 1), (2, 2, 4), (2, 1, 4), (1, 2, 2), (1, 2, 1), (1, 1, 2), (1, 4, 4)]
+
+
+def spy_writes(p: Engine, d: Engine) -> list[tuple[int, int, int]]:
+    """Every WRITE P's ranks post, as (P rank, D rank, bytes): the transfer threads' own backend seam, observed."""
+    d_rank = {rank.backend.agent_name: i for i, rank in enumerate(d.ranks)}
+    posted: list[tuple[int, int, int]] = []
+    for i, rank in enumerate(p.ranks):
+        real = rank.backend.write
+
+        def write(agent: str, *args: object, _i: int = i, _real: Callable[..., WriteTicket] = real) -> WriteTicket:
+            ticket = _real(agent, *args)
+            posted.append((_i, d_rank[agent], ticket.num_bytes))
+            return ticket
+
+        rank.backend.write = write  # type: ignore[method-assign,assignment]
+    return posted
+
+
+@pytest.mark.parametrize(("kv_heads", "p_tp", "d_tp"), REPLICATED, ids=[f"H{h}-P{p}-D{d}" for h, p, d in REPLICATED])
+def test_a_replicated_kv_head_is_written_once_into_every_d_rank_that_holds_a_copy(
+    kv_heads: int, p_tp: int, d_tp: int
+) -> None:
+    """tp > num_kv_heads: each D rank gets each of its heads exactly once, from the one P rank the topology picks
+    among the head's holders (never a second copy from another holder), bytes equal to P's; every P rank
+    reports its blocks released once, including a replica no D rank registered with (at its lease), and every
+    D rank reports the request received once."""
+    model = np.random.default_rng(11).integers(1, 256, (REGIONS, BLOCKS, kv_heads, HEAD_BYTES), dtype=np.uint8)
+    fabric = MemoryFabric()
+    p = Engine(make_engine(fabric, "P", p_tp, model, kv_heads=kv_heads))
+    d = Engine(make_engine(fabric, "D", d_tp, None, kv_heads=kv_heads))
+    posted = spy_writes(p, d)
+    try:
+        start(p, d)
+        wait_for(lambda: d.finished("d1") and p.released("p1"))
+        assert not d.failed("d1")
+        assert heads_landed(d, model)  # every D rank holds its (replicated) heads of P's blocks, nothing else
+        topology = plan(p_tp=p_tp, d_tp=d_tp, num_kv_heads=kv_heads, head_bytes=HEAD_BYTES, num_layers=1)
+        assert sorted((src, dst) for src, dst, _ in posted) == sorted((leg.src.tp, leg.dst) for leg in topology.legs)
+        for r in range(d_tp):  # one copy of each of its heads, in every block of every layer
+            expected = len(heads_of(r, d_tp, kv_heads)) * HEAD_BYTES * len(D_BLOCKS) * REGIONS
+            assert sum(n for _, dst, n in posted if dst == r) == expected
+        wait_for(lambda: all(rank.thread._prefill.live == 0 for rank in p.ranks))
+        for engine in (p, d):
+            engine.step("d1")
+        assert [rank.reports["p1"] for rank in p.ranks] == [1] * p_tp
+        assert [rank.reports["d1"] for rank in d.ranks] == [1] * d_tp
+        assert nothing_in_flight_to(p, d)
     finally:
         for rank in d.ranks + p.ranks:
             rank.thread.close()
