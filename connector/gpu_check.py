@@ -64,6 +64,8 @@ class CheckConfig:
     backends: tuple[str, ...] = ("UCX",)
     seed: int = 7
     corrupt: bool = False  # flip one byte of one written block on D before hashing (proves the check fails)
+    p_tp: int = 1  # prefill ranks (one process each): > 1 or d_tp > 1 runs connector.gpu_check_tp
+    d_tp: int = 1  # decode ranks
 
     @property
     def decode_device(self) -> str:
@@ -85,6 +87,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[CheckConfig, str | None]:
     p.add_argument("--deadline", type=float, default=270.0, help="seconds for the whole check")
     p.add_argument("--backends", default="UCX", help="comma-separated NIXL backends")
     p.add_argument("--corrupt", action="store_true", help="flip a byte on D after the WRITE (must fail)")
+    p.add_argument("--p-tp", type=int, default=1, help="prefill TP ranks, one process each (--heads split by rank)")
+    p.add_argument("--d-tp", type=int, default=1, help="decode TP ranks, one process each")
     p.add_argument("--json", default=None, help="write the result here")
     a = p.parse_args(argv)
     cfg = CheckConfig(
@@ -95,6 +99,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[CheckConfig, str | None]:
         deadline_s=a.deadline,
         backends=tuple(b for b in a.backends.split(",") if b),
         corrupt=a.corrupt,
+        p_tp=a.p_tp,
+        d_tp=a.d_tp,
     )
     if a.device == "cpu":
         cfg = replace(cfg, **CPU_DEFAULTS)
@@ -102,6 +108,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[CheckConfig, str | None]:
     cfg = replace(cfg, **{k: getattr(a, k) for k in sizes if getattr(a, k) is not None})
     if not 0 < cfg.write_blocks <= cfg.blocks // 2:
         p.error(f"--write-blocks must be in 1..{cfg.blocks // 2} (half the cache: P and D blocks must differ)")
+    if cfg.p_tp < 1 or cfg.d_tp < 1:
+        p.error("--p-tp and --d-tp must be >= 1")
+    if (cfg.p_tp > 1 or cfg.d_tp > 1) and cfg.layout != "LBHNC":
+        p.error("--p-tp/--d-tp need --layout LBHNC (a rank's heads are byte ranges of a block only there)")
+    from connector.topology import TopologyError, plan
+
+    try:
+        plan(p_tp=cfg.p_tp, d_tp=cfg.d_tp, num_kv_heads=cfg.heads, head_bytes=1, num_layers=cfg.layers)
+    except TopologyError as exc:
+        p.error(str(exc))
     return cfg, a.json
 
 
@@ -157,15 +173,20 @@ def plan_rounds(cfg: CheckConfig) -> list[tuple[str, tuple[int, ...], tuple[int,
 
 
 class _Peer:
-    """P or D inside its process: the cache, its description, the NIXL backend."""
+    """P or D inside its process: the cache, its description, the NIXL backend. Under TP, TP rank ``rank`` of
+    its side: its cache holds only that rank's heads (``connector.topology.heads_of``), P's bytes seeded per rank."""
 
-    def __init__(self, role: str, cfg: CheckConfig) -> None:
+    def __init__(self, role: str, cfg: CheckConfig, rank: int = 0) -> None:
         import torch
 
         from connector.kvcache import describe_kv_caches
+        from connector.topology import heads_of
         from connector.transfer import NixlBackend
 
-        self.role, self.cfg = role, cfg
+        self.role, self.rank = role, rank
+        self.total_heads = cfg.heads
+        tp = cfg.p_tp if role == "P" else cfg.d_tp
+        self.cfg = cfg = replace(cfg, heads=len(heads_of(rank, tp, cfg.heads)), seed=cfg.seed + rank)
         self.device = cfg.device if role == "P" else cfg.decode_device
         self.torch = torch
         self.timings: dict[str, float] = {}
@@ -191,7 +212,7 @@ class _Peer:
             for (_, off), r in zip(self.kv.region_offsets, self.kv.regions, strict=True)
         ]
         t = time.perf_counter()
-        name = f"kvpush-gpucheck-{role}-{os.getpid()}"
+        name = f"kvpush-gpucheck-{role}{rank}-{os.getpid()}"
         self.backend = NixlBackend(name, self.layout, cfg.backends, registrations=self.kv.registrations())
         self.registrations = len(self.kv.storages)  # one per backing storage, not one per layer
         self.timings["backend_s"] = time.perf_counter() - t
@@ -210,7 +231,7 @@ class _Peer:
             model_dtype=self.cfg.dtype,
             cache_dtype="auto",
             attn_backend="none",
-            num_kv_heads=self.cfg.heads,
+            num_kv_heads=self.total_heads,
             head_size=self.cfg.head_size,
             block_size=self.cfg.tokens,
             vllm_version="none",
@@ -232,6 +253,8 @@ class _Peer:
             "registrations": self.registrations,
             "descriptors": num_descriptors(self.layout),
             "block_bytes": sum(r.block_len for r in self.layout.regions),
+            "head_bytes": self.layout.regions[0].block_len // self.cfg.heads,  # one head of one block of a layer
+            "heads": self.cfg.heads,
             "timings": self.timings,
         }
 
@@ -240,11 +263,16 @@ class _Peer:
             return str(self.torch.cuda.get_device_name(self.raw.device))
         return platform.processor() or platform.machine()
 
-    def add_peer(self, raw_payload: bytes) -> float:
+    def add_peer(
+        self, raw_payload: bytes, slices: list[tuple[int, int, int]] | None = None, writes_to: bool = True
+    ) -> float:
+        """Load a peer; ``slices`` ((src, dst, length) byte ranges of each block): a TP leg writes only those."""
         from connector.metadata import HandshakePayload
+        from connector.topology import Slice
 
+        legs = tuple(Slice(*s) for s in slices) if slices is not None else None
         t = time.perf_counter()
-        self.backend.add_peer(HandshakePayload.decode(raw_payload))
+        self.backend.add_peer(HandshakePayload.decode(raw_payload), slices=legs, writes_to=writes_to)
         return time.perf_counter() - t
 
     def write(self, peer: str, src: list[int], dst: list[int], tag: str, reps: int, timeout_s: float) -> dict[str, Any]:
@@ -265,15 +293,19 @@ class _Peer:
         assert ticket is not None
         return {"state": "DONE", "seconds": seconds, "bytes": ticket.num_bytes, "descriptors": ticket.num_descriptors}
 
-    def await_notice(self, tag: str, reps: int, timeout_s: float) -> dict[str, Any]:
-        """D: poll notices until the last rep's notice of ``tag`` arrived."""
-        want = f"{NOTICE}:{tag}:{reps - 1}".encode()
+    def await_notice(self, tag: str | list[str], reps: int, timeout_s: float) -> dict[str, Any]:
+        """D: poll notices until the last rep's notice of ``tag`` (of every tag of a list: one per source rank)
+        arrived."""
+        tags = [tag] if isinstance(tag, str) else tag
+        want = {f"{NOTICE}:{t}:{reps - 1}".encode() for t in tags}
+        prefixes = tuple(f"{NOTICE}:{t}:".encode() for t in tags)
         seen = 0
         t = time.perf_counter()
         while time.perf_counter() - t < timeout_s:
             for _, msg in self.backend.poll_notices():
-                seen += msg.startswith(f"{NOTICE}:{tag}:".encode())
-                if msg == want:
+                seen += msg.startswith(prefixes)
+                want.discard(msg)
+                if not want:
                     return {"seen": seen, "seconds": time.perf_counter() - t}
         return {"seen": seen, "seconds": None}
 
@@ -291,6 +323,21 @@ class _Peer:
                 out.append(h.hexdigest())
         return out
 
+    def slice_hashes(self, blocks: list[int], ranges: list[tuple[int, int]]) -> list[str]:
+        """SHA-256 of each block id's ``(offset, length)`` byte ranges across all layers (a TP leg's slices)."""
+        self._sync()
+        out: list[str] = []
+        for start in range(0, len(blocks), 256):
+            ids = self.torch.tensor(blocks[start : start + 256], dtype=self.torch.long, device=self.raw.device)
+            host = [layer.index_select(0, ids).cpu().numpy() for layer in self.pages]
+            for k in range(len(ids)):
+                h = hashlib.sha256()
+                for layer in host:
+                    for offset, length in ranges:
+                        h.update(layer[k, offset : offset + length].tobytes())
+                out.append(h.hexdigest())
+        return out
+
     def nonzero_outside(self, written: list[int]) -> int:
         """Bytes that are not zero in blocks nobody wrote (D)."""
         mask = self.torch.ones(self.cfg.blocks, dtype=self.torch.bool, device=self.raw.device)
@@ -303,10 +350,10 @@ class _Peer:
         self._sync()
 
 
-def _peer_main(conn: Connection, role: str, cfg: CheckConfig) -> None:
+def _peer_main(conn: Connection, role: str, cfg: CheckConfig, rank: int = 0) -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     try:
-        peer = _Peer(role, cfg)
+        peer = _Peer(role, cfg, rank)
         conn.send(("ok", peer.ready()))
     except BaseException:  # noqa: BLE001  # reported to the parent (fails the check); the process ends
         conn.send(("error", traceback.format_exc()))
@@ -333,10 +380,11 @@ class CheckError(RuntimeError):
 
 
 class _Remote:
-    def __init__(self, ctx: Any, role: str, cfg: CheckConfig, deadline: float) -> None:
-        self.role, self.deadline = role, deadline
+    def __init__(self, ctx: Any, role: str, cfg: CheckConfig, deadline: float, rank: int = 0) -> None:
+        self.role, self.deadline = (f"{role}{rank}" if cfg.p_tp > 1 or cfg.d_tp > 1 else role), deadline
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_peer_main, args=(child, role, cfg), name=f"gpu-check-{role}", daemon=True)
+        name = f"gpu-check-{self.role}"
+        self.proc = ctx.Process(target=_peer_main, args=(child, role, cfg, rank), name=name, daemon=True)
         self.proc.start()
         child.close()
 
@@ -471,7 +519,7 @@ def summary(result: dict[str, Any]) -> str:
             lines.append(
                 f"  {row['name']}: {row['blocks']} blocks, {row['bytes'] / 2**20:.1f} MiB, {row['descriptors']} "
                 f"descriptors, WRITE best {min(row['write_s']) * 1e3:.2f} ms ({row['gbps_best']} GB/s, median "
-                f"{row['gbps_median']} GB/s), SHA-256 verified {row['verified']}/{row['blocks']}"
+                f"{row['gbps_median']} GB/s), SHA-256 verified {row['verified']}/{row.get('slices', row['blocks'])}"
             )
         else:
             lines.append(f"  {row['name']}: WRITE {row['state']}")
@@ -483,7 +531,12 @@ def summary(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     cfg, json_path = parse_args(argv)
-    result = run_check(cfg)
+    if cfg.p_tp > 1 or cfg.d_tp > 1:
+        from connector.gpu_check_tp import run_tp_check
+
+        result = run_tp_check(cfg)
+    else:
+        result = run_check(cfg)
     print(summary(result), flush=True)
     if json_path:
         with open(json_path, "w") as f:

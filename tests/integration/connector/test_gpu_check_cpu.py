@@ -67,6 +67,33 @@ def test_a_corrupted_block_fails_the_check(tmp_path: Path) -> None:
     assert "kvpush GPU check: FAIL" in output
 
 
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 4)], ids=["P2-D1", "P1-D4"])
+def test_a_tp_pair_as_rank_processes_writes_each_leg_s_head_slices(tmp_path: Path, p_tp: int, d_tp: int) -> None:
+    """--p-tp/--d-tp: one process per rank, each holding its heads of the CPU defaults' 2 (P2-D1: each P rank
+    writes its head into a slice of D's blocks; P1-D4: heads replicated on D, P writes each D rank's copy), every
+    leg's byte ranges SHA-256-checked on D, untouched blocks zero."""
+    rc, result, output = run_check(tmp_path, "--p-tp", str(p_tp), "--d-tp", str(d_tp))
+    assert rc == 0, output
+    assert set(result["peers"]) == {*(f"P{r}" for r in range(p_tp)), *(f"D{r}" for r in range(d_tp))}
+    assert len(result["legs"]) == max(p_tp, d_tp)
+    assert all(len(leg["slices"]) == 1 for leg in result["legs"])  # one head per leg, a byte range of each block
+    rounds = {row["name"]: row for row in result["rounds"]}
+    assert set(rounds) == {"bulk", "scattered", "prefix-hit"}
+    for row in rounds.values():
+        assert row["state"] == "DONE" and row["verified"] == row["slices"] == row["blocks"] * len(result["legs"])
+        assert row["mismatched"] == []
+    assert result["untouched_nonzero_bytes"] == 0
+    assert "kvpush GPU check: PASS" in output
+
+
+def test_a_corrupted_slice_fails_the_tp_check(tmp_path: Path) -> None:
+    rc, result, output = run_check(tmp_path, "--p-tp", "2", "--d-tp", "1", "--corrupt")
+    assert rc == 1, output
+    bulk = next(row for row in result["rounds"] if row["name"] == "bulk")
+    assert bulk["verified"] == bulk["slices"] - 1 and len(bulk["mismatched"]) == 1
+    assert "kvpush GPU check: FAIL" in output
+
+
 def test_strided_descriptor_rows_address_the_same_blocks_as_the_full_list() -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     from nixl._api import nixl_agent, nixl_agent_config

@@ -36,6 +36,15 @@ def test_cpu_gets_small_defaults_and_explicit_sizes_win() -> None:
     assert parse_args(["--d-device", "cuda:1"])[0].decode_device == "cuda:1"
 
 
+def test_tp_ranks_are_parsed_and_a_split_the_heads_do_not_allow_is_refused() -> None:
+    cfg, _ = parse_args(["--device", "cpu", "--p-tp", "2", "--d-tp", "4"])
+    assert (cfg.p_tp, cfg.d_tp, cfg.heads) == (2, 4, 2)
+    assert parse_args([])[0].p_tp == parse_args([])[0].d_tp == 1
+    for bad in (["--p-tp", "0"], ["--p-tp", "3"], ["--d-tp", "2", "--layout", "LBNHC"]):
+        with pytest.raises(SystemExit):  # 3 ranks over 8 heads; heads are byte ranges of a block only in LBHNC
+            parse_args(bad)
+
+
 def test_a_bulk_round_larger_than_half_the_cache_is_refused() -> None:
     with pytest.raises(SystemExit):
         parse_args(["--device", "cpu", "--blocks", "20", "--write-blocks", "11"])
