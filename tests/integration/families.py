@@ -58,6 +58,7 @@ class FamilySpec:
     module: str | None = None
     n_prefill: int = 1
     prefill_args: tuple[tuple[str, ...], ...] = ()  # vLLM flags of prefill i (the rest get none)
+    decode_args: tuple[str, ...] = ()  # vLLM flags of the decode
     extra_args: tuple[str, ...] = ()  # vLLM flags of every engine
     connector_extra: tuple[tuple[str, Any], ...] = ()  # every engine's kv_connector_extra_config, as pairs
     kv_events: bool = False  # every engine publishes its KV events (stack.engines.KV_EVENT_OFFSETS)
@@ -75,6 +76,7 @@ class FamilySpec:
             n_prefill=self.n_prefill,
             engine_suffix=suffix,
             prefill_args=self.prefill_args,
+            decode_args=self.decode_args,
             extra_args=(*self.extra_args, *traces),
             connector_extra=dict(self.connector_extra),
             kv_events=KV_EVENT_OFFSETS if self.kv_events else None,
