@@ -232,6 +232,7 @@ class LayeredBackend:
             w.parts.on_part_failed()
             return None
         w.parts.on_posted(span, with_notice)
+        logger.debug("kvpush layer part %d-%d of %d posted, notice %s", span[0], span[1], self.num_layers, with_notice)
         w.handles.append(ticket.handle)
         w.running.append(ticket.handle)
         self.parts_posted += 1

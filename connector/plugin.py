@@ -184,8 +184,9 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vllm is unty
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         # push_granularity "layer": this layer's part of the step's pushes may be written now; "step": nothing
         # (prefill's blocks are pushed whole, from the end of the step that computed them)
-        if self._worker is not None:
-            self._worker.save_layer(layer_name)
+        meta = self._get_connector_metadata() if self._worker is not None else None
+        if self._worker is not None and isinstance(meta, KvpushMetadata):
+            self._worker.save_layer(layer_name, meta.plan)
 
     def wait_for_save(self) -> None:
         assert self._worker is not None

@@ -52,6 +52,7 @@ def this_rank() -> RankId:
 class WorkerHalf:
     _layer_index: Mapping[str, int] = MappingProxyType({})  # push_granularity "layer": layer name -> region
     _step_layers: StepLayers | None = None  # this step's, while it computes prompt blocks to push (layer-wise)
+    _started: StepPlan | None = None  # the step whose orders went in (layer-wise: at most once per step)
 
     def __init__(
         self, vllm_config: VllmConfig, engine_id: str, side_host: str, side_port: int, rank: RankId | None = None
@@ -155,8 +156,13 @@ class WorkerHalf:
         return compatibility_signature(fields)
 
     def start(self, plan: StepPlan) -> None:
-        if self._thread is None or plan.is_empty():
+        """``start_load_kv``: the step's orders. vLLM calls it before the forward only when the step has sync
+        KV loads, else after the forward (vLLM 0.32): layer-wise, the first ``save_layer`` of the step starts
+        it instead (its pushes must be ordered before their layers are marked), and this call is then a no-op."""
+        if self._thread is None or plan.is_empty() or self._started is plan:
             return
+        if self._layer_index:
+            self._started = plan
         orders: list[Order] = [
             *plan.register,
             *(CancelOrder(r) for r in plan.cancel),
@@ -175,13 +181,18 @@ class WorkerHalf:
             for push in pushes:
                 self._thread.submit(push, READY, self._step_layers)
 
-    def save_layer(self, layer_name: str) -> None:
+    def save_layer(self, layer_name: str, plan: StepPlan) -> None:
         """``save_kv_layer``: this layer's KV of the step is in the cache once an event recorded now completed.
-        Only a mark and a wake-up: the owner thread posts the part (the forward never waits on NIXL)."""
+        Only a mark and a wake-up: the owner thread posts the part (the forward never waits on NIXL). The
+        step's orders go in first if ``start_load_kv`` did not come yet (``start``)."""
+        if not self._layer_index:
+            return
+        self.start(plan)
         layers, index = self._step_layers, self._layer_index.get(layer_name)
         if layers is None or index is None or self._thread is None:
             return
         layers.mark(index, self._fence.record())
+        logger.debug("kvpush layer %d marked", index)
         self._thread.kick()
 
     def end_of_step(self, plan: StepPlan) -> None:
@@ -195,8 +206,10 @@ class WorkerHalf:
         if self._layer_index:  # layer-wise: the orders went in ``start``; layers not marked are ready after the step
             if self._step_layers is not None:
                 self._step_layers.close(self._fence.record())
+                logger.debug("kvpush layer step closed")
                 self._step_layers = None
                 self._thread.kick()
+            self._started = None
             return
         orders: list[Order] = [*plan.progress, *plan.completing]
         if not orders:

@@ -83,7 +83,8 @@ def points(rows: Sequence[Row], chunk_tokens: int) -> list[Point]:
     """Every kvpush point of the run that the simulator models, in the table's order."""
     seeds = arrival_seeds(rows)
     out = []
-    kvpush = [r for r in rows if r.get("router") == "kvpush"]
+    # the layer-wise connectors are not modelled
+    kvpush = [r for r in rows if r.get("router") == "kvpush" and r.get("connector") in SIM_MODE]
     for (n, preset, qps, conn), rs in sorted(
         group(kvpush, "input_len", "link", "qps", "connector").items(),
         key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2], list(SIM_MODE).index(kv[0][3])),

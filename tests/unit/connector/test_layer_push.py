@@ -316,8 +316,8 @@ def test_the_worker_orders_pushes_at_step_start_and_marks_layers_as_vllm_saves_t
     worker.start(plan)
     [(order, ready, step)] = thread.submitted
     assert order is finished and ready is READY and step is not None, "layer-wise orders enter at step start"
-    worker.save_layer("model.layers.0.attn")
-    worker.save_layer("model.layers.9.attn")  # not a registered region (an alias): ignored
+    worker.save_layer("model.layers.0.attn", plan)
+    worker.save_layer("model.layers.9.attn", plan)  # not a registered region (an alias): ignored
     assert len(fence.events) == 1 and thread.kicks == 1
     fence.events[0].done = True
     assert step.ready() == 1
@@ -325,8 +325,32 @@ def test_the_worker_orders_pushes_at_step_start_and_marks_layers_as_vllm_saves_t
     assert len(thread.submitted) == 1, "nothing ordered twice"
     fence.events[1].done = True
     assert step.ready() == 2, "the layer vLLM did not report is ready after the step"
-    worker.save_layer("model.layers.0.attn")  # a step without pushes: nothing recorded
+    worker.save_layer("model.layers.0.attn", StepPlan())  # a step without pushes: nothing recorded
     assert len(fence.events) == 2
+
+
+def test_the_worker_orders_the_steps_pushes_at_its_first_layer_when_vllm_starts_it_after_the_forward() -> None:
+    # vLLM 0.32 calls start_load_kv after the forward when a step has no sync loads: before this, every layer of
+    # the link run 20261205T182006Z was unmarked at its save and all four were posted as one part after the step
+    worker = WorkerHalf.__new__(WorkerHalf)
+    fence, thread = FakeFence(), _Recorder()
+    worker._fence, worker._thread = fence, thread  # type: ignore[assignment]
+    worker._layer_index = {"model.layers.0.attn": 0, "model.layers.1.attn": 1}
+    finished = PrefillFinished("p1", "t:1", (1,))
+    plan = StepPlan(cancel=["d9"], completing=[finished])
+    worker.save_layer("model.layers.0.attn", plan)
+    assert [o for o, _, _ in thread.submitted] == [CancelOrder("d9"), finished], "the step's orders in start's order"
+    step = thread.submitted[1][2]
+    assert step is not None and len(fence.events) == 1
+    fence.events[0].done = True
+    assert step.ready() == 1, "layer 0 is marked as it is saved, not at the step's end"
+    worker.save_layer("model.layers.1.attn", plan)
+    worker.start(plan)  # start_load_kv after the forward
+    assert len(thread.submitted) == 2, "nothing ordered twice"
+    worker.end_of_step(plan)
+    next_step = StepPlan(completing=[PrefillFinished("p2", "t:3", (2,))])
+    worker.start(next_step)
+    assert len(thread.submitted) == 3, "the next step is a step of its own"
 
 
 def test_push_granularity_is_an_option() -> None:

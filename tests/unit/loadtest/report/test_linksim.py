@@ -62,3 +62,10 @@ def test_the_error_per_preset_is_the_median_absolute_gap_under_each_model() -> N
     lines = linksim.error_table(pts)
     assert lines[2] == "| a | 3 | 10 % | 10 % | 0 % | 0 % |"
     assert linksim.gap(None, 1.0) is None and linksim.gap(2.0, 1.0) == 1.0
+
+
+def test_connectors_the_simulator_does_not_model_are_left_out_of_its_table() -> None:
+    # the link run 20261205T180649Z died rendering: 'kvpush-layer' is not in SIM_MODE
+    rows = [*headline(500.0), row("kvpush-layer", 400.0), row("kvpush-layer-chunked", 400.0)]
+    modelled = [p.connector for p in linksim.points(headline(500.0), 256)]
+    assert [p.connector for p in linksim.points(rows, 256)] == modelled
