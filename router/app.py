@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import Message, Receive, Scope, Send
 
-from router import auth, protocol
+from router import auth, heap, protocol
 from router.answer import JsonAnswer
 from router.config import Settings
 from router.deciders.conversation import SESSION_HEADER
@@ -64,13 +64,18 @@ def create_app(
     transport: httpx.AsyncBaseTransport | None = None,
     clock: Callable[[], float] = time.monotonic,
     tracing: Tracing | None = None,
+    freeze_heap: bool = False,
 ) -> FastAPI:
-    """Everything is built here and in the lifespan; nothing lives at module level."""
+    """Everything is built here and in the lifespan; nothing lives at module level. `freeze_heap`: once the service
+    has started, start-up's objects are kept out of the garbage collector's walks (router/heap.py; the served
+    router does it, tests need not)."""
     service = Service(settings, transport=transport, clock=clock, tracing=tracing)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await service.start()
+        if freeze_heap:
+            heap.settle()
         try:
             yield
         finally:

@@ -213,7 +213,7 @@ def serve(argv: list[str]) -> int:
     from router.tracing import provider
 
     logs.configure(settings.log_level, settings.log_format)
-    app = create_app(settings, tracing=provider.build(plan))
+    app = create_app(settings, tracing=provider.build(plan), freeze_heap=True)
     if settings.server == "granian":
         from router import serve_granian
 

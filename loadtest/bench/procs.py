@@ -123,6 +123,15 @@ def group_cpu_seconds(pid: int) -> float:
     return total
 
 
+def loop_thread_cpu_ns(pid: int) -> int:
+    """CPU time (ns, /proc/<pid>/task/<pid>/schedstat) of `pid`'s main thread: a router's event loop, where its
+    requests are served (0 when there is no such process)."""
+    try:
+        return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def side_threads_cpu_ns(pid: int) -> int:
     """CPU time (ns, /proc/<pid>/task/*/schedstat) of `pid`'s live threads other than its main one: for a traced
     router, the span export thread and gRPC's, none of which serves requests. Threads that ended are not counted."""

@@ -165,6 +165,7 @@ def tracing_lines(rows: Sequence[Row]) -> list[str]:
             paired = _paired(rs, base_rows)
             side = _side(rs)
             out.append(f"| {conc} | {float(ratio) * 100:g} % | {_t(cpu)} | {more} | {paired} | {side} | {added} |")
+    out += _thread_lines(by, traced)
     note = (
         "Whole-process CPU on the shared box does not resolve a few per cent (two identical untraced routers "
         "differed by 3-4 %); where the extra CPU goes, thread by thread and in a profile, and what it adds up to: "
@@ -173,19 +174,64 @@ def tracing_lines(rows: Sequence[Row]) -> list[str]:
     return [*out, "", note, ""]
 
 
+LOOP = "loop_thread_us_per_req"
+SIDE = "side_threads_us_per_req"
+
+
+def _thread_lines(by: dict[Any, list[Row]], traced: Sequence[str]) -> list[str]:
+    """The same points per thread (schedstat, ns: no 10 ms ticks): the event loop's CPU per request, the other
+    threads', their sum, and the sum's paired ratio to the untraced front of the same repeat; nothing when the
+    rows carry no loop-thread figure (runs before it was recorded)."""
+    if not any(r.get(LOOP) is not None for rs in by.values() for r in rs):
+        return []
+    out = [
+        "",
+        "Per thread (each router thread's CPU from /proc/<pid>/task/<tid>/schedstat, in ns, around each point, "
+        "warm-up included; us per request, median (min-max) of the repeats; paired as above, on the threads' sum):",
+        "",
+        "| conc | tracing | loop thread | off-loop threads | all threads | all threads, paired, per repeat |",
+        "|---|---|---|---|---|---|",
+    ]
+    for conc in sorted({int(c) for c, _ in by}):
+        base_rows = by.get((conc, "off"), [])
+        for ratio in ("off", *traced):
+            rs = by.get((conc, ratio), [])
+            label = "off" if ratio == "off" else f"{float(ratio) * 100:g} %"
+            paired = "-" if ratio == "off" else _paired(_summed(rs), _summed(base_rows), "threads_us")
+            cells = " | ".join(_spread([float(r[k]) for r in rs if r.get(k) is not None]) for k in (LOOP, SIDE))
+            total = _spread([float(r["threads_us"]) for r in _summed(rs)])
+            out.append(f"| {conc} | {label} | {cells} | {total} | {paired} |")
+    return out
+
+
+def _summed(rows: Sequence[Row]) -> list[Row]:
+    """The rows with both per-thread figures, each with their sum as `threads_us`."""
+    return [
+        {**r, "threads_us": float(r[LOOP]) + float(r[SIDE])}
+        for r in rows
+        if r.get(LOOP) is not None and r.get(SIDE) is not None
+    ]
+
+
+def _spread(values: Sequence[float]) -> str:
+    if not values:
+        return "-"
+    return f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+
+
 def _side(rows: Sequence[Row]) -> str:
     """The median CPU per request of the router's threads besides its event loop (export, gRPC), in us."""
     values = [float(r["side_threads_us_per_req"]) for r in rows if r.get("side_threads_us_per_req") is not None]
     return f"{statistics.median(values):.1f}" if values else "-"
 
 
-def _paired(traced: Sequence[Row], untraced: Sequence[Row]) -> str:
-    """Each repeat's traced CPU per request over the untraced one's of the same repeat: median (min to max)."""
-    base: dict[Any, float] = {r.get("repeat"): float(r["cpu_s_per_1k"]) for r in untraced if r.get("cpu_s_per_1k")}
+def _paired(traced: Sequence[Row], untraced: Sequence[Row], key: str = "cpu_s_per_1k") -> str:
+    """Each repeat's traced CPU per request (`key`) over the untraced one's of the same repeat: median (min to max)."""
+    base: dict[Any, float] = {r.get("repeat"): float(r[key]) for r in untraced if r.get(key)}
     ratios = sorted(
-        100 * (float(r["cpu_s_per_1k"]) / base[r.get("repeat")] - 1)
+        100 * (float(r[key]) / base[r.get("repeat")] - 1)
         for r in traced
-        if r.get("cpu_s_per_1k") is not None and base.get(r.get("repeat"))
+        if r.get(key) is not None and base.get(r.get("repeat"))
     )
     if not ratios:
         return "-"

@@ -305,12 +305,16 @@ def _point(
     pid = front.proc.pid if front.proc else None
     if pid is None or front.tracing is None:
         return measure(point, run_dir, summary, progress, cpu_pid=pid)
-    before = procs.side_threads_cpu_ns(pid)
+    before, loop_before = procs.side_threads_cpu_ns(pid), procs.loop_thread_cpu_ns(pid)
     done = n + point.warmup
 
     def side_threads(_: Any) -> dict[str, Any]:
-        """The router's CPU off its event loop per request (export thread, gRPC's threads), in us: measured per
-        thread, unlike the process's whole CPU, so a few us show (bench/README.md "Tracing overhead")."""
-        return {"side_threads_us_per_req": (procs.side_threads_cpu_ns(pid) - before) / 1e3 / done}
+        """The router's CPU per request in us, per thread: off its event loop (export thread, gRPC's threads) and
+        on it; read in ns, unlike the process's whole CPU, so a few us show (bench/README.md "Tracing overhead")."""
+        side = (procs.side_threads_cpu_ns(pid) - before) / 1e3 / done
+        return {
+            "side_threads_us_per_req": side,
+            "loop_thread_us_per_req": (procs.loop_thread_cpu_ns(pid) - loop_before) / 1e3 / done,
+        }
 
     return measure(point, run_dir, summary, progress, cpu_pid=pid, finish=side_threads)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from collections.abc import AsyncIterator, MutableMapping
 from typing import Any
@@ -140,3 +141,18 @@ async def test_a_client_leaving_before_the_first_byte_closes_both_legs_and_frees
         assert service.admission.in_flight == 0
         assert all(w["in_flight"] == 0 for w in service.pool.snapshot())
         assert service.timings.query()[0]["outcome"] == "client_gone"
+
+
+async def test_the_served_router_freezes_its_start_up_heap_once_started_and_tests_by_default_do_not() -> None:
+    gc.unfreeze()
+    workers = FakeWorkers({"p0": prefill_ok(), "d0": decode_ok()})
+    plain = create_app(build_settings(SETTINGS), transport=workers.transport())
+    async with plain.router.lifespan_context(plain):
+        assert gc.get_freeze_count() == 0
+    served = create_app(build_settings(SETTINGS), transport=workers.transport(), freeze_heap=True)
+    assert gc.get_freeze_count() == 0  # not before the service has started
+    try:
+        async with served.router.lifespan_context(served):
+            assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

@@ -82,3 +82,27 @@ def test_a_suite_s_router_flags_reach_the_router_command(tmp_path: Path) -> None
     proc = procs.router_proc("r", 8123, "push", "http://p", "http://d", tmp_path, flags=("--timeout", "health=10"))
     argv = proc.spec.argv
     assert argv[-4:] == ("--log-level", "warning", "--timeout", "health=10")
+
+
+def test_loop_thread_cpu_counts_the_main_thread_only() -> None:
+    pid = os.getpid()
+    before = procs.loop_thread_cpu_ns(pid)
+    deadline = time.thread_time() + 0.05
+    while time.thread_time() < deadline:  # the main thread works: counted
+        pass
+    assert procs.loop_thread_cpu_ns(pid) - before >= 50_000_000 * 0.9
+    done = threading.Event()
+
+    def work() -> None:
+        end = time.thread_time() + 0.2
+        while time.thread_time() < end:
+            pass
+        done.set()
+
+    worker = threading.Thread(target=work)
+    middle = procs.loop_thread_cpu_ns(pid)
+    worker.start()
+    assert done.wait(10.0)
+    worker.join(10.0)
+    assert procs.loop_thread_cpu_ns(pid) - middle < 150_000_000  # the other thread's 200 ms are not
+    assert procs.loop_thread_cpu_ns(-1) == 0  # no such process

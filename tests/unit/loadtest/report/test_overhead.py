@@ -100,3 +100,33 @@ def test_a_tracing_run_stays_out_of_the_latest_overhead_run_and_feeds_its_own_ta
     assert latest([*full, *traced], "overhead") == full
     assert latest_tracing([*full, *traced]) == traced
     assert "Run 20261204T170000Z" in "\n".join(report_overhead.overhead_section(full, None, traced))
+
+
+def test_the_tracing_table_shows_the_routers_cpu_per_thread_and_pairs_the_threads_sum() -> None:
+    rows: list[dict[str, Any]] = []
+    for rep, (off_loop, on_loop) in enumerate(((1000.0, 1040.0), (1200.0, 1200.0), (900.0, 1000.0))):
+        rows += [
+            {
+                **over_row("kvpush", "push", 64, rep, 2.0, cpu_s_per_1k=1.0, tracing="off"),
+                "side_threads_us_per_req": 0.0,
+                "loop_thread_us_per_req": off_loop,
+            },
+            {
+                **over_row("kvpush", "push", 64, rep, 2.0, cpu_s_per_1k=1.1, tracing="1"),
+                "side_threads_us_per_req": 60.0,
+                "loop_thread_us_per_req": on_loop,
+            },
+        ]
+    lines = report_overhead.tracing_lines(rows)
+    on = next(x for x in lines if x.startswith("| 64 | 100 % | 1040.0"))
+    # loop 1040 (1000-1200), off-loop 60, sum 1100 (1060-1260); paired sums: +10 %, +5 %, +17.8 %
+    assert (
+        on == "| 64 | 100 % | 1040.0 (1000.0-1200.0) | 60.0 (60.0-60.0) | 1100.0 (1060.0-1260.0) | "
+        "+10.0 % (+5.0 to +17.8) |"
+    )
+    assert "| 64 | off | 1000.0 (900.0-1200.0) | 0.0 (0.0-0.0) | 1000.0 (900.0-1200.0) | - |" in lines
+
+
+def test_the_per_thread_table_is_left_out_for_rows_without_the_loop_figure() -> None:
+    rows = [over_row("kvpush", "push", 64, 0, 2.0, cpu_s_per_1k=1.0, tracing=t) for t in ("off", "1")]
+    assert not any(x.startswith("| conc | tracing | loop thread |") for x in report_overhead.tracing_lines(rows))
