@@ -279,6 +279,24 @@ def section(
     return out
 
 
+def earlier_part(latest_rows: Sequence[Row], earlier: Sequence[Row]) -> list[str]:
+    """Steps (prompt length, preset) that the latest link run did not measure, each from the newest earlier run
+    that did: a one-preset rerun keeps the other presets' tables in the report, each under its own run id."""
+    shown = set(steps(latest_rows))
+    out: list[str] = []
+    for run_id in sorted({str(r["run_id"]) for r in earlier if r.get("run_id")}, reverse=True):
+        run = [r for r in earlier if str(r.get("run_id")) == run_id]
+        for n, preset in steps(run):
+            if (n, preset) in shown:
+                continue
+            shown.add((n, preset))
+            mine = [r for r in run if int(r["input_len"]) == n and r.get("link") == preset]
+            out += [f"Run {run_id} (earlier):", "", step_header(mine), "", *step_table(mine), ""]
+    if not out:
+        return []
+    return ["### Earlier runs: steps the latest run did not measure", "", *out]
+
+
 def chunk_of(rows: Sequence[Mapping[str, Any]], default: int = 256) -> int:
     for r in rows:
         if (c := r.get("chunk_tokens")) is not None:

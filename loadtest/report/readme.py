@@ -104,8 +104,8 @@ REPRODUCE = [
 
 
 def link_section(rows: Sequence[Row], results_dir: Path | None) -> list[str]:
-    """The link suite's part (issue 21): its latest run, the loopback cpu-vllm run it is held against, and the
-    latest multi-turn run on a link; nothing before the first link run."""
+    """The link suite's part (issue 21): its latest run, the loopback cpu-vllm run it is held against, the latest
+    multi-turn run on a link, and the steps only earlier link runs measured; nothing before the first link run."""
     mine = latest(rows, "link")
     if not mine:
         return []
@@ -115,8 +115,10 @@ def link_section(rows: Sequence[Row], results_dir: Path | None) -> list[str]:
     plots = [f"![{name}](results/{name}.png)" for name in ("link", "link-ttft-cdf")]
     if results_dir is None or not (results_dir / "link.png").exists():
         plots = []
-    head = ["## link: the fronts on an emulated P-D network", "", f"Run {mine[0]['run_id']}.", ""]
-    return [*head, *body, "", *plots, ""]
+    newest = mine[0]["run_id"]
+    earlier = [r for r in rows if r.get("suite") == "link" and r.get("run_id") and r["run_id"] != newest]
+    head = ["## link: the fronts on an emulated P-D network", "", f"Run {newest}.", ""]
+    return [*head, *body, "", *link.earlier_part(mine, earlier), *plots, ""]
 
 
 def multiturn_section(

@@ -150,3 +150,17 @@ def test_the_wire_table_shows_ours_against_bare_nixl_per_preset_and_says_when_no
     assert "**missed** (limit 7.0 ms)" in lines[5]
     assert "Not run" in link.wire_part([])[0]
     assert "### Our connector at wire speed (issue 21 item 3)" in link.section(headline(500.0), [], [], wire=wire)
+
+
+def test_steps_the_latest_run_did_not_measure_come_from_the_newest_earlier_run_that_did() -> None:
+    latest = headline(500.0)
+    old_same = [row("upstream-pull", 1.0, run_id="r0")]
+    old_efa = [row("upstream-pull", 777.0, run_id="r0", link="efa-like")]
+    older_efa = [row("upstream-pull", 555.0, run_id="q9", link="efa-like")]
+    older_4k = [row("upstream-pull", 666.0, run_id="q9", input_len=4096)]
+    text = "\n".join(link.earlier_part(latest, [*old_same, *old_efa, *older_efa, *older_4k]))
+    assert "Run r0 (earlier):" in text and "efa-like, 1024-token prompts" in text and "777.0" in text
+    assert "Run q9 (earlier):" in text and "ethernet-100g-like, 4096-token prompts" in text and "666.0" in text
+    assert "555.0" not in text  # efa-like 1024 already shown from the newer run r0
+    assert "| 1.0 |" not in text and " 1.0 (" not in text  # the latest run's own step is not repeated
+    assert link.earlier_part(latest, old_same) == []
