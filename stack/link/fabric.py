@@ -31,7 +31,7 @@ from stack.link.holders import Holder, NetnsError, run
 from stack.link.meter import NicMeter
 from stack.link.plan import DEVICE, Place, Shaping, Subnet, pick_subnet
 
-__all__ = ["BRIDGE", "LOCK_PATH", "Link", "NicBytes", "remove_stale_host_links"]
+__all__ = ["BRIDGE", "LOCK_PATH", "Link", "NicBytes", "ensure_loopback", "loopback_up", "remove_stale_host_links"]
 
 BRIDGE = "br0"
 UPLINK = "up0"  # the host veth's end on the bridge
@@ -65,6 +65,20 @@ def _subnet_lock() -> Iterator[None]:
         os.close(fd)
 
 
+def loopback_up(ip_link_lo: str) -> bool:
+    """Whether `ip -o link show lo` says lo is up (UP among the flags in angle brackets)."""
+    flags = ip_link_lo.partition("<")[2].partition(">")[0]
+    return "UP" in flags.split(",")
+
+
+def ensure_loopback() -> None:
+    """Bring this namespace's `lo` up when it is down. The root namespace's is up; a fresh network namespace's is
+    not, and that is where a rootless harness runs (`unshare -Urn`): its router, load generator and the engines'
+    host-side ports all live on 127.0.0.1 (a bind there may even succeed while lo is down, then fail later)."""
+    if not loopback_up(run(["ip", "-o", "link", "show", "lo"])):
+        run(["ip", "link", "set", "lo", "up"])
+
+
 def remove_stale_host_links() -> list[str]:
     """Delete host veths `kvn-<pid>h` whose fabric holder is gone (normally the kernel already did)."""
     removed = []
@@ -95,6 +109,7 @@ class Link:
         if self._fabric is not None:
             raise RuntimeError("this link is already open")
         require_access()
+        ensure_loopback()  # the harness's own namespace may be a fresh one (rootless): its lo starts down
         remove_stale_host_links()
         fabric = self._fabric = Holder("fabric")
         try:

@@ -139,12 +139,15 @@ def test_a_sigkilled_harness_leaves_no_namespace_veth_or_process_behind(tmp_path
 
 
 ROOTLESS = """
-import json, sys
+import json, socket, sys
 from stack.link.fabric import Link
 from stack.link.plan import Shaping
 with Link(Shaping.for_rate(2e7)) as link:
     p, d = link.add("u-p"), link.add("u-d")
-    print(json.dumps({"addresses": [p.address, d.address], "nic": link.nic_bytes("u-p").tx}))
+    with socket.create_server(("127.0.0.1", 0)) as server:  # the router's and the engines' host-side ports
+        with socket.create_connection(server.getsockname(), timeout=5):
+            pass
+    print(json.dumps({"addresses": [p.address, d.address], "nic": link.nic_bytes("u-p").tx, "loopback": True}))
 """
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 
@@ -179,6 +182,7 @@ def test_without_root_the_link_refuses_with_one_line_and_works_inside_a_user_nam
     assert rootless.returncode == 0, rootless.stderr
     made = json.loads(rootless.stdout)
     assert made["addresses"][0].startswith("10.231.") and made["nic"] >= 0
+    assert made["loopback"]  # a fresh namespace starts with lo down: the link brings it up for the harness
 
 
 NIXL_PEER = Path(stack.link.__file__).with_name("nixl_peer.py")  # run as a script in each namespace
