@@ -33,14 +33,29 @@ def _f(v: Any) -> float | None:
     return None if v is None else float(v)
 
 
-def steps(rows: Sequence[Row]) -> list[tuple[int, str]]:
-    """(prompt length, preset) in the order the run measured them."""
-    seen: list[tuple[int, str]] = []
+BENCH_MODEL = "bench"  # the suites' model (stack/tiny_model.py); rows before the `model` field ran it too
+
+
+def model_of(r: Row) -> str:
+    return str(r.get("model") or BENCH_MODEL)
+
+
+Step = tuple[int, str, str]  # prompt length, preset, model
+
+
+def steps(rows: Sequence[Row]) -> list[Step]:
+    """(prompt length, preset, model) in the order the run measured them."""
+    seen: list[Step] = []
     for r in sorted(rows, key=lambda r: str(r.get("created") or "")):
-        key = (int(r["input_len"]), str(r.get("link")))
+        key = (int(r["input_len"]), str(r.get("link")), model_of(r))
         if key not in seen:
             seen.append(key)
     return seen
+
+
+def of_step(rows: Iterable[Row], step: Step) -> list[Row]:
+    n, preset, model = step
+    return [r for r in rows if int(r["input_len"]) == n and r.get("link") == preset and model_of(r) == model]
 
 
 def _front_key(r: Row) -> int:
@@ -96,8 +111,9 @@ def step_header(rows: Sequence[Row]) -> str:
     times = ", ".join(f"{1000 * float(t):.0f}" for t in (r.get("link_prefill_times_s") or []))
     wire = _f(r.get("link_expected_transfer_s"))
     faithful = "" if r.get("link_faithful") else " (above the ~5 Gbit/s this box shapes faithfully: a ceiling)"
+    model = "" if model_of(r) == BENCH_MODEL else f", model `{model_of(r)}`"
     return (
-        f"**{r.get('link')}, {r['input_len']}-token prompts**: tbf "
+        f"**{r.get('link')}, {r['input_len']}-token prompts{model}**: tbf "
         f"{'-' if rate is None else f'{rate / 1e6:.1f} Mbit/s'}{faithful}, set from P's measured prefill "
         f"{fmt(None if (p := _f(r.get('link_prefill_s'))) is None else 1000 * p, 0)} ms (runs: {times} ms); "
         f"one prompt's KV ({int(r.get('link_prompt_kv_bytes') or 0) / 2**20:.0f} MiB) takes "
@@ -143,6 +159,17 @@ def paired_ratios(rows: Sequence[Row], conn: str, ref: str, metric: str = "mean"
         if r.get("router") == "kvpush" and (v := (r.get("ttft_ms") or {}).get(metric)) is not None:
             per.setdefault((r["qps"], r.get("repeat")), {})[str(r["connector"])] = float(v)
     return [d[conn] / d[ref] for _, d in sorted(per.items()) if conn in d and d.get(ref)]
+
+
+def newest_efa(latest_rows: Sequence[Row], earlier: Sequence[Row] = ()) -> list[Row]:
+    """The efa-like rows on the bench model of the newest link run that has them (the latest, else an earlier one):
+    what the loopback check judges."""
+    for rows in (latest_rows, earlier):
+        efa = [r for r in rows if r.get("link") == EFA and model_of(r) == BENCH_MODEL]
+        if efa:
+            newest = max(str(r.get("run_id") or "") for r in efa)
+            return [r for r in efa if str(r.get("run_id") or "") == newest]
+    return []
 
 
 def efa_verdicts(rows: Sequence[Row], loopback: Sequence[Row]) -> list[Verdict]:
@@ -225,6 +252,7 @@ def section(
     chunk_tokens: int = 256,
     mt_plot: bool = False,
     wire: Sequence[Row] = (),
+    earlier: Sequence[Row] = (),
 ) -> list[str]:
     if not rows:
         return ["(no link run yet: `kvpush bench --suite link`, as root)"]
@@ -251,8 +279,8 @@ def section(
         "(a failed request, the bytes check, KV not all by transfer, or outputs unlike one instance).",
         "",
     ]
-    for n, preset in steps(rows):
-        mine = [r for r in rows if int(r["input_len"]) == n and r.get("link") == preset]
+    for step in steps(rows):
+        mine = of_step(rows, step)
         out += [step_header(mine), "", *step_table(mine), ""]
     out += ["### Targets (issue 21)", "", *verdict_table(headline_verdicts(rows)), ""]
     head = [r for r in rows if r.get("headline")]
@@ -265,12 +293,15 @@ def section(
                     f"(each: {', '.join(f'{x:.2f}' for x in ratios)})."
                 )
     loop_id = loopback[0].get("run_id") if loopback else None
+    efa_rows = newest_efa(rows, earlier)
+    efa_id = efa_rows[0].get("run_id") if efa_rows else None
     out += [
         "",
-        f"efa-like against the loopback cpu-vllm run {loop_id or '(none)'}: each row's TTFT mean at most the loopback "
-        "repeats' worst at the same front, connector, QPS and prompt length (the link adds no artefact).",
+        f"efa-like (run {efa_id or '(none)'}) against the loopback cpu-vllm run {loop_id or '(none)'}: each row's "
+        "TTFT mean at most the loopback repeats' worst at the same front, connector, QPS and prompt length (the link "
+        f"adds no artefact); the bench model only (the loopback run's).",
         "",
-        *verdict_table(efa_verdicts([r for r in rows if r.get("link") == EFA], loopback)),
+        *verdict_table(efa_verdicts(efa_rows, loopback)),
         "",
     ]
     out += ["### Our connector at wire speed (issue 21 item 3)", "", *wire_part(wire), ""]
@@ -280,17 +311,17 @@ def section(
 
 
 def earlier_part(latest_rows: Sequence[Row], earlier: Sequence[Row]) -> list[str]:
-    """Steps (prompt length, preset) that the latest link run did not measure, each from the newest earlier run
-    that did: a one-preset rerun keeps the other presets' tables in the report, each under its own run id."""
+    """Steps (prompt length, preset, model) that the latest link run did not measure, each from the newest earlier
+    run that did: a one-preset rerun keeps the other presets' tables in the report, each under its own run id."""
     shown = set(steps(latest_rows))
     out: list[str] = []
     for run_id in sorted({str(r["run_id"]) for r in earlier if r.get("run_id")}, reverse=True):
         run = [r for r in earlier if str(r.get("run_id")) == run_id]
-        for n, preset in steps(run):
-            if (n, preset) in shown:
+        for step in steps(run):
+            if step in shown:
                 continue
-            shown.add((n, preset))
-            mine = [r for r in run if int(r["input_len"]) == n and r.get("link") == preset]
+            shown.add(step)
+            mine = of_step(run, step)
             out += [f"Run {run_id} (earlier):", "", step_header(mine), "", *step_table(mine), ""]
     if not out:
         return []

@@ -79,7 +79,7 @@ def render(rows: Sequence[Row], results_dir: Path | None = None) -> str:
         *link_section(rows, results_dir),
         *REPRODUCE,
     ]
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n"
 
 
 REPRODUCE = [
@@ -111,12 +111,13 @@ def link_section(rows: Sequence[Row], results_dir: Path | None) -> list[str]:
         return []
     mt = latest(rows, "multiturn-link")
     plot = results_dir is not None and (results_dir / "multiturn-link-ttft-by-turn.png").exists()
-    body = link.section(mine, latest(rows, "cpu-vllm"), mt, link.chunk_of(mine), plot, latest(rows, "link-wire"))
+    newest = mine[0]["run_id"]
+    earlier = [r for r in rows if r.get("suite") == "link" and r.get("run_id") and r["run_id"] != newest]
+    wire = latest(rows, "link-wire")
+    body = link.section(mine, latest(rows, "cpu-vllm"), mt, link.chunk_of(mine), plot, wire, earlier)
     plots = [f"![{name}](results/{name}.png)" for name in ("link", "link-ttft-cdf")]
     if results_dir is None or not (results_dir / "link.png").exists():
         plots = []
-    newest = mine[0]["run_id"]
-    earlier = [r for r in rows if r.get("suite") == "link" and r.get("run_id") and r["run_id"] != newest]
     head = ["## link: the fronts on an emulated P-D network", "", f"Run {newest}.", ""]
     return [*head, *body, "", *link.earlier_part(mine, earlier), *plots, ""]
 

@@ -70,6 +70,7 @@ class LinkBenchPlan:
     layer_chunk_tokens: int = 512  # kvpush-layer-chunked's P: --max-num-batched-tokens
     one_step: bool = True  # kvpush-push (our step-wise push of a one-step prefill)
     vrouter: bool = True
+    model: str = MODEL_SIZE  # stack/tiny_model.py SIZES: "bench" (4 layers), "bench-deep" (16 layers, same KV bytes)
 
     def steps(self) -> list[linkrows.Step]:
         return linkrows.steps(self.input_lens, self.presets, self.qps, self.repeats, self.side_qps, self.side_repeats)
@@ -199,8 +200,10 @@ def xfer_counters(urls: Mapping[str, str]) -> dict[str, tuple[float, float]]:
 def run(plan: LinkBenchPlan, run_dir: Path, summary: Path, progress: bool, run_id: str) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     logs = run_dir / "logs"
-    model = ensure_model(StackOptions(model_size=MODEL_SIZE))
-    per_token = SIZES[MODEL_SIZE].kv_bytes_per_token()
+    if plan.model not in SIZES:
+        raise ValueError(f"link: model must be one of {', '.join(sorted(SIZES))}, got {plan.model!r}")
+    model = ensure_model(StackOptions(model_size=plan.model))
+    per_token = SIZES[plan.model].kv_bytes_per_token()
     first = plan.steps()[0]
     start = resolve(
         preset(first.preset), prefill_s=nominal_prefill_s(first.input_len), kv_bytes=first.input_len * per_token
@@ -250,7 +253,7 @@ class _Ctx:
         front, step = self.pair.front, self.step
         extra: dict[str, Any] = {
             "run_id": self.run_id,
-            "model": MODEL_SIZE,
+            "model": self.plan.model,
             "repeat": rep,
             "order": order,
             "headline": step.headline,

@@ -164,3 +164,23 @@ def test_steps_the_latest_run_did_not_measure_come_from_the_newest_earlier_run_t
     assert "555.0" not in text  # efa-like 1024 already shown from the newer run r0
     assert "| 1.0 |" not in text and " 1.0 (" not in text  # the latest run's own step is not repeated
     assert link.earlier_part(latest, old_same) == []
+
+
+def test_a_deeper_models_run_names_its_model_and_keeps_the_bench_models_step_of_the_same_preset() -> None:
+    deep = [{**r, "run_id": "r2", "model": "bench-deep"} for r in headline(300.0)]
+    text = "\n".join(link.section(deep, [], []))
+    assert "**ethernet-100g-like, 1024-token prompts, model `bench-deep`**: tbf" in text
+    older_bench = headline(500.0)  # run r1, no `model` field: the bench model
+    earlier = "\n".join(link.earlier_part(deep, older_bench))
+    assert "Run r1 (earlier):" in earlier and "**ethernet-100g-like, 1024-token prompts**: tbf" in earlier
+    assert "501.0 (500.0-502.0)" in earlier
+
+
+def test_the_efa_check_judges_the_newest_efa_rows_of_the_bench_model_also_from_an_earlier_run() -> None:
+    loopback = [{**row("upstream-pull", 150.0, rep=k), "suite": "cpu-vllm", "run_id": "L"} for k in range(3)]
+    old_efa = [row("upstream-pull", 140.0, run_id="r0", link="efa-like", headline=False)]
+    deep_efa = [row("upstream-pull", 999.0, run_id="r2", link="efa-like", headline=False, model="bench-deep")]
+    text = "\n".join(link.section(headline(500.0), loopback, [], earlier=[*old_efa, *deep_efa]))
+    assert "efa-like (run r0) against the loopback cpu-vllm run L" in text
+    assert "| kvpush/upstream-pull, 1024 tokens, 1 QPS | 140.00 | 150.00 | 150.00 |" in text
+    assert "999" not in text.split("efa-like (run r0)")[1].split("###")[0]
