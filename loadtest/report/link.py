@@ -53,6 +53,18 @@ def steps(rows: Sequence[Row]) -> list[Step]:
     return seen
 
 
+def headline_run(newest: Sequence[Row], every: Sequence[Row]) -> list[Row]:
+    """The run the section leads with: the newest link run on the bench model (the model of the loopback runs and
+    of every target so far); a newer run on another model is shown after it, as a step of its own."""
+    if newest and all(model_of(r) == BENCH_MODEL for r in newest):
+        return list(newest)
+    bench = [r for r in every if r.get("run_id") and model_of(r) == BENCH_MODEL and not r.get("tracing_run")]
+    if not bench:
+        return list(newest)
+    run_id = max(str(r["run_id"]) for r in bench)
+    return [r for r in bench if str(r["run_id"]) == run_id]
+
+
 def of_step(rows: Iterable[Row], step: Step) -> list[Row]:
     n, preset, model = step
     return [r for r in rows if int(r["input_len"]) == n and r.get("link") == preset and model_of(r) == model]
@@ -315,6 +327,7 @@ def earlier_part(latest_rows: Sequence[Row], earlier: Sequence[Row]) -> list[str
     run that did: a one-preset rerun keeps the other presets' tables in the report, each under its own run id."""
     shown = set(steps(latest_rows))
     out: list[str] = []
+    latest_id = str(latest_rows[0].get("run_id") or "") if latest_rows else ""
     for run_id in sorted({str(r["run_id"]) for r in earlier if r.get("run_id")}, reverse=True):
         run = [r for r in earlier if str(r.get("run_id")) == run_id]
         for step in steps(run):
@@ -322,10 +335,11 @@ def earlier_part(latest_rows: Sequence[Row], earlier: Sequence[Row]) -> list[str
                 continue
             shown.add(step)
             mine = of_step(run, step)
-            out += [f"Run {run_id} (earlier):", "", step_header(mine), "", *step_table(mine), ""]
+            when = "earlier" if run_id < latest_id else "later, another model"
+            out += [f"Run {run_id} ({when}):", "", step_header(mine), "", *step_table(mine), ""]
     if not out:
         return []
-    return ["### Earlier runs: steps the latest run did not measure", "", *out]
+    return ["### Other runs: steps the run above did not measure", "", *out]
 
 
 def chunk_of(rows: Sequence[Mapping[str, Any]], default: int = 256) -> int:

@@ -70,7 +70,7 @@ class LinkBenchPlan:
     layer_chunk_tokens: int = 512  # kvpush-layer-chunked's P: --max-num-batched-tokens
     one_step: bool = True  # kvpush-push (our step-wise push of a one-step prefill)
     vrouter: bool = True
-    model: str = MODEL_SIZE  # stack/tiny_model.py SIZES: "bench" (4 layers), "bench-deep" (16 layers, same KV bytes)
+    model: str = MODEL_SIZE  # stack/tiny_model.py SIZES: "bench" (4 layers), "bench-deep" (16 thin layers)
 
     def steps(self) -> list[linkrows.Step]:
         return linkrows.steps(self.input_lens, self.presets, self.qps, self.repeats, self.side_qps, self.side_repeats)

@@ -19,9 +19,10 @@ def test_the_named_sizes() -> None:
     assert SIZES["bench"] == ModelSize(
         layers=4, hidden=256, intermediate=768, heads=4, kv_heads=2, max_positions=8192, vocab=2048
     )
+    assert SIZES["bench-deep"].layers == 16 and SIZES["bench-deep"].problems() == []
 
 
-@pytest.mark.parametrize(("size", "kib"), [("tiny", 1), ("bench", 4)])
+@pytest.mark.parametrize(("size", "kib"), [("tiny", 1), ("bench", 4), ("bench-deep", 8)])
 def test_kv_bytes_per_token_match_the_research_numbers(size: str, kib: int) -> None:
     assert SIZES[size].kv_bytes_per_token() == kib * 1024
 
