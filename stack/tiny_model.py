@@ -79,9 +79,9 @@ SIZES: Mapping[str, ModelSize] = MappingProxyType(
         "tiny": ModelSize(layers=2, hidden=128, intermediate=256, heads=4, kv_heads=2, max_positions=4096),
         # The anchors' benchmark model (4.2 M params, 4 KiB of KV per token).
         "bench": ModelSize(layers=4, hidden=256, intermediate=768, heads=4, kv_heads=2, max_positions=8192),
-        # The bench model's depth problem fixed (5.4 M params, 8 KiB of KV per token): 16 thin layers, so a layer is
-        # 1/16 of a prefill, as in real models (32-64 layers), where layer-wise push starts the wire early; a
-        # 1024-token prefill takes ~155 ms on one core here against the bench model's ~121 ms (eager, float32).
+        # A deeper variant of the bench model (5.4 M params, 8 KiB of KV per token): 16 thin layers, so a layer is
+        # 1/16 of a prefill, as in real models (32-64 layers); a 1024-token prefill takes ~155 ms on one core here
+        # against ~121 ms (eager, float32), but decode is ~2.5x slower per token (bench/ANALYSIS.md, link).
         "bench-deep": ModelSize(layers=16, hidden=128, intermediate=384, heads=2, kv_heads=1, max_positions=8192),
     }
 )

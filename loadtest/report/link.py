@@ -53,16 +53,15 @@ def steps(rows: Sequence[Row]) -> list[Step]:
     return seen
 
 
-def headline_run(newest: Sequence[Row], every: Sequence[Row]) -> list[Row]:
-    """The run the section leads with: the newest link run on the bench model (the model of the loopback runs and
-    of every target so far); a newer run on another model is shown after it, as a step of its own."""
-    if newest and all(model_of(r) == BENCH_MODEL for r in newest):
-        return list(newest)
-    bench = [r for r in every if r.get("run_id") and model_of(r) == BENCH_MODEL and not r.get("tracing_run")]
-    if not bench:
-        return list(newest)
-    run_id = max(str(r["run_id"]) for r in bench)
-    return [r for r in bench if str(r["run_id"]) == run_id]
+def headline_run(rows: Sequence[Row]) -> list[Row]:
+    """The link run the section leads with: the newest one on the bench model (the model of the loopback runs and
+    of every target so far), else the newest of any; a newer run on another model is shown after it."""
+    runs = [r for r in rows if r.get("suite") == "link" and r.get("run_id")]
+    pool = [r for r in runs if model_of(r) == BENCH_MODEL] or runs
+    if not pool:
+        return []
+    run_id = max(str(r["run_id"]) for r in pool)
+    return [r for r in pool if str(r["run_id"]) == run_id]
 
 
 def of_step(rows: Iterable[Row], step: Step) -> list[Row]:

@@ -106,7 +106,7 @@ REPRODUCE = [
 def link_section(rows: Sequence[Row], results_dir: Path | None) -> list[str]:
     """The link suite's part (issue 21): its latest run, the loopback cpu-vllm run it is held against, the latest
     multi-turn run on a link, and the steps only earlier link runs measured; nothing before the first link run."""
-    mine = link.headline_run(latest(rows, "link"), [r for r in rows if r.get("suite") == "link"])
+    mine = link.headline_run(rows)
     if not mine:
         return []
     mt = latest(rows, "multiturn-link")

@@ -43,7 +43,7 @@ from stack.link.fabric import Link
 from stack.link.plan import Shaping, nominal_prefill_s, preset, resolve
 from stack.local import StackOptions, ensure_model
 from stack.procs import free_port
-from stack.tiny_model import SIZES
+from stack.tiny_model import resolve_size
 
 MODEL_SIZE = "bench"
 SUITE = "link"
@@ -200,10 +200,8 @@ def xfer_counters(urls: Mapping[str, str]) -> dict[str, tuple[float, float]]:
 def run(plan: LinkBenchPlan, run_dir: Path, summary: Path, progress: bool, run_id: str) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     logs = run_dir / "logs"
-    if plan.model not in SIZES:
-        raise ValueError(f"link: model must be one of {', '.join(sorted(SIZES))}, got {plan.model!r}")
+    per_token = resolve_size(plan.model).kv_bytes_per_token()  # ValueError naming the known sizes
     model = ensure_model(StackOptions(model_size=plan.model))
-    per_token = SIZES[plan.model].kv_bytes_per_token()
     first = plan.steps()[0]
     start = resolve(
         preset(first.preset), prefill_s=nominal_prefill_s(first.input_len), kv_bytes=first.input_len * per_token

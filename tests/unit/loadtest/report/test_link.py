@@ -189,8 +189,8 @@ def test_the_efa_check_judges_the_newest_efa_rows_of_the_bench_model_also_from_a
 def test_the_section_leads_with_the_newest_bench_model_run_and_shows_a_later_deeper_run_after_it() -> None:
     bench = headline(500.0)  # run r1, bench model
     deep = [{**r, "run_id": "r2", "model": "bench-deep"} for r in headline(300.0)]
-    assert link.headline_run(deep, [*bench, *deep]) == bench
-    assert link.headline_run(bench, [*bench, *deep]) == bench
-    assert link.headline_run(deep, deep) == deep  # no bench-model run at all: the newest one
+    assert link.headline_run([*bench, *deep]) == bench
+    assert link.headline_run([*deep, *bench]) == bench
+    assert link.headline_run(deep) == deep  # no bench-model run at all: the newest one
     text = "\n".join(link.earlier_part(bench, deep))
     assert "Run r2 (later, another model):" in text and "model `bench-deep`" in text

@@ -8,7 +8,7 @@ import pytest
 from loadtest.bench import linkrows
 from loadtest.job import REPO
 from loadtest.report import link, linksim
-from loadtest.results import latest, load_rows
+from loadtest.results import load_rows
 from tests.unit.loadtest.report.test_link import headline, row
 
 
@@ -32,8 +32,7 @@ def test_rows_without_a_seed_get_the_suites_rule_and_a_recorded_seed_wins() -> N
 
 def test_the_committed_sim_table_renders_from_committed_inputs_alone() -> None:
     """bench/README.md's sim table is a function of bench/results/summary.json: no git-ignored bench/runs."""
-    every = load_rows(REPO / "bench/results/summary.json")
-    rows = link.headline_run(latest(every, "link"), [r for r in every if r.get("suite") == "link"])
+    rows = link.headline_run(load_rows(REPO / "bench/results/summary.json"))
     if not rows:
         pytest.skip("no link run committed")
     table = linksim.section(rows, link.chunk_of(rows))
