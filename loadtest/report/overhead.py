@@ -25,7 +25,7 @@ def _front(row: Row) -> Row:
     client, server, tracing = row.get("leg_client"), row.get("server"), row.get("tracing")
     tags = [] if server in (None, Settings.server) else [str(server)]
     tags += [] if client in (None, Settings.leg_client) else [f"{client} legs"]
-    tags += [] if tracing in (None, "off") else [f"tracing {float(tracing) * 100:g} %"]
+    tags += [] if tracing in (None, "off") else ["A/A control" if tracing == CONTROL else f"tracing {_label(tracing)}"]
     return {**row, "router": f"kvpush ({', '.join(tags)})"} if tags else row
 
 
@@ -130,7 +130,8 @@ def verdicts(rows: Sequence[Row]) -> list[Verdict]:
 def tracing_lines(rows: Sequence[Row]) -> list[str]:
     """Issue 23's tracing cost: each traced kvpush push front's CPU per request against the untraced one's, per
     concurrency, from the same run (fronts interleaved); nothing when the run traced no front."""
-    traced = sorted({str(r["tracing"]) for r in rows if r.get("tracing") not in (None, "off")}, key=float, reverse=True)
+    untraced = (None, "off", CONTROL)
+    traced = sorted({str(r["tracing"]) for r in rows if r.get("tracing") not in untraced}, key=float, reverse=True)
     if not traced:
         return []
     push = [r for r in rows if r.get("router") == "kvpush" and r.get("mode") == "push" and not r.get("profiled")]
@@ -146,7 +147,10 @@ def tracing_lines(rows: Sequence[Row]) -> list[str]:
         "read per thread, exact where the process's total is not); medians of the repeats (min-max). Targets: at most "
         "10 % more CPU per request at 100 % sampling, 2 % at 1 %. Paired: each repeat's traced front against the "
         "untraced one of the same repeat (measured minutes apart, not across the run: the box's load drifts), "
-        "median (min-max) of the repeats; the spread is the noise a single cell carries.",
+        "median (min-max) of the repeats; the spread is the noise a single cell carries. `control` is a second "
+        "untraced router measured the same way (an A/A pair): its difference from `off` is the noise floor. The "
+        "process's CPU is read when the load ends, before the last batch of spans is exported; the per-thread table "
+        "below reads the export threads after it, so judge the targets there.",
         "",
         "| conc | tracing | CPU s / 1k req | more than untraced (median) | paired, per repeat | "
         "off-loop threads us / req | added TTFT p50 vs untraced (ms) |",
@@ -157,14 +161,14 @@ def tracing_lines(rows: Sequence[Row]) -> list[str]:
         base = agg(base_rows, "cpu_s_per_1k", "")
         base_ttft = agg(base_rows, "ttft_ms", "p50")
         out.append(f"| {conc} | off | {_t(base)} | - | - | {_side(base_rows)} | - |")
-        for ratio in traced:
+        for ratio in [CONTROL, *traced] if by.get((conc, CONTROL)) else traced:
             rs = by.get((conc, ratio), [])
             cpu, ttft = agg(rs, "cpu_s_per_1k", ""), agg(rs, "ttft_ms", "p50")
             more = "-" if cpu is None or base is None else f"{100 * (cpu.med / base.med - 1):+.1f} %"
             added = "-" if ttft is None or base_ttft is None else f"{ttft.med - base_ttft.med:+.2f}"
             paired = _paired(rs, base_rows)
             side = _side(rs)
-            out.append(f"| {conc} | {float(ratio) * 100:g} % | {_t(cpu)} | {more} | {paired} | {side} | {added} |")
+            out.append(f"| {conc} | {_label(ratio)} | {_t(cpu)} | {more} | {paired} | {side} | {added} |")
     out += _thread_lines(by, traced)
     note = (
         "Whole-process CPU on the shared box does not resolve a few per cent (two identical untraced routers "
@@ -174,6 +178,7 @@ def tracing_lines(rows: Sequence[Row]) -> list[str]:
     return [*out, "", note, ""]
 
 
+CONTROL = "control"  # the overhead suite's second untraced router (loadtest/bench/suites/overhead.py)
 LOOP = "loop_thread_us_per_req"
 SIDE = "side_threads_us_per_req"
 
@@ -194,14 +199,23 @@ def _thread_lines(by: dict[Any, list[Row]], traced: Sequence[str]) -> list[str]:
     ]
     for conc in sorted({int(c) for c, _ in by}):
         base_rows = by.get((conc, "off"), [])
-        for ratio in ("off", *traced):
+        for ratio in ("off", CONTROL, *traced):
             rs = by.get((conc, ratio), [])
-            label = "off" if ratio == "off" else f"{float(ratio) * 100:g} %"
+            if not rs and ratio == CONTROL:
+                continue
+            label = _label(ratio)
             paired = "-" if ratio == "off" else _paired(_summed(rs), _summed(base_rows), "threads_us")
             cells = " | ".join(_spread([float(r[k]) for r in rs if r.get(k) is not None]) for k in (LOOP, SIDE))
             total = _spread([float(r["threads_us"]) for r in _summed(rs)])
             out.append(f"| {conc} | {label} | {cells} | {total} | {paired} |")
     return out
+
+
+def _label(tracing: str) -> str:
+    """A tracing setting as the tables show it: off, control (A/A), or the sampling percentage."""
+    if tracing in ("off", CONTROL):
+        return "off (control, A/A)" if tracing == CONTROL else "off"
+    return f"{float(tracing) * 100:g} %"
 
 
 def _summed(rows: Sequence[Row]) -> list[Row]:

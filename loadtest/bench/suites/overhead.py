@@ -18,13 +18,17 @@ at concurrency 256 on 2 cores the zero-cost simulated prefill, CPU-starved but a
 a row and was taken down mid-run. Two timeouts in a row still take a worker down (router/health.py
 `probe_timeouts`, not a setting), so a live but starved simulator now has 2 x 10 s to answer.
 
-`tracings` (e.g. `--set tracings=off,1,0.01`) runs one kvpush push front per tracing setting: `off`, or a
+`tracings` (e.g. `--set tracings=off,control,1,0.01`) runs one kvpush push front per tracing setting: `off`, a
 sample ratio with OpenTelemetry tracing on (KVPUSH_TRACING, OTEL_TRACES_SAMPLER=parentbased_traceidratio and its
-ratio, the batch exported at least every 0.5 s so a point's spans go out, and are counted, within the point), over
-OTLP/gRPC to a sink in a process of its own (loadtest/bench/otlp_sink.py `SinkProcess`: it drops what it gets;
-its CPU is neither the router's nor the load generator's); rows record `tracing`, and the report shows a traced
-front as its own (`kvpush (tracing 100 %)`) and compares its CPU per request with the untraced one's
-(bench/README.md, "Tracing overhead").
+ratio, the SDK's batch settings as a user gets them), or `control`: a second untraced front, whose difference from
+`off` is the noise floor of the comparison (an A/A pair). Spans go over OTLP/gRPC to a sink in a process of its own
+(loadtest/bench/otlp_sink.py `SinkProcess`: it drops what it gets; its CPU is neither the router's nor the load
+generator's); rows record `tracing`, and the report shows a traced front as its own (`kvpush (tracing 100 %)`) and
+compares its CPU per request with the untraced one's (bench/README.md, "Tracing overhead"). Two identical routers
+started apart differ by several per cent per request here (memory layout), so in a run that traces, the push
+routers are started afresh, together, before each repeat: a repeat pairs routers of the same start, and the
+repeats are independent starts. A traced point's off-loop threads are read once its spans have gone out (after
+the batch delay, `EXPORT_WAIT_S`), its event loop at the end of the load.
 
 `kv_events` (`--set kv_events=off,on`, issue 24) runs one kvpush push front per setting: `on` starts the router
 with `--kv-events` (it follows each worker's publisher on its HTTP port + 1000, with a replay socket on + 2000, and
@@ -42,7 +46,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +62,8 @@ from stack.engines import Fleet
 from stack.procs import ManagedProcess, free_port
 
 PROFILE = "zero"
+BATCH_DELAY_MS = 5000.0  # the OTel SDK's default OTEL_BSP_SCHEDULE_DELAY
+CONTROL = "control"  # `tracings`: a second untraced push front, the A/A pair of `off` (docstring)
 ROUTER_FLAGS = ("--timeout", "health=10")  # a starved but live simulator is not ejected (docstring)
 
 
@@ -91,7 +97,7 @@ class KvpushVariant:
     mode: str
     leg_client: str
     server: str
-    tracing: str = "off"  # off, or the sample ratio of a traced router
+    tracing: str = "off"  # off, control (a second untraced router), or the sample ratio of a traced router
     kv_events: str = "off"  # on: the router follows the workers' KV events
 
     @property
@@ -100,9 +106,13 @@ class KvpushVariant:
         return default_legs and self.tracing == "off" and self.kv_events == "off"
 
     @property
+    def traced(self) -> bool:
+        return self.tracing not in ("off", CONTROL)
+
+    @property
     def name(self) -> str:
         tags = [t for t, d in ((self.leg_client, Settings.leg_client), (self.server, Settings.server)) if t != d]
-        tags += [] if self.tracing == "off" else [f"trace{self.tracing}"]
+        tags += [] if self.tracing == "off" else [CONTROL if self.tracing == CONTROL else f"trace{self.tracing}"]
         tags += [] if self.kv_events == "off" else ["events"]
         return "-".join([f"router-{self.mode}", *tags])
 
@@ -113,10 +123,14 @@ def kvpush_fronts(plan: OverheadPlan) -> list[KvpushVariant]:
         if not names or set(names) - set(known):
             raise ValueError(f"overhead: {what} must name some of {', '.join(known)}, got {names}")
     for ratio in plan.tracings:
-        if ratio != "off" and not _is_ratio(ratio):
-            raise ValueError(f"overhead: tracings must be off or sample ratios in [0, 1], got {ratio!r}")
+        if ratio not in ("off", CONTROL) and not _is_ratio(ratio):
+            raise ValueError(f"overhead: tracings must be off, control or sample ratios in [0, 1], got {ratio!r}")
+    if CONTROL in plan.tracings and "off" not in plan.tracings:
+        raise ValueError("overhead: tracings=control is the A/A pair of off: name off too")
     if not plan.kv_events or set(plan.kv_events) - {"off", "on"}:
         raise ValueError(f"overhead: kv_events must name off and/or on, got {plan.kv_events}")
+    if "on" in plan.kv_events and any(t != "off" for t in plan.tracings):
+        raise ValueError("overhead: kv_events=on and tracings are separate runs (a traced run restarts its routers)")
     if plan.cprofile and "on" in plan.kv_events:
         raise ValueError("overhead: cprofile profiles the default push router; run kv_events=on without it")
     push = [
@@ -129,6 +143,16 @@ def kvpush_fronts(plan: OverheadPlan) -> list[KvpushVariant]:
     return [*push, KvpushVariant("pull", Settings.leg_client, Settings.server)]
 
 
+def export_wait_s(env: Mapping[str, str] = os.environ) -> float:
+    """How long after a traced point its spans have surely been exported: the SDK's batch delay
+    (OTEL_BSP_SCHEDULE_DELAY, ms, 5000 by default) and a second for the export itself."""
+    try:
+        delay_ms = float(env.get("OTEL_BSP_SCHEDULE_DELAY", "") or BATCH_DELAY_MS)
+    except ValueError:
+        delay_ms = BATCH_DELAY_MS
+    return max(0.0, delay_ms) / 1000 + 1.0
+
+
 def _is_ratio(text: str) -> bool:
     try:
         return 0.0 <= float(text) <= 1.0
@@ -139,15 +163,14 @@ def _is_ratio(text: str) -> bool:
 @contextlib.contextmanager
 def _router_env(front: KvpushVariant, sink: str | None = None) -> Iterator[None]:
     """The router started meanwhile uses the front's leg client, server and tracing (KVPUSH_LEG_CLIENT,
-    KVPUSH_SERVER, KVPUSH_TRACING and the OTEL_* sampler, batch delay and endpoint: the sink's)."""
-    traced = front.tracing != "off"
+    KVPUSH_SERVER, KVPUSH_TRACING and the OTEL_* sampler and endpoint: the sink's)."""
+    traced = front.traced
     changes = {
         "KVPUSH_LEG_CLIENT": front.leg_client,
         "KVPUSH_SERVER": front.server,
         "KVPUSH_TRACING": "true" if traced else "false",
         "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
         "OTEL_TRACES_SAMPLER_ARG": front.tracing if traced else "0",
-        "OTEL_BSP_SCHEDULE_DELAY": "500",  # ms: a point's spans are exported within the point (docstring)
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": sink or "http://127.0.0.1:9",
     }
     before = {k: os.environ.get(k) for k in changes}
@@ -184,25 +207,10 @@ def _fronts(
     fronts = [Front("direct", "direct", d_url)]
     events: dict[str, str] = {}
     for k in kvpush_fronts(plan):
-        port, mode = free_port(), k.mode
-        spec = f"{p_urls[mode]},engine_id=sim-zero-p-{mode},side_port={p_urls[mode].rsplit(':', 1)[1]}"
-        out = prof_out if mode == "push" and k.default else None
-        flags = (*ROUTER_FLAGS, "--kv-events") if k.kv_events == "on" else ROUTER_FLAGS
-        events[procs.url(port)] = k.kv_events
-        with _router_env(k, sink):
-            proc = _start(fleet, procs.router_proc(k.name, port, mode, spec, d_url, logs, cprofile_to=out, flags=flags))
-        fronts.append(
-            Front(
-                "kvpush",
-                mode,
-                procs.url(port),
-                proc,
-                p_urls[mode],
-                leg_client=k.leg_client,
-                server=k.server,
-                tracing=k.tracing,
-            )
-        )
+        out = prof_out if k.mode == "push" and k.default else None
+        front = _kvpush_front(fleet, k, p_urls[k.mode], d_url, logs, out, sink)
+        events[front.base] = k.kv_events
+        fronts.append(front)
     binary = procs.vrouter_binary()
     if binary is None:
         hint = f"pip install vllm-router=={procs.VROUTER_VERSION} into .venv-vrouter"
@@ -216,12 +224,53 @@ def _fronts(
     return fronts, d_url, events
 
 
+def _kvpush_front(
+    fleet: Fleet,
+    k: KvpushVariant,
+    p_url: str,
+    d_url: str,
+    logs: Path,
+    prof_out: Path | None,
+    sink: str | None,
+    start: int = 0,
+) -> Front:
+    """A kvpush router of variant `k` started (its `start`-th start: a fresh process per repeat, docstring)."""
+    port, mode = free_port(), k.mode
+    spec = f"{p_url},engine_id=sim-zero-p-{mode},side_port={p_url.rsplit(':', 1)[1]}"
+    flags = (*ROUTER_FLAGS, "--kv-events") if k.kv_events == "on" else ROUTER_FLAGS
+    name = k.name if not start else f"{k.name}-{start}"
+    with _router_env(k, sink):
+        proc = _start(fleet, procs.router_proc(name, port, mode, spec, d_url, logs, cprofile_to=prof_out, flags=flags))
+    url = procs.url(port)
+    return Front("kvpush", mode, url, proc, p_url, d_url, leg_client=k.leg_client, server=k.server, tracing=k.tracing)
+
+
+def _restart_push_fronts(
+    fleet: Fleet, fronts: list[Front], plan: OverheadPlan, logs: Path, sink: str | None, start: int
+) -> list[Front]:
+    """The fronts with every kvpush push router stopped and started afresh, all of them before any load (a traced
+    run's repeat pairs routers of one start; docstring). The others stay as they are."""
+    variants: dict[tuple[str | None, ...], KvpushVariant] = {
+        (k.leg_client, k.server, k.tracing): k for k in kvpush_fronts(plan) if k.mode == "push"
+    }
+    out = []
+    for front in fronts:
+        k = variants.get((front.leg_client, front.server, front.tracing))
+        if front.router != "kvpush" or front.mode != "push" or k is None or not (front.p_url and front.d_url):
+            out.append(front)
+            continue
+        if front.proc is not None:
+            front.proc.stop()
+        out.append(_kvpush_front(fleet, k, front.p_url, front.d_url, logs, None, sink, start))
+    return out
+
+
 def run(plan: OverheadPlan, run_dir: Path, summary: Path, progress: bool, run_id: str) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     logs = run_dir / "logs"
     prof_out = run_dir / "router-push.prof" if plan.cprofile else None
     run_dir.mkdir(parents=True, exist_ok=True)
-    traced = any(t != "off" for t in plan.tracings)
+    traced = any(t not in ("off", CONTROL) for t in plan.tracings)
     with Fleet(logs) as fleet, contextlib.ExitStack() as running:
         sink = running.enter_context(SinkProcess()).endpoint if traced else None
         fronts, d_url, events = _fronts(fleet, plan, logs, prof_out, sink)
@@ -231,6 +280,9 @@ def run(plan: OverheadPlan, run_dir: Path, summary: Path, progress: bool, run_id
         k = len(fronts)
         for li, (conc, n) in enumerate(plan.levels):
             for rep in range(plan.repeats):
+                if traced and (li or rep):  # the first repeat's routers are the ones just started
+                    fronts = _restart_push_fronts(fleet, fronts, plan, logs, sink, li * plan.repeats + rep)
+                    events.update({f.base: "off" for f in fronts if f.router == "kvpush" and f.base not in events})
                 for j in range(k):
                     front = fronts[(j + rep + li) % k]
                     at = (rep, j, run_id, d_url, run_dir, summary, progress)
@@ -285,7 +337,7 @@ def _point(
         extra["server"] = front.server
     if front.tracing is not None:
         extra["tracing"] = front.tracing
-    if any(t != "off" for t in plan.tracings):
+    if any(t not in ("off", CONTROL) for t in plan.tracings):
         extra["tracing_run"] = True  # the report's tracing table reads such runs, the overhead tables do not
     if plan.cprofile:
         extra["profiling_run"] = True  # the report keeps such runs out of the overhead tables
@@ -309,12 +361,13 @@ def _point(
     done = n + point.warmup
 
     def side_threads(_: Any) -> dict[str, Any]:
-        """The router's CPU per request in us, per thread: off its event loop (export thread, gRPC's threads) and
-        on it; read in ns, unlike the process's whole CPU, so a few us show (bench/README.md "Tracing overhead")."""
+        """The router's CPU per request in us, per thread: on its event loop (read now) and off it (export thread,
+        gRPC's threads: read once the point's last batch has gone out); in ns, unlike the process's whole CPU, so a
+        few us show (bench/README.md "Tracing overhead")."""
+        loop = (procs.loop_thread_cpu_ns(pid) - loop_before) / 1e3 / done
+        if front.tracing not in ("off", CONTROL):
+            time.sleep(export_wait_s())
         side = (procs.side_threads_cpu_ns(pid) - before) / 1e3 / done
-        return {
-            "side_threads_us_per_req": side,
-            "loop_thread_us_per_req": (procs.loop_thread_cpu_ns(pid) - loop_before) / 1e3 / done,
-        }
+        return {"side_threads_us_per_req": side, "loop_thread_us_per_req": loop}
 
     return measure(point, run_dir, summary, progress, cpu_pid=pid, finish=side_threads)

@@ -130,3 +130,29 @@ def test_the_tracing_table_shows_the_routers_cpu_per_thread_and_pairs_the_thread
 def test_the_per_thread_table_is_left_out_for_rows_without_the_loop_figure() -> None:
     rows = [over_row("kvpush", "push", 64, 0, 2.0, cpu_s_per_1k=1.0, tracing=t) for t in ("off", "1")]
     assert not any(x.startswith("| conc | tracing | loop thread |") for x in report_overhead.tracing_lines(rows))
+
+
+def test_the_a_a_control_is_shown_as_untraced_with_its_own_paired_difference() -> None:
+    """`control`, a second untraced router, is not a sample ratio: it gets its own row in both tracing tables
+    (the noise floor), and the main table names it as a control, not a tracing percentage."""
+    rows: list[dict[str, Any]] = []
+    for rep in range(3):
+        for tracing, cpu, loop, side in (
+            ("off", 1.0, 900.0, 0.0),
+            ("control", 1.02, 918.0, 0.0),
+            ("1", 1.1, 950.0, 50.0),
+        ):
+            rows.append(
+                {
+                    **over_row("kvpush", "push", 1, rep, 2.0, cpu_s_per_1k=cpu, tracing=tracing),
+                    "loop_thread_us_per_req": loop,
+                    "side_threads_us_per_req": side,
+                }
+            )
+    lines = report_overhead.tracing_lines(rows)
+    assert any(x.startswith("| 1 | off (control, A/A) | 1.02 ") and "| +2.0 % |" in x for x in lines)
+    assert any(
+        x.startswith("| 1 | off (control, A/A) | 918.0 ") and x.endswith("| +2.0 % (+2.0 to +2.0) |") for x in lines
+    )
+    assert any(x.startswith("| 1 | 100 % | 950.0 ") and x.endswith("| +11.1 % (+11.1 to +11.1) |") for x in lines)
+    assert "| kvpush (A/A control) | push |" in "\n".join(report_overhead.table(report_overhead._scored(rows)))

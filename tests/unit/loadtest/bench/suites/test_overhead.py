@@ -84,3 +84,31 @@ def test_kv_events_from_set_add_a_push_front_that_follows_events_under_its_own_s
 def test_unknown_kv_event_settings_and_profiling_an_events_run_are_refused(changes: list[str]) -> None:
     with pytest.raises(ValueError, match="kv_events"):
         kvpush_fronts(with_overrides(FULL, changes))
+
+
+def test_the_control_is_a_second_untraced_push_router_and_needs_off() -> None:
+    plan = suite_overhead.OverheadPlan(8, 2, ((1, 2),), tracings=("off", "control", "1"))
+    fronts = suite_overhead.kvpush_fronts(plan)
+    assert [(f.tracing, f.traced, f.name) for f in fronts] == [
+        ("off", False, "router-push"),
+        ("control", False, "router-push-control"),
+        ("1", True, "router-push-trace1"),
+        ("off", False, "router-pull"),
+    ]
+    with suite_overhead._router_env(fronts[1], "http://127.0.0.1:4317"):
+        assert os.environ["KVPUSH_TRACING"] == "false"
+    with pytest.raises(ValueError, match="name off too"):
+        suite_overhead.kvpush_fronts(suite_overhead.OverheadPlan(8, 2, ((1, 2),), tracings=("control", "1")))
+    with pytest.raises(ValueError, match="separate runs"):
+        suite_overhead.kvpush_fronts(with_overrides(plan, ["kv_events=off,on"]))
+
+
+def test_traced_routers_keep_the_sdks_batch_delay_and_a_point_waits_it_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suite no longer shortens the batch delay (a user's router exports every 5 s or per 512 spans); a traced
+    point reads its export threads after the delay and a second, so its last batch is counted in it."""
+    monkeypatch.delenv("OTEL_BSP_SCHEDULE_DELAY", raising=False)
+    with suite_overhead._router_env(KvpushVariant("push", "http1", "uvicorn", "1"), "http://127.0.0.1:4317"):
+        assert "OTEL_BSP_SCHEDULE_DELAY" not in os.environ
+        assert suite_overhead.export_wait_s() == 6.0
+    assert suite_overhead.export_wait_s({"OTEL_BSP_SCHEDULE_DELAY": "500"}) == 1.5
+    assert suite_overhead.export_wait_s({"OTEL_BSP_SCHEDULE_DELAY": "soon"}) == 6.0
