@@ -22,7 +22,7 @@ both legs (the parent there is the leg's own span).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 TRACEPARENT = "traceparent"
@@ -192,13 +192,13 @@ def tracestate(members: Iterable[tuple[str, str]]) -> str:
 
 
 def leg_headers(
-    trace_id: int, span_id: int, sampled: bool, state: Iterable[tuple[str, str]], baggage: str | None
+    trace_hex: str, span_id: int, sampled: bool, state: Sequence[tuple[str, str]], baggage: str | None
 ) -> dict[str, str]:
-    """The headers a leg carries so that the worker's own spans join the trace under span `span_id`."""
-    out = {TRACEPARENT: traceparent(trace_id, span_id, sampled)}
-    joined = tracestate(state)
-    if joined:
-        out[TRACESTATE] = joined
+    """The headers a leg carries so that the worker's own spans join the trace under span `span_id`; `trace_hex`:
+    the trace id in its 32 hex digits (a request writes it once for all its legs)."""
+    out = {TRACEPARENT: f"00-{trace_hex}-{span_id:016x}-{'01' if sampled else '00'}"}
+    if state:
+        out[TRACESTATE] = tracestate(state)
     if baggage:
         out[BAGGAGE] = baggage
     return out

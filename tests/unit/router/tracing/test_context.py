@@ -110,9 +110,9 @@ def test_baggage_is_checked_normalised_and_bounded() -> None:
 
 
 def test_leg_headers_name_the_given_span() -> None:
-    out = w3c.leg_headers(int(TRACE, 16), 0x1234, True, [("a", "1")], "k=v")
+    out = w3c.leg_headers(TRACE, 0x1234, True, [("a", "1")], "k=v")
     assert out == {"traceparent": f"00-{TRACE}-0000000000001234-01", "tracestate": "a=1", "baggage": "k=v"}
-    assert w3c.leg_headers(1, 2, False, (), None) == {"traceparent": f"00-{1:032x}-{2:016x}-00"}
+    assert w3c.leg_headers(f"{1:032x}", 2, False, (), None) == {"traceparent": w3c.traceparent(1, 2, False)}
 
 
 @given(st.binary(max_size=200))
