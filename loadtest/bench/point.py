@@ -119,17 +119,26 @@ def measure(
     progress: bool,
     cpu_pid: int | None = None,
     finish: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
+    loaded: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Run one point, append its row to summary_path and return the row (per-request JSONL under run_dir).
     `finish`, when given, is called once the load is done with the row's extra fields so far (KV sources
-    included) and returns more fields for the row (the link suite's measured transfer and bytes check)."""
+    included) and returns more fields for the row (the link suite's measured transfer and bytes check).
+    `loaded`, when given, is called the moment the load is done, with the front's CPU reading: before the harness
+    asks the router anything (its GET /debug/timings, a few ms of the router's CPU, is no request's cost)."""
     before = scrape(point.decode_url) if point.decode_url else None
     p_before = scrape(point.prefill_url) if point.prefill_url else None
     cpu: list[float] = []  # the front's CPU seconds before the load and once it is done
     job = _job(point, run_dir, progress)
     if cpu_pid:
         # read before the router timings are fetched: serving GET /debug/timings is the harness's cost
-        job = replace(job, on_loaded=lambda: cpu.append(procs.group_cpu_seconds(cpu_pid)))
+
+        def on_loaded() -> None:
+            cpu.append(procs.group_cpu_seconds(cpu_pid))
+            if loaded is not None:
+                loaded()
+
+        job = replace(job, on_loaded=on_loaded)
         cpu.append(procs.group_cpu_seconds(cpu_pid))
     since = time.monotonic()
     result, summary = asyncio.run(execute(job))

@@ -27,8 +27,10 @@ generator's); rows record `tracing`, and the report shows a traced front as its 
 compares its CPU per request with the untraced one's (bench/README.md, "Tracing overhead"). Two identical routers
 started apart differ by several per cent per request here (memory layout), so in a run that traces, the push
 routers are started afresh, together, before each repeat: a repeat pairs routers of the same start, and the
-repeats are independent starts. A traced point's off-loop threads are read once its spans have gone out (after
-the batch delay, `EXPORT_WAIT_S`), its event loop at the end of the load.
+repeats are independent starts. A traced router exports one full batch right after it starts (`_warm_export`: the
+channel's connect and the export path's first call are not a request's cost). A traced point's off-loop threads
+are read once its spans have gone out (after the batch delay, `export_wait_s`), its event loop at the end of the
+load.
 
 `kv_events` (`--set kv_events=off,on`, issue 24) runs one kvpush push front per setting: `on` starts the router
 with `--kv-events` (it follows each worker's publisher on its HTTP port + 1000, with a replay socket on + 2000, and
@@ -44,12 +46,15 @@ the targets) and writes router-profile.json next to summary.json: where its time
 
 import contextlib
 import os
+import random
 import signal
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from loadtest.bench import procs, profiling
 from loadtest.bench.fronts import Front
@@ -224,6 +229,23 @@ def _fronts(
     return fronts, d_url, events
 
 
+WARM_EXPORT_REQUESTS = 180  # x 3 spans > the SDK's 512-span batch: exported at once (`_warm_export`)
+
+
+def _warm_export(base: str, requests: int = WARM_EXPORT_REQUESTS, timeout_s: float = 30.0) -> None:
+    """Makes a traced router, just started, export one full batch before it is measured: requests that come with a
+    sampled client trace (parentbased: traced at any ratio) until the batch processor exports. A router's first
+    export connects the gRPC channel and loads the export path, a one-off cost of ~20-30 ms that a fresh router per
+    repeat would otherwise charge to its first point (at 1 % sampling, ~25 us a request)."""
+    body = {"model": "m", "prompt": "warm the export path", "max_tokens": 1}
+    with httpx.Client(timeout=timeout_s) as client:
+        for _ in range(requests):
+            trace_id, span_id = random.getrandbits(128) | 1, random.getrandbits(64) | 1
+            headers = {"traceparent": f"00-{trace_id:032x}-{span_id:016x}-01"}
+            client.post(f"{base}/v1/completions", json=body, headers=headers).raise_for_status()
+    time.sleep(1.0)  # the export, off the measured points
+
+
 def _kvpush_front(
     fleet: Fleet,
     k: KvpushVariant,
@@ -242,6 +264,8 @@ def _kvpush_front(
     with _router_env(k, sink):
         proc = _start(fleet, procs.router_proc(name, port, mode, spec, d_url, logs, cprofile_to=prof_out, flags=flags))
     url = procs.url(port)
+    if k.traced:
+        _warm_export(url)
     return Front("kvpush", mode, url, proc, p_url, d_url, leg_client=k.leg_client, server=k.server, tracing=k.tracing)
 
 
@@ -358,16 +382,20 @@ def _point(
     if pid is None or front.tracing is None:
         return measure(point, run_dir, summary, progress, cpu_pid=pid)
     before, loop_before = procs.side_threads_cpu_ns(pid), procs.loop_thread_cpu_ns(pid)
+    loop_after: list[int] = []
     done = n + point.warmup
 
     def side_threads(_: Any) -> dict[str, Any]:
-        """The router's CPU per request in us, per thread: on its event loop (read now) and off it (export thread,
-        gRPC's threads: read once the point's last batch has gone out); in ns, unlike the process's whole CPU, so a
-        few us show (bench/README.md "Tracing overhead")."""
-        loop = (procs.loop_thread_cpu_ns(pid) - loop_before) / 1e3 / done
+        """The router's CPU per request in us, per thread: on its event loop (read when the load was done, with the
+        process's CPU) and off it (export thread, gRPC's threads: read once the point's last batch has gone out);
+        in ns, unlike the process's whole CPU, so a few us show (bench/README.md "Tracing overhead")."""
+        loop = ((loop_after or [procs.loop_thread_cpu_ns(pid)])[0] - loop_before) / 1e3 / done
         if front.tracing not in ("off", CONTROL):
             time.sleep(export_wait_s())
         side = (procs.side_threads_cpu_ns(pid) - before) / 1e3 / done
         return {"side_threads_us_per_req": side, "loop_thread_us_per_req": loop}
 
-    return measure(point, run_dir, summary, progress, cpu_pid=pid, finish=side_threads)
+    def loaded() -> None:
+        loop_after.append(procs.loop_thread_cpu_ns(pid))
+
+    return measure(point, run_dir, summary, progress, cpu_pid=pid, finish=side_threads, loaded=loaded)

@@ -43,11 +43,21 @@ def test_seed_sim_smoke_push_and_pull_through_the_router(tmp_path: Path) -> None
 
 
 @needs_router
-def test_overhead_smoke_has_direct_kvpush_and_vllm_router(tmp_path: Path) -> None:
-    assert run_suites("overhead", smoke=True, results=tmp_path, progress=False) == 0
+def test_overhead_smoke_has_direct_kvpush_and_vllm_router(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With tracing (and its A/A control) too: the push routers are started afresh for the second level, each
+    kvpush point reads its router's threads, and a traced router's export thread is seen working."""
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")  # a traced point then waits 1.2 s for its spans' export
+    tracings = ["tracings=off,control,1"]
+    assert run_suites("overhead", smoke=True, results=tmp_path, progress=False, overrides=tracings) == 0
     rows = rows_of(tmp_path)
     fronts = {(r["router"], r["mode"]) for r in rows}
     assert {("direct", "direct"), ("kvpush", "push"), ("kvpush", "pull")} <= fronts
+    push = [r for r in rows if r["router"] == "kvpush" and r["mode"] == "push"]
+    assert sorted(str(r["tracing"]) for r in push) == ["1", "1", "control", "control", "off", "off"]
+    for r in push:
+        assert float(str(r["loop_thread_us_per_req"])) > 0, r
+        if r["tracing"] == "1":
+            assert float(str(r["side_threads_us_per_req"])) > 0, r  # the export thread's work is counted
     if vrouter_binary() is not None:
         assert {("vllm-router", "pull"), ("vllm-router", "push")} <= fronts
     for r in rows:
