@@ -171,9 +171,9 @@ def tracing_lines(rows: Sequence[Row]) -> list[str]:
             out.append(f"| {conc} | {_label(ratio)} | {_t(cpu)} | {more} | {paired} | {side} | {added} |")
     out += _thread_lines(by, traced)
     note = (
-        "Whole-process CPU on the shared box does not resolve a few per cent (two identical untraced routers "
-        "differed by 3-4 %); where the extra CPU goes, thread by thread and in a profile, and what it adds up to: "
-        'router/README.md, "Tracing\'s cost".'
+        "A run without a `control` row has no noise floor of its own (two identical untraced routers have differed "
+        "by 3-4 % in earlier runs). Where the extra CPU goes, thread by thread and in a profile: bench/ANALYSIS.md "
+        '(tracing) and router/README.md, "Tracing\'s cost".'
     )
     return [*out, "", note, ""]
 
