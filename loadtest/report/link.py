@@ -55,9 +55,12 @@ def steps(rows: Sequence[Row]) -> list[Step]:
 
 def headline_run(rows: Sequence[Row]) -> list[Row]:
     """The link run the section leads with: the newest one on the bench model (the model of the loopback runs and
-    of every target so far), else the newest of any; a newer run on another model is shown after it."""
+    of every target so far) that measured the targets' preset (HEADLINE), else the newest on the bench model, else
+    the newest of any; a newer run on another model, or of other presets only (an efa-like rerun), is shown after."""
     runs = [r for r in rows if r.get("suite") == "link" and r.get("run_id")]
-    pool = [r for r in runs if model_of(r) == BENCH_MODEL] or runs
+    bench = [r for r in runs if model_of(r) == BENCH_MODEL]
+    with_targets = {str(r["run_id"]) for r in bench if r.get("link") == HEADLINE}
+    pool = [r for r in bench if str(r["run_id"]) in with_targets] or bench or runs
     if not pool:
         return []
     run_id = max(str(r["run_id"]) for r in pool)

@@ -192,5 +192,8 @@ def test_the_section_leads_with_the_newest_bench_model_run_and_shows_a_later_dee
     assert link.headline_run([*bench, *deep]) == bench
     assert link.headline_run([*deep, *bench]) == bench
     assert link.headline_run(deep) == deep  # no bench-model run at all: the newest one
+    efa_only = [{**r, "run_id": "r3", "link": "efa-like", "headline": True} for r in headline(140.0)]
+    assert link.headline_run([*bench, *efa_only]) == bench  # a later rerun of another preset does not lead
+    assert link.headline_run(efa_only) == efa_only
     text = "\n".join(link.earlier_part(bench, deep))
     assert "Run r2 (later, another model):" in text and "model `bench-deep`" in text
