@@ -195,5 +195,6 @@ def test_the_section_leads_with_the_newest_bench_model_run_and_shows_a_later_dee
     efa_only = [{**r, "run_id": "r3", "link": "efa-like", "headline": True} for r in headline(140.0)]
     assert link.headline_run([*bench, *efa_only]) == bench  # a later rerun of another preset does not lead
     assert link.headline_run(efa_only) == efa_only
+    assert "Run r3 (later, other presets):" in "\n".join(link.earlier_part(bench, efa_only))
     text = "\n".join(link.earlier_part(bench, deep))
     assert "Run r2 (later, another model):" in text and "model `bench-deep`" in text
