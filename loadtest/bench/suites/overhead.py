@@ -136,6 +136,8 @@ def kvpush_fronts(plan: OverheadPlan) -> list[KvpushVariant]:
         raise ValueError(f"overhead: kv_events must name off and/or on, got {plan.kv_events}")
     if "on" in plan.kv_events and any(t != "off" for t in plan.tracings):
         raise ValueError("overhead: kv_events=on and tracings are separate runs (a traced run restarts its routers)")
+    if plan.cprofile and any(t not in ("off", CONTROL) for t in plan.tracings):
+        raise ValueError("overhead: cprofile and traced fronts are separate runs (a traced run restarts its routers)")
     if plan.cprofile and "on" in plan.kv_events:
         raise ValueError("overhead: cprofile profiles the default push router; run kv_events=on without it")
     push = [

@@ -101,6 +101,8 @@ def test_the_control_is_a_second_untraced_push_router_and_needs_off() -> None:
         suite_overhead.kvpush_fronts(suite_overhead.OverheadPlan(8, 2, ((1, 2),), tracings=("control", "1")))
     with pytest.raises(ValueError, match="separate runs"):
         suite_overhead.kvpush_fronts(with_overrides(plan, ["kv_events=off,on"]))
+    with pytest.raises(ValueError, match="cprofile and traced fronts"):
+        suite_overhead.kvpush_fronts(with_overrides(plan, ["cprofile=true"]))
 
 
 def test_traced_routers_keep_the_sdks_batch_delay_and_a_point_waits_it_out(monkeypatch: pytest.MonkeyPatch) -> None:
