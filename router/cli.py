@@ -71,7 +71,9 @@ def serve_parser() -> argparse.ArgumentParser:
     )
     for name, what in _LIMIT_FLAGS.items():
         p.add_argument(f"--{name.replace('_', '-')}", type=int, dest=name, metavar="N", help=what)
-    p.add_argument("--health-interval", type=float, help="seconds between health probes (default 2)")
+    p.add_argument(
+        "--health-interval", type=float, help=f"seconds between health probes (default {Settings.health_interval:g})"
+    )
     p.add_argument(
         "--fallback",
         choices=["none", "decode-only"],
