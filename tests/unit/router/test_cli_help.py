@@ -12,7 +12,7 @@ _DEFAULT = re.compile(r"\(default (\d+(?:\.\d+)?)\)")
 
 
 def test_every_numeric_default_in_the_help_is_the_settings_default() -> None:
-    defaults = {f.name: f.default for f in dataclasses.fields(Settings)}
+    defaults = {f.name: f.default for f in dataclasses.fields(Settings) if isinstance(f.default, int | float)}
     checked = []
     for action in serve_parser()._actions:
         found = _DEFAULT.search(action.help or "")
