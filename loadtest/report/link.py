@@ -337,10 +337,12 @@ def earlier_part(latest_rows: Sequence[Row], earlier: Sequence[Row]) -> list[str
                 continue
             shown.add(step)
             mine = of_step(run, step)
-            later_model = model_of(mine[0]) != model_of(latest_rows[0]) if mine and latest_rows else False
-            when = (
-                "earlier" if run_id < latest_id else ("later, another model" if later_model else "later, other presets")
-            )
+            if run_id < latest_id:
+                when = "earlier"
+            elif mine and latest_rows and model_of(mine[0]) != model_of(latest_rows[0]):
+                when = "later, another model"
+            else:
+                when = "later, other presets"
             out += [f"Run {run_id} ({when}):", "", step_header(mine), "", *step_table(mine), ""]
     if not out:
         return []

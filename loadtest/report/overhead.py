@@ -213,9 +213,9 @@ def _thread_lines(by: dict[Any, list[Row]], traced: Sequence[str]) -> list[str]:
 
 def _label(tracing: str) -> str:
     """A tracing setting as the tables show it: off, control (A/A), or the sampling percentage."""
-    if tracing in ("off", CONTROL):
-        return "off (control, A/A)" if tracing == CONTROL else "off"
-    return f"{float(tracing) * 100:g} %"
+    if tracing == CONTROL:
+        return "off (control, A/A)"
+    return "off" if tracing == "off" else f"{float(tracing) * 100:g} %"
 
 
 def _summed(rows: Sequence[Row]) -> list[Row]:
