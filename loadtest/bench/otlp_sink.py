@@ -1,5 +1,5 @@
-"""An OTLP/gRPC trace sink for the overhead suite: accepts every TraceService/Export and drops it (no decoding),
-counting requests and bytes.
+"""An OTLP trace sink for the overhead suite: accepts every TraceService/Export over gRPC and every POST of
+/v1/traces over HTTP/protobuf and drops it (no decoding), counting requests and bytes.
 
 The suite runs it in a process of its own (`SinkProcess`, `python -m loadtest.bench.otlp_sink`): not the router's
 CPU, and not the load generator's either. In the suite's own process its gRPC server took the client's GIL at each
@@ -16,7 +16,9 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from concurrent import futures
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -29,8 +31,13 @@ REPO = Path(__file__).resolve().parents[2]  # where `python -m loadtest.bench.ot
 _SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 
 
+TRACES_PATH = "/v1/traces"
+READ_SECONDS = 5.0  # the HTTP listener's deadline for a request's read and write
+
+
 class OtlpSink:
-    """`with OtlpSink() as sink:` routers export to `sink.endpoint` (gRPC, insecure, loopback)."""
+    """`with OtlpSink() as sink:` routers export to `sink.endpoint` (gRPC, insecure, loopback) or to
+    `sink.http_endpoint` (HTTP/protobuf, loopback)."""
 
     def __init__(self) -> None:
         self.requests = 0
@@ -40,23 +47,65 @@ class OtlpSink:
         method = grpc.unary_unary_rpc_method_handler(self._export)  # raw bytes in and out: nothing decoded
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, {"Export": method}),))
         self.port = self._server.add_insecure_port("127.0.0.1:0")
+        self._http = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self._took))
+        self._http.daemon_threads = True
+        self.http_port = self._http.server_address[1]
+        self._http_thread = threading.Thread(target=self._http.serve_forever, name="otlp-sink-http", daemon=True)
 
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def http_endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}{TRACES_PATH}"
+
     def _export(self, request: bytes, context: Any) -> bytes:
+        self._took(len(request))
+        return b""  # an empty ExportTraceServiceResponse
+
+    def _took(self, size: int) -> None:
         with self._lock:
             self.requests += 1
-            self.bytes += len(request)
-        return b""  # an empty ExportTraceServiceResponse
+            self.bytes += size
 
     def __enter__(self) -> OtlpSink:
         self._server.start()
+        self._http_thread.start()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self._http.shutdown()
+        self._http.server_close()
         self._server.stop(1.0).wait(5.0)
+
+
+def _handler(took: Callable[[int], None]) -> type[BaseHTTPRequestHandler]:
+    class Export(BaseHTTPRequestHandler):
+        """POST /v1/traces: reads the body, counts it, answers an empty ExportTraceServiceResponse."""
+
+        protocol_version = "HTTP/1.1"  # keep-alive, as the exporter's session expects
+        timeout = READ_SECONDS
+
+        def do_POST(self) -> None:
+            size = int(self.headers.get("Content-Length") or 0)
+            self.rfile.read(size)
+            if self.path != TRACES_PATH:
+                self._answer(404)
+                return
+            took(size)
+            self._answer(200)
+
+        def _answer(self, status: int) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:
+            return  # one line per export would flood the suite's log
+
+    return Export
 
 
 class SinkProcess:
@@ -67,6 +116,7 @@ class SinkProcess:
         self.requests = 0
         self.bytes = 0
         self.port = 0
+        self.http_port = 0
         self.pid = 0
         self._proc: subprocess.Popen[str] | None = None
 
@@ -74,16 +124,21 @@ class SinkProcess:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def http_endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}{TRACES_PATH}"
+
     def __enter__(self) -> SinkProcess:
         cmd = [sys.executable, "-m", "loadtest.bench.otlp_sink"]
         self._proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
         assert self._proc.stdout is not None
-        line = self._proc.stdout.readline()  # "port N" once it listens
+        line = self._proc.stdout.readline()  # "port GRPC HTTP" once it listens
         if not line.startswith("port "):
             self._proc.kill()
             self._proc.wait(STOP_SECONDS)
             raise RuntimeError(f"otlp sink did not start: {line!r}")
-        self.port, self.pid = int(line.split()[1]), self._proc.pid
+        self.port, self.http_port = (int(x) for x in line.split()[1:3])
+        self.pid = self._proc.pid
         return self
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
@@ -102,12 +157,12 @@ class SinkProcess:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Serves until SIGTERM, then prints what it took: `port N` first, `took REQUESTS BYTES` last."""
-    argparse.ArgumentParser(description="OTLP/gRPC trace sink (drops what it gets)").parse_args(argv)
+    """Serves until SIGTERM, then prints what it took: `port GRPC HTTP` first, `took REQUESTS BYTES` last."""
+    argparse.ArgumentParser(description="OTLP/gRPC and OTLP/HTTP trace sink (drops what it gets)").parse_args(argv)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with OtlpSink() as sink:
-        print(f"port {sink.port}", flush=True)
+        print(f"port {sink.port} {sink.http_port}", flush=True)
         while not stop.wait(1.0):
             pass
     print(f"took {sink.requests} {sink.bytes}", flush=True)

@@ -4,8 +4,8 @@ recorded lean (router/tracing/trace.py) and handed to the processor when they en
 
 The exporter is the I/O seam: `Tracing` takes any SpanExporter (tests pass an in-memory one and a synchronous
 processor); `exporter_for` builds the OTLP one the plan names (imported only then, so a router with tracing off
-never loads gRPC): over gRPC the SDK's exporter with kvpush's lean encoder (router/tracing/grpc_export.py), over
-HTTP/protobuf the SDK's exporter as it is (its encoder costs about three times ours per span). The batch
+never loads gRPC): the SDK's exporter of the protocol with kvpush's lean encoder (router/tracing/grpc_export.py,
+router/tracing/http_export.py; the SDK's encoder costs about three times ours per span). The batch
 processor queues ended spans (bounded: OTEL_BSP_MAX_QUEUE_SIZE, 2048; beyond it spans are dropped, never the
 request held) and exports them in batches (OTEL_BSP_MAX_EXPORT_BATCH_SIZE, OTEL_BSP_SCHEDULE_DELAY) from its own
 (daemon) thread, never the event loop's; `shutdown` flushes what is queued and holds its caller for a bounded time
@@ -55,9 +55,9 @@ def exporter_for(plan: ExportPlan) -> SpanExporter:
         from router.tracing.grpc_export import LeanGrpcSpanExporter
 
         return LeanGrpcSpanExporter(plan.endpoint)
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+    from router.tracing.http_export import LeanHttpSpanExporter
 
-    return HttpExporter(endpoint=plan.endpoint)
+    return LeanHttpSpanExporter(plan.endpoint)
 
 
 class Tracing:

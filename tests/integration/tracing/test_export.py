@@ -15,6 +15,7 @@ from loadtest.bench.otlp_sink import OtlpSink, SinkProcess
 from router.tracing import context as w3c
 from router.tracing import provider, semconv
 from router.tracing.grpc_export import LeanGrpcSpanExporter
+from router.tracing.http_export import LeanHttpSpanExporter
 from router.tracing.settings import GRPC, HTTP, parse_tracing, resolve
 from tests.integration.otlp_receiver import OtlpReceiver
 
@@ -76,6 +77,15 @@ def test_the_sink_takes_an_export_without_decoding_it() -> None:
         provider.get_tracer("t").start_span("s").end()
         provider.shutdown()
         assert sink.requests == 1 and sink.bytes > 0
+
+
+def test_the_sink_takes_an_http_export_too() -> None:
+    with SinkProcess() as sink:
+        provider = TracerProvider(shutdown_on_exit=False)
+        provider.add_span_processor(SimpleSpanProcessor(LeanHttpSpanExporter(sink.http_endpoint)))
+        provider.get_tracer("t").start_span("s").end()
+        provider.shutdown()
+    assert sink.requests == 1 and sink.bytes > 0
 
 
 def test_the_suite_s_sink_runs_in_a_process_of_its_own() -> None:

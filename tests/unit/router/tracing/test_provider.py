@@ -8,6 +8,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.trace.sampling import ParentBased, StaticSampler, TraceIdRatioBased
 
 from router.tracing.grpc_export import LeanGrpcSpanExporter
+from router.tracing.http_export import LeanHttpSpanExporter
 from router.tracing.provider import build, exporter_for, sampler_for
 from router.tracing.settings import GRPC, HTTP, SAMPLERS, ExportPlan, Sampling
 
@@ -32,7 +33,7 @@ def test_the_exporter_follows_the_protocol() -> None:
     http = exporter_for(ExportPlan("http://127.0.0.1:4318/v1/traces", HTTP, Sampling(), "s"))
     try:
         assert isinstance(grpc, GrpcExporter) and isinstance(http, HttpExporter)
-        assert isinstance(grpc, LeanGrpcSpanExporter)  # the SDK's exporter, kvpush's encoder
+        assert isinstance(grpc, LeanGrpcSpanExporter) and isinstance(http, LeanHttpSpanExporter)  # kvpush's encoder
         assert http._endpoint == "http://127.0.0.1:4318/v1/traces"
     finally:
         grpc.shutdown()
