@@ -40,6 +40,12 @@ request when nothing arrives (the subscriber's sockets, its 0.1 s tick, the sess
 engines). Such runs write suite "overhead-events" rows (each kvpush row records `kv_events`), kept out of the
 overhead tables; bench/README.md's multi-turn replicas part compares CPU per request on and off.
 
+`fixed_layout` (on by default) starts every process of the run with Linux's address-space randomization off
+(loadtest/bench/aslr.py): two starts of the same router then lay out their memory the same way, where each random
+layout carried its own cost per request for the life of the process. In A/A pairs it narrowed the per-repeat
+spread from 28 to 7 points at concurrency 1 and from 22 to 8 at 64 (runs 20261206T200313Z and 20261206T201231Z,
+bench/ANALYSIS.md); rows record `layout` (`fixed`, or `random` where it is off or the kernel refused it).
+
 `cprofile=True` runs the kvpush push router under cProfile (its rows are marked `profiled` and left out of
 the targets) and writes router-profile.json next to summary.json: where its time went, by category.
 """
@@ -56,7 +62,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.bench import procs, profiling
+from loadtest.bench import aslr, procs, profiling
 from loadtest.bench.fronts import Front
 from loadtest.bench.otlp_sink import SinkProcess
 from loadtest.bench.point import Point, measure
@@ -83,6 +89,7 @@ class OverheadPlan:
     servers: tuple[str, ...] = (Settings.server,)  # ... and per HTTP server (router/config.py SERVERS)
     tracings: tuple[str, ...] = ("off",)  # ... and per tracing setting: off or a sample ratio (docstring)
     kv_events: tuple[str, ...] = ("off",)  # ... and per KV-event setting: off, on (docstring)
+    fixed_layout: bool = True  # every process of the run starts with ASLR off (docstring)
 
     @property
     def suite(self) -> str:
@@ -297,7 +304,11 @@ def run(plan: OverheadPlan, run_dir: Path, summary: Path, progress: bool, run_id
     prof_out = run_dir / "router-push.prof" if plan.cprofile else None
     run_dir.mkdir(parents=True, exist_ok=True)
     traced = any(t not in ("off", CONTROL) for t in plan.tracings)
-    with Fleet(logs) as fleet, contextlib.ExitStack() as running:
+    with contextlib.ExitStack() as running:
+        fixed = running.enter_context(aslr.fixed_layout()) if plan.fixed_layout else False
+        if plan.fixed_layout and not fixed:
+            print("overhead: the kernel refused a fixed address-space layout; the run's processes start randomized")
+        fleet = running.enter_context(Fleet(logs))
         sink = running.enter_context(SinkProcess()).endpoint if traced else None
         fronts, d_url, events = _fronts(fleet, plan, logs, prof_out, sink)
         profiled = [f.proc.pid for f in fronts if _is_profiled(f) and f.proc and f.proc.pid and prof_out]
@@ -312,7 +323,7 @@ def run(plan: OverheadPlan, run_dir: Path, summary: Path, progress: bool, run_id
                 for j in range(k):
                     front = fronts[(j + rep + li) % k]
                     at = (rep, j, run_id, d_url, run_dir, summary, progress)
-                    rows.append(_point(front, plan, conc, n, *at, kv_events=events.get(front.base)))
+                    rows.append(_point(front, plan, conc, n, *at, kv_events=events.get(front.base), fixed=fixed))
         for pid in profiled:
             os.kill(pid, signal.SIGUSR2)  # stop and write the profile
             _wait_for(prof_out)
@@ -353,8 +364,10 @@ def _point(
     summary: Path,
     progress: bool,
     kv_events: str | None = None,
+    fixed: bool = False,
 ) -> dict[str, Any]:
     extra: dict[str, Any] = {"run_id": run_id, "profile": PROFILE, "repeat": rep, "order": order}
+    extra["layout"] = "fixed" if fixed else "random"
     if kv_events is not None:
         extra["kv_events"] = kv_events
     if front.leg_client is not None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from loadtest.bench.aslr import fixed_layout
 from loadtest.bench.procs import vrouter_binary
 from loadtest.bench.run import run_suites
 from loadtest.results import REQUIRED
@@ -54,6 +55,8 @@ def test_overhead_smoke_has_direct_kvpush_and_vllm_router(tmp_path: Path, monkey
     assert {("direct", "direct"), ("kvpush", "push"), ("kvpush", "pull")} <= fronts
     push = [r for r in rows if r["router"] == "kvpush" and r["mode"] == "push"]
     assert sorted(str(r["tracing"]) for r in push) == ["1", "1", "control", "control", "off", "off"]
+    with fixed_layout() as fixed:  # the run's processes started with ASLR off where the kernel allows it
+        assert {r["layout"] for r in rows} == {"fixed" if fixed else "random"}
     for r in push:
         assert float(str(r["loop_thread_us_per_req"])) > 0, r
         if r["tracing"] == "1":
