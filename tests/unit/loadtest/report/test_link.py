@@ -198,3 +198,26 @@ def test_the_section_leads_with_the_newest_bench_model_run_and_shows_a_later_dee
     assert "Run r3 (later, other presets):" in "\n".join(link.earlier_part(bench, efa_only))
     text = "\n".join(link.earlier_part(bench, deep))
     assert "Run r2 (later, another model):" in text and "model `bench-deep`" in text
+
+
+def test_the_efa_check_also_judges_against_the_same_runs_unshaped_step() -> None:
+    loopback = [{**row("upstream-pull", 100.0, rep=k), "suite": "cpu-vllm", "run_id": "L"} for k in range(3)]
+    efa = [row("upstream-pull", t, rep=k, run_id="r5", link="efa-like") for k, t in enumerate((205.0, 210.0, 215.0))]
+    unshaped = [row("upstream-pull", t, rep=k, run_id="r5", link="unshaped") for k, t in enumerate((200.0, 212.0))]
+    other_run = [row("upstream-pull", 900.0, run_id="r4", link="unshaped")]
+    assert link.in_run_control(efa, [*efa, *unshaped, *other_run]) == unshaped
+    [in_run] = link.efa_verdicts(efa, unshaped, "same run")
+    [across_runs] = link.efa_verdicts(efa, loopback)
+    assert in_run.met is True and across_runs.met is False  # a slower run is not read as the link's artefact
+    text = "\n".join(link.section(headline(500.0), loopback, [], earlier=[*efa, *unshaped, *other_run]))
+    same_run = text.split("efa-like against the unshaped step of the same run (r5)")[1].split("efa-like (run r5)")[0]
+    assert "| kvpush/upstream-pull, 1024 tokens, 1 QPS | 210.00 | 206.00 | 212.00 |" in same_run  # met
+    across = text.split("efa-like (run r5) against the loopback cpu-vllm run L")[1].split("###")[0]
+    assert "| kvpush/upstream-pull, 1024 tokens, 1 QPS | 210.00 | 100.00 | 100.00 |" in across  # missed
+
+
+def test_without_an_unshaped_step_only_the_loopback_check_is_shown() -> None:
+    efa = [row("upstream-pull", 140.0, run_id="r0", link="efa-like", headline=False)]
+    assert link.in_run_control(efa, efa) == [] and link.in_run_control([], efa) == []
+    text = "\n".join(link.section(headline(500.0), [], [], earlier=efa))
+    assert "unshaped step of the same run" not in text and "efa-like (run r0) against the loopback" in text
