@@ -102,3 +102,44 @@ def test_failed_prefill_leg_fails_the_registration() -> None:
             await reg
 
     asyncio.run(go())
+
+
+def test_a_finished_handoff_leaves_no_lease_timer_behind() -> None:
+    """Each prefilled handoff starts its lease timer; once the KV has moved (or the leg failed) the timer is
+    cancelled, so a busy simulator does not keep one sleeping task per request for the whole lease."""
+    t, released = FakeTime(), list[Any]()
+
+    async def go() -> list[asyncio.Task[Any]]:
+        d = desk(t, released)
+        for i, how in enumerate(("push", "read", "fail")):
+            key = f"k{i}"
+            d.on_leg(key, Req(f"r{i}", Kind.PREFILL, 1024, 1))
+            d.on_prefilled(key)
+            if how == "push":
+                await d.push(key, "D1", wait_s=10)
+            elif how == "read":
+                await d.read(key, "D1")
+            else:
+                d.on_leg_failed(key)
+        await asyncio.sleep(0)  # cancelled timers finish
+        return [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+
+    assert asyncio.run(go()) == []
+    assert len(released) == 2  # the two that moved; the failed leg's request is the engine's to release
+
+
+def test_an_unclaimed_handoff_still_expires_after_its_lease() -> None:
+    t, released = FakeTime(), list[Any]()
+
+    async def go() -> None:
+        d = HandoffDesk(QWEN, released.append, t.clock, t.sleep, lease_s=5.0)
+        req = Req("r", Kind.PREFILL, 1024, 1)
+        d.on_leg("k", req)
+        d.on_prefilled("k")
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert released == [req] and t.now == 5.0
+        with pytest.raises(HandoffError):
+            await d.read("k", "D1")
+
+    asyncio.run(go())
