@@ -83,6 +83,9 @@ def _name(point: Point) -> str:
     name += f"-{client}" if client is not None else ""  # two kvpush fronts on different leg clients
     server = point.extra.get("server", lab.extra.get("server"))
     name += f"-{server}" if server is not None else ""  # ... or on different HTTP servers
+    for key in ("tracing", "kv_events"):  # ... or traced, or following KV events (the overhead suite's variants)
+        value = point.extra.get(key, lab.extra.get(key))
+        name += f"-{key}-{value}" if value not in (None, "off") else ""
     return name
 
 

@@ -113,3 +113,15 @@ def test_a_jobs_on_loaded_runs_after_the_load_and_before_the_router_timings_are_
     job = Job(cfg, router_timings=True, progress=None, on_loaded=lambda: steps.append("loaded"))
     asyncio.run(job_module._send(job, cfg, httpx.AsyncClient(), []))
     assert steps == ["load", "loaded", "timings"]
+
+
+def test_fronts_that_differ_only_in_tracing_or_kv_events_write_to_their_own_folders() -> None:
+    """The overhead suite's push variants share router, mode, client and server: each keeps its own records."""
+
+    def name(**extra: object) -> str:
+        labels = RowLabels("overhead", "kvpush", "push", "sim", None, 64, 128, 16, {"repeat": 3, **extra})
+        return point._name(point.Point(labels, "http://127.0.0.1:9", 1, seed=1))
+
+    names = [name(tracing=t) for t in ("off", "control", "0.01", "1")] + [name(kv_events="on")]
+    assert len(set(names)) == 5
+    assert name(tracing="off", kv_events="off") == name() == "overhead-kvpush-push-sim-qNone-c64-r3"
