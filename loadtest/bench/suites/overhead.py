@@ -42,9 +42,10 @@ overhead tables; bench/README.md's multi-turn replicas part compares CPU per req
 
 `fixed_layout` (on by default) starts every process of the run with Linux's address-space randomization off
 (loadtest/bench/aslr.py): two starts of the same router then lay out their memory the same way, where each random
-layout carried its own cost per request for the life of the process. In A/A pairs it narrowed the per-repeat
-spread from 28 to 7 points at concurrency 1 and from 22 to 8 at 64 (runs 20261206T200313Z and 20261206T201231Z,
-bench/ANALYSIS.md); rows record `layout` (`fixed`, or `random` where it is off or the kernel refused it).
+layout carried its own cost per request for the life of the process. In one pair of runs it narrowed the A/A
+per-repeat spread from 28 to 7 points at concurrency 1 and from 22 to 8 at 64 (runs 20261206T200313Z and
+20261206T201231Z); the box's drift between points still widens some runs' floors (bench/ANALYSIS.md). Rows
+record `layout` (`fixed`, or `random` where it is off or the kernel refused it).
 
 `cprofile=True` runs the kvpush push router under cProfile (its rows are marked `profiled` and left out of
 the targets) and writes router-profile.json next to summary.json: where its time went, by category.
