@@ -22,7 +22,7 @@ ADDR_NO_RANDOMIZE = 0x0040000  # <linux/personality.h>
 _QUERY = 0xFFFFFFFF  # personality(0xffffffff) reads the current persona and changes nothing
 
 
-def _personality() -> ctypes.CDLL | None:
+def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     return None if name is None else ctypes.CDLL(name, use_errno=True)
 
@@ -30,21 +30,21 @@ def _personality() -> ctypes.CDLL | None:
 @contextlib.contextmanager
 def fixed_layout() -> Iterator[bool]:
     """Children started in the block run with ASLR off; yields whether the kernel took the setting."""
-    libc = _personality()
+    libc = _libc()
     before = -1 if libc is None else int(libc.personality(ctypes.c_ulong(_QUERY)))
     if libc is None or before < 0:
         yield False
         return
     took = int(libc.personality(ctypes.c_ulong(before | ADDR_NO_RANDOMIZE))) >= 0
     try:
-        yield took and is_fixed()
+        yield took and is_fixed()  # read back: a filter may answer "done" (errno 0) without doing it
     finally:
         libc.personality(ctypes.c_ulong(before))
 
 
 def is_fixed() -> bool:
     """Whether children started now get a fixed layout (this process's persona has ADDR_NO_RANDOMIZE)."""
-    libc = _personality()
+    libc = _libc()
     if libc is None:
         return False
     persona = int(libc.personality(ctypes.c_ulong(_QUERY)))

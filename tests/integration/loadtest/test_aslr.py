@@ -44,7 +44,7 @@ class _Refusing:
 
 def test_a_refused_setting_is_reported_and_changes_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     libc = _Refusing()
-    monkeypatch.setattr(aslr, "_personality", lambda: libc)
+    monkeypatch.setattr(aslr, "_libc", lambda: libc)
     with fixed_layout() as fixed:
         assert not fixed
     assert libc.calls[-1] == 0  # the persona read first is put back

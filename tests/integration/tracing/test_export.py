@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter
 
 from loadtest.bench.otlp_sink import OtlpSink, SinkProcess
 from router.tracing import context as w3c
@@ -70,21 +70,23 @@ def test_shutdown_with_the_collector_gone_is_bounded() -> None:
     assert tracing.shutdown(timeout=0.5) is False  # the SDK still retries; the caller goes on
 
 
+def _export_one_span(exporter: SpanExporter) -> None:
+    """One span through the SDK's synchronous processor and `exporter`, then the exporter shut down."""
+    provider = TracerProvider(shutdown_on_exit=False)
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    provider.get_tracer("t").start_span("s").end()
+    provider.shutdown()
+
+
 def test_the_sink_takes_an_export_without_decoding_it() -> None:
     with OtlpSink() as sink:
-        provider = TracerProvider(shutdown_on_exit=False)
-        provider.add_span_processor(SimpleSpanProcessor(LeanGrpcSpanExporter(sink.endpoint)))
-        provider.get_tracer("t").start_span("s").end()
-        provider.shutdown()
+        _export_one_span(LeanGrpcSpanExporter(sink.endpoint))
         assert sink.requests == 1 and sink.bytes > 0
 
 
 def test_the_sink_takes_an_http_export_too() -> None:
     with SinkProcess() as sink:
-        provider = TracerProvider(shutdown_on_exit=False)
-        provider.add_span_processor(SimpleSpanProcessor(LeanHttpSpanExporter(sink.http_endpoint)))
-        provider.get_tracer("t").start_span("s").end()
-        provider.shutdown()
+        _export_one_span(LeanHttpSpanExporter(sink.http_endpoint))
     assert sink.requests == 1 and sink.bytes > 0
 
 
@@ -93,8 +95,5 @@ def test_the_suite_s_sink_runs_in_a_process_of_its_own() -> None:
     each export, and made forking the routers started after it fail now and then); it still takes the exports."""
     with SinkProcess() as sink:
         assert sink.pid != os.getpid()
-        provider = TracerProvider(shutdown_on_exit=False)
-        provider.add_span_processor(SimpleSpanProcessor(LeanGrpcSpanExporter(sink.endpoint)))
-        provider.get_tracer("t").start_span("s").end()
-        provider.shutdown()
+        _export_one_span(LeanGrpcSpanExporter(sink.endpoint))
     assert sink.requests == 1 and sink.bytes > 0
