@@ -18,6 +18,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.trace import ReadableSpan
 
 from router.tracing.otlp_encode import Encoder
+from router.tracing.trace import Span
 
 EXPORT_METHOD = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 
@@ -39,6 +40,8 @@ class _BytesStub:
 
 
 class LeanGrpcSpanExporter(OTLPSpanExporter):
+    TAKES_LEAN_SPANS = True  # the router's spans come as they were recorded (router/tracing/provider.py)
+
     def __init__(self, endpoint: str) -> None:
         self._encoder = Encoder()
         super().__init__(endpoint=endpoint)
@@ -48,5 +51,5 @@ class LeanGrpcSpanExporter(OTLPSpanExporter):
         super()._initialize_channel_and_stub()  # type: ignore[no-untyped-call]
         self._client = _BytesStub(self._channel)  # type: ignore[assignment]
 
-    def _translate_data(self, data: Sequence[ReadableSpan]) -> bytes:  # type: ignore[override]
+    def _translate_data(self, data: Sequence[ReadableSpan | Span]) -> bytes:  # type: ignore[override]
         return self._encoder.encode(data)

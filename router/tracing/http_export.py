@@ -24,9 +24,12 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
 
 from router.tracing.otlp_encode import Encoder
+from router.tracing.trace import Span
 
 
 class LeanHttpSpanExporter(OTLPSpanExporter):
+    TAKES_LEAN_SPANS = True  # the router's spans come as they were recorded (router/tracing/provider.py)
+
     def __init__(self, endpoint: str) -> None:
         self._encoder = Encoder()
         super().__init__(endpoint=endpoint)
@@ -36,9 +39,9 @@ class LeanHttpSpanExporter(OTLPSpanExporter):
         """Whether this SDK has the export path the lean body goes through (else `export` is the SDK's own)."""
         return callable(getattr(getattr(self, "_client", None), "export", None))
 
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+    def export(self, spans: Sequence[ReadableSpan | Span]) -> SpanExportResult:
         if getattr(self, "_shutdown", False) or not self.lean:
-            return super().export(spans)
+            return super().export([s.readable() if isinstance(s, Span) else s for s in spans])
         client: Any = self._client
         ok = client.export(self._encoder.encode(spans)).success  # the client logs a failure and its reason
         return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE

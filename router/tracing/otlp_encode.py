@@ -19,7 +19,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from router.tracing.trace import Span
 
 _KIND = {
     SpanKind.INTERNAL: 1,
@@ -35,6 +38,7 @@ _pack_fixed64 = struct.Struct("<Q").pack
 _pack_fixed32 = struct.Struct("<I").pack
 _pack_double = struct.Struct("<d").pack
 _KIND_FIELD = {kind: b"\x30" + bytes((code,)) for kind, code in _KIND.items()}  # Span.kind (field 6)
+_KIND_CODE = {code: b"\x30" + bytes((code,)) for code in _KIND.values()}  # ... by OTLP's number
 _LOCAL_FLAGS = b"\x85\x01" + _pack_fixed32(_HAS_IS_REMOTE)  # Span.flags (field 16, fixed32), as the SDK's encoder:
 _REMOTE_FLAGS = b"\x85\x01" + _pack_fixed32(_HAS_IS_REMOTE | _IS_REMOTE)  # the W3C trace flags are not copied
 _EMPTY_STATUS = b"\x7a\x00"  # Span.status (field 15), empty
@@ -89,25 +93,31 @@ class Encoder:
         self._keys: dict[str, bytes] = {}
         self._pairs: dict[tuple[int, str, type, Any], bytes] = {}
         self._names: dict[tuple[str, str], bytes] = {}
+        self._states: dict[tuple[tuple[str, str], ...], bytes] = {}
 
-    def encode(self, spans: Iterable[ReadableSpan]) -> bytes:
-        """ExportTraceServiceRequest bytes: spans grouped by resource, then by instrumentation scope."""
+    def encode(self, spans: Iterable[ReadableSpan | Span]) -> bytes:
+        """ExportTraceServiceRequest bytes: spans grouped by resource, then by instrumentation scope. The router's
+        own spans (router/tracing/trace.py `Span`) are written from their fields; any other ReadableSpan through
+        its properties."""
         groups: dict[int, tuple[Any, dict[Any, list[bytes]]]] = {}
+        scope: InstrumentationScope | None
         for span in spans:
-            resource = span.resource
+            if isinstance(span, Span):
+                resource, scope, encoded = span.recorder.resource, span.recorder.scope, self._lean_span(span)
+            else:
+                resource, scope, encoded = span.resource, span.instrumentation_scope, self._span(span)
             scopes = groups.setdefault(id(resource), (resource, {}))[1]
-            scope = span.instrumentation_scope
             key = None if scope is None else (scope.name, scope.version, scope.schema_url)
-            scopes.setdefault(key, []).append(self._span(span))
+            scopes.setdefault(key, []).append(encoded)
         out = []
         for resource, scopes in groups.values():
             body = [_len(1, self._attributes(1, resource.attributes))]
-            for key, encoded in scopes.items():
+            for key, encoded_spans in scopes.items():
                 scope_body = b""
                 if key is not None:
                     name, version, _ = key
                     scope_body = _len(1, name.encode()) + (_len(2, version.encode()) if version else b"")
-                parts = [_len(1, scope_body), *(_len(2, s) for s in encoded)]
+                parts = [_len(1, scope_body), *(_len(2, s) for s in encoded_spans)]
                 if key is not None and key[2]:
                     parts.append(_len(3, key[2].encode()))
                 body.append(_len(2, b"".join(parts)))
@@ -156,8 +166,6 @@ class Encoder:
         return _SMALL[(field << 3) | 2] + (_SMALL[m] if m < 0x80 else _varint(m)) + pair
 
     def _span(self, span: ReadableSpan) -> bytes:
-        if getattr(span, "LEAN_OTLP", False):
-            return self._lean_span(span)
         ctx = span.context
         assert ctx is not None
         head, remote = _ids(ctx, span.parent)
@@ -188,26 +196,39 @@ class Encoder:
         out.append(_REMOTE_FLAGS if remote else _LOCAL_FLAGS)
         return b"".join(out)
 
-    def _lean_span(self, span: Any) -> bytes:
-        """A span the router recorded (router/tracing/trace.py `_Span`, `LEAN_OTLP`): its fields are read where
-        the ReadableSpan keeps them, not through its properties (each copies or checks: events as a new tuple,
-        attributes behind a proxy, three dropped counts), and it has what `_span` would skip: an attribute dict
-        that drops nothing, no links, no dropped events. The bytes are `_span`'s (the tests compare them)."""
-        head, remote = _ids(span._context, span._parent)
+    def _lean_span(self, span: Span) -> bytes:
+        """A span the router recorded, written from its fields: the same bytes as `_span` writes for its
+        ReadableSpan (`Span.readable`; the tests compare them). It has no links and drops nothing."""
+        head = b"\x0a\x10" + span.trace_id.to_bytes(16, "big") + b"\x12\x08" + span.span_id.to_bytes(8, "big")
+        if span.trace_state:
+            head += self._trace_state(span.trace_state)
+        if span.parent_id:
+            head += b"\x22\x08" + span.parent_id.to_bytes(8, "big")
         out = [
             head,
-            self._name(span._name),
-            _KIND_FIELD[span._kind],
-            b"\x39" + _pack_fixed64(span._start_time or 0),
-            b"\x41" + _pack_fixed64(span._end_time or 0),
-            self._attributes(9, span._attributes),
+            self._name(span.name),
+            _KIND_CODE[span.kind],
+            b"\x39" + _pack_fixed64(span.start_time) + b"\x41" + _pack_fixed64(span.end_time),
+            self._attributes(9, span.attrs),
         ]
-        for event in span._events:
-            body = b"\x09" + _pack_fixed64(event.timestamp) + self._event_name(event.name)
-            out.append(_len(11, body + self._attributes(3, event.attributes)))
-        out.append(_status(span._status))
-        out.append(_REMOTE_FLAGS if remote else _LOCAL_FLAGS)
+        if span.events:
+            for name, at, attributes in span.events:
+                body = b"\x09" + _pack_fixed64(at) + self._event_name(name)
+                out.append(_len(11, body + self._attributes(3, attributes)))
+        out.append(_EMPTY_STATUS if span.error is None else _error_status(span.error))
+        out.append(_REMOTE_FLAGS if span.parent_remote else _LOCAL_FLAGS)
         return b"".join(out)
+
+    def _trace_state(self, members: tuple[tuple[str, str], ...]) -> bytes:
+        """Span.trace_state (field 3) of W3C tracestate members, encoded; cached (a client sends the same state
+        on many requests; emptied when full)."""
+        encoded = self._states.get(members)
+        if encoded is None:
+            encoded = _len(3, ",".join(f"{k}={v}" for k, v in members).encode())
+            if len(self._states) >= _KEY_CACHE_MAX:
+                self._states.clear()
+            self._states[members] = encoded
+        return encoded
 
     def _name(self, name: str) -> bytes:
         """Span.name (field 5), encoded; cached with the keys (the router's span names repeat)."""
@@ -236,6 +257,11 @@ def _status(status: Status) -> bytes:
         b"\x18" + _varint(code) if code else b""
     )
     return _len(15, body)
+
+
+def _error_status(description: str) -> bytes:
+    """Span.status (field 15) of a failed span: its description and STATUS_CODE_ERROR."""
+    return _len(15, (_len(2, description.encode()) if description else b"") + b"\x18\x02")
 
 
 def _ids(ctx: Any, parent: Any) -> tuple[bytes, bool]:

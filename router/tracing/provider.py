@@ -15,11 +15,11 @@ only.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import SpanLimits
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ALWAYS_ON, ParentBased, Sampler, TraceIdRatioBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
@@ -60,6 +60,23 @@ def exporter_for(plan: ExportPlan) -> SpanExporter:
     return LeanHttpSpanExporter(plan.endpoint)
 
 
+class ReadableSpans(SpanExporter):
+    """An exporter other than kvpush's OTLP ones (which encode the router's spans from their fields: their class
+    says `TAKES_LEAN_SPANS`), handed the SDK's ReadableSpans: made on the export thread, off the event loop."""
+
+    def __init__(self, exporter: SpanExporter) -> None:
+        self._exporter = exporter
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        return self._exporter.export([s.readable() if isinstance(s, trace.Span) else s for s in spans])
+
+    def shutdown(self) -> None:
+        self._exporter.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self._exporter.force_flush(timeout_millis)
+
+
 class Tracing:
     """Starts request traces; owns the span processor and its exporter until `shutdown`."""
 
@@ -73,10 +90,13 @@ class Tracing:
     ) -> None:
         resource = Resource.create({**(attributes or {}), SERVICE_NAME: plan.service_name})
         self._rule = sampling.rule_for(plan.sampling)
+        exporter = exporter if getattr(exporter, "TAKES_LEAN_SPANS", False) else ReadableSpans(exporter)
         self._processor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
         limits = SpanLimits()  # reads OTEL_(SPAN_)ATTRIBUTE_VALUE_LENGTH_LIMIT
         scope = InstrumentationScope(INSTRUMENTATION)
-        self._recorder = trace.Recorder(resource, scope, self._processor.on_end, limits.max_span_attribute_length)
+        # the SDK's processors read only `span.context.trace_flags` of a span before queueing it (trace.Span's)
+        on_end: Callable[[trace.Span], None] = self._processor.on_end  # type: ignore[assignment]
+        self._recorder = trace.Recorder(resource, scope, on_end, limits.max_span_attribute_length)
         self.plan = plan
 
     def start(

@@ -1,13 +1,16 @@
 """One client request's trace: its server span, one span per leg and attempt, the handoff, the end.
 
-Spans are recorded lean, on the event loop: a recorded span is an SDK `ReadableSpan` (the data the SDK's span
-processors and OTLP exporters take) filled in place (a plain attribute dict, events, status, end time) and handed
-as it is to the span processor (`Recorder.on_end`: the SDK's BatchSpanProcessor, which queues it, bounded, for its
-export thread) when it ends. No SDK `Tracer`/`Span` is involved: their locks, attribute cleaning, context objects
-and processor hooks cost about a third of the router's CPU per request at 100 % sampling (bench/README.md,
-"Tracing overhead"). The attributes are the router's own (router/tracing/semconv.py builds them with checked
-types), so nothing needs cleaning; a configured attribute value length limit (OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT,
-OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT) is applied when the span ends.
+Spans are recorded lean, on the event loop: a recorded span (`Span`) is one slotted object holding what OTLP
+carries (ids, name, kind, times, a plain attribute dict, events as tuples, an error description), with no SDK
+object inside it: no `SpanContext`, `Event`, `Status` or `ReadableSpan` is made per span. An ended span goes as
+it is to the span processor (`Recorder.on_end`: the SDK's BatchSpanProcessor, which queues it, bounded, for its
+export thread); kvpush's OTLP exporters encode it straight from its fields (router/tracing/otlp_encode.py), and
+any other exporter gets the SDK's `ReadableSpan` of it (`Span.readable`, router/tracing/provider.py). The SDK's
+`Tracer`/`Span` (locks, attribute cleaning, context objects, processor hooks) cost about a third of the router's
+CPU per request at 100 % sampling, and the SDK's span objects, made three times a request, most of what was left
+(bench/ANALYSIS.md, tracing). The attributes are the router's own (router/tracing/semconv.py builds them with
+checked types), so nothing needs cleaning; a configured attribute value length limit
+(OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT, OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT) is applied when the span ends.
 
 Who ends what, once each (every `end` is idempotent, so an owner that ends twice by two paths is harmless):
 
@@ -29,7 +32,8 @@ import time
 from collections.abc import Callable
 
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.trace import Event as SdkEvent
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
@@ -40,8 +44,19 @@ from router.tracing.semconv import Attributes
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
-_UNSET = Status(StatusCode.UNSET)
 MAX_ADDRESSES = 1024  # workers' server.address/port kept parsed (a pool has a few; discovery may churn)
+SERVER = 2  # a span's kind, as OTLP numbers it (Span.SpanKind)
+CLIENT = 3
+_KINDS = {SERVER: SpanKind.SERVER, CLIENT: SpanKind.CLIENT}
+Event = tuple[str, int, Attributes | None]  # a span event: name, time (ns since the epoch), attributes
+
+
+class _Sampled:
+    """All a span processor reads of an ended span before queueing it (`span.context.trace_flags.sampled`): the
+    router records sampled spans only."""
+
+    __slots__ = ()
+    trace_flags = _SAMPLED
 
 
 class Recorder:
@@ -52,7 +67,7 @@ class Recorder:
         self,
         resource: Resource,
         scope: InstrumentationScope,
-        on_end: Callable[[ReadableSpan], None],
+        on_end: Callable[[Span], None],
         max_value_chars: int | None = None,
     ) -> None:
         self.resource = resource
@@ -72,56 +87,98 @@ class Recorder:
         return found
 
 
-class _Span(ReadableSpan):
-    """A span being recorded: the SDK's ReadableSpan, filled in until it ends, then handed over (never again
-    touched by the router: `LegSpan`/`RequestTrace` end it once). `LEAN_OTLP`: its attributes are a plain dict
-    (nothing dropped) and it has no links, so router/tracing/otlp_encode.py reads its fields directly."""
+class Span:
+    """A span being recorded, then ended and handed over once (never again touched by the router: `LegSpan` and
+    `RequestTrace` end it once). Its fields are OTLP's: `parent_id` 0 when it is a root; `trace_state` the
+    request's W3C tracestate members; `events` None until one is added; `error` the status description of a span
+    that failed (None: status unset)."""
 
-    LEAN_OTLP = True
+    __slots__ = (
+        "attrs",
+        "end_time",
+        "error",
+        "events",
+        "kind",
+        "name",
+        "parent_id",
+        "parent_remote",
+        "parent_sampled",
+        "recorder",
+        "span_id",
+        "start_time",
+        "trace_id",
+        "trace_state",
+    )
+    context = _Sampled()  # what the SDK's batch span processor checks (class-wide: one object for all spans)
 
     def __init__(
         self,
         recorder: Recorder,
         name: str,
-        context: SpanContext,
-        parent: SpanContext | None,
-        kind: SpanKind,
+        kind: int,
+        trace_id: int,
+        span_id: int,
+        trace_state: tuple[tuple[str, str], ...],
         attributes: Attributes,
+        parent_id: int = 0,
+        parent_remote: bool = False,
+        parent_sampled: bool = True,
     ) -> None:
-        # ReadableSpan's fields, set as its __init__ sets them (not called: a span is made three times a request,
-        # and the call with thirteen arguments was a tenth of the recording's cost); the tests check every
-        # property an exporter reads against the SDK's encoder and exporters.
-        self.attrs = attributes  # the same dict and list the ReadableSpan shows
-        self.event_list: list[Event] = []
-        self._recorder = recorder
-        self._name = name
-        self._context = context
-        self._kind = kind
-        self._instrumentation_info = None
-        self._instrumentation_scope = recorder.scope
-        self._parent = parent
-        self._start_time = time.time_ns()
-        self._end_time = None
-        self._attributes = attributes
-        self._events = self.event_list
-        self._links = ()
-        self._resource = recorder.resource
-        self._status = _UNSET
+        self.recorder = recorder
+        self.name = name
+        self.kind = kind
+        self.trace_id = trace_id
+        self.span_id = span_id
+        self.trace_state = trace_state
+        self.attrs = attributes
+        self.parent_id = parent_id
+        self.parent_remote = parent_remote
+        self.parent_sampled = parent_sampled
+        self.start_time = time.time_ns()
+        self.end_time = 0
+        self.events: list[Event] | None = None
+        self.error: str | None = None
 
     def add_event(self, name: str, attributes: Attributes | None) -> None:
-        self.event_list.append(Event(name, attributes, time.time_ns()))
-
-    def set_error(self, outcome: str) -> None:
-        self._status = Status(StatusCode.ERROR, outcome)
+        event = (name, time.time_ns(), attributes)
+        if self.events is None:
+            self.events = [event]
+        else:
+            self.events.append(event)
 
     def finish(self) -> None:
-        limit = self._recorder.max_value_chars
+        limit = self.recorder.max_value_chars
         if limit is not None:
             for key, value in self.attrs.items():
                 if isinstance(value, str) and len(value) > limit:
                     self.attrs[key] = value[:limit]
-        self._end_time = time.time_ns()
-        self._recorder.on_end(self)
+        self.end_time = time.time_ns()
+        self.recorder.on_end(self)
+
+    def readable(self) -> ReadableSpan:
+        """The same span as the SDK's ReadableSpan: for exporters other than kvpush's OTLP ones (an in-memory or a
+        console exporter), made on the export thread."""
+        state = TraceState(list(self.trace_state)) if self.trace_state else None
+        context = SpanContext(self.trace_id, self.span_id, False, _SAMPLED, state)
+        parent = None
+        if self.parent_id:
+            flags = _SAMPLED if self.parent_sampled else _NOT_SAMPLED
+            parent = SpanContext(self.trace_id, self.parent_id, self.parent_remote, flags, state)
+        status = Status(StatusCode.UNSET) if self.error is None else Status(StatusCode.ERROR, self.error)
+        return ReadableSpan(
+            name=self.name,
+            context=context,
+            parent=parent,
+            resource=self.recorder.resource,
+            attributes=self.attrs,
+            events=[SdkEvent(name, attributes, at) for name, at, attributes in self.events or ()],
+            links=(),
+            kind=_KINDS[self.kind],
+            status=status,
+            start_time=self.start_time,
+            end_time=self.end_time,
+            instrumentation_scope=self.recorder.scope,
+        )
 
 
 class LegSpan:
@@ -129,7 +186,7 @@ class LegSpan:
 
     __slots__ = ("_ended", "_span", "headers")
 
-    def __init__(self, span: _Span | None, headers: dict[str, str]) -> None:
+    def __init__(self, span: Span | None, headers: dict[str, str]) -> None:
         self._span = span
         self.headers = headers
         self._ended = span is None
@@ -151,7 +208,7 @@ class LegSpan:
         if outcome != semconv.OK:
             span.attrs.update(semconv.leg_failure_attributes(outcome, status=status))
             if outcome not in semconv.NOT_ERRORS:
-                span.set_error(outcome)
+                span.error = outcome
         span.finish()
 
 
@@ -164,7 +221,7 @@ class RequestTrace:
     def __init__(
         self,
         recorder: Recorder | None,
-        span: _Span | None,
+        span: Span | None,
         trace_id: int,
         state: tuple[tuple[str, str], ...],
         baggage: str | None,
@@ -187,12 +244,9 @@ class RequestTrace:
         if server is None or recorder is None:
             assert self._unrecorded is not None
             return self._unrecorded
-        parent = server.context
-        assert parent is not None
         span_id = new_span_id()
-        context = SpanContext(self.trace_id, span_id, False, _SAMPLED, parent.trace_state)
         attributes = semconv.leg_attributes(attempt=attempt, pairing_id=pairing_id, address=recorder.address(worker))
-        span = _Span(recorder, name, context, parent, SpanKind.CLIENT, attributes)
+        span = Span(recorder, name, CLIENT, self.trace_id, span_id, self._state, attributes, server.span_id)
         return LegSpan(span, w3c.leg_headers(self._hex, span_id, True, self._state, self._baggage))
 
     def annotate(self, attributes: Attributes) -> None:
@@ -210,7 +264,7 @@ class RequestTrace:
             if attributes:
                 span.attrs.update(attributes)
             if outcome not in semconv.NOT_ERRORS:
-                span.set_error(outcome)
+                span.error = outcome
             span.finish()
 
     @property
@@ -221,13 +275,9 @@ class RequestTrace:
         """OpenMetrics exemplar labels naming this trace (trace_id, span_id), or None when it is not sampled:
         a metric point must not link to a trace the backend never received."""
         span = self._span
-        if span is None or span.context is None:
+        if span is None:
             return None
-        return {"trace_id": self._hex, "span_id": f"{span.context.span_id:016x}"}
-
-
-def _trace_state(state: tuple[tuple[str, str], ...]) -> TraceState | None:
-    return TraceState(list(state)) if state else None
+        return {"trace_id": self._hex, "span_id": f"{span.span_id:016x}"}
 
 
 def start(
@@ -240,14 +290,13 @@ def start(
     """The server span of a sampled request that arrived with `headers` (checked trace headers): a child of the
     client's parent (a remote span), else a root of `trace_id`. The span keeps `attributes` (the caller's own dict)."""
     parent = headers.parent
-    state = parent.trace_state if parent is not None else ()
-    trace_state = _trace_state(state)
-    remote = None
-    if parent is not None:
-        flags = _SAMPLED if parent.sampled else _NOT_SAMPLED
-        remote = SpanContext(parent.trace_id, parent.span_id, True, flags, trace_state)
-    context = SpanContext(trace_id, new_span_id(), False, _SAMPLED, trace_state)
-    span = _Span(recorder, name, context, remote, SpanKind.SERVER, attributes)
+    if parent is None:
+        span = Span(recorder, name, SERVER, trace_id, new_span_id(), (), attributes)
+        return RequestTrace(recorder, span, trace_id, (), headers.baggage)
+    state = parent.trace_state
+    span = Span(
+        recorder, name, SERVER, trace_id, new_span_id(), state, attributes, parent.span_id, True, parent.sampled
+    )
     return RequestTrace(recorder, span, trace_id, state, headers.baggage)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.sdk import trace as sdk_trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -24,7 +25,8 @@ from opentelemetry.trace.span import TraceState
 
 from router.tracing import context as w3c
 from router.tracing import otlp_encode, semconv
-from tests.unit.router.tracing.support import in_memory
+from router.tracing.trace import Span
+from tests.unit.router.tracing.support import in_memory, recorded
 
 
 def same_as_sdk(spans: tuple[ReadableSpan, ...] | list[ReadableSpan]) -> None:
@@ -42,9 +44,10 @@ def test_one_encoder_keeps_encoding_the_same_way() -> None:
         assert ExportTraceServiceRequest.FromString(encoder.encode(spans)) == encode_spans(spans)
 
 
-def router_spans() -> tuple[ReadableSpan, ...]:
-    """Two requests' spans (a root and a child of a client's context), each with a failed and a good leg."""
-    tracing, exported = in_memory()
+def router_spans() -> list[Span]:
+    """Two requests' spans (a root and a child of a client's context), each with a failed and a good leg, as
+    kvpush's exporters get them."""
+    tracing, exported = recorded()
     for parent in (w3c.NO_HEADERS, w3c.TraceHeaders(w3c.ParentContext(5, 6, True, (("k", "v"),)), None)):
         trace = tracing.start(
             parent, "chat tiny", semconv.request_attributes(endpoint="chat", model="t", max_tokens=3, request_id="r")
@@ -60,27 +63,40 @@ def router_spans() -> tuple[ReadableSpan, ...]:
             status=200,
             attributes=semconv.end_attributes(route="push", attempts=2, pairing_id="q", transfer_id="t", usage=usage),
         )
-    spans = exported.get_finished_spans()
-    assert len(spans) == 6
-    return spans
+    assert len(exported.spans) == 6
+    return exported.spans
 
 
 def test_the_router_s_spans_encode_as_the_sdk_encodes_them() -> None:
-    same_as_sdk(router_spans())
-
-
-def test_the_router_s_spans_are_read_without_the_readable_span_s_properties(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The router's own spans take the lean path (`LEAN_OTLP`): the properties that copy or check per span (events
-    as a tuple, attributes behind a proxy, the dropped counts, links) are not read, and the bytes are the same."""
     spans = router_spans()
-    expected = otlp_encode.Encoder().encode(spans)
+    ours = ExportTraceServiceRequest.FromString(otlp_encode.Encoder().encode(spans))
+    theirs = encode_spans([span.readable() for span in spans])
+    assert ours == theirs, f"ours:\n{ours}\n\nSDK's:\n{theirs}"
+    same_as_sdk([span.readable() for span in spans])  # and their ReadableSpans through the generic path
 
-    def refuse(self: ReadableSpan) -> None:
-        raise AssertionError("a property was read")
 
-    for name in ("events", "attributes", "links", "dropped_attributes", "dropped_events", "dropped_links", "status"):
-        monkeypatch.setattr(ReadableSpan, name, property(refuse))
-    assert otlp_encode.Encoder().encode(spans) == expected
+def test_a_span_that_failed_without_a_description_encodes_as_the_sdk_encodes_it() -> None:
+    spans = router_spans()
+    spans[0].error = ""
+    ours = ExportTraceServiceRequest.FromString(otlp_encode.Encoder().encode(spans))
+    assert ours == encode_spans([span.readable() for span in spans])
+
+
+def test_the_router_s_spans_are_recorded_and_encoded_without_sdk_span_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sampled request makes no SDK object per span (SpanContext, Event, Status, ReadableSpan: they were most of
+    what recording cost), neither while it is served nor when kvpush's exporter encodes it."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("an SDK span object was made")
+
+    monkeypatch.setattr(SpanContext, "__new__", refuse)
+    monkeypatch.setattr(ReadableSpan, "__init__", refuse)
+    monkeypatch.setattr(Status, "__init__", refuse)
+    monkeypatch.setattr(sdk_trace.Event, "__init__", refuse)
+    spans = router_spans()
+    encoded = otlp_encode.Encoder().encode(spans)
+    monkeypatch.undo()
+    assert ExportTraceServiceRequest.FromString(encoded) == encode_spans([span.readable() for span in spans])
 
 
 def test_every_covered_field_encodes_as_the_sdk_encodes_it() -> None:
