@@ -5,7 +5,9 @@ recorded lean (router/tracing/trace.py) and handed to the processor when they en
 The exporter is the I/O seam: `Tracing` takes any SpanExporter (tests pass an in-memory one and a synchronous
 processor); `exporter_for` builds the OTLP one the plan names (imported only then, so a router with tracing off
 never loads gRPC): the SDK's exporter of the protocol with kvpush's lean encoder (router/tracing/grpc_export.py,
-router/tracing/http_export.py; the SDK's encoder costs about three times ours per span). The batch
+router/tracing/http_export.py; the SDK's encoder costs about three times ours per span), which take the router's
+spans as they were recorded (`TAKES_LEAN_SPANS`); any other exporter is handed each span's SDK `ReadableSpan`,
+made on the export thread (`ReadableSpans`). The batch
 processor queues ended spans (bounded: OTEL_BSP_MAX_QUEUE_SIZE, 2048; beyond it spans are dropped, never the
 request held) and exports them in batches (OTEL_BSP_MAX_EXPORT_BATCH_SIZE, OTEL_BSP_SCHEDULE_DELAY) from its own
 (daemon) thread, never the event loop's; `shutdown` flushes what is queued and holds its caller for a bounded time
