@@ -42,10 +42,12 @@ _DROPPED = re.compile(r"dropped (\d+)")
 
 @dataclasses.dataclass(frozen=True)
 class NicBytes:
-    """Byte counters of one engine NIC (its own side: tx = bytes the engine sent onto the link)."""
+    """Counters of one engine NIC (its own side: tx = bytes the engine sent onto the link; tx_packets = the
+    packets that carried them, a TSO packet counting once when the shaper lets it through whole)."""
 
     rx: int
     tx: int
+    tx_packets: int = 0
 
 
 @dataclasses.dataclass
@@ -237,7 +239,7 @@ class Link:
             label, _, counters = line.partition(":")
             if label.strip() == DEVICE:
                 values = [int(v) for v in counters.split()]
-                return NicBytes(rx=values[0], tx=values[8])
+                return NicBytes(rx=values[0], tx=values[8], tx_packets=values[9])
         raise NetnsError(f"{name}: no {DEVICE} in its namespace")
 
     def meter(self, name: str) -> NicMeter:

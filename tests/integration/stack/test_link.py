@@ -111,6 +111,18 @@ def test_a_stream_is_held_to_the_rate_its_bytes_are_counted_and_the_rate_changes
     assert stream(p, d, 64 * KIB, port=7001)["received"] == 64 * KIB
 
 
+def test_tso_packets_cross_the_shaper_whole_so_the_emulation_adds_no_per_frame_work() -> None:
+    # A smaller bucket than one TSO packet makes tbf cut each into 1500-byte frames in software: 10x the kernel's
+    # per-packet work, on the engines' cores (stack.link.plan.GSO_PACKET_BYTES).
+    with Link(Shaping.for_rate(2e8)) as link:
+        p, d = link.add("g-p"), link.add("g-d")
+        before = link.nic_bytes("g-p")
+        assert stream(p, d, 4 * 1024 * KIB)["received"] == 4 * 1024 * KIB
+        after = link.nic_bytes("g-p")
+    frames = (after.tx - before.tx) / 1514
+    assert after.tx_packets - before.tx_packets < frames / 4  # on average a packet carried 4 frames or more
+
+
 def test_closing_the_link_removes_the_host_veth_and_ends_every_holder() -> None:
     link = Link(None).open()
     link.add("c-p")

@@ -73,9 +73,12 @@ def test_unknown_preset_names_the_known_ones() -> None:
     assert set(PRESETS) == {"efa-like", "ethernet-100g-like", "ethernet-25g-like", "unshaped"}
 
 
-def test_tbf_gets_about_a_millisecond_of_bucket_at_least_32_kib_and_a_32_mib_queue() -> None:
+def test_tbf_gets_about_a_millisecond_of_bucket_at_least_one_whole_gso_packet_and_a_32_mib_queue() -> None:
     assert Shaping.for_rate(1e9).tbf_args() == ("tbf", "rate", "1000000000bit", "burst", "125000", "limit", "33554432")
-    assert Shaping.for_rate(67e6).burst_bytes == 32 * 1024
+    # below ~650 Mbit/s a millisecond is less than one 64 KiB TSO packet with its frames' headers: tbf would split it
+    assert plan.GSO_PACKET_BYTES >= 64 * 1024 + 45 * 66
+    for rate in (4e6, 67e6, 232e6):
+        assert Shaping.for_rate(rate).burst_bytes == plan.GSO_PACKET_BYTES
     with pytest.raises(ValueError, match="below"):
         Shaping(1000, 32 * 1024)
     assert Shaping.for_rate(10.0).rate_bit_s == plan.MIN_RATE_BIT_S
