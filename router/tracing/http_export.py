@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExportResult
 
 from router.tracing.otlp_encode import Encoder
-from router.tracing.trace import Span
+from router.tracing.trace import Span, readable
 
 
 class LeanHttpSpanExporter(OTLPSpanExporter):
@@ -41,7 +41,7 @@ class LeanHttpSpanExporter(OTLPSpanExporter):
 
     def export(self, spans: Sequence[ReadableSpan | Span]) -> SpanExportResult:
         if getattr(self, "_shutdown", False) or not self.lean:
-            return super().export([s.readable() if isinstance(s, Span) else s for s in spans])
+            return super().export(readable(spans))
         client: Any = self._client
         ok = client.export(self._encoder.encode(spans)).success  # the client logs a failure and its reason
         return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE

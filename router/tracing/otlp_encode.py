@@ -22,6 +22,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from router.tracing import context as w3c
 from router.tracing.trace import Span
 
 _KIND = {
@@ -37,8 +38,8 @@ _IS_REMOTE = 0x200
 _pack_fixed64 = struct.Struct("<Q").pack
 _pack_fixed32 = struct.Struct("<I").pack
 _pack_double = struct.Struct("<d").pack
-_KIND_FIELD = {kind: b"\x30" + bytes((code,)) for kind, code in _KIND.items()}  # Span.kind (field 6)
-_KIND_CODE = {code: b"\x30" + bytes((code,)) for code in _KIND.values()}  # ... by OTLP's number
+_KIND_CODE = {code: b"\x30" + bytes((code,)) for code in _KIND.values()}  # Span.kind (field 6), by OTLP's number
+_KIND_FIELD = {kind: _KIND_CODE[code] for kind, code in _KIND.items()}  # ... by SpanKind
 _LOCAL_FLAGS = b"\x85\x01" + _pack_fixed32(_HAS_IS_REMOTE)  # Span.flags (field 16, fixed32), as the SDK's encoder:
 _REMOTE_FLAGS = b"\x85\x01" + _pack_fixed32(_HAS_IS_REMOTE | _IS_REMOTE)  # the W3C trace flags are not copied
 _EMPTY_STATUS = b"\x7a\x00"  # Span.status (field 15), empty
@@ -224,7 +225,7 @@ class Encoder:
         on many requests; emptied when full)."""
         encoded = self._states.get(members)
         if encoded is None:
-            encoded = _len(3, ",".join(f"{k}={v}" for k, v in members).encode())
+            encoded = _len(3, w3c.tracestate(members).encode())
             if len(self._states) >= _KEY_CACHE_MAX:
                 self._states.clear()
             self._states[members] = encoded

@@ -70,7 +70,7 @@ class ReadableSpans(SpanExporter):
         self._exporter = exporter
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        return self._exporter.export([s.readable() if isinstance(s, trace.Span) else s for s in spans])
+        return self._exporter.export(trace.readable(spans))
 
     def shutdown(self) -> None:
         self._exporter.shutdown()

@@ -29,7 +29,7 @@ parent id and the sampled flag off, so the engines do not trace it either. With 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import Event as SdkEvent
@@ -181,6 +181,11 @@ class Span:
         )
 
 
+def readable(spans: Sequence[ReadableSpan | Span]) -> list[ReadableSpan]:
+    """The spans as the SDK's ReadableSpans: the router's own converted (`Span.readable`), any other as it is."""
+    return [s.readable() if isinstance(s, Span) else s for s in spans]
+
+
 class LegSpan:
     """One leg of one attempt. `headers` go on the leg's request (its traceparent names this span)."""
 
@@ -226,11 +231,13 @@ class RequestTrace:
         state: tuple[tuple[str, str], ...],
         baggage: str | None,
         unrecorded: LegSpan | None = None,
+        trace_hex: str | None = None,
     ) -> None:
         self._recorder = recorder
         self._span = span
         self.trace_id = trace_id
-        self._hex = f"{trace_id:032x}"  # the id as every traceparent and exemplar of this request writes it
+        # the id as every traceparent and exemplar of this request writes it (`trace_hex`: a caller's, already made)
+        self._hex = f"{trace_id:032x}" if trace_hex is None else trace_hex
         self._state = state
         self._baggage = baggage
         self._ended = False
@@ -305,5 +312,6 @@ def dropped(headers: w3c.TraceHeaders, trace_id: int) -> RequestTrace:
     a fresh parent id, with the sampled flag off and the client's tracestate and baggage."""
     parent = headers.parent
     state = parent.trace_state if parent is not None else ()
-    leg = LegSpan(None, w3c.leg_headers(f"{trace_id:032x}", new_span_id(), False, state, headers.baggage))
-    return RequestTrace(None, None, trace_id, state, headers.baggage, leg)
+    trace_hex = f"{trace_id:032x}"
+    leg = LegSpan(None, w3c.leg_headers(trace_hex, new_span_id(), False, state, headers.baggage))
+    return RequestTrace(None, None, trace_id, state, headers.baggage, leg, trace_hex)
