@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loadtest import machine
 from loadtest.stats import Summary
 
 Row = dict[str, Any]  # one row of summary.json
@@ -109,6 +110,7 @@ def build_row(summary: Summary, labels: RowLabels, commit: str, now: dt.datetime
         "duration_s": summary.duration_s,
         "git_commit": commit,
         "created": created,
+        "machine": machine.describe(),
     }
     row.update(labels.extra)
     return {k: clean(v) for k, v in row.items()}

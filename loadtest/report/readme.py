@@ -1,7 +1,5 @@
 """bench/README.md, generated from the latest run of each suite in bench/results/summary.json."""
 
-import os
-import platform
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -9,17 +7,26 @@ from loadtest.report import cpu, link, multiturn, multiturn_replicas, overhead, 
 from loadtest.results import Row, latest, latest_tracing, latest_what_if
 
 
-def machine() -> str:
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-        mem_kb = int(Path("/proc/meminfo").read_text().split()[1])
-    except (OSError, ValueError, IndexError):
-        mem_kb = 0
-    return f"{model}, {os.cpu_count()} cores, {mem_kb / 2**20:.0f} GiB RAM, {platform.system()} {platform.release()}"
+def machines(rows: Sequence[Row]) -> str:
+    """The machine of each run shown (the newest of every suite and of the traced overhead runs, and the link
+    section's headline), as their rows record it; runs from before rows recorded one are counted, not guessed."""
+    shown = [latest(rows, s) for s in sorted({str(r.get("suite")) for r in rows})] + [
+        latest_tracing(rows),
+        link.headline_run(rows),
+    ]
+    by_machine: dict[str, set[str]] = {}
+    unrecorded: set[str] = set()
+    for run in shown:
+        for r in run:
+            box = r.get("machine")
+            if box:
+                by_machine.setdefault(str(box), set()).add(str(r["run_id"]))
+            else:
+                unrecorded.add(str(r["run_id"]))
+    parts = [f"{box} (runs {', '.join(sorted(ids))})" for box, ids in sorted(by_machine.items())]
+    if unrecorded:
+        parts.append(f"not recorded for {len(unrecorded)} older run(s) (rows record it since 2026-12-07)")
+    return "; ".join(parts) or "-"
 
 
 def render(rows: Sequence[Row], results_dir: Path | None = None) -> str:
@@ -42,8 +49,9 @@ def render(rows: Sequence[Row], results_dir: Path | None = None) -> str:
         f"same-pair {same[0]['run_id'] if same else '-'}, overhead {over[0]['run_id'] if over else '-'}; "
         f"commits {', '.join(commits) or '-'}.",
         "",
-        f"Machine: {machine()}. Load generator, router(s) and workers share these cores (and, on the dev box, "
-        "other work), so small differences are noise: about +-10 % per point on real vLLM (anchors.md).",
+        f"Machines, as each shown run's rows record them: {machines(rows)}. Load generator, router(s) and "
+        "workers share the cores (and, on the dev box, other work), so small differences are noise: about +-10 % "
+        "per point on real vLLM (anchors.md).",
         "",
         "Metrics follow `vllm bench serve`: TTFT = first streamed chunk with a choice; TPOT = (E2E - TTFT) / "
         "(output tokens - 1) per request, tokens from usage; ITL per chunk; failures counted, never dropped. "

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from loadtest import machine
 from loadtest.records import RequestRecord
 from loadtest.results import REQUIRED, RowLabels, append_rows, build_row, load_rows
 from loadtest.stats import summarize
@@ -32,6 +33,7 @@ def test_row_has_every_required_field_and_is_valid_json(tmp_path: Path) -> None:
     assert set(REQUIRED) <= set(row)
     assert row["handoff_ms"]["p50"] == 12.0 and row["profile"] == "zero"
     assert row["created"] == "2026-01-01T00:00:00+00:00" and row["git_commit"] == "abc"
+    assert row["machine"] == machine.describe() and " cores, " in row["machine"]  # where it ran, for bench/README
     path = tmp_path / "summary.json"
     append_rows(path, [row])
     append_rows(path, [row])

@@ -1,6 +1,6 @@
 from typing import Any
 
-from loadtest.report.readme import render
+from loadtest.report.readme import machines, render
 from loadtest.results import latest, latest_what_if
 
 
@@ -40,6 +40,21 @@ def test_latest_keeps_only_the_newest_run_of_a_suite() -> None:
     ]
     assert [r["ttft_ms"]["mean"] for r in latest(rows, "seed-sim")] == [2.0]
     assert latest(rows, "cpu-vllm") == []
+
+
+def test_each_shown_run_is_labelled_with_the_machine_its_rows_record_not_the_one_rendering() -> None:
+    rows = [
+        row("seed-sim", "kvpush", "push", "20260101T000000Z", 1.0, machine="Box A, 2 cores"),
+        row("seed-sim", "kvpush", "push", "20260102T000000Z", 1.0, machine="Box B, 2 cores"),  # the newest: shown
+        row("overhead", "direct", "direct", "20260103T000000Z", 1.0, machine="Box B, 2 cores"),
+        row("same-pair", "kvpush", "push", "20250101T000000Z", 1.0),  # from before rows recorded a machine
+    ]
+    got = machines(rows)
+    assert got == (
+        "Box B, 2 cores (runs 20260102T000000Z, 20260103T000000Z); "
+        "not recorded for 1 older run(s) (rows record it since 2026-12-07)"
+    )
+    assert "Box A" not in got and f"Machines, as each shown run's rows record them: {got}." in render(rows)
 
 
 def test_render_puts_pull_over_push_ratios_and_overhead_deltas() -> None:
