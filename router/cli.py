@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from router.config import LEG_CLIENTS, SERVERS, Settings, build_settings, from_env, with_environment
+from router.config import Settings, build_settings, from_env, with_environment
 from router.errors import ConfigError
 from router.tracing.settings import PROTOCOLS
 from router.tracing.settings import resolve as resolve_tracing
@@ -94,16 +94,6 @@ def serve_parser() -> argparse.ArgumentParser:
         help="a client Bearer key (repeatable; prefer KVPUSH_API_KEYS: flags show in `ps`)",
     )
     p.add_argument(
-        "--leg-client",
-        choices=LEG_CLIENTS,
-        help=f"the HTTP client of the legs to workers (default {Settings.leg_client}; router/README.md)",
-    )
-    p.add_argument(
-        "--server",
-        choices=SERVERS,
-        help=f"the HTTP server in front of the app (default {Settings.server}; router/README.md)",
-    )
-    p.add_argument(
         "--gateway-prefill-header",
         choices=["off", "optional", "required"],
         help="behind a Gateway API InferencePool: take the prefill from x-prefiller-host-port (default off)",
@@ -165,8 +155,6 @@ def load_serve_settings(argv: list[str], env: dict[str, str]) -> Settings:
         "api_keys": args.api_keys,
         "log_format": args.log_format,
         "decider": args.decider,
-        "leg_client": args.leg_client,
-        "server": args.server,
         "limits": {k: v for k in _LIMIT_FLAGS if (v := getattr(args, k)) is not None} or None,
         "tracing": _tracing_flags(args),
         "kv_events": _kv_event_flags(args),
@@ -216,11 +204,6 @@ def serve(argv: list[str]) -> int:
 
     logs.configure(settings.log_level, settings.log_format)
     app = create_app(settings, tracing=provider.build(plan), freeze_heap=True)
-    if settings.server == "granian":
-        from router import serve_granian
-
-        serve_granian.serve(app, app.state.service, settings)
-        return 0
     import uvicorn
 
     from router.drain import DrainingServer

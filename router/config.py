@@ -24,8 +24,6 @@ from router.tracing.settings import TracingSettings, parse_tracing
 from router.tracing.settings import merge as merge_tracing
 
 __all__ = [  # the worker builders live in router.specs; config is where callers find every setting
-    "LEG_CLIENTS",
-    "SERVERS",
     "Limits",
     "Settings",
     "Timeouts",
@@ -37,10 +35,6 @@ __all__ = [  # the worker builders live in router.specs; config is where callers
     "prefill_from_mapping",
     "with_environment",
 ]
-
-
-LEG_CLIENTS = ("aiohttp", "http1")  # the legs' HTTP client (router/legs/base.py legs_for)
-SERVERS = ("granian", "uvicorn")  # the client-facing HTTP server (router/cli.py serve; router/README.md)
 
 
 @dataclass(frozen=True)
@@ -90,8 +84,6 @@ class Settings:
     retries: int = 1  # extra attempts with fresh ids when nothing was sent to the client yet
     fallback: Fallback = Fallback.NONE  # DECODE_ONLY: with no healthy prefill, decode computes the prompt itself
     max_connections: int = 1024
-    leg_client: str = "http1"  # the legs' HTTP client, one of LEG_CLIENTS (router/README.md, "The legs' client")
-    server: str = "uvicorn"  # the HTTP server in front of the app, one of SERVERS (router/README.md, "The server")
     max_in_flight: int = 512  # admission: client requests in flight at once
     admission_queue: int = 64  # admission: requests that may wait for a slot; beyond it, 429
     admission_wait: float = 5.0  # admission: longest wait for a slot
@@ -128,8 +120,6 @@ _ENV = {  # environment variable → setting
     "KVPUSH_API_KEYS": "api_keys",
     "KVPUSH_ADMIN_KEY": "admin_key",
     "KVPUSH_DECIDER": "decider",
-    "KVPUSH_LEG_CLIENT": "leg_client",
-    "KVPUSH_SERVER": "server",
     "KVPUSH_TRACING": "tracing",  # true/false: tracing.enabled (the rest from OTEL_* variables)
     "KVPUSH_DRAIN_DELAY": "drain_delay",  # seconds; 0: the listener closes at once on SIGTERM
 }
@@ -256,20 +246,6 @@ def _fallback(value: Any) -> Fallback:
         raise ConfigError(f"fallback: expected 'none' or 'decode-only', got {value!r}") from None
 
 
-def _leg_client(value: Any) -> str:
-    name = str(value).lower()
-    if isinstance(value, str) and name in LEG_CLIENTS:
-        return name
-    raise ConfigError(f"leg_client: expected one of {', '.join(LEG_CLIENTS)}, got {value!r}")
-
-
-def _server(value: Any) -> str:
-    name = str(value).lower()
-    if isinstance(value, str) and name in SERVERS:
-        return name
-    raise ConfigError(f"server: expected one of {', '.join(SERVERS)}, got {value!r}")
-
-
 def _validate(raw: dict[str, Any], timeouts_raw: dict[str, Any], limits_raw: dict[str, Any]) -> Settings:
     unknown = set(timeouts_raw) - _TIMEOUT_NAMES
     if unknown:
@@ -308,8 +284,6 @@ def _validate(raw: dict[str, Any], timeouts_raw: dict[str, Any], limits_raw: dic
         retries=count("retries", 0, 5),
         fallback=_fallback(get("fallback")),
         max_connections=count("max_connections", 1),
-        leg_client=_leg_client(get("leg_client")),
-        server=_server(get("server")),
         max_in_flight=count("max_in_flight", 1),
         admission_queue=count("admission_queue", 0),
         admission_wait=secs("admission_wait"),

@@ -41,16 +41,17 @@ class RouterError(Exception):
     type: ClassVar[str] = "internal_error"
     kind: ClassVar[str] = "internal"
 
-    def __init__(self, message: str) -> None:
+    def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.param = param  # the request field at fault, when one is (OpenAI's `param`)
 
     @property
     def http_status(self) -> int:
         return self.status
 
     def to_body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": None, "code": self.http_status}}
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.http_status}}
 
     def to_json(self) -> bytes:
         return json.dumps(self.to_body(), ensure_ascii=True).encode()

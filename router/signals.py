@@ -1,5 +1,4 @@
-"""The stop signals (SIGTERM, SIGINT) while the router serves, for both servers (router/drain.py for uvicorn,
-router/serve_granian.py for granian).
+"""The stop signals (SIGTERM, SIGINT) while the router serves (router/drain.py's uvicorn server).
 
 From the start of serving the server's handler takes them; from the end of serving to the process's exit they are
 ignored. They never fall back to the default disposition in between: a supervisor that signals again while the

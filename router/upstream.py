@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from router.aiohttp_transport import AiohttpTransport
 from router.config import Settings
 from router.domain import Role
 from router.errors import (
@@ -18,8 +19,8 @@ from router.errors import (
     UpstreamStatus,
     UpstreamTimeout,
 )
-from router.legs.aiohttp import AiohttpTransport
-from router.legs.base import LegResponse, LegTransport, legs_for
+from router.legs.base import LegResponse, LegTransport
+from router.legs.http1_pool import Http1Legs
 
 _decode = msgspec.json.Decoder().decode
 
@@ -34,10 +35,9 @@ def make_client(settings: Settings, transport: httpx.AsyncBaseTransport | None =
 
 
 def make_legs(settings: Settings) -> LegTransport:
-    """The legs' client the settings name (`leg_client`: http1 by default, aiohttp)."""
-    return legs_for(
-        settings.leg_client, max_connections=settings.max_connections, connect_timeout=settings.timeouts.connect
-    )
+    """The legs' client: this project's HTTP/1.1 client (router/legs/http1_pool.py; router/README.md, "The legs'
+    client")."""
+    return Http1Legs(max_connections=settings.max_connections, connect_timeout=settings.timeouts.connect)
 
 
 def translate(exc: BaseException, *, leg: Role | str, worker: str) -> UpstreamError:

@@ -17,6 +17,4 @@ class Front:
     p_url: str | None = None
     d_url: str | None = None
     connector: str = "sim"  # a row's `connector` (cpu-vllm: the pair's family)
-    leg_client: str | None = None  # kvpush only: when not the default
-    server: str | None = None  # kvpush only: when not the default
     tracing: str | None = None  # kvpush only: off, or the sample ratio of a traced router (overhead suite)

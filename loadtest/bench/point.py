@@ -79,11 +79,7 @@ def _name(point: Point) -> str:
     rep = point.extra.get("repeat", lab.extra.get("repeat"))
     name = f"{lab.suite}-{lab.router}-{lab.mode}-{lab.connector}-q{lab.qps}-c{lab.concurrency}"
     name += f"-r{rep}" if rep is not None else ""
-    client = point.extra.get("leg_client", lab.extra.get("leg_client"))
-    name += f"-{client}" if client is not None else ""  # two kvpush fronts on different leg clients
-    server = point.extra.get("server", lab.extra.get("server"))
-    name += f"-{server}" if server is not None else ""  # ... or on different HTTP servers
-    for key in ("tracing", "kv_events"):  # ... or traced, or following KV events (the overhead suite's variants)
+    for key in ("tracing", "kv_events"):  # two kvpush fronts traced or following KV events (the overhead suite's)
         value = point.extra.get(key, lab.extra.get(key))
         name += f"-{key}-{value}" if value not in (None, "off") else ""
     return name

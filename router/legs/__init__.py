@@ -1,1 +1,1 @@
-"""The legs to workers: the seam (base.py) and its transports beside it (aiohttp, httpx, this project's http1)."""
+"""The legs to workers: the seam (base.py) and its transports beside it (this project's http1, httpx for tests)."""

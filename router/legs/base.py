@@ -1,13 +1,12 @@
-"""The seam of the legs: what the dispatcher asks of a transport to workers, and the one the settings choose. Pure.
+"""The seam of the legs: what the dispatcher asks of a transport to workers. Pure.
 
 - `LegTransport` carries the two legs of every client request (the hot path): `post(url, body, headers)` gives
   a `LegResponse` once status and headers are in.
 - The implementations sit beside this module (httpx's `_transports/` layout) and import nothing from it: they
-  satisfy the Protocols structurally. `AiohttpLegs` (router/legs/aiohttp.py), straight on aiohttp (httpx's
-  request and response models cost more CPU per leg than aiohttp's whole client call); `Http1Legs`
-  (router/legs/http1.py, router/legs/http1_pool.py), this project's own HTTP/1.1 client; `HttpxLegs`
-  (router/legs/httpx.py) over any httpx transport (tests: httpx.MockTransport), so all run the same dispatcher
-  code. `legs_for` builds the one the `leg_client` setting names.
+  satisfy the Protocols structurally. `Http1Legs` (router/legs/http1.py, router/legs/http1_pool.py), this
+  project's own HTTP/1.1 client, in production (router/upstream.py `make_legs`); `HttpxLegs`
+  (router/legs/httpx.py) over any httpx transport (tests: httpx.MockTransport), so both run the same dispatcher
+  code.
 
 No transport puts a read timeout on a leg: every leg runs under its own deadline (router/dispatch.py), and a
 transport-wide read timeout would cut those short. Errors come out as httpx's exception classes whatever
@@ -42,16 +41,3 @@ class LegTransport(Protocol):
     async def post(self, url: str, body: bytes, headers: Mapping[str, str]) -> LegResponse: ...
 
     async def aclose(self) -> None: ...
-
-
-def legs_for(client: str, *, max_connections: int, connect_timeout: float) -> LegTransport:
-    """The production leg transport named by the `leg_client` setting (router/config.py LEG_CLIENTS)."""
-    if client == "http1":
-        from router.legs.http1_pool import Http1Legs
-
-        return Http1Legs(max_connections=max_connections, connect_timeout=connect_timeout)
-    if client == "aiohttp":
-        from router.legs.aiohttp import AiohttpLegs
-
-        return AiohttpLegs(max_connections=max_connections, connect_timeout=connect_timeout)
-    raise ValueError(f"unknown leg client {client!r}")

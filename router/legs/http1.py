@@ -16,9 +16,9 @@ Only what a leg needs: a POST, its status and headers, its body whole or as it a
 
 Deadlines: connecting is bounded by `connect_timeout`; nothing else is (a leg's own deadline, in
 router/dispatch.py, bounds waiting for a pool slot, the answer and its body). Failures come out as httpx's
-exception classes, as AiohttpLegs' do (router/upstream.py maps one family): a connect timeout → ConnectTimeout,
-no connection → ConnectError, a connection lost or an answer that is not HTTP/1.1 → RemoteProtocolError, a
-header that cannot be sent → LocalProtocolError.
+exception classes, as every leg transport's do (router/upstream.py maps one family): a connect timeout →
+ConnectTimeout, no connection → ConnectError, a connection lost or an answer that is not HTTP/1.1 →
+RemoteProtocolError, a header that cannot be sent → LocalProtocolError.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Legs over an httpx client (`HttpxLegs`; tests: httpx.MockTransport), with the same semantics as AiohttpLegs."""
+"""Legs over an httpx client (`HttpxLegs`; tests: httpx.MockTransport), with the same semantics as Http1Legs."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class _HttpxLeg:
         if isinstance(raw, AsyncGenerator):
             await raw.aclose()
         # `async for` never closes what it iterates, and httpx's stream wrappers keep the body's own iterator
-        # (a MockTransport handler's generator): close it, as AiohttpLegs closes the connection
+        # (a MockTransport handler's generator): close it, as Http1Legs closes the connection
         inner: object = self._response.stream
         for _ in range(4):
             inner = getattr(inner, "_stream", None)
@@ -41,7 +41,7 @@ class _HttpxLeg:
 
 
 class HttpxLegs:
-    """Legs over an httpx client (tests: httpx.MockTransport), with the same semantics as AiohttpLegs."""
+    """Legs over an httpx client (tests: httpx.MockTransport), with the same semantics as Http1Legs."""
 
     def __init__(self, client: httpx.AsyncClient) -> None:
         self._client = client

@@ -6,12 +6,9 @@ once: every row records how the legs reached the workers, `wire_order`); kvpush 
 P that states pull. Closed loop at each concurrency, `repeats` times per point with the fronts' order rotated;
 the front door's own CPU time and peak RSS are read from /proc for its process group.
 
-`leg_clients` (e.g. `--set leg_clients=aiohttp,http1`) runs one kvpush push front per leg client side by side
-(KVPUSH_LEG_CLIENT, router/config.py); every kvpush row records its client (`leg_client`), which is how rows of
-several clients are told apart (the report shows a non-default client as its own front, `kvpush (aiohttp legs)`).
-`servers` (e.g. `--set servers=uvicorn,granian`) does the same for the router's HTTP server (KVPUSH_SERVER): one
-kvpush push front per leg client and server, each row records its `server`, and a non-default server is its own
-front (`kvpush (granian)`), kept out of the targets like another leg client.
+The suite once also ran kvpush on other leg clients (`leg_clients`, aiohttp) and HTTP servers (`servers`,
+granian); both lost their measurement and were deleted (bench/ANALYSIS.md, "Options deleted"). Rows of those runs
+still carry `leg_client`/`server`, and the report labels them (`kvpush (aiohttp legs)`, `kvpush (granian)`).
 
 The routers here probe their workers with a 10 s deadline (`--timeout health=10`, not the router's 1 s default):
 at concurrency 256 on 2 cores the zero-cost simulated prefill, CPU-starved but alive, missed two 1 s probes in
@@ -69,7 +66,6 @@ from loadtest.bench.otlp_sink import SinkProcess
 from loadtest.bench.point import Point, measure
 from loadtest.job import REPO
 from loadtest.results import RowLabels, git_commit
-from router.config import LEG_CLIENTS, SERVERS, Settings
 from stack.engines import Fleet
 from stack.procs import ManagedProcess, free_port
 
@@ -86,9 +82,7 @@ class OverheadPlan:
     levels: tuple[tuple[int, int], ...]  # (concurrency, requests)
     repeats: int = 3
     cprofile: bool = False
-    leg_clients: tuple[str, ...] = (Settings.leg_client,)  # kvpush push fronts, one per leg client
-    servers: tuple[str, ...] = (Settings.server,)  # ... and per HTTP server (router/config.py SERVERS)
-    tracings: tuple[str, ...] = ("off",)  # ... and per tracing setting: off or a sample ratio (docstring)
+    tracings: tuple[str, ...] = ("off",)  # kvpush push fronts, one per tracing setting: off or a ratio (docstring)
     kv_events: tuple[str, ...] = ("off",)  # ... and per KV-event setting: off, on (docstring)
     fixed_layout: bool = True  # every process of the run starts with ASLR off (docstring)
 
@@ -105,18 +99,15 @@ SMOKE = OverheadPlan(32, 4, ((1, 5), (4, 8)), repeats=1)
 
 @dataclass(frozen=True)
 class KvpushVariant:
-    """One kvpush router the suite starts: its mode, leg client and HTTP server."""
+    """One kvpush router the suite starts: its mode, tracing and KV-event settings."""
 
     mode: str
-    leg_client: str
-    server: str
     tracing: str = "off"  # off, control (a second untraced router), or the sample ratio of a traced router
     kv_events: str = "off"  # on: the router follows the workers' KV events
 
     @property
     def default(self) -> bool:
-        default_legs = self.leg_client == Settings.leg_client and self.server == Settings.server
-        return default_legs and self.tracing == "off" and self.kv_events == "off"
+        return self.tracing == "off" and self.kv_events == "off"
 
     @property
     def traced(self) -> bool:
@@ -124,17 +115,15 @@ class KvpushVariant:
 
     @property
     def name(self) -> str:
-        tags = [t for t, d in ((self.leg_client, Settings.leg_client), (self.server, Settings.server)) if t != d]
-        tags += [] if self.tracing == "off" else [CONTROL if self.tracing == CONTROL else f"trace{self.tracing}"]
+        tags = [] if self.tracing == "off" else [CONTROL if self.tracing == CONTROL else f"trace{self.tracing}"]
         tags += [] if self.kv_events == "off" else ["events"]
         return "-".join([f"router-{self.mode}", *tags])
 
 
 def kvpush_fronts(plan: OverheadPlan) -> list[KvpushVariant]:
-    """A push front per leg client and server the plan names, then one pull front on the defaults."""
-    for what, names, known in (("leg_clients", plan.leg_clients, LEG_CLIENTS), ("servers", plan.servers, SERVERS)):
-        if not names or set(names) - set(known):
-            raise ValueError(f"overhead: {what} must name some of {', '.join(known)}, got {names}")
+    """A push front per tracing and KV-event setting the plan names, then one pull front on the defaults."""
+    if not plan.tracings:
+        raise ValueError("overhead: tracings must name off and/or sample ratios")
     for ratio in plan.tracings:
         if ratio not in ("off", CONTROL) and not _is_ratio(ratio):
             raise ValueError(f"overhead: tracings must be off, control or sample ratios in [0, 1], got {ratio!r}")
@@ -148,14 +137,8 @@ def kvpush_fronts(plan: OverheadPlan) -> list[KvpushVariant]:
         raise ValueError("overhead: cprofile and traced fronts are separate runs (a traced run restarts its routers)")
     if plan.cprofile and "on" in plan.kv_events:
         raise ValueError("overhead: cprofile profiles the default push router; run kv_events=on without it")
-    push = [
-        KvpushVariant("push", c, s, t, e)
-        for e in dict.fromkeys(plan.kv_events)
-        for t in dict.fromkeys(plan.tracings)
-        for s in dict.fromkeys(plan.servers)
-        for c in dict.fromkeys(plan.leg_clients)
-    ]
-    return [*push, KvpushVariant("pull", Settings.leg_client, Settings.server)]
+    push = [KvpushVariant("push", t, e) for e in dict.fromkeys(plan.kv_events) for t in dict.fromkeys(plan.tracings)]
+    return [*push, KvpushVariant("pull")]
 
 
 def export_wait_s(env: Mapping[str, str] = os.environ) -> float:
@@ -177,12 +160,10 @@ def _is_ratio(text: str) -> bool:
 
 @contextlib.contextmanager
 def _router_env(front: KvpushVariant, sink: str | None = None) -> Iterator[None]:
-    """The router started meanwhile uses the front's leg client, server and tracing (KVPUSH_LEG_CLIENT,
-    KVPUSH_SERVER, KVPUSH_TRACING and the OTEL_* sampler and endpoint: the sink's)."""
+    """The router started meanwhile uses the front's tracing (KVPUSH_TRACING and the OTEL_* sampler and endpoint:
+    the sink's)."""
     traced = front.traced
     changes = {
-        "KVPUSH_LEG_CLIENT": front.leg_client,
-        "KVPUSH_SERVER": front.server,
         "KVPUSH_TRACING": "true" if traced else "false",
         "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
         "OTEL_TRACES_SAMPLER_ARG": front.tracing if traced else "0",
@@ -276,7 +257,7 @@ def _kvpush_front(
     url = procs.url(port)
     if k.traced:
         _warm_export(url)
-    return Front("kvpush", mode, url, proc, p_url, d_url, leg_client=k.leg_client, server=k.server, tracing=k.tracing)
+    return Front("kvpush", mode, url, proc, p_url, d_url, tracing=k.tracing)
 
 
 def _restart_push_fronts(
@@ -284,12 +265,10 @@ def _restart_push_fronts(
 ) -> list[Front]:
     """The fronts with every kvpush push router stopped and started afresh, all of them before any load (a traced
     run's repeat pairs routers of one start; docstring). The others stay as they are."""
-    variants: dict[tuple[str | None, ...], KvpushVariant] = {
-        (k.leg_client, k.server, k.tracing): k for k in kvpush_fronts(plan) if k.mode == "push"
-    }
+    variants = {k.tracing: k for k in kvpush_fronts(plan) if k.mode == "push"}
     out = []
     for front in fronts:
-        k = variants.get((front.leg_client, front.server, front.tracing))
+        k = variants.get(front.tracing or "off")
         if front.router != "kvpush" or front.mode != "push" or k is None or not (front.p_url and front.d_url):
             out.append(front)
             continue
@@ -338,9 +317,8 @@ def run(plan: OverheadPlan, run_dir: Path, summary: Path, progress: bool, run_id
 
 
 def _is_profiled(front: Front) -> bool:
-    """The one front run under cProfile with `cprofile=True`: kvpush push on the default client and server."""
-    default = front.leg_client == Settings.leg_client and front.server == Settings.server
-    return default and front.tracing in (None, "off") and front.mode == "push"
+    """The one front run under cProfile with `cprofile=True`: the untraced kvpush push router."""
+    return front.router == "kvpush" and front.tracing in (None, "off") and front.mode == "push"
 
 
 def _wait_for(path: Path | None, timeout_s: float = 30.0) -> None:
@@ -371,10 +349,6 @@ def _point(
     extra["layout"] = "fixed" if fixed else "random"
     if kv_events is not None:
         extra["kv_events"] = kv_events
-    if front.leg_client is not None:
-        extra["leg_client"] = front.leg_client
-    if front.server is not None:
-        extra["server"] = front.server
     if front.tracing is not None:
         extra["tracing"] = front.tracing
     if any(t not in ("off", CONTROL) for t in plan.tracings):
@@ -391,7 +365,7 @@ def _point(
         seed=2000 + 10 * rep + order,
         warmup=min(2 * conc, 200),
         timeout_s=60.0,
-        router_timings=front.leg_client is not None,
+        router_timings=front.router == "kvpush",
         legs_of=(front.p_url, d_url) if front.p_url else None,
     )
     pid = front.proc.pid if front.proc else None

@@ -144,12 +144,11 @@ def test_sigterm_lets_eight_streams_finish_and_exits_zero() -> None:
         assert r.handle.stop(30.0) == 0
 
 
-@pytest.mark.parametrize("server", ["uvicorn", "granian"])
-def test_stop_signals_that_keep_coming_while_the_router_exits_still_end_it_with_zero(server: str) -> None:
+def test_stop_signals_that_keep_coming_while_the_router_exits_still_end_it_with_zero() -> None:
     """A supervisor may signal again while the drained router is on its way out (the stack's stop does): from the
     first signal to the exit, no signal may find the default disposition and kill the process."""
     p, d = fake("p"), fake("d")
-    r = router([p], [d], "--server", server, "--drain-delay", "0", "--drain-grace", "1")
+    r = router([p], [d], "--drain-delay", "0", "--drain-grace", "1")
     with running(p, d, r):
         pid = r.handle.pid
         assert pid is not None

@@ -1,6 +1,6 @@
-"""The seams against real servers (the httpx transport for probes; both leg clients, AiohttpLegs and Http1Legs,
-for the legs): errors map to httpx's, short reads drop the connection (the server sees the client leave), whole
-reads keep it, legs have no read timeout of their own, and a leg given up mid-upload drops its connection."""
+"""The seams against real servers (the httpx transport for probes, AiohttpTransport; the legs' client,
+Http1Legs): errors map to httpx's, short reads drop the connection (the server sees the client leave), whole reads
+keep it, legs have no read timeout of their own, and a leg given up mid-upload drops its connection."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from router.config import LEG_CLIENTS
-from router.legs.aiohttp import AiohttpTransport
-from router.legs.base import LegTransport, legs_for
+from router.aiohttp_transport import AiohttpTransport
+from router.legs.base import LegTransport
+from router.legs.http1_pool import Http1Legs
 from stack.procs import ManagedProcess, ProcessSpec, free_port
 from tests.integration.router.hostile import sockets_to
 from tests.integration.vllm_support import LOGS, REPO
@@ -54,13 +54,8 @@ def worker() -> Iterator[str]:
     proc.stop(5)
 
 
-@pytest.fixture(params=LEG_CLIENTS)
-def leg_client(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-def make_legs(leg_client: str, connect_timeout: float = 5.0) -> LegTransport:
-    return legs_for(leg_client, max_connections=8, connect_timeout=connect_timeout)
+def make_legs(connect_timeout: float = 5.0) -> LegTransport:
+    return Http1Legs(max_connections=8, connect_timeout=connect_timeout)
 
 
 def client(read: float = 10.0) -> httpx.AsyncClient:
@@ -111,8 +106,8 @@ async def test_errors_are_httpx_errors(worker: str) -> None:
             await c.post(f"{worker}/v1/completions", json={"model": "tiny", "prompt": "x"})
 
 
-async def test_legs_stream_whole_answers_and_are_seen_leaving(worker: str, leg_client: str) -> None:
-    legs = make_legs(leg_client)
+async def test_legs_stream_whole_answers_and_are_seen_leaving(worker: str) -> None:
+    legs = make_legs()
     try:
         body = json.dumps({"model": "tiny", "prompt": "x", "stream": True}).encode()
         response = await legs.post(f"{worker}/v1/completions", body, {"content-type": "application/json"})
@@ -135,9 +130,9 @@ async def test_legs_stream_whole_answers_and_are_seen_leaving(worker: str, leg_c
         await legs.aclose()
 
 
-async def test_legs_have_no_read_timeout_of_their_own(worker: str, leg_client: str) -> None:
+async def test_legs_have_no_read_timeout_of_their_own(worker: str) -> None:
     """A leg's own deadline is the only one: a 5 s stream (50 events, 0.1 s apart) is read whole."""
-    legs = make_legs(leg_client, connect_timeout=0.5)
+    legs = make_legs(connect_timeout=0.5)
     try:
         body = json.dumps({"model": "tiny", "prompt": "x", "stream": True}).encode()
         response = await legs.post(f"{worker}/v1/completions", body, {"content-type": "application/json"})
@@ -148,7 +143,7 @@ async def test_legs_have_no_read_timeout_of_their_own(worker: str, leg_client: s
         await legs.aclose()
 
 
-async def test_a_leg_given_up_while_the_worker_never_reads_its_body_drops_the_connection(leg_client: str) -> None:
+async def test_a_leg_given_up_while_the_worker_never_reads_its_body_drops_the_connection() -> None:
     """A plain close waits for the write buffer to drain first: the socket (and the buffered body) would stay
     for as long as the worker does not read."""
     finished = asyncio.Event()
@@ -159,7 +154,7 @@ async def test_a_leg_given_up_while_the_worker_never_reads_its_body_drops_the_co
 
     server = await asyncio.start_server(never_reads, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    legs = make_legs(leg_client)
+    legs = make_legs()
 
     def ours() -> int:
         return sockets_to(os.getpid(), port)  # our side only: remote port == the server's
@@ -179,10 +174,10 @@ async def test_a_leg_given_up_while_the_worker_never_reads_its_body_drops_the_co
 
 
 async def test_legs_read_whole_keep_one_connection_and_one_cut_short_is_not_reused(
-    worker: str, leg_client: str
+    worker: str,
 ) -> None:
     """Sequential whole answers share one pooled connection; a stream closed before its end leaves the pool."""
-    legs = make_legs(leg_client)
+    legs = make_legs()
     port = int(worker.rsplit(":", 1)[1])
     whole = json.dumps({"model": "tiny", "prompt": "x", "kv_transfer_params": {"do_remote_decode": True}}).encode()
     try:

@@ -9,7 +9,6 @@ import pytest
 
 from router.cli import load_serve_settings
 from router.config import (
-    LEG_CLIENTS,
     Limits,
     Timeouts,
     build_settings,
@@ -25,7 +24,6 @@ from router.deciders import registry
 from router.discovery.settings import Discovery, DnsConfig, KubernetesConfig
 from router.domain import Fallback, Mode, NixlIdentity, Role, WorkerSpec
 from router.errors import ConfigError
-from router.legs.base import legs_for
 
 MIN = {"prefill": ["http://p:8100"], "decode": ["http://d:8200"]}
 
@@ -291,28 +289,18 @@ def test_bad_policy_settings_are_refused_at_startup(layer: dict[str, Any], messa
         build_settings(MIN, layer)
 
 
-def test_the_leg_client_comes_from_the_file_the_environment_or_the_flag(tmp_path: Path) -> None:
-    config = tmp_path / "router.yaml"
-    assert build_settings(MIN).leg_client == "http1"  # the default, chosen by the overhead suite (router/README.md)
-    config.write_text("prefill: [http://p:8100]\ndecode: [http://d:8200]\nleg_client: aiohttp\n")
-    assert load_serve_settings(["--config", str(config)], {}).leg_client == "aiohttp"
-    assert load_serve_settings(["--config", str(config)], {"KVPUSH_LEG_CLIENT": "http1"}).leg_client == "http1"
-    flags = ["--config", str(config), "--leg-client", "aiohttp"]
-    assert load_serve_settings(flags, {"KVPUSH_LEG_CLIENT": "http1"}).leg_client == "aiohttp"
+@pytest.mark.parametrize("key", ["leg_client", "server"])
+def test_the_deleted_leg_client_and_server_settings_are_refused_by_name(key: str) -> None:
+    """Both lost their measurement and were deleted (bench/ANALYSIS.md): a file that still sets one is told so."""
+    with pytest.raises(ConfigError, match=f"unknown setting '{key}'"):
+        build_settings(MIN, {key: "http1" if key == "leg_client" else "uvicorn"})
+    assert not hasattr(build_settings(MIN), key)
 
 
-@pytest.mark.parametrize("value", ["httpx", "", 1, True, ["http1"]])
-def test_an_unknown_leg_client_is_refused(value: Any) -> None:
-    with pytest.raises(ConfigError, match="leg_client: expected one of aiohttp, http1"):
-        build_settings(MIN, {"leg_client": value})
-
-
-def test_every_leg_client_makes_a_leg_transport() -> None:
-    for name in LEG_CLIENTS:
-        legs = legs_for(name, max_connections=2, connect_timeout=1.0)
-        assert type(legs).__name__ == {"aiohttp": "AiohttpLegs", "http1": "Http1Legs"}[name]
-    with pytest.raises(ValueError, match="unknown leg client"):
-        legs_for("httpx", max_connections=2, connect_timeout=1.0)
+def test_the_deleted_leg_client_and_server_flags_are_refused() -> None:
+    for flag, value in (("--leg-client", "http1"), ("--server", "uvicorn")):
+        with pytest.raises(SystemExit):
+            load_serve_settings(["--prefill", "http://p:1", "--decode", "http://d:2", flag, value], {})
 
 
 def test_dp_declares_a_server_s_data_parallel_ranks() -> None:

@@ -116,7 +116,7 @@ def test_a_jobs_on_loaded_runs_after_the_load_and_before_the_router_timings_are_
 
 
 def test_fronts_that_differ_only_in_tracing_or_kv_events_write_to_their_own_folders() -> None:
-    """The overhead suite's push variants share router, mode, client and server: each keeps its own records."""
+    """The overhead suite's push variants share router and mode: each keeps its own records."""
 
     def name(**extra: object) -> str:
         labels = RowLabels("overhead", "kvpush", "push", "sim", None, 64, 128, 16, {"repeat": 3, **extra})

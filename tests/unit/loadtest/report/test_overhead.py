@@ -1,4 +1,5 @@
-"""The overhead report's fronts: a kvpush router on another HTTP server or leg client is its own row (pure)."""
+"""The overhead report's fronts: an old run's kvpush row on the deleted HTTP server (granian) or leg client
+(aiohttp) is its own row (pure)."""
 
 from typing import Any
 
@@ -6,7 +7,7 @@ from loadtest.report import overhead as report_overhead
 from tests.unit.loadtest.report.test_targets import over_row
 
 
-def test_a_kvpush_front_on_another_server_is_its_own_row_and_stays_out_of_the_targets() -> None:
+def test_an_old_kvpush_row_on_another_server_is_its_own_row_and_stays_out_of_the_targets() -> None:
     rows: list[dict[str, Any]] = []
     for rep in range(2):
         rows += [

@@ -131,7 +131,7 @@ def test_overhead_targets_use_added_latency_over_direct() -> None:
     assert "99.00" not in text  # profiled rows stay out of the tables and targets
 
 
-def test_a_kvpush_front_on_another_leg_client_is_its_own_row_and_stays_out_of_the_targets() -> None:
+def test_an_old_kvpush_row_on_the_deleted_aiohttp_legs_is_its_own_row_and_stays_out_of_the_targets() -> None:
     rows = []
     for rep in range(3):
         rows += [

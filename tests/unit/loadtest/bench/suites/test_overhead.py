@@ -10,43 +10,31 @@ from loadtest.bench.suites import overhead as suite_overhead
 from loadtest.bench.suites.overhead import FULL, KvpushVariant, kvpush_fronts
 
 
-def test_by_default_one_push_and_one_pull_front_on_the_default_client_and_server() -> None:
-    assert kvpush_fronts(FULL) == [KvpushVariant("push", "http1", "uvicorn"), KvpushVariant("pull", "http1", "uvicorn")]
+def test_by_default_one_push_and_one_pull_front() -> None:
+    assert kvpush_fronts(FULL) == [KvpushVariant("push"), KvpushVariant("pull")]
     assert [f.name for f in kvpush_fronts(FULL)] == ["router-push", "router-pull"]
+    assert [f.default for f in kvpush_fronts(FULL)] == [True, True]
 
 
-def test_servers_from_set_add_one_push_front_per_server_and_client() -> None:
-    plan = with_overrides(FULL, ["servers=uvicorn,granian", "leg_clients=http1,aiohttp"])
-    fronts = kvpush_fronts(plan)
-    assert [(f.mode, f.leg_client, f.server) for f in fronts] == [
-        ("push", "http1", "uvicorn"),
-        ("push", "aiohttp", "uvicorn"),
-        ("push", "http1", "granian"),
-        ("push", "aiohttp", "granian"),
-        ("pull", "http1", "uvicorn"),
-    ]
-    names = [f.name for f in fronts]
-    assert names[:2] == ["router-push", "router-push-aiohttp"]
-    assert names[2:] == ["router-push-granian", "router-push-aiohttp-granian", "router-pull"]
-    assert [f.default for f in fronts] == [True, False, False, False, True]
+@pytest.mark.parametrize("gone", ["servers=uvicorn,granian", "leg_clients=http1,aiohttp"])
+def test_the_deleted_server_and_leg_client_dimensions_cannot_be_run(gone: str) -> None:
+    with pytest.raises(ValueError):
+        with_overrides(FULL, [gone])
 
 
-@pytest.mark.parametrize("bad", [(), ("hypercorn",)])
-def test_unknown_or_no_servers_and_clients_are_refused(bad: tuple[str, ...]) -> None:
-    with pytest.raises(ValueError, match="overhead: servers must name some of"):
-        kvpush_fronts(replace(FULL, servers=bad))
-    with pytest.raises(ValueError, match="overhead: leg_clients must name some of"):
-        kvpush_fronts(replace(FULL, leg_clients=bad))
+def test_no_tracing_setting_is_refused() -> None:
+    with pytest.raises(ValueError, match="overhead: tracings must name"):
+        kvpush_fronts(replace(FULL, tracings=()))
 
 
-def test_each_router_starts_with_its_client_and_server_and_the_environment_is_restored(
+def test_each_router_starts_without_a_leg_client_or_server_and_the_environment_is_restored(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("KVPUSH_LEG_CLIENT", "aiohttp")
-    monkeypatch.delenv("KVPUSH_SERVER", raising=False)
-    with suite_overhead._router_env(KvpushVariant("push", "http1", "granian")):
-        assert (os.environ["KVPUSH_LEG_CLIENT"], os.environ["KVPUSH_SERVER"]) == ("http1", "granian")
-    assert os.environ["KVPUSH_LEG_CLIENT"] == "aiohttp" and "KVPUSH_SERVER" not in os.environ
+    monkeypatch.setenv("KVPUSH_TRACING", "true")
+    with suite_overhead._router_env(KvpushVariant("push")):
+        assert os.environ["KVPUSH_TRACING"] == "false"
+        assert "KVPUSH_LEG_CLIENT" not in os.environ and "KVPUSH_SERVER" not in os.environ
+    assert os.environ["KVPUSH_TRACING"] == "true"
 
 
 def test_the_suite_s_routers_give_a_starved_simulator_a_long_health_deadline() -> None:
@@ -109,7 +97,7 @@ def test_traced_routers_keep_the_sdks_batch_delay_and_a_point_waits_it_out(monke
     """The suite no longer shortens the batch delay (a user's router exports every 5 s or per 512 spans); a traced
     point reads its export threads after the delay and a second, so its last batch is counted in it."""
     monkeypatch.delenv("OTEL_BSP_SCHEDULE_DELAY", raising=False)
-    with suite_overhead._router_env(KvpushVariant("push", "http1", "uvicorn", "1"), "http://127.0.0.1:4317"):
+    with suite_overhead._router_env(KvpushVariant("push", "1"), "http://127.0.0.1:4317"):
         assert "OTEL_BSP_SCHEDULE_DELAY" not in os.environ
         assert suite_overhead.export_wait_s() == 6.0
     assert suite_overhead.export_wait_s({"OTEL_BSP_SCHEDULE_DELAY": "500"}) == 1.5
