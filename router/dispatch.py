@@ -150,6 +150,8 @@ class Dispatcher:
         return answer
 
     def _decide(self, turn: Turn, decodes: Sequence[WorkerView], prefills: Sequence[WorkerView]) -> Decision:
+        if (why := protocol.decode_only(turn.info.endpoint, turn.body)) is not None:
+            return Decision(Route.BYPASS, reason=why)  # decode computes the prompt whatever it is sent
         if not prefills and self._settings.fallback is Fallback.DECODE_ONLY:
             return Decision(Route.FALLBACK, reason="no healthy prefill worker")
         decider = self.feedback.decider

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -115,8 +116,9 @@ def parse_request(endpoint: Endpoint, body: Any) -> RequestInfo:
         value = body.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise BadRequest(f"'{key}' must be a positive integer")
-    if body.get("n", 1) != 1 or body.get("best_of", 1) not in (1, None):
-        raise BadRequest("'n' and 'best_of' other than 1 are not supported by disaggregated serving")
+    n, best_of = body.get("n"), body.get("best_of")
+    if (n is not None and (n.__class__ is not int or n != 1)) or best_of is not None:
+        _check_choices(n, best_of)
     if "kv_transfer_params" in body:
         raise BadRequest("'kv_transfer_params' is set by the router and must not be sent by clients")
     options = body.get("stream_options")
@@ -124,6 +126,33 @@ def parse_request(endpoint: Endpoint, body: Any) -> RequestInfo:
         raise BadRequest("'stream_options' must be an object")
     tokens = _prompt_tokens(body) if endpoint is Endpoint.COMPLETIONS else _chat_tokens(body)
     return RequestInfo(endpoint=endpoint, stream=stream, prompt_tokens=tokens)
+
+
+def _check_choices(n: Any, best_of: Any) -> None:
+    """`n` null or 1 is one choice (OpenAI and vLLM read null as 1); `best_of` null or 1 is no best-of."""
+    if n is not None and (n.__class__ is not int or n < 1):
+        raise BadRequest("'n' must be a positive integer or null", param="n")
+    if n is not None and n > 1:
+        raise BadRequest("'n' > 1 is not served through disaggregated serving: send one request per choice", param="n")
+    if best_of is not None and (best_of.__class__ is not int or best_of != 1):
+        raise BadRequest(
+            "'best_of' other than 1 is not served (vLLM's engine has no best-of sampling): ask for 'n' choices",
+            param="best_of",
+        )
+
+
+def decode_only(endpoint: Endpoint, body: Mapping[str, Any]) -> str | None:
+    """Why this request must be served by decode alone (no prefill leg), or None. Each of these makes vLLM compute
+    the prompt itself on the decode engine whatever KV it was sent: beam search runs its own engine requests
+    without the router's `kv_transfer_params`; prompt logprobs (asked, or implied by `echo` with logprobs) skip
+    every prefix-cache and connector hit. A prefill leg would compute the prompt for nothing and hold its KV."""
+    if body.get("use_beam_search") is True:
+        return "beam search"
+    if body.get("prompt_logprobs") is not None:
+        return "prompt logprobs"
+    if body.get("echo") and body.get("logprobs" if endpoint is Endpoint.COMPLETIONS else "top_logprobs") is not None:
+        return "echo with logprobs (prompt logprobs)"
+    return None
 
 
 def _prompt_tokens(body: dict[str, Any]) -> int:

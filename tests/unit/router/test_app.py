@@ -36,6 +36,8 @@ async def client() -> AsyncIterator[tuple[httpx.AsyncClient, FakeWorkers]]:
         ("/v1/completions", b'{"prompt": "x"}', "'model'"),
         ("/v1/chat/completions", b'{"model": "tiny"}', "'messages'"),
         ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": -1}', "max_tokens"),
+        ("/v1/completions", b'{"model": "tiny", "prompt": "x", "best_of": 2}', "'best_of'"),
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user"}], "n": 0}', "'n'"),
     ],
 )
 async def test_invalid_requests_get_400_without_touching_a_worker(
@@ -48,6 +50,20 @@ async def test_invalid_requests_get_400_without_touching_a_worker(
     assert message in error["message"] and error["type"] == "invalid_request_error"
     assert response.headers["x-request-id"] == "mine"
     assert workers.seen == []
+
+
+async def test_a_refused_field_is_named_in_the_errors_param(client: tuple[httpx.AsyncClient, FakeWorkers]) -> None:
+    c, workers = client
+    response = await c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "best_of": 4})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "best_of"
+    assert workers.seen == []
+
+
+async def test_n_null_is_served_as_one_choice(client: tuple[httpx.AsyncClient, FakeWorkers]) -> None:
+    c, workers = client
+    response = await c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "n": None, "best_of": None})
+    assert response.status_code == 200 and len(response.json()["choices"]) == 1
+    assert {s.worker for s in workers.seen} == {"p0", "d0"}
 
 
 async def test_a_completion_echoes_the_client_id_and_names_the_pairing(

@@ -123,6 +123,11 @@ def test_identity_is_read_from_a_prefill_answer() -> None:
         (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": 0}, "'max_tokens'"),
         (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": "5"}, "'max_tokens'"),
         (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "n": 2}, "'n'"),
+        (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "n": 0}, "'n'"),
+        (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "n": True}, "'n'"),
+        (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "n": 1.0}, "'n'"),
+        (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "best_of": 2}, "'best_of'"),
+        (Endpoint.CHAT, {"model": "m", "messages": [{"role": "u", "content": "x"}], "best_of": 3}, "'best_of'"),
         (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "kv_transfer_params": {}}, "kv_transfer_params"),
         (Endpoint.CHAT, {"model": "m"}, "'messages'"),
         (Endpoint.CHAT, {"model": "m", "messages": []}, "'messages'"),
@@ -139,6 +144,47 @@ def test_identity_is_read_from_a_prefill_answer() -> None:
 def test_invalid_requests_are_rejected_with_a_clear_message(endpoint: Endpoint, body: Any, message: str) -> None:
     with pytest.raises(BadRequest, match=message.replace("[", r"\[").replace("]", r"\]")):
         protocol.parse_request(endpoint, body)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [({"n": 2}, "n"), ({"n": -1}, "n"), ({"n": "1"}, "n"), ({"best_of": 2}, "best_of"), ({"best_of": 0}, "best_of")],
+)
+def test_a_refused_sampling_field_is_named_as_the_errors_param(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(BadRequest) as refused:
+        protocol.parse_request(Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", **body})
+    assert refused.value.to_body()["error"]["param"] == param
+    assert refused.value.http_status == 400
+
+
+@pytest.mark.parametrize(
+    "choices", [{"n": None}, {"n": 1}, {"best_of": None}, {"best_of": 1}, {"n": None, "best_of": 1}]
+)
+def test_n_null_is_one_choice_and_best_of_null_or_one_is_none(choices: dict[str, Any]) -> None:
+    assert protocol.parse_request(Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", **choices}).prompt_tokens == 1
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "fields", "why"),
+    [
+        (Endpoint.COMPLETIONS, {"use_beam_search": True}, "beam search"),
+        (Endpoint.CHAT, {"use_beam_search": True}, "beam search"),
+        (Endpoint.COMPLETIONS, {"prompt_logprobs": 0}, "prompt logprobs"),
+        (Endpoint.CHAT, {"prompt_logprobs": 1}, "prompt logprobs"),
+        (Endpoint.COMPLETIONS, {"echo": True, "logprobs": 0}, "echo"),
+        (Endpoint.CHAT, {"echo": True, "top_logprobs": 2}, "echo"),
+        (Endpoint.COMPLETIONS, {"use_beam_search": False}, None),
+        (Endpoint.COMPLETIONS, {"echo": True}, None),
+        (Endpoint.COMPLETIONS, {"logprobs": 3}, None),
+        (Endpoint.CHAT, {"echo": True, "logprobs": True}, None),
+        (Endpoint.COMPLETIONS, {"prompt_logprobs": None}, None),
+    ],
+)
+def test_requests_vllm_computes_the_prompt_for_on_decode_are_decode_only(
+    endpoint: Endpoint, fields: dict[str, Any], why: str | None
+) -> None:
+    reason = protocol.decode_only(endpoint, {"model": "m", **fields})
+    assert reason == why if why is None else (reason is not None and why in reason)
 
 
 def test_valid_requests_give_selection_facts() -> None:
