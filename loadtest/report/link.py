@@ -17,7 +17,8 @@ EFA = "efa-like"
 UNSHAPED = "unshaped"  # stack/link/plan.py: the same namespaces and TCP, no rate limit (the efa check's in-run control)
 MT_LINK = "ethernet-25g-like"
 PROG, OURS, UP, PULL = "kvpush-progressive", "kvpush-push", "upstream-push", "upstream-pull"
-LAYER, LAYERC = "kvpush-layer", "kvpush-layer-chunked"  # push_granularity: layer (connector/layer_push.py)
+LAYER = "kvpush-layer"  # push_granularity: layer (connector/layer_push.py)
+LAYERC = "kvpush-layer-chunked"  # layer-wise in chunks: deleted, worst of the three; older runs' rows still show
 OVERLAPS = {PROG: "progressive", LAYER: "layer-wise", LAYERC: "layer-wise chunked"}  # judged against the targets
 FRONT_ORDER = (
     ("kvpush", PULL),
@@ -280,10 +281,11 @@ def section(
         "Every engine in its own network namespace behind a token-bucket-shaped veth (stack/link); KV over UCX's "
         "TCP transport across it. Pairs: upstream pull, upstream push, ours with two prefills on one decode "
         f"(`kvpush-push`: one-step prefill; `kvpush-progressive`: chunks of {chunk_tokens} tokens, each chunk's "
-        "blocks written at its step's end), and, where the run had them, two prefills that push layer by layer "
-        "(`push_granularity: layer`: each layer's blocks written as soon as the layer is computed, "
-        "connector/layer_push.py): `kvpush-layer` in one step, `kvpush-layer-chunked` in chunks; our engines run "
-        "the connector's event-driven progress thread. "
+        "blocks written at its step's end), and, where the run had it, a prefill that pushes layer by layer "
+        "(`kvpush-layer`, `push_granularity: layer`: each layer's blocks written as soon as the layer is computed, "
+        "connector/layer_push.py); runs up to 20261207T014140Z also had `kvpush-layer-chunked`, layer by layer in "
+        'chunks, deleted since as the worst of the three overlaps (bench/ANALYSIS.md, "Options deleted"); '
+        "our engines run the connector's event-driven progress thread. "
         "The rate is set per step from P's prefill measured in the run (the preset's transfer/prefill share). "
         "`transfer measured` = the connectors' own mean WRITE/READ time (their xfer-time histograms; the wire "
         "time of one prompt is in each step's line); `P's NIC / KV bytes` must be >= 1 (else the KV bypassed the "

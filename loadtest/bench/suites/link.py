@@ -2,14 +2,15 @@
 
 Every engine runs in its own network namespace behind a token-bucket-shaped veth (stack.link.fabric.Link); the
 KV goes over UCX's TCP transport across it. Pairs (P on core 0, D on core 1): upstream pull (NixlConnector),
-upstream push (NixlPushConnector) and ours (KvpushConnector) with two prefills on one decode: `p0` prefills a
+upstream push (NixlPushConnector) and ours (KvpushConnector) with its prefills on one decode: `p0` prefills a
 prompt in one step (`kvpush-push`), `p1` in chunks of `chunk_tokens` (`kvpush-progressive`: each chunk's full
-blocks are written at the end of its step, overlapping the rest of the prefill); with `layer` two more prefills
-push layer by layer (`push_granularity: layer`, connector/layer_push.py: each layer's blocks are written as soon
-as the layer is computed): `p2` in one step (`kvpush-layer`), `p3` in chunks of `layer_chunk_tokens`
-(`kvpush-layer-chunked`). Our engines run the
-connector's event-driven progress thread (`progress: thread`), so decode moves the bytes as they arrive instead
-of on its idle ticks. Fronts: kvpush on every pair, vllm-router 0.1.17 on upstream push.
+blocks are written at the end of its step, overlapping the rest of the prefill); with `layer` a third prefill,
+`p2`, pushes layer by layer in one step (`kvpush-layer`: `push_granularity: layer`, connector/layer_push.py: each
+layer's blocks are written as soon as the layer is computed). A fourth, layer by layer in chunks
+(`kvpush-layer-chunked`), was the worst of the three overlaps and was deleted (bench/ANALYSIS.md, "Options
+deleted"); the report still shows its old rows. Our engines run the connector's event-driven progress thread
+(`progress: thread`), so decode moves the bytes as they arrive instead of on its idle ticks. Fronts: kvpush on
+every pair, vllm-router 0.1.17 on upstream push.
 
 For every step (linkrows.steps: a prompt length and a preset) the suite measures P's prefill (calibrate), sets
 the link's rate from it, then runs every point, repeats alternating the fronts' order. Each row records the
@@ -48,7 +49,7 @@ from stack.tiny_model import resolve_size
 MODEL_SIZE = "bench"
 SUITE = "link"
 THREAD = {"progress": "thread"}  # our connector on a link: NIXL's event-driven progress thread (connector/options.py)
-LAYER = {"push_granularity": "layer"}  # p2, p3: each layer's blocks written once computed (connector/layer_push.py)
+LAYER = {"push_granularity": "layer"}  # p2: each layer's blocks written once computed (connector/layer_push.py)
 CHECK_PROMPTS = ("def f0(x): return x * 0\ndef f1(x):", "The link between prefill and decode carries")
 
 
@@ -66,8 +67,7 @@ class LinkBenchPlan:
     max_point_s: float = 8.0  # fewer requests at light points (at least 4)
     warmup: int = 1
     chunk_tokens: int = 256  # kvpush-progressive's P: --max-num-batched-tokens (a multiple of the 128-token block)
-    layer: bool = True  # the layer-wise prefills (kvpush-layer, kvpush-layer-chunked)
-    layer_chunk_tokens: int = 512  # kvpush-layer-chunked's P: --max-num-batched-tokens
+    layer: bool = True  # the layer-wise prefill (kvpush-layer)
     one_step: bool = True  # kvpush-push (our step-wise push of a one-step prefill)
     vrouter: bool = True
     model: str = MODEL_SIZE  # stack/tiny_model.py SIZES: "bench" (4 layers), "bench-deep" (16 thin layers)
@@ -80,7 +80,7 @@ class LinkBenchPlan:
         return max(self.input_lens) + self.output_len + 128
 
 
-# ~4 min boot (7 engines) + headline 2 QPS x 3 repeats x 5 fronts (~10 s each) + 5 side steps x 5 fronts (~10-25 s)
+# ~4 min boot (6 engines) + headline 2 QPS x 3 repeats x 5 fronts (~10 s each) + 5 side steps x 5 fronts (~10-25 s)
 FULL = LinkBenchPlan()
 SMOKE = LinkBenchPlan(
     input_lens=(256,),
@@ -109,7 +109,7 @@ def families(plan: LinkBenchPlan, model: Path) -> list[PdFamily]:
     common: dict[str, Any] = {"extra_args": batched, "max_model_len": plan.max_model_len}
     prefill_args: list[tuple[str, ...]] = [(), ("--max-num-batched-tokens", str(plan.chunk_tokens))]
     if plan.layer:
-        prefill_args += [(), ("--max-num-batched-tokens", str(plan.layer_chunk_tokens))]
+        prefill_args.append(())
     ours = pd_family(
         "ln-ours",
         model,
@@ -120,7 +120,7 @@ def families(plan: LinkBenchPlan, model: Path) -> list[PdFamily]:
         connector_extra=THREAD,
         **common,
     )
-    # p2, p3: the same connector on the same decode, pushing layer by layer (a prefill-side option)
+    # p2: the same connector on the same decode, pushing layer by layer (a prefill-side option)
     layered = tuple(
         dataclasses.replace(spec, connector_extra={**THREAD, **LAYER}) if i >= 2 else spec
         for i, spec in enumerate(ours.prefills)
@@ -158,9 +158,8 @@ def start_fronts(
     if one_step:
         out.append(_kvpush(fleet, "ours", "push", ours.prefills[0], ours.decode, "kvpush-push", logs))
     out.append(_kvpush(fleet, "prog", "push", ours.prefills[1], ours.decode, "kvpush-progressive", logs))
-    if len(ours.prefills) >= 4:
+    if len(ours.prefills) >= 3:
         out.append(_kvpush(fleet, "layer", "push", ours.prefills[2], ours.decode, "kvpush-layer", logs))
-        out.append(_kvpush(fleet, "layerc", "push", ours.prefills[3], ours.decode, "kvpush-layer-chunked", logs))
     return out
 
 
@@ -258,7 +257,6 @@ class _Ctx:
             "qps_asked": asked,
             "seed": seed,
             "chunk_tokens": self.plan.chunk_tokens,
-            "layer_chunk_tokens": self.plan.layer_chunk_tokens,
             "warmup": self.plan.warmup,
             "outputs_equal_single": agreed,
             **self.cal.record(),

@@ -221,3 +221,13 @@ def test_without_an_unshaped_step_only_the_loopback_check_is_shown() -> None:
     assert link.in_run_control(efa, efa) == [] and link.in_run_control([], efa) == []
     text = "\n".join(link.section(headline(500.0), [], [], earlier=efa))
     assert "unshaped step of the same run" not in text and "efa-like (run r0) against the loopback" in text
+
+
+def test_an_old_runs_layer_chunked_rows_still_render_labelled_and_judged() -> None:
+    """The layer-chunked front was deleted (bench/ANALYSIS.md); runs before it still carry its rows."""
+    old = [row("kvpush-layer-chunked", 480.0 + rep, rep=rep) for rep in range(3)]
+    text = "\n".join(link.section([*headline(500.0), *old], [], []))
+    assert "| 1 | kvpush | kvpush-layer-chunked | 3 | 24 | 0 | 481.0 (480.0-482.0) |" in text
+    assert "all clean" in text
+    targets = {v.target for v in link.headline_verdicts([*headline(500.0), *old])}
+    assert "layer-wise chunked TTFT mean <= 0.6x pull" in targets

@@ -5,7 +5,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
+
+from loadtest.bench.run import with_overrides
 from loadtest.bench.suites import link, multiturn
+from loadtest.results import RowLabels
 
 
 def test_the_full_plan_puts_the_targets_preset_first_and_repeats_it_three_times() -> None:
@@ -30,16 +34,25 @@ def test_ours_runs_the_progress_thread_and_its_second_prefill_prefills_in_chunks
     assert len(ours.decodes) == 1
 
 
-def test_the_layer_wise_prefills_push_by_layer_one_in_one_step_one_in_chunks() -> None:
+def test_the_layer_wise_prefill_pushes_by_layer_in_one_step_and_the_chunked_one_is_gone() -> None:
     *_, ours = link.families(link.FULL, Path("/m"))
-    _, _, p2, p3 = ours.prefills
-    assert [p.connector_extra.get("push_granularity", "step") for p in ours.specs] == ["step"] * 2 + ["layer"] * 2 + [
-        "step"
+    _, _, p2 = ours.prefills
+    assert [p.connector_extra.get("push_granularity", "step") for p in ours.specs] == [
+        "step",
+        "step",
+        "layer",
+        "step",
     ], "the decode and the step-wise prefills keep the default"
     assert p2.extra_args[-2:] == ("--max-num-batched-tokens", str(link.FULL.max_model_len))
-    assert p3.extra_args[-2:] == ("--max-num-batched-tokens", "512")
     *_, without = link.families(dataclasses.replace(link.FULL, layer=False), Path("/m"))
     assert len(without.prefills) == 2
+
+
+def test_the_deleted_layer_chunked_front_can_be_neither_planned_nor_recorded() -> None:
+    with pytest.raises(ValueError):
+        with_overrides(link.FULL, ["layer_chunk_tokens=512"])
+    with pytest.raises(ValueError, match="kvpush-layer-chunked"):
+        RowLabels("link", "kvpush", "push", "kvpush-layer-chunked", 1.0, None, 1024, 64)
 
 
 def test_multiturn_on_a_link_names_its_rows_apart_and_refuses_an_unknown_preset() -> None:
