@@ -26,6 +26,8 @@ class Tally(enum.StrEnum):
     EXPIRED = "expired"
     FAILED = "failed"
     FAILED_NOTICES = "failed_notices"
+    FENCE_TIMEOUTS = "fence_timeouts"
+    FENCED = "fenced"
     LATE_PREFILL = "late_prefill"
     MISMATCH = "mismatch"
     PEER_LOST = "peer_lost"

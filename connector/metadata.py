@@ -497,6 +497,15 @@ class PrefillRestarted:
     key: str
 
 
+@dataclass(frozen=True)
+class PrefillPreempted:
+    """P: vLLM preempted ``request_id`` and freed its blocks while a WRITE of ``key`` may still read them: the
+    worker waits for that WRITE before the step's forward may reuse the blocks (``handle_preemptions``)."""
+
+    request_id: str
+    key: str
+
+
 @dataclass
 class StepPlan:
     """Everything the scheduler half asks of the worker half in one engine step."""
@@ -511,6 +520,7 @@ class StepPlan:
     # P: full blocks of chunked prefills computed by this step; posted from the end-of-step hook (G14)
     progress: list[PrefillProgress] = field(default_factory=list)
     restarted: list[PrefillRestarted] = field(default_factory=list)  # P: preempted legs (step start)
+    preempted: list[PrefillPreempted] = field(default_factory=list)  # P: fence their WRITEs before the forward
 
     def is_empty(self) -> bool:
         return not (
@@ -522,4 +532,5 @@ class StepPlan:
             or self.completing
             or self.progress
             or self.restarted
+            or self.preempted
         )

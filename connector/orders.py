@@ -67,7 +67,18 @@ class Gated:
     layers: StepLayers | None = None  # push_granularity "layer": the step's per-layer readiness (layer_push)
 
 
-Command = Gated | PeerReady | PeerLost | AddPeer
+@dataclass
+class Quiesce:
+    """P: vLLM preempted these transfers' legs and freed their blocks; ``done`` is set once no WRITE of any of
+    ``keys`` is in flight (``timed_out``: set at ``deadline`` instead, with a WRITE still running)."""
+
+    keys: frozenset[str]
+    deadline: float
+    done: threading.Event = field(default_factory=threading.Event)
+    timed_out: bool = False
+
+
+Command = Gated | PeerReady | PeerLost | AddPeer | Quiesce
 
 
 @dataclass

@@ -172,6 +172,11 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vllm is unty
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # Before the forward: no WRITE may still read the blocks of a P leg vLLM just preempted (and freed).
+        if self._worker is not None and isinstance(kv_connector_metadata, KvpushMetadata):
+            self._worker.handle_preemptions(kv_connector_metadata.plan)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()
@@ -222,6 +227,24 @@ class KvpushConnector(KVConnectorBase_V1):  # type: ignore[misc]  # vllm is unty
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return REQUESTED_LAYOUT  # layer-compact, block-compact pages (connector.kvcache)
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config: Any) -> Any:
+        """vLLM >= 0.34 (the extensible KV cache): how the workers reach the device KV cache. NIXL registers it
+        with UCX (one physical allocation per registered range) and peers on one host map it through UCX
+        cuda_ipc (FABRIC handles); a host KV cache (``kv_buffer_device: cpu``) asks nothing of the allocator.
+        Older vLLM never calls it (``KVCacheAccess`` does not exist there)."""
+        from vllm.config.kv_transfer import KVCacheAccess
+
+        if str(getattr(kv_transfer_config, "kv_buffer_device", "")) == "cpu":
+            return KVCacheAccess.IN_PROCESS
+        return KVCacheAccess.REGISTERS | KVCacheAccess.EXPORTS_FABRIC
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM >= 0.33: sleep mode remaps the KV cache under the NIXL registrations our peers write into
+        (a WRITE would land in memory the engine no longer uses): refused at engine start."""
+        return False
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

@@ -135,17 +135,15 @@ class PrefillFanOut:
 
     def on_prefill_progress(self, progress: PrefillProgress, now: float) -> list[Action]:
         t = self.transfers.get(progress.key)
-        if t is None or t.finished or t.failure is not None:
-            return []
+        if t is None or t.finished or t.failure is not None or t.restarted:
+            return []  # after a restart only the final WRITE: a partial one may name blocks freed since
         t.progress = progress
         return self._each_leg(
             progress.key, t, lambda leg: self.legs.on_prefill_progress(replace(progress, key=leg), now)
         )
 
     def on_prefill_restarted(self, key: str, now: float) -> list[Action]:
-        t = self.transfers.get(key)
-        if t is None:
-            return []
+        t = self._transfer(key, now)  # kept even before any registration: a later one must not push partially
         t.restarted, t.progress = True, None
         return self._each_leg(key, t, lambda leg: self.legs.on_prefill_restarted(leg, now))
 

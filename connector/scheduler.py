@@ -52,6 +52,7 @@ from connector.metadata import (
     PrefillFailed,
     PrefillFinished,
     PrefillLeg,
+    PrefillPreempted,
     PrefillProgress,
     PrefillRestarted,
     ProtocolError,
@@ -98,6 +99,7 @@ class _PLeg:
     blocks: list[int]
     full_sent: int = 0  # progressive: full blocks already ordered written (G14)
     progressive: bool = True  # False once preempted: only the final WRITE
+    scheduled: bool = False  # seen in a step: a later ``scheduled_new_reqs`` entry is a resume
 
 
 class SchedulerHalf:
@@ -287,31 +289,55 @@ class SchedulerHalf:
 
         Only one-token legs (the router's P leg) qualify: they finish in this step's output, so
         vLLM learns they finished before it can read a ``finished_sending`` for them.
-        GPU note: with async scheduling a request could be preempted between this step and its
-        finish; that path must fence the WRITE before the blocks are freed (not reachable on CPU,
-        where async scheduling is off, nor for one-token legs, which finish in this step).
+
+        Preemption is read in every shape vLLM has used (0.32-0.34): ``preempted_req_ids`` names the
+        legs preempted since the last step (their blocks are already freed); a resumed leg comes back
+        in ``scheduled_cached_reqs`` with ``resumed_req_ids`` (the V1 model runner, 0.32/0.33) or in
+        ``scheduled_new_reqs`` again (Model Runner V2; 0.34 has no ``resumed_req_ids`` at all).
         """
         scheduled: dict[str, int] = out.num_scheduled_tokens
+        for request_id in getattr(out, "preempted_req_ids", None) or ():
+            leg = self._p_legs.get(request_id)
+            if leg is not None:
+                self._preempted(request_id, leg)
         for new in out.scheduled_new_reqs:
             leg = self._p_legs.get(new.req_id)
-            if leg is not None:
-                leg.blocks = list(new.block_ids[0]) if new.block_ids else []
-                self._maybe_complete(new.req_id, leg, new.num_computed_tokens, scheduled)
+            if leg is None:
+                continue
+            if leg.scheduled:  # seen in an earlier step: resumed after a preemption (Model Runner V2)
+                self._restart(new.req_id, leg)
+            leg.scheduled = True
+            leg.blocks = list(new.block_ids[0]) if new.block_ids else []
+            self._maybe_complete(new.req_id, leg, new.num_computed_tokens, scheduled)
         cached = out.scheduled_cached_reqs
+        resumed_ids = getattr(cached, "resumed_req_ids", None) or ()
         for i, request_id in enumerate(cached.req_ids):
             leg = self._p_legs.get(request_id)
             if leg is None:
                 continue
             new_blocks = cached.new_block_ids[i]
-            resumed = request_id in cached.resumed_req_ids
-            if resumed and leg.full_sent:  # preempted after partial WRITEs: recomputed KV, final WRITE only
-                self._plan.restarted.append(PrefillRestarted(request_id, leg.key))
+            resumed = request_id in resumed_ids
             if resumed:
-                leg.progressive, leg.full_sent = False, 0
+                self._restart(request_id, leg)
             if new_blocks is not None:
                 fresh = list(new_blocks[0])
                 leg.blocks = fresh if resumed else leg.blocks + fresh
             self._maybe_complete(request_id, leg, cached.num_computed_tokens[i], scheduled)
+
+    def _preempted(self, request_id: str, leg: _PLeg) -> None:
+        """vLLM preempted the leg and freed its blocks; this step's forward may overwrite them. A WRITE of
+        the leg may still be reading them: the plan's ``preempted`` makes the worker wait for it before the
+        forward (``handle_preemptions``, guarantee G2 on P's side)."""
+        if request_id in self._progressing or request_id in self._completing:
+            self._plan.preempted.append(PrefillPreempted(request_id, leg.key))
+        self._restart(request_id, leg)
+        leg.blocks = []
+
+    def _restart(self, request_id: str, leg: _PLeg) -> None:
+        """Recomputed KV is not bitwise the old one: no more partial WRITEs; the final one writes every block."""
+        if leg.full_sent:  # partial WRITEs were ordered: tell the machines once
+            self._plan.restarted.append(PrefillRestarted(request_id, leg.key))
+        leg.progressive, leg.full_sent = False, 0
 
     def _maybe_complete(self, request_id: str, leg: _PLeg, num_computed: int, scheduled: dict[str, int]) -> None:
         if not (self._early_write and leg.early) or request_id in self._completing:

@@ -35,6 +35,8 @@ COUNTERS: dict[str, tuple[Tally, ...]] = {
     "agents_removed": (Tally.AGENTS_REMOVED,),
     "writes_posted": (Tally.WRITES_POSTED,),  # every WRITE; > completed transfers: progressive push (G14)
     "partial_writes": (Tally.PARTIAL_WRITES,),  # WRITEs without Done (a step of a chunked prefill)
+    "preemption_fences": (Tally.FENCED,),  # preempted legs whose WRITE the step's forward waited for
+    "preemption_fence_timeouts": (Tally.FENCE_TIMEOUTS,),  # ... and went on without (write_timeout_s)
 }
 
 

@@ -69,7 +69,7 @@ from connector.metadata import (
     is_notice,
 )
 from connector.options import Options
-from connector.orders import AddPeer, CancelOrder, Command, Gated, Order, PeerLost, PeerReady, Write
+from connector.orders import AddPeer, CancelOrder, Command, Gated, Order, PeerLost, PeerReady, Quiesce, Write
 from connector.prefill_fanout import PrefillFanOut, split_leg_key
 from connector.ranks import DecodeFanIn, FanInStep, Unpairable, decode_legs, prefill_peer, prefill_targets
 from connector.ready import READY, HostFence, ReadyEvent, StepFence
@@ -131,6 +131,7 @@ class TransferThread:
         self._d_ranks: dict[str, RankInfo] = {}  # P: each decode rank's RankInfo from its handshake
         self._decode = DecodeRendezvous(self._timeouts, engine_id, self._rank.rank.tp)
         self._writes: dict[str, Write] = {}
+        self._quiescing: list[Quiesce] = []  # P: preemption fences waiting for their WRITEs to end
         self._write_backoff = self._polling.write_poll_min_s
         self._agents: dict[str, str] = {}  # peer key (engine, rank: ``metadata.peer_key``) -> agent name
         self._retired: set[str] = set()  # agent names to remove once no WRITE to them is in flight
@@ -169,6 +170,16 @@ class TransferThread:
         ``layers``: its WRITE is posted layer by layer as they are marked ready (``connector.layer_push``)."""
         self._inbox.put(Gated(order, ready, layers))
         self._wake.set()
+
+    def quiesce(self, keys: frozenset[str]) -> bool:
+        """P, worker thread (``handle_preemptions``): vLLM preempted these transfers' legs and freed their
+        blocks, which the coming forward may overwrite. Stop their partial WRITEs and wait until none of
+        their WRITEs is in flight, at most ``write_timeout_s`` (by then the owner abandoned it). False: a
+        WRITE may still read the freed blocks (logged and counted by the owner thread)."""
+        order = Quiesce(keys, self._clock() + self._timeouts.write_timeout_s)
+        self._inbox_put(order)
+        settled = order.done.wait(timeout=self._timeouts.write_timeout_s + 1.0)
+        return settled and not order.timed_out
 
     def kick(self) -> None:
         """A step hook: let the owner poll notices and WRITEs now (one ``Event.set``)."""
@@ -245,7 +256,8 @@ class TransferThread:
             # event completes or a notice arrives: poll while a transfer is in flight on this side
             timeout = self._write_backoff
             self._write_backoff = min(2 * self._write_backoff, self._polling.write_poll_max_s)
-        for deadline in (self._prefill.next_deadline(), self._decode.next_deadline()):
+        fences = [q.deadline for q in self._quiescing]
+        for deadline in (self._prefill.next_deadline(), self._decode.next_deadline(), *fences):
             if deadline is not None:
                 timeout = min(timeout, max(0.0, deadline - now))
         return timeout
@@ -269,6 +281,8 @@ class TransferThread:
             self._on_raw_notice(sender, raw, now)
         if self._writes:
             self._check_writes(now)
+        if self._quiescing:
+            self._settle_quiesces(now)
         if self._due(now):
             self._perform(self._prefill.expire(now), now)
             self._perform(self._decode.expire(now), now)
@@ -288,7 +302,7 @@ class TransferThread:
             self._outbox.put(self._pending)
             self._pending = Results()
 
-    def _handle(self, cmd: Order | PeerReady | PeerLost | AddPeer, now: float) -> None:
+    def _handle(self, cmd: Order | PeerReady | PeerLost | AddPeer | Quiesce, now: float) -> None:
         match cmd:
             case RegisterOrder():
                 self._write_backoff = self._polling.write_poll_min_s  # a receive in flight: poll (G7)
@@ -315,6 +329,13 @@ class TransferThread:
                 self._perform(self._prefill.on_prefill_progress(cmd, now), now)
             case PrefillRestarted():
                 self._perform(self._prefill.on_prefill_restarted(cmd.key, now), now)
+            case Quiesce():
+                for key in cmd.keys:  # no partial WRITE from now on, even from an order still gated
+                    self._perform(self._prefill.on_prefill_restarted(key, now), now)
+                if self._in_flight(cmd.keys):
+                    self._pending.counters[Tally.FENCED] += 1
+                self._quiescing.append(cmd)
+                self._settle_quiesces(now)
             case AddPeer():
                 try:
                     self._load_peer(cmd.payload, writes_to=True)  # a decode dialled us: we WRITE to it
@@ -452,6 +473,24 @@ class TransferThread:
             if w.final:  # one structured line per transfer: how many WRITEs it took (G14)
                 logger.info("kvpush transfer written key=%s writes=%d", key, w.ordinal)
             self._perform(self._prefill.on_write_done(key, now), now)
+
+    def _in_flight(self, keys: frozenset[str]) -> bool:
+        return any(split_leg_key(k)[0] in keys for k in self._writes)
+
+    def _settle_quiesces(self, now: float) -> None:
+        """Release the preemption fences whose WRITEs are over (or whose deadline passed: counted, logged)."""
+        waiting: list[Quiesce] = []
+        for q in self._quiescing:
+            if not self._in_flight(q.keys):
+                q.done.set()
+            elif now >= q.deadline:
+                logger.error("kvpush: a WRITE of preempted %s still runs; the forward goes on", sorted(q.keys))
+                self._pending.counters[Tally.FENCE_TIMEOUTS] += 1
+                q.timed_out = True
+                q.done.set()
+            else:
+                waiting.append(q)
+        self._quiescing = waiting
 
     def _fail_write(self, key: str, w: Write, now: float) -> None:
         """ERR or abandoned: D may free its blocks only once the backend released the handle."""

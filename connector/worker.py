@@ -155,6 +155,17 @@ class WorkerHalf:
         )
         return compatibility_signature(fields)
 
+    def handle_preemptions(self, plan: StepPlan) -> None:
+        """``handle_preemptions``, before the step's forward (vLLM 0.32-0.34, both model runners): P legs vLLM
+        preempted have their blocks freed already and this forward may overwrite them. Their partial WRITEs
+        stop, and this waits until none of them is in flight (bounded: ``TransferThread.quiesce``). Only a
+        preemption of a leg that ordered a WRITE gets here: rare, and a WRITE of a few blocks is short."""
+        if self._thread is None or not plan.preempted:
+            return
+        keys = frozenset(p.key for p in plan.preempted)
+        if not self._thread.quiesce(keys):
+            logger.error("kvpush: preempted %s: a WRITE may read blocks vLLM freed", sorted(keys))
+
     def start(self, plan: StepPlan) -> None:
         """``start_load_kv``: the step's orders. vLLM calls it before the forward only when the step has sync
         KV loads, else after the forward (vLLM 0.32): layer-wise, the first ``save_layer`` of the step starts

@@ -12,7 +12,15 @@ from typing import Any
 
 import pytest
 
-from connector.metadata import PeerAddress, PrefillFailed, PrefillFinished, PrefillProgress, PrefillRestarted, StepPlan
+from connector.metadata import (
+    PeerAddress,
+    PrefillFailed,
+    PrefillFinished,
+    PrefillPreempted,
+    PrefillProgress,
+    PrefillRestarted,
+    StepPlan,
+)
 from connector.scheduler import Ending, SchedulerHalf
 
 
@@ -362,3 +370,71 @@ def test_a_preempted_leg_restarts_and_orders_no_more_partial_writes() -> None:
     assert plan(h, step(cached=[("p-1", [6], 16)], p_1=16)).progress == []
     (final,) = plan(h, step(cached=[("p-1", [7], 32)], p_1=8)).completing
     assert final.block_ids == (5, 6, 7)
+
+
+# ---- issue 38: the shapes of vLLM 0.33/0.34 and Model Runner V2 ------------------------------------------------
+
+
+def v034_step(new: Sequence[Any] = (), cached: Sequence[tuple[str, list[int] | None, int]] = (), **n: int) -> Any:
+    """vLLM 0.34's SchedulerOutput: ``CachedRequestData`` has no ``resumed_req_ids`` any more."""
+    out = step(new, cached, **n)
+    del out.scheduled_cached_reqs.resumed_req_ids
+    out.preempted_req_ids = set()
+    return out
+
+
+def preempting(out: Any, *ids: str) -> Any:
+    out.preempted_req_ids = set(ids)
+    return out
+
+
+def test_a_chunked_leg_survives_a_scheduler_output_without_resumed_req_ids() -> None:
+    """0.34 removed ``resumed_req_ids``: reading it raised inside ``Scheduler.schedule`` on every second chunk."""
+    h = progressive_half()
+    h.get_num_new_matched_tokens(p_req(prompt=40), 0)
+    plan(h, v034_step([new_req("p-1", [1])], p_1=16))
+    assert [o.block_ids for o in plan(h, v034_step(cached=[("p-1", [2], 16)], p_1=16)).progress] == [(1, 2)]
+    (final,) = plan(h, v034_step(cached=[("p-1", [3], 32)], p_1=8)).completing
+    assert final.block_ids == (1, 2, 3)
+
+
+@pytest.mark.parametrize("shape", [step, v034_step])
+def test_a_preemption_fences_the_legs_writes_and_a_resume_in_new_reqs_restarts_it(shape: Any) -> None:
+    """Model Runner V2 (0.32/0.33 on GPU, 0.34 everywhere): a resumed leg comes back in ``scheduled_new_reqs``."""
+    h = progressive_half()
+    h.get_num_new_matched_tokens(p_req(prompt=40), 0)
+    assert plan(h, shape([new_req("p-1", [1])], p_1=16)).progress[0].block_ids == (1,)
+    pre = plan(h, preempting(shape(), "p-1"))
+    assert pre.preempted == [PrefillPreempted("p-1", "t:x1")], "the forward must wait for the partial WRITE"
+    assert pre.restarted == [PrefillRestarted("p-1", "t:x1")] and pre.progress == []
+    again = plan(h, shape([new_req("p-1", [5])], p_1=16))
+    assert again.restarted == [] and again.progress == [] and again.preempted == [], "told once, at preemption"
+    assert plan(h, shape(cached=[("p-1", [6], 16)], p_1=16)).progress == []
+    (final,) = plan(h, shape(cached=[("p-1", [7], 32)], p_1=8)).completing
+    assert final.block_ids == (5, 6, 7), "only the recomputed blocks, never a pre-preemption one"
+
+
+def test_a_resume_in_new_reqs_without_a_preemption_notice_still_restarts() -> None:
+    """Defensive: a vLLM that names no preempted ids still shows the resume by the leg's second new entry."""
+    h = progressive_half()
+    h.get_num_new_matched_tokens(p_req(prompt=40), 0)
+    plan(h, step([new_req("p-1", [1])], p_1=16))
+    again = plan(h, step([new_req("p-1", [5])], p_1=16))
+    assert again.restarted == [PrefillRestarted("p-1", "t:x1")] and again.progress == []
+    assert plan(h, step(cached=[("p-1", [6], 16)], p_1=16)).progress == []
+    (final,) = plan(h, step(cached=[("p-1", [7], 32)], p_1=8)).completing
+    assert final.block_ids == (5, 6, 7)
+
+
+def test_a_leg_preempted_before_any_write_needs_no_fence() -> None:
+    h = progressive_half()
+    h.get_num_new_matched_tokens(p_req(prompt=40), 0)
+    plan(h, step([new_req("p-1", [1])], p_1=10))  # no full block yet: nothing ordered written
+    pre = plan(h, preempting(step(), "p-1"))
+    assert pre.preempted == [] and pre.restarted == []
+    assert plan(h, step([new_req("p-1", [5])], p_1=16)).progress == [], "no partial WRITE after a preemption"
+
+
+def test_a_preempted_request_that_is_not_a_prefill_leg_is_ignored() -> None:
+    h = progressive_half()
+    assert plan(h, preempting(step(), "other")).is_empty()

@@ -156,3 +156,53 @@ def test_a_cancel_with_a_partial_write_in_flight_is_acked_only_after_it(sides: t
     p.thread.submit(PrefillFinished("p1", KEY, (1, 2, 3)))
     wait_for(lambda: "p1" in p.collect().released)
     assert p.results.counters["writes_posted"] == 1, "no WRITE after the cancel"
+
+
+# ---- issue 38: a preempted leg's blocks are free before its partial WRITE is over (handle_preemptions) --------
+
+
+def test_a_preemption_fence_returns_only_once_the_legs_partial_write_is_over(sides: tuple[Side, Side]) -> None:
+    p, d = sides
+    p.backend.polls_before_done = 40
+    registered(p, d)
+    progress(p, 1)
+    wait_for(lambda: p.backend.in_flight_to("agent-D") == 1)
+    assert p.thread.quiesce(frozenset({KEY})) is True
+    assert p.backend.in_flight_to("agent-D") == 0, "the forward may overwrite blocks a WRITE still reads"
+    assert p.collect().counters["fenced"] == 1
+
+
+def test_after_a_preemption_fence_no_partial_write_is_posted_and_the_final_write_writes_every_block(
+    sides: tuple[Side, Side],
+) -> None:
+    p, d = sides
+    registered(p, d)
+    progress(p, 1)
+    wait_for(lambda: d.block(4) == p.block(1))
+    assert p.thread.quiesce(frozenset({KEY})) is True
+    progress(p, 2)  # an order of the step before the preemption, still queued (a GPU's forward stream)
+    time.sleep(0.05)
+    assert p.collect().counters["partial_writes"] == 1, "a partial WRITE after the preemption"
+    p.thread.submit(PrefillFinished("p1", KEY, (1, 2, 3)))
+    wait_for(lambda: "d1" in d.collect().received)
+    assert d.results.failed == set()
+    assert p.collect().records[-1].num_bytes == 3 * 2 * BLOCK_LEN, "the final WRITE rewrites every block"
+
+
+def test_a_preemption_fence_with_a_write_that_cannot_be_released_gives_up_at_the_write_timeout(
+    sides: tuple[Side, Side],
+) -> None:
+    p, d = sides
+    p.backend.polls_before_done, p.backend.refuse_releases = 10**9, -1
+    registered(p, d)
+    progress(p, 1)
+    wait_for(lambda: p.backend.in_flight_to("agent-D") == 1)
+    assert p.thread.quiesce(frozenset({KEY})) is False, "bounded: the forward cannot wait forever"
+    counters = p.collect().counters
+    assert counters["fence_timeouts"] == 1 and counters["fenced"] == 1
+
+
+def test_a_fence_for_a_transfer_with_nothing_in_flight_returns_at_once(sides: tuple[Side, Side]) -> None:
+    p, _ = sides
+    assert p.thread.quiesce(frozenset({"t:unknown"})) is True
+    assert p.collect().counters["fenced"] == 0
