@@ -14,8 +14,13 @@ Layouts seen from vLLM 0.32 to 0.34 (all decoded here; which one a frame used is
   fields follow in declaration order (`block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
   lora_name, extra_keys, group_idx, ...`);
 - a block hash is 32 bytes (sha256 block hashing, the default) or an int (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`);
-- later builds add fields (`locality`, `ownership`, `session_id`, `lookahead_token_ids`, ...): unknown map keys and
-  extra trailing array elements are ignored;
+- later builds add fields (`locality`, `ownership`, `session_id`, ...): unknown map keys and extra trailing array
+  elements are ignored;
+- 0.33 added `BlockStored.lookahead_token_ids` (0.34 kept it): per block, the tokens after it that its hash also
+  covers (speculative decoding's lookahead hashing), None when lookahead hashing is off. Read when present, as
+  `Stored.lookahead`; a value of another shape makes the event's blocks `keyed` (matchable never);
+- `BlockRemoved.remaining_copy_counts` (proposed upstream, vllm#48933: per hash, the physical copies the engine
+  still holds after this removal) is read when present, as `Removed.remaining`;
 - replay answers carry the topic frame (`topic, seq, payload`) or not (`seq, payload`, older builds).
 
 An event type this module does not know is counted and skipped (`Batch.unknown`); a frame that cannot be read is a
@@ -65,13 +70,21 @@ class Stored:
     group: int | None  # the KV cache group (hybrid models have several); None: unspecified
     keyed: bool  # the engine hashed more than the tokens (LoRA, multimodal, cache salt, prompt embeddings)
     session_id: str | None
+    # Per block, the token ids after it that the engine's hash of it also covers (vLLM 0.33+ lookahead hashing):
+    # the block is a hit only for a prompt that continues with them. None: hashed over its own tokens only.
+    lookahead: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Removed:
+    """One physical copy of each block left the engine's cache (vLLM 0.32-0.34 send one per copy)."""
+
     hashes: tuple[BlockHash, ...]
     medium: str | None
     group: int | None
+    # Per hash, the copies the engine still holds after this removal, where the engine says (vllm#48933's
+    # `remaining_copy_counts`); None: not said.
+    remaining: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,12 +132,14 @@ class _StoredMap(msgspec.Struct, tag="BlockStored", gc=False):
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
     session_id: str | None = None
+    lookahead_token_ids: Any = None  # 0.33+; checked below
 
 
 class _RemovedMap(msgspec.Struct, tag="BlockRemoved", gc=False):
     block_hashes: list[BlockHash]
     medium: str | None = None
     group_idx: int | None = None
+    remaining_copy_counts: Any = None  # vllm#48933 (not in a release yet); checked below
 
 
 class _ClearedMap(msgspec.Struct, tag="AllBlocksCleared", gc=False):
@@ -141,6 +156,12 @@ class _StoredArray(msgspec.Struct, tag="BlockStored", array_like=True, gc=False)
     lora_name: Any = None  # positions past block_size changed across builds: read loosely, checked below
     extra_keys: Any = None
     group_idx: Any = None
+    kv_cache_spec_kind: Any = None
+    kv_cache_spec_sliding_window: Any = None
+    locality: Any = None
+    ownership: Any = None
+    session_id: Any = None
+    lookahead_token_ids: Any = None  # 0.33+'s declaration order; checked below
 
 
 class _RemovedArray(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
@@ -244,22 +265,51 @@ def _keyed(lora_name: Any, extra_keys: Any) -> bool:
     return isinstance(extra_keys, list) and any(entry is not None for entry in extra_keys)
 
 
+def _int_list(value: Any) -> tuple[int, ...] | None:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return None
+    return tuple(value)
+
+
+def _per_block(value: Any, blocks: int) -> tuple[tuple[int, ...], ...] | None:
+    """Lookahead token ids: one list of ints per block hash, or None (absent, or of another shape)."""
+    if not isinstance(value, list) or len(value) != blocks:
+        return None
+    found = [_int_list(entry) for entry in value]
+    return None if any(entry is None for entry in found) else tuple(e for e in found if e is not None)
+
+
+def _remaining(value: Any, blocks: int) -> tuple[int, ...] | None:
+    counts = _int_list(value)
+    return counts if counts is not None and len(counts) == blocks and min(counts, default=0) >= 0 else None
+
+
+def _stored(wire: _StoredMap | _StoredArray) -> Stored:
+    if wire.block_size < 1 or len(wire.token_ids) != len(wire.block_hashes) * wire.block_size:
+        raise FrameError("malformed", "BlockStored: token_ids is not block_size per block hash")
+    lookahead = _per_block(wire.lookahead_token_ids, len(wire.block_hashes))
+    unreadable = wire.lookahead_token_ids is not None and lookahead is None  # hashed over something: not tokens
+    return Stored(
+        tuple(wire.block_hashes),
+        wire.parent_block_hash,
+        tuple(wire.token_ids),
+        wire.block_size,
+        _optional_str(wire.medium),
+        _optional_int(wire.group_idx),
+        unreadable or _keyed(wire.lora_name, wire.extra_keys),
+        wire.session_id if isinstance(wire, _StoredMap) else None,
+        lookahead,
+    )
+
+
 def _event(wire: _MapEvent | _ArrayEvent) -> Event:
     if isinstance(wire, _StoredMap | _StoredArray):
-        if wire.block_size < 1 or len(wire.token_ids) != len(wire.block_hashes) * wire.block_size:
-            raise FrameError("malformed", "BlockStored: token_ids is not block_size per block hash")
-        return Stored(
-            tuple(wire.block_hashes),
-            wire.parent_block_hash,
-            tuple(wire.token_ids),
-            wire.block_size,
-            _optional_str(wire.medium),
-            _optional_int(wire.group_idx),
-            _keyed(wire.lora_name, wire.extra_keys),
-            wire.session_id if isinstance(wire, _StoredMap) else None,
-        )
+        return _stored(wire)
     if isinstance(wire, _RemovedMap | _RemovedArray):
-        return Removed(tuple(wire.block_hashes), _optional_str(wire.medium), _optional_int(wire.group_idx))
+        remaining = (
+            _remaining(wire.remaining_copy_counts, len(wire.block_hashes)) if isinstance(wire, _RemovedMap) else None
+        )
+        return Removed(tuple(wire.block_hashes), _optional_str(wire.medium), _optional_int(wire.group_idx), remaining)
     return Cleared()
 
 

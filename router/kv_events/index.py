@@ -13,8 +13,25 @@ A stream's block size is its first stored block's; blocks of another size (hybri
 of another KV cache group than `group` are not indexed (`other_size`, `other_group`).
 
 Bounded: at most `max_blocks` per stream; past it the block stored longest ago goes (`capacity`). The engine's own
-LRU usually removes blocks first (BlockRemoved). A block is held once per medium (GPU, CPU, storage tiers) and
-goes when its last medium removes it. `Cleared` (the engine's reset_prefix_cache) empties the stream.
+LRU usually removes blocks first (BlockRemoved). A block is held per medium (GPU, CPU, storage tiers) and goes
+when its last medium removes it. `Cleared` (the engine's reset_prefix_cache) empties the stream.
+
+Copies: one hash can be held by several physical blocks of one medium (vLLM recomputes a block-aligned prompt's
+last block and caches the result next to the copy it already had), and vLLM 0.32-0.34 send one BlockStored per
+copy cached and one BlockRemoved per copy evicted. So each BlockStored of a hash its medium already holds counts
+one more copy (`copies`), each BlockRemoved takes one away (`copy_removed` while others remain), and the medium
+lets go of the block only when its last copy is removed. A removal that says how many copies remain
+(`Removed.remaining`, vllm#48933) is believed over the count. A BlockStored that starts at the prompt's first
+block (no parent) and whose blocks are all held already is a *reuse report* (vLLM's `kv_cache_report_mode`
+"full" reports prefix-cache hits that way; they never get a removal of their own) and adds no copy
+(`reports`). What counting cannot tell: an engine that sent one removal for the last of several copies
+(vllm#55092's proposal, not in a release) would leave the block held here until it is stored again, pushed out
+by the bound, or cleared; one removal of a block stored once removes it in every version.
+
+Lookahead (vLLM 0.33+ with speculative decoding and lookahead hashing): a block's hash also covers the tokens
+after it (`Stored.lookahead`), so the engine hits it only for a prompt that continues with those tokens. Such a
+block keeps its token-only content key (its children chain from it as usual), and a lookup counts it only when
+the prompt's tokens after it equal its lookahead; the check costs nothing on streams that hold no such block.
 Python's `hash` of a tuple of ints is the content key: fast and stable within a process; a collision costs a
 misrouted prefix estimate, never a wrong answer (the engine checks its own hashes).
 
@@ -48,7 +65,11 @@ StreamKey = tuple[str, int]  # (worker id, data-parallel rank)
 @dataclass
 class IndexCounters:
     stored: int = 0  # blocks stored (again: a reused block's store counts too)
-    removed: int = 0  # blocks gone on a BlockRemoved (their last medium)
+    removed: int = 0  # blocks gone on a BlockRemoved (their last copy on their last medium)
+    copies: int = 0  # BlockStored of a hash its medium already held: one more physical copy
+    copy_removed: int = 0  # BlockRemoved of one copy while others remain (the block stays)
+    reports: int = 0  # blocks of reuse reports (already held, stored again from the first block): no copy
+    lookahead: int = 0  # blocks stored whose hash covers tokens after them
     unknown_removed: int = 0  # removals of blocks the index does not hold
     cleared: int = 0  # AllBlocksCleared events
     capacity: int = 0  # blocks pushed out by the per-stream bound
@@ -71,6 +92,10 @@ class PromptKeys:
 
     def blocks(self, block_size: int) -> int:
         return len(self._token_ids) // block_size
+
+    def window(self, start: int, length: int) -> tuple[int, ...]:
+        """The prompt's token ids from `start` on, `length` of them (fewer at its end)."""
+        return tuple(self._token_ids[start : start + length])
 
     def keys(self, block_size: int, at_least: int) -> list[int]:
         """The keys of the prompt's first `at_least` whole blocks (all of them if it has fewer), maybe more."""
@@ -106,6 +131,8 @@ class _Block:
     media: int
     session: str | None  # the session of the request that stored it last (vLLM's BlockStored.session_id)
     depth: int = -1  # blocks before it in its chain; -1: unknown (a parent the index never saw)
+    extra: dict[int, int] | None = None  # per medium, the copies held beyond the first; None: one per medium
+    lookahead: tuple[int, ...] | None = None  # the tokens after it its hash covers; None: its own tokens only
 
 
 @dataclass(slots=True)
@@ -141,6 +168,7 @@ class StreamIndex:
     _by_key: dict[int, BlockHash] = field(default_factory=dict)
     _sessions: dict[str, int] = field(default_factory=dict)  # session -> blocks held that it stored last
     _tips: dict[str, _Tip] = field(default_factory=dict)  # session -> its tip
+    _lookahead: int = 0  # blocks held that carry a lookahead
 
     def __post_init__(self) -> None:
         if self.max_blocks < 1:
@@ -171,22 +199,40 @@ class StreamIndex:
             self.counters.other_size += len(event.hashes)
             return
         medium = _MEDIA.get(event.medium, _OTHER_MEDIUM)
+        report = self._is_report(event, medium)
         parent_key = self._parent_key(event)
         depth = self._depth(event.parent)
         size = event.block_size
+        lookahead = event.lookahead
         for i, block_hash in enumerate(event.hashes):
             key = None
             if parent_key is not None:
                 key = hash((parent_key, event.token_ids[i * size : (i + 1) * size]))
-            self._put(block_hash, key, medium, event.session_id, depth + i if depth >= 0 else -1)
+            block = self._put(block_hash, key, medium, event.session_id, depth + i if depth >= 0 else -1, report)
+            self._set_lookahead(block, lookahead[i] if lookahead is not None else None)
             parent_key = key
         self.counters.stored += len(event.hashes)
+        if report:
+            self.counters.reports += len(event.hashes)
+        if lookahead is not None:
+            self.counters.lookahead += len(event.hashes)
         if event.session_id is not None and depth >= 0 and event.hashes:
             self._grow_tip(event.session_id, event, depth * size)
         while len(self._blocks) > self.max_blocks:
             block_hash, block = self._blocks.popitem(last=False)
             self._forget(block_hash, block)
             self.counters.capacity += 1
+
+    def _is_report(self, event: Stored, medium: int) -> bool:
+        """A reuse report: blocks from the prompt's first one that this medium holds already, every one."""
+        if event.parent is not None or not event.hashes:
+            return False
+        blocks = self._blocks
+        return all((block := blocks.get(h)) is not None and block.media & medium for h in event.hashes)
+
+    def _set_lookahead(self, block: _Block, lookahead: tuple[int, ...] | None) -> None:
+        self._lookahead += (lookahead is not None) - (block.lookahead is not None)
+        block.lookahead = lookahead
 
     def _parent_key(self, event: Stored) -> int | None:
         if event.keyed:
@@ -240,11 +286,17 @@ class StreamIndex:
             held += 1
         return SessionTail(tip.start, tip.tokens[: held * size], size) if held else None
 
-    def _put(self, block_hash: BlockHash, key: int | None, medium: int, session: str | None, depth: int) -> None:
+    def _put(
+        self, block_hash: BlockHash, key: int | None, medium: int, session: str | None, depth: int, report: bool
+    ) -> _Block:
         block = self._blocks.get(block_hash)
         if block is None:
             block = self._blocks[block_hash] = _Block(key, medium, None, depth)
         else:
+            if block.media & medium and not report:
+                extra = block.extra = block.extra or {}
+                extra[medium] = extra.get(medium, 0) + 1
+                self.counters.copies += 1
             block.media |= medium
             if depth >= 0:
                 block.depth = depth
@@ -258,11 +310,13 @@ class StreamIndex:
             self._unsession(block)
             block.session = session
             self._sessions[session] = self._sessions.get(session, 0) + 1
+        return block
 
     def _forget(self, block_hash: BlockHash, block: _Block) -> None:
         """A block left the index: its content key and its session's count go with it."""
         self._unkey(block_hash, block)
         self._unsession(block)
+        self._set_lookahead(block, None)
 
     def _unkey(self, block_hash: BlockHash, block: _Block) -> None:
         if block.key is not None and self._by_key.get(block.key) == block_hash:
@@ -287,10 +341,14 @@ class StreamIndex:
         if (event.group or 0) != self.group:
             return
         medium = _MEDIA.get(event.medium, _OTHER_MEDIUM)
-        for block_hash in event.hashes:
+        for i, block_hash in enumerate(event.hashes):
             block = self._blocks.get(block_hash)
             if block is None:
                 self.counters.unknown_removed += 1
+                continue
+            left = _copies_left(block, medium, event.remaining[i] if event.remaining is not None else None)
+            if left > 0:
+                self.counters.copy_removed += 1
                 continue
             block.media &= ~medium
             if block.media == 0:
@@ -309,12 +367,18 @@ class StreamIndex:
         self._by_key.clear()
         self._sessions.clear()
         self._tips.clear()
+        self._lookahead = 0
 
     def longest(self, prompt: PromptKeys) -> int:
         """How many leading whole blocks of the prompt this engine holds."""
         size = self.block_size
         if size is None:
             return 0
+        held = self._keyed_run(prompt, size)
+        return self._lookahead_held(prompt, held) if self._lookahead else held
+
+    def _keyed_run(self, prompt: PromptKeys, size: int) -> int:
+        """How many leading whole blocks of the prompt have their content key held."""
         by_key = self._by_key
         total = prompt.blocks(size)
         held = 0
@@ -324,6 +388,17 @@ class StreamIndex:
                 if keys[i] not in by_key:
                     return i
             held = len(keys)
+        return held
+
+    def _lookahead_held(self, prompt: PromptKeys, held: int) -> int:
+        """Of `held` leading blocks matched by key, those the engine hits: each block hashed with a lookahead
+        counts only if the prompt's tokens after it are that lookahead."""
+        size = self.block_size or 1
+        keys = prompt.keys(size, held)
+        for i in range(held):
+            lookahead = self._blocks[self._by_key[keys[i]]].lookahead
+            if lookahead is not None and prompt.window((i + 1) * size, len(lookahead)) != lookahead:
+                return i
         return held
 
 
@@ -406,6 +481,20 @@ class KvIndex:
             if blocks > best.blocks and index.block_size is not None:
                 best = HeldPrefix(worker, blocks * index.block_size, blocks, rank)
         return best
+
+
+def _copies_left(block: _Block, medium: int, remaining: int | None) -> int:
+    """One copy of `block` on `medium` removed: how many are left there (`remaining`, where the engine says)."""
+    if not block.media & medium:
+        return 0
+    extra = block.extra or {}
+    left = remaining if remaining is not None else extra.get(medium, 0)
+    if left > 1:
+        extra[medium] = left - 1
+    else:
+        extra.pop(medium, None)
+    block.extra = extra or None
+    return left
 
 
 def _session_tokens(index: StreamIndex, session: str) -> int:

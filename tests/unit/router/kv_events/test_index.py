@@ -206,3 +206,85 @@ def test_a_tip_is_bounded_and_unknown_without_its_chain() -> None:
     assert index.session_tail("orphan") is None and index.session_blocks("orphan") == 1
     index.cleared()
     assert index.session_tail("s") is None
+
+
+def test_a_block_stored_as_two_copies_goes_with_the_second_removal() -> None:
+    """vLLM 0.32-0.34: a block-aligned prompt served again recomputes its last block and caches a second physical
+    copy under the same hash (a BlockStored); each copy's eviction sends its own BlockRemoved."""
+    index = StreamIndex(100)
+    index.stored(stored([1, 2], None, PROMPT[:8]))
+    index.stored(stored([2], 1, PROMPT[4:8]))  # the recomputed last block: a second copy
+    index.removed(Removed((2,), "GPU", 0))
+    assert held(index, PROMPT) == 2 and index.counters.copy_removed == 1
+    index.removed(Removed((2,), "GPU", 0))
+    assert held(index, PROMPT) == 1 and index.counters.removed == 1
+    assert (index.counters.copies, len(index)) == (1, 1)
+
+
+def test_a_block_stored_once_goes_with_its_one_removal() -> None:
+    index = StreamIndex(100)
+    index.stored(stored([1, 2], None, PROMPT[:8]))
+    index.removed(Removed((1, 2), "GPU", 0))
+    assert len(index) == 0 and index.counters.removed == 2 and index.counters.copy_removed == 0
+
+
+def test_copies_are_counted_per_medium() -> None:
+    index = StreamIndex(100)
+    index.stored(stored([1], None, PROMPT[:4]))
+    index.stored(stored([1], None, PROMPT[:4], medium="CPU"))
+    index.stored(stored([2], 1, PROMPT[4:8]))
+    index.stored(stored([2], 1, PROMPT[4:8]))  # two GPU copies of block 2
+    index.removed(Removed((1, 2), "GPU", 0))
+    assert held(index, PROMPT) == 2  # block 1 on CPU, block 2's second GPU copy
+    index.removed(Removed((1, 2), "CPU", 0))  # no CPU copy of block 2: nothing to take
+    assert held(index, PROMPT) == 0 and len(index) == 1
+
+
+def test_a_reuse_report_adds_no_copy() -> None:
+    """kv_cache_report_mode "full": a prefix-cache hit is reported as a BlockStored of the blocks hit, from the
+    first, with no parent; no new physical copy, so no removal will follow for it."""
+    index = StreamIndex(100)
+    index.stored(stored([1, 2], None, PROMPT[:8]))
+    index.stored(stored([1, 2], None, PROMPT[:8], session="s"))  # reported twice
+    index.stored(stored([1, 2], None, PROMPT[:8], session="t"))
+    assert index.counters.reports == 4 and index.counters.copies == 0
+    index.removed(Removed((1, 2), "GPU", 0))
+    assert len(index) == 0
+
+
+def test_the_engine_s_remaining_copy_count_is_believed() -> None:
+    """vllm#48933's shape: each removal says how many copies of the hash remain."""
+    index = StreamIndex(100)
+    index.stored(stored([1], None, PROMPT[:4]))
+    index.stored(stored([2], 1, PROMPT[4:8]))
+    index.removed(Removed((2,), "GPU", 0, (1,)))  # one counted here, but the engine still holds one
+    assert held(index, PROMPT) == 2
+    index.stored(stored([2], 1, PROMPT[4:8]))
+    index.stored(stored([2], 1, PROMPT[4:8]))  # three counted
+    index.removed(Removed((2,), "GPU", 0, (0,)))
+    assert held(index, PROMPT) == 1 and index.counters.removed == 1
+
+
+def lookahead_stored(hashes: list[int], parent: int | None, start: int, ahead: int) -> Stored:
+    """Blocks of PROMPT from block `start`, each hashed with the `ahead` prompt tokens after it."""
+    tokens = PROMPT[start * BS : (start + len(hashes)) * BS]
+    after = tuple(tuple(PROMPT[(start + i + 1) * BS : (start + i + 1) * BS + ahead]) for i in range(len(hashes)))
+    return Stored(tuple(hashes), parent, tuple(tokens), BS, "GPU", 0, False, None, after)
+
+
+def test_a_block_hashed_with_lookahead_matches_only_a_prompt_that_continues_with_it() -> None:
+    """vLLM 0.33+ lookahead hashing: the engine hits a block only for a prompt whose tokens after it are the
+    ones its hash covered."""
+    index = StreamIndex(100)
+    index.stored(lookahead_stored([1, 2, 3], None, 0, 2))
+    assert held(index, PROMPT) == 3  # 18 tokens: the third block's two tokens after it are there
+    assert held(index, PROMPT[:13]) == 2  # only one token after the third block: the engine cannot hash it
+    assert held(index, PROMPT[:12]) == 2
+    assert held(index, [*PROMPT[:8], *PROMPT[8:12], 0, 0]) == 2  # other tokens after the third block
+    assert held(index, [*PROMPT[:8], *PROMPT[8:12], PROMPT[12], 0]) == 2
+    assert index.counters.lookahead == 3 and index.counters.keyed == 0
+    index.stored(stored([4], 3, PROMPT[12:16]))  # its child chains as usual
+    assert held(index, PROMPT) == 4
+    index.removed(Removed((1, 2, 3, 4), "GPU", 0))
+    index.stored(stored([1, 2, 3], None, PROMPT[:12]))  # the same hashes again, token-only
+    assert held(index, PROMPT[:12]) == 3
