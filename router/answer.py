@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ from router.errors import RouterError, UpstreamError, UpstreamProtocolError, Ups
 from router.legs.base import LegResponse
 from router.sse import EventFramer, EventTooLarge, RelayCheck, error_event, payload_of
 from router.upstream import translate
+from router.usage import CachedFix, fixed_usage, wants_usage, with_cached
 
 logger = logging.getLogger("kvpush.answer")
 
@@ -98,6 +99,11 @@ class StreamAnswer:
         self._collect = None if collect is None else (_Collected(EventFramer()), collect)
         self._outcome = "client_gone"  # until the stream is read to its end
         self._closed = False
+        self._fix: CachedFix | None = None
+
+    def fix_cached(self, fix: CachedFix) -> None:
+        """Relays the stream with its cached counts rewritten to P's (router/usage.py); set before the relay."""
+        self._fix = fix
 
     @property
     def stalled(self) -> bool:
@@ -110,20 +116,34 @@ class StreamAnswer:
         rest = self._framer.flush()
         first = b"".join(self._first) + rest
         self._check.feed(first)
-        yield self._observe(first)
+        fix = self._fix
+        if fix is not None:
+            first = await self._fixed(fix, first)
+        if out := self._observe(first):
+            yield out
         try:
             async for chunk in self._chunks:
                 self._check.feed(chunk)
+                if fix is not None:
+                    chunk = await self._fixed(fix, chunk)
                 if out := self._observe(chunk):
                     yield out
         except (httpx.HTTPError, EventTooLarge) as exc:
             yield self._broke(exc)
             return
+        if fix is not None and (tail := fix.flush()):
+            yield self._observe(tail)
         if self._collect is not None and (scrub := self._collect[1].scrub) is not None:
             tail = self._collect[0].framer.flush()  # an unterminated last event
             if tail:
                 yield scrub(tail)
         self._outcome = "ok"
+
+    @staticmethod
+    async def _fixed(fix: CachedFix, chunk: bytes) -> bytes:
+        if fix.wants(chunk):
+            await fix.resolve()
+        return fix.feed(chunk)
 
     async def relay(self, send: Callable[[bytes], Awaitable[None]], *, idle: float, write_stall: float) -> None:
         """Hands every chunk to `send`: at most `idle` s waiting for the worker, `write_stall` s for the client.
@@ -200,7 +220,10 @@ class StreamAnswer:
             if self._collect is not None:
                 collected = self._collect[0]
                 text, ids = collected.text(), tuple(collected.ids) if collected.saw_ids else None
-            self._on_close(StreamEnd(self._outcome, self._check.usage(), text, ids))
+            usage = self._check.usage()
+            if self._fix is not None and self._fix.resolved:
+                usage = fixed_usage(usage, self._fix.cached)
+            self._on_close(StreamEnd(self._outcome, usage, text, ids))
 
 
 async def read_first_events(
@@ -221,3 +244,27 @@ async def read_first_events(
     if rest.strip():
         return [rest], chunks
     raise UpstreamError("closed the stream before sending anything", leg=Role.DECODE, worker=worker)
+
+
+async def true_cached(
+    answer: JsonAnswer | StreamAnswer, client_body: Mapping[str, Any], cached: Callable[[], Awaitable[int | None]]
+) -> JsonAnswer | StreamAnswer:
+    """Decode's answer with its cached counts made P's (router/usage.py): a JSON answer now, a stream as it is
+    relayed, and only when the client gets usage at all (a stream without it costs nothing)."""
+    if not wants_usage(client_body):
+        return answer
+    if isinstance(answer, StreamAnswer):
+        answer.fix_cached(CachedFix(cached))
+        return answer
+    if b'"cached_tokens"' not in answer.content:
+        return answer
+    return JsonAnswer(answer.status, with_cached(answer.content, await cached()))
+
+
+def known(cached: int | None) -> Callable[[], Awaitable[int | None]]:
+    """An already known count, as `true_cached` takes it."""
+
+    async def known() -> int | None:
+        return cached
+
+    return known

@@ -21,8 +21,8 @@ from typing import Any
 
 import httpx
 
-from router import protocol, upstream
-from router.answer import JsonAnswer, StreamAnswer, read_first_events
+from router import protocol, upstream, usage
+from router.answer import JsonAnswer, StreamAnswer, known, read_first_events, true_cached
 from router.config import Settings
 from router.decider import Decider, Decision, NoDecider, Route, Turn
 from router.deciders.conversation import SESSION_HEADER, session_of
@@ -184,9 +184,12 @@ class Dispatcher:
         self._check_pair(prefill, decode)
         legs = _Ranks(self._pool.pin_rank(prefill.spec.id, RankPick.LEAST_LOADED), self._decode_rank(decode))
         if route is Route.PULL:
-            params = await self._prefill(request, prefill, ids, legs.prefill)
-            body = protocol.pull_decode_body(request.body, params)
-            return await self._decode(request, close, decode, body, ids, legs.decode)
+            prefilled = await self._prefill(request, prefill, ids, legs.prefill)
+            body = protocol.pull_decode_body(request.body, prefilled.params)
+            answer = await self._decode(request, close, decode, body, ids, legs.decode)
+            if usage.relays_cached(prefilled.params):  # decode reports P's count itself
+                return answer
+            return await true_cached(answer, request.body, known(prefilled.cached))
         identity = prefill.ranks.identity(legs.prefill or 0)
         if identity is None:  # auto: learn the identity (this rank's) from a first, sequential prefill
             return await self._push_learning(request, close, prefill, decode, ids, legs)
@@ -224,13 +227,14 @@ class Dispatcher:
         legs: _Ranks,
     ) -> Answer:
         """A push to a prefill worker whose NIXL identity is not known yet: prefill first, then decode."""
-        await self._prefill(request, prefill, ids, legs.prefill)
+        prefilled = await self._prefill(request, prefill, ids, legs.prefill)
         identity = prefill.ranks.identity(legs.prefill or 0)
         if identity is None:
             raise UpstreamProtocolError("did not state its NIXL identity", leg=Role.PREFILL, worker=prefill.spec.id)
         _check_parallelism(identity, prefill, decode)
         body = protocol.push_decode_body(request.body, identity, ids)
-        return await self._decode(request, close, decode, body, ids, legs.decode)
+        answer = await self._decode(request, close, decode, body, ids, legs.decode)
+        return await true_cached(answer, request.body, known(prefilled.cached))
 
     async def _push(
         self,
@@ -257,11 +261,11 @@ class Dispatcher:
             await _give_up(prefill_leg, decode_leg)
             raise
         self.finisher.detach(ids.request_id, prefill_leg)
-        return answer
+        return await true_cached(answer, request.body, lambda: _cached_of(prefill_leg))
 
     async def _prefill(
         self, request: ClientRequest, worker: WorkerState, ids: protocol.PairingIds, rank: int | None
-    ) -> protocol.KvTransferParams:
+    ) -> _Prefilled:
         """The prefill leg, pinned to `rank` (a server with data-parallel ranks), in its own span when the request
         is traced (ended however the leg ends)."""
         headers = {**self._headers(ids, request), **rank_headers(rank)}
@@ -272,12 +276,12 @@ class Dispatcher:
             semconv.PREFILL_SPAN, attempt=request.record.attempts, pairing_id=ids.request_id, worker=worker.spec.url
         )
         try:
-            params = await self._prefill_leg(request, worker, ids, {**headers, **span.headers}, rank)
+            prefilled = await self._prefill_leg(request, worker, ids, {**headers, **span.headers}, rank)
         except BaseException as error:
             _end_failed(span, error)
             raise
         span.end()
-        return params
+        return prefilled
 
     async def _prefill_leg(
         self,
@@ -286,8 +290,8 @@ class Dispatcher:
         ids: protocol.PairingIds,
         headers: dict[str, str],
         rank: int | None,
-    ) -> protocol.KvTransferParams:
-        """The prefill leg under its deadline; returns the kv_transfer_params it answered with."""
+    ) -> _Prefilled:
+        """The prefill leg under its deadline; returns the kv_transfer_params it answered with and its cache hit."""
         rec, wid, deadline = request.record, worker.spec.id, self._settings.timeouts.prefill
         body = protocol.encode(protocol.prefill_body(request.body, request.info.endpoint, ids.transfer_id))
         url = f"{worker.spec.url}{request.info.endpoint.path}"
@@ -309,7 +313,7 @@ class Dispatcher:
         if rank is not None:
             self._pool.report_rank(wid, rank, ok=True)
         self._metrics.child(self._metrics.leg, "prefill", rec.mode).observe(rec.prefill_done - rec.prefill_sent)
-        return self._check_prefill_answer(worker, answer, rank)
+        return _Prefilled(self._check_prefill_answer(worker, answer, rank), usage.prefill_cached(answer))
 
     def _check_prefill_answer(
         self, worker: WorkerState, answer: dict[str, Any], rank: int | None
@@ -504,6 +508,14 @@ class _Ranks:
 
 
 @dataclass(frozen=True)
+class _Prefilled:
+    """A prefill leg's answer: the params it returned, and the prompt tokens it found in its prefix cache."""
+
+    params: protocol.KvTransferParams
+    cached: int | None
+
+
+@dataclass(frozen=True)
 class _DecodeLeg:
     worker: str
     url: str
@@ -521,6 +533,15 @@ async def _give_up(prefill_leg: asyncio.Task[Any], decode_leg: asyncio.Task[Any]
         await asyncio.shield(opened.aclose())  # it opened just as we gave up
     if _failed(prefill_leg) and not prefill_leg.cancelled():
         raise prefill_leg.exception() from None  # type: ignore[misc]  # the root cause
+
+
+async def _cached_of(prefill_leg: asyncio.Task[_Prefilled]) -> int | None:
+    """P's count once its leg has answered (it may still be answering after decode's first byte); None when the
+    leg failed or was cancelled after decode had answered. Waiting never cancels the leg."""
+    await asyncio.wait({prefill_leg})
+    if prefill_leg.cancelled() or prefill_leg.exception() is not None:
+        return None
+    return prefill_leg.result().cached
 
 
 def _end_failed(span: LegSpan, error: BaseException) -> None:

@@ -1,0 +1,110 @@
+"""True usage through P/D: the prompt's cached tokens are what the prefill engine found in its prefix cache.
+
+A decode engine that received the prompt's KV from P counts that KV as a prefix-cache hit, so through P/D every
+answer would read 100 % cached. The rule (the same as vllm-router's): `prompt_tokens` and the output counts are
+decode's, `prompt_tokens_details.cached_tokens` is P's. vLLM 0.32 puts P's count into the params P answers with
+(`remote_prefill_cached_tokens`), and a decode engine given those params reports it itself: pull relays P's
+params, so pull needs nothing from the router. Push sends decode's params before P has run, so the router
+rewrites the count in decode's answer: `with_cached` for a whole answer, `CachedFix` for a stream relayed byte
+for byte. A bypass (decode alone) is decode's own count, true as it comes.
+
+Pure apart from `CachedFix.resolve`, which awaits P's count once (the prefill leg may still be answering).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeGuard
+
+REMOTE_CACHED = "remote_prefill_cached_tokens"  # vLLM's key in P's answered kv_transfer_params
+# A quote inside a JSON string is escaped, so neither pattern can match text the model wrote.
+_CACHED = re.compile(rb'"cached_tokens":(\s*)(?:-?[0-9]+|null)')
+_DETAILS = re.compile(rb'"prompt_tokens_details":(\s*)\{[^{}]*\}')
+_SEPARATORS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+
+
+def prefill_cached(answer: Any) -> int | None:
+    """What P found in its prefix cache, as its answer states it (its params, else its usage), or None."""
+    if not isinstance(answer, dict):
+        return None
+    params = answer.get("kv_transfer_params")
+    stated = params.get(REMOTE_CACHED) if isinstance(params, dict) else None
+    if _count(stated):
+        return stated
+    usage = answer.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    stated = details.get("cached_tokens") if isinstance(details, dict) else None
+    return stated if _count(stated) else None
+
+
+def relays_cached(params: Mapping[str, Any]) -> bool:
+    """P's params carry its count: a decode engine given them reports it (pull)."""
+    return _count(params.get(REMOTE_CACHED))
+
+
+def wants_usage(body: Mapping[str, Any]) -> bool:
+    """The answer carries usage: every JSON answer, a stream only when the client asked for it."""
+    if not body.get("stream"):
+        return True
+    options = body.get("stream_options")
+    return isinstance(options, dict) and bool(options.get("include_usage") or options.get("continuous_usage_stats"))
+
+
+def with_cached(data: bytes, cached: int | None) -> bytes:
+    """`data` (whole JSON answers or whole events) with every `cached_tokens` set to `cached`; with None (P did
+    not say), `prompt_tokens_details` becomes null rather than decode's count."""
+    if b'"cached_tokens"' not in data:
+        return data
+    if cached is None:
+        return _DETAILS.sub(rb'"prompt_tokens_details":\g<1>null', data)
+    return _CACHED.sub(b'"cached_tokens":\\g<1>' + str(cached).encode(), data)
+
+
+def fixed_usage(usage: dict[str, Any] | None, cached: int | None) -> dict[str, Any] | None:
+    """A parsed usage object with the same rule as `with_cached` (for the record, the trace, the decider)."""
+    if usage is None or not isinstance(usage.get("prompt_tokens_details"), dict):
+        return usage
+    if cached is None:
+        return {**usage, "prompt_tokens_details": None}
+    return {**usage, "prompt_tokens_details": {**usage["prompt_tokens_details"], "cached_tokens": cached}}
+
+
+class CachedFix:
+    """Rewrites a relayed stream's cached counts event by event. A chunk that ends inside an event keeps that
+    event's start back until its end arrives (a client cannot use half an event anyway), so a count split
+    across chunks is still found; a chunk of whole events without a count goes through as it came."""
+
+    def __init__(self, cached: Callable[[], Awaitable[int | None]]) -> None:
+        self._source = cached
+        self.resolved = False
+        self.cached: int | None = None
+        self._tail = b""
+
+    def wants(self, chunk: bytes) -> bool:
+        """P's count must be known before `feed(chunk)`."""
+        if self.resolved:
+            return False
+        return b"cached_tokens" in chunk or (bool(self._tail) and b"cached_tokens" in self._tail + chunk)
+
+    async def resolve(self) -> None:
+        self.cached = await self._source()
+        self.resolved = True
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The bytes to relay now: the whole events so far, rewritten."""
+        if self._tail:
+            chunk, self._tail = self._tail + chunk, b""
+        if not chunk.endswith(_SEPARATORS):
+            end = max((i + len(sep) for sep in _SEPARATORS if (i := chunk.rfind(sep)) >= 0), default=0)
+            chunk, self._tail = chunk[:end], chunk[end:]
+        return with_cached(chunk, self.cached) if self.resolved else chunk
+
+    def flush(self) -> bytes:
+        """An unterminated last event (the stream ended without its blank line), rewritten."""
+        tail, self._tail = self._tail, b""
+        return with_cached(tail, self.cached) if self.resolved else tail
+
+
+def _count(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
