@@ -1,6 +1,7 @@
 """The gateway layout (overlays/inference-pool): an InferencePool over both pools, llm-d's EPP configured for P/D,
 a Gateway and HTTPRoute to the pool. Its objects pass closed schemas of the fields used (Inference Extension v1,
-Gateway API v1, llm-d's EndpointPickerConfig), and they agree with each other and with the router: the EPP serves
+Gateway API v1, llm-d's EndpointPickerConfig; test_epp_config.py checks the config against what the pinned EPP
+accepts), and they agree with each other and with the router: the EPP serves
 the pool it names, its prefill and decode filters find the pods by role, the pool's target port is vLLM on a
 prefill pod and the sidecar on a decode pod, and the `x-prefiller-host-port` the EPP writes names a member of the
 sidecar's discovered prefill pool (router/gateway.py accepts it; anything else it refuses)."""
@@ -20,7 +21,18 @@ from router.discovery.settings import KubernetesConfig, parse_discovery
 from router.domain import Role, WorkerSpec
 from router.errors import BadRequest
 from router.gateway import PREFILLER_HEADER, PrefillHeader, read_gateway_headers
-from tests.unit.deploy.kustomize import LAYOUTS, Doc, container, one, pod_templates, ports_of, render, selects
+from tests.unit.deploy import llm_d_router as llm_d
+from tests.unit.deploy.kustomize import (
+    INFERENCE_POOL,
+    LAYOUTS,
+    Doc,
+    container,
+    one,
+    pod_templates,
+    ports_of,
+    render,
+    selects,
+)
 
 _NAME = {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"}
 _META = {"type": "object", "required": ["name", "labels"]}
@@ -107,27 +119,15 @@ HTTPROUTE_SCHEMA = _crd(
         },
     ),
 )
-_PLUGIN_TYPES = [  # llm-d-inference-scheduler's plugins this layout may use
-    "prefill-header-handler",
-    "prefill-filter",
-    "decode-filter",
-    "prefix-cache-scorer",
-    "queue-scorer",
-    "kv-cache-utilization-scorer",
-    "session-affinity-scorer",
-    "max-score-picker",
-    "random-picker",
-    "pd-profile-handler",
-]
-EPP_CONFIG_SCHEMA = _closed(
+EPP_CONFIG_SCHEMA = _closed(  # its shape; what each plugin accepts: test_epp_config.py
     ["apiVersion", "kind", "plugins", "schedulingProfiles"],
     {
-        "apiVersion": {"const": "inference.networking.x-k8s.io/v1alpha1"},
-        "kind": {"const": "EndpointPickerConfig"},
+        "apiVersion": {"const": llm_d.API_VERSION},
+        "kind": {"const": llm_d.KIND},
         "plugins": {
             "type": "array",
             "items": _closed(
-                ["type"], {"type": {"enum": _PLUGIN_TYPES}, "name": _NAME, "parameters": {"type": "object"}}
+                ["type"], {"type": {"enum": sorted(llm_d.PLUGINS)}, "name": _NAME, "parameters": {"type": "object"}}
             ),
         },
         "schedulingProfiles": {
@@ -182,23 +182,15 @@ def test_the_crd_objects_pass_closed_schemas_and_a_misspelt_key_fails(docs: list
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(broken, INFERENCEPOOL_SCHEMA)
     config = epp_config(docs)
-    config["plugins"].append({"type": "prefill-headers-handler"})
+    config["plugins"].append({"type": "prefill-headers-handler"})  # misspelt
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(config, EPP_CONFIG_SCHEMA)
 
 
-def test_the_epp_config_does_p_d_with_the_prefill_header(docs: list[Doc]) -> None:
-    config = epp_config(docs)
-    declared = {p.get("name", p["type"]): p for p in config["plugins"]}
-    profiles = {p["name"]: [r["pluginRef"] for r in p["plugins"]] for p in config["schedulingProfiles"]}
-    for refs in profiles.values():
-        assert set(refs) <= set(declared), "a profile uses a plugin that is not declared"
-    assert set(profiles) == {"prefill", "decode"}
-    assert "prefill-filter" in profiles["prefill"] and "decode-filter" in profiles["decode"]
-    assert "prefill-header-handler" in declared  # writes x-prefiller-host-port
-    assert declared["pd-profile-handler"]["parameters"]["threshold"] == 0  # every request gets a prefill
-    # The decode pods' port is the sidecar: its /metrics has no vLLM queue gauges for load scorers to read.
-    assert not {"queue-scorer", "kv-cache-utilization-scorer"} & set(profiles["decode"])
+def test_the_epp_reads_the_config_that_is_checked_against_its_release(docs: list[Doc]) -> None:
+    """test_epp_config.py checks components/inference-pool/epp-config.yaml (P/D with a declared decider, the
+    prefill named in x-prefiller-host-port); the EPP mounts exactly that file."""
+    assert epp_config(docs) == yaml.safe_load((INFERENCE_POOL / "epp-config.yaml").read_text())
 
 
 def test_the_epp_serves_the_pool_that_names_it(docs: list[Doc]) -> None:
@@ -210,10 +202,10 @@ def test_the_epp_serves_the_pool_that_names_it(docs: list[Doc]) -> None:
     epp = one(docs, "Deployment", "kvpush-epp")["spec"]["template"]
     assert selects(service["spec"]["selector"], epp["metadata"]["labels"])
     (c,) = epp["spec"]["containers"]
-    assert c["image"].startswith("ghcr.io/llm-d/llm-d-inference-scheduler:v")
+    assert c["image"] == f"{llm_d.IMAGE}:{llm_d.RELEASE}"  # the release the config is checked against
     assert ports_of(c)[port["targetPort"]] == int(arg(c, "--grpc-port"))
     assert arg(c, "--pool-name") == pool["metadata"]["name"]
-    assert arg(c, "--pool-group") == pool["apiVersion"].split("/")[0]
+    assert arg(c, "--pool-group") == pool["apiVersion"].split("/")[0] == llm_d.POOL_GROUP
     health = int(arg(c, "--grpc-health-port"))
     assert c["readinessProbe"]["grpc"]["port"] == health == c["livenessProbe"]["grpc"]["port"]
     rules = one(docs, "Role", "kvpush-epp")["rules"]
@@ -221,6 +213,7 @@ def test_the_epp_serves_the_pool_that_names_it(docs: list[Doc]) -> None:
         (g, r) for rule in rules for g in rule["apiGroups"] for r in rule["resources"] if "watch" in rule["verbs"]
     }
     assert {("", "pods"), ("inference.networking.k8s.io", "inferencepools")} <= readable
+    assert {("llm-d.ai", "inferenceobjectives"), ("llm-d.ai", "inferencemodelrewrites")} <= readable
     binding = one(docs, "RoleBinding", "kvpush-epp")
     assert binding["subjects"][0]["name"] == epp["spec"]["serviceAccountName"]
 
