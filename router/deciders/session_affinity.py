@@ -1,6 +1,15 @@
 """The session-affinity decider (router/decider.py holds the seam, router/deciders/registry.py the registry). Pure.
 
 "session-affinity": multi-turn traffic stays where its KV is.
+- Exact path (router/deciders/exact.py), taken first: with the engines' KV events followed, a prompt whose exact
+  token ids are known (sent as ids, or computed by the router from the `tokenizer` option's folder:
+  router/deciders/prompt_tokens.py) and every usable decode candidate's view caught up is decided on what the
+  engines report holding of those ids: decode is the candidate holding the longest run of the prompt's blocks,
+  BYPASS when what its cache serves and what it computes meet the two bypass options, else both legs on the
+  holders. No learned ratio, index or answer check takes part: every replica following the same events decides
+  the same, from a session's first turn (a shared system prompt is found because its blocks are held).
+- Everything below is the fallback: no tokenizer or no KV events, a shape the router does not render
+  (router/deciders/chat_render.py), or a view not caught up.
 - Decode: the healthy, not overloaded candidate that holds the longest prefix of the request (the index of what
   each worker was sent and generated), the session's last decode worker when it holds as much; with nothing held
   anywhere, the session's last worker; else the policy picks.
@@ -39,7 +48,9 @@ from typing import Any, ClassVar
 from router import values
 from router.decider import AnswerCheck, DeciderStats, Decision, Outcome, Route, Turn
 from router.deciders.conversation import Chain, ConversationKey, Link, conversation_key
+from router.deciders.exact import ExactPick, exact_pick
 from router.deciders.prefix_index import Match, PrefixIndex, SessionTable, TokenRatio, prorated, reusable_answer_tokens
+from router.deciders.prompt_tokens import PromptTokens
 from router.deciders.tokenizer import Tokenize, load_tokenizer
 from router.domain import Endpoint, WorkerView
 from router.errors import ConfigError
@@ -147,11 +158,16 @@ class SessionAffinity:
     wants_headers = True  # the session id header keys the conversation
 
     def __init__(
-        self, options: AffinityOptions | None = None, view: KvEventView | None = None, tokenize: Tokenize | None = None
+        self,
+        options: AffinityOptions | None = None,
+        view: KvEventView | None = None,
+        tokenize: Tokenize | None = None,
+        prompt_tokens: PromptTokens | None = None,
     ) -> None:
         self.options = o = options or AffinityOptions()
         self.view = view  # the engines' KV events (None: off); read on the router's loop, like everything here
         self.tokenize = tokenize  # text -> token ids (the `tokenizer` option): answers other replicas relayed
+        self.prompt_tokens = prompt_tokens  # a request's exact prompt ids (the `tokenizer` option): the exact path
         self.decode_index = PrefixIndex(o.max_links_per_worker, o.ttl_s)
         self.prefill_index = PrefixIndex(o.max_links_per_worker, o.ttl_s)
         self.sessions = SessionTable(o.max_sessions, o.ttl_s)
@@ -164,13 +180,17 @@ class SessionAffinity:
     @classmethod
     def from_options(cls, options: Mapping[str, Any], view: KvEventView | None = None) -> SessionAffinity:
         o = AffinityOptions.from_mapping(options)
-        tokenize = load_tokenizer(o.tokenizer) if o.tokenizer is not None and view is not None else None
-        return cls(o, view, tokenize)
+        if o.tokenizer is None or view is None:
+            return cls(o, view)
+        return cls(o, view, load_tokenizer(o.tokenizer), PromptTokens.load(o.tokenizer))
 
     def decide(self, turn: Turn, decode: Sequence[WorkerView], prefill: Sequence[WorkerView], now: float) -> Decision:
         key = conversation_key(turn.info.endpoint, turn.body, turn.headers, self.options.chunk_chars)
         ids = prompt_token_ids(turn.body) if self.view is not None else None
         usable = self._usable(decode)
+        exact = self._exact(turn, ids, usable, prefill)
+        if exact is not None:
+            return self._decide_exact(turn, key, exact, usable, now)
         truth = self._truth(key, ids, usable)
         held = self._pick_decode(key, usable, now, truth)
         cached, uncached = self._predict(key.chain, ids, held)
@@ -196,6 +216,39 @@ class SessionAffinity:
             uncached,
             held,
         )
+
+    def _exact(
+        self, turn: Turn, ids: list[int] | None, usable: Sequence[WorkerView], prefill: Sequence[WorkerView]
+    ) -> ExactPick | None:
+        """The pick on the prompt's exact ids (sent as ids, or computed by the router's tokenizer) when every
+        usable decode candidate's KV-event view is caught up; None: the estimate decides."""
+        view = self.view
+        if view is None:
+            return None
+        if ids is None and self.prompt_tokens is not None:
+            ids = self.prompt_tokens.of(turn.info.endpoint, turn.body)
+        if not ids:
+            return None
+        return exact_pick(view, ids, [w.id for w in usable], [w.id for w in self._usable(prefill)])
+
+    def _decide_exact(
+        self, turn: Turn, key: ConversationKey, pick: ExactPick, usable: Sequence[WorkerView], now: float
+    ) -> Decision:
+        """Bypass when the decode holding the longest prefix computes at most `bypass_max_uncached_tokens` and
+        serves at least `bypass_min_cached_tokens` from its cache; else both legs on the holders (none held: the
+        session's last decode, else the policy's)."""
+        self._counts.event_decisions += 1
+        cached, uncached = pick.cached, pick.uncached
+        if pick.decode is not None and self._bypassable(cached, uncached):
+            reason = "decode holds all but a short suffix (exact)"
+            return self._count(Decision(Route.BYPASS, pick.decode, None, cached, reason), key, uncached, None)
+        worker = pick.decode
+        if worker is None and key.session is not None:
+            last = self.sessions.get(key.session, now)
+            worker = last if any(w.id == last for w in usable) else None
+        reason = "prefix on decode (exact)" if pick.decode is not None else "no prefix held (exact)"
+        decision = Decision(Route.of(turn.mode), worker, pick.prefill, cached if pick.decode else 0, reason)
+        return self._count(decision, key, uncached, None)
 
     def _predict(self, chain: Chain, ids: Sequence[int] | None, held: Match | None) -> tuple[int, int]:
         """(cached, uncached) tokens of the prompt on the decode holding `held`: whole blocks only are cached."""
