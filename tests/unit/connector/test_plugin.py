@@ -15,13 +15,14 @@ import pytest
 pytest.importorskip("vllm", reason="connector.plugin is the class vLLM loads")
 
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 
 from connector.plugin import KvpushConnector, KvpushWorkerMeta, _dp_index
 from connector.scheduler import Ending, SchedulerHalf
 from connector.topology import RankId
 from connector.transfer_thread import Results
 from connector.worker import WorkerHalf
+from tests.compat.outputs import model_runner_output
 
 
 class _Thread:
@@ -62,7 +63,7 @@ def _step(worker: KvpushConnector, aggregator: KVOutputAggregator, *more: Kvpush
     outs = []
     for rank in (worker, *more):
         r = rank.get_transfer_results(set())
-        out = ModelRunnerOutput(req_ids=[], req_id_to_index={})
+        out = model_runner_output()  # the fields of the installed vLLM's
         out.kv_connector_output = KVConnectorOutput(
             finished_sending=r.finished_sending or None,
             finished_recving=r.finished_recving or None,

@@ -25,7 +25,7 @@ pytest.importorskip("vllm", reason="vLLM's output aggregator is part of what is 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput
 
 from connector.metadata import PeerAddress, RankInfo
 from connector.plugin import KvpushConnector
@@ -34,6 +34,7 @@ from connector.results import Results
 from connector.scheduler import Ending, SchedulerHalf
 from connector.topology import RankId, heads_of
 from connector.worker import WorkerHalf
+from tests.compat.outputs import model_runner_output
 
 REQ, HEADS = "d-1", 4
 CAN_LAND = {"pending", "quarantined"}
@@ -112,7 +113,7 @@ class Engine:
         outs = []
         for rank in self.ranks:
             r = rank.worker.get_transfer_results(set())
-            out = ModelRunnerOutput(req_ids=[], req_id_to_index={})
+            out = model_runner_output()  # the fields of the installed vLLM's
             out.kv_connector_output = KVConnectorOutput(
                 finished_sending=r.finished_sending or None,
                 finished_recving=r.finished_recving or None,
