@@ -89,11 +89,11 @@ gpu-check-wheels: venv ## here, with network: the NIXL wheels the GPU machine ne
 	$(BIN)/python -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --platform manylinux_2_28_x86_64 -d $(NIXL_WHEELS) nixl-cu13==1.5.1 nixl==1.5.1
 
-gpu-check: ## on a CUDA PyTorch machine: P/D processes, VRAM->VRAM WRITEs via NIXL, SHA-256 of every block (<5 min)
+gpu-check: ## on a CUDA PyTorch machine: P/D processes, VRAM->VRAM WRITEs via NIXL, SHA-256 of every block (<5 min; ARGS="--alloc vmm": vLLM 0.34's VMM-backed KV)
 	python3 -c "import nixl" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-compile \
 	  --target /tmp/kvpush-site $(NIXL_WHEELS)/*.whl
-	PYTHONPATH=/tmp/kvpush-site:$$PYTHONPATH PYTHONUNBUFFERED=1 python3 -m connector.gpu_check --device cuda \
-	  --json $${OUT:-.}/gpu_check.json
+	PYTHONPATH=/tmp/kvpush-site:$$PYTHONPATH PYTHONUNBUFFERED=1 python3 -m loadtest.micro.gpu_check --device cuda \
+	  --json $${OUT:-.}/gpu_check.json $(ARGS)
 
 clean: ## remove caches (keeps .venv)
 	rm -rf .cache .mypy_cache .ruff_cache .pytest_cache

@@ -71,7 +71,6 @@ IO = {
     "connector.transfer_thread": "the transfer thread",
     "connector.handshake": "the side-channel sockets",
     "connector.memory_backend": "an in-memory transfer backend with a lock",
-    "connector.gpu_check": "a command: spawns two processes that run NIXL transfers",
 }
 # The rendezvous state machine also stays out of threads and sockets (the transfer thread drives it). Others may
 # load threading through the standard logging module.

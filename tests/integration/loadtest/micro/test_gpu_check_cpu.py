@@ -21,14 +21,25 @@ from connector.metadata import KVLayout, Region
 pytestmark = pytest.mark.integration
 pytest.importorskip("nixl")
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 
 
 def run_check(tmp_path: Path, *args: str) -> tuple[int, dict[str, Any], str]:
     out = tmp_path / "result.json"
     env = {**os.environ, "UCX_NET_DEVICES": "lo", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
-        [sys.executable, "-m", "connector.gpu_check", "--device", "cpu", "--deadline", "90", "--json", str(out), *args],
+        [
+            sys.executable,
+            "-m",
+            "loadtest.micro.gpu_check",
+            "--device",
+            "cpu",
+            "--deadline",
+            "90",
+            "--json",
+            str(out),
+            *args,
+        ],
         cwd=ROOT,
         env=env,
         capture_output=True,

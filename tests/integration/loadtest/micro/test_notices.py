@@ -1,4 +1,4 @@
-"""The notice-latency benchmark (``connector.notice_bench``) runs on real NIXL agents and the TCP side
+"""The notice-latency benchmark (``loadtest.micro.notices``) runs on real NIXL agents and the TCP side
 channel, both progress models: a small configuration, so it cannot rot (figures in connector/README.md)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ pytest.importorskip("nixl")
 
 @pytest.mark.parametrize("progress", ["poll", "thread"])
 def test_the_notice_bench_moves_blocks_with_either_progress_model(progress: str) -> None:
-    from connector.notice_bench import measure
     from connector.options import Options
+    from loadtest.micro.notices import measure
 
     out = measure(Options(progress=progress), blocks=2, block_len=256, repeat=1)
     assert out["median_ms"] > 0

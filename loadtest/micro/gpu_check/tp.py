@@ -1,6 +1,6 @@
-"""The GPU check for a TP pair (``python -m connector.gpu_check --p-tp N --d-tp M``): every rank a process.
+"""The GPU check for a TP pair (``python -m loadtest.micro.gpu_check --p-tp N --d-tp M``): every rank a process.
 
-Each of the ``p_tp`` prefill and ``d_tp`` decode ranks is its own process (``connector.gpu_check._Peer``) whose
+Each of the ``p_tp`` prefill and ``d_tp`` decode ranks is its own process (``peer.Peer``) whose
 KV cache holds only its heads of ``--heads`` (``connector.topology.heads_of``: split by rank, one replicated head
 per rank where tp > heads), LBHNC, so a head is a byte range of a block. The legs are ``connector.topology.plan``'s:
 each P rank loads every D rank it writes as a peer with that leg's slices (``NixlBackend.add_peer(slices=)``),
@@ -19,9 +19,10 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from connector.gpu_check import CheckConfig, CheckError, _environment, _Remote, plan_rounds
 from connector.layout import pair_blocks
 from connector.topology import Leg, Topology, plan
+from loadtest.micro.gpu_check.config import CheckConfig, plan_rounds
+from loadtest.micro.gpu_check.peer import CheckError, Remote, environment
 
 __all__ = ["check_topology", "run_tp_check"]
 
@@ -32,13 +33,13 @@ def check_topology(cfg: CheckConfig, head_bytes: int) -> Topology:
 
 
 def run_tp_check(cfg: CheckConfig) -> dict[str, Any]:
-    """Run the TP check; ``ok`` and every figure, as ``connector.gpu_check.run_check``'s result."""
+    """Run the TP check; ``ok`` and every figure, as ``check.run_check``'s result."""
     started = time.monotonic()
     deadline = started + cfg.deadline_s
-    result: dict[str, Any] = {"ok": False, "config": asdict(cfg), "environment": _environment(), "failures": []}
+    result: dict[str, Any] = {"ok": False, "config": asdict(cfg), "environment": environment(), "failures": []}
     ctx = mp.get_context("spawn")
-    p = [_Remote(ctx, "P", cfg, deadline, r) for r in range(cfg.p_tp)]
-    d = [_Remote(ctx, "D", cfg, deadline, r) for r in range(cfg.d_tp)]
+    p = [Remote(ctx, "P", cfg, deadline, r) for r in range(cfg.p_tp)]
+    d = [Remote(ctx, "D", cfg, deadline, r) for r in range(cfg.d_tp)]
     try:
         _run(cfg, p, d, result)
     except CheckError as exc:
@@ -60,7 +61,7 @@ def _dst(leg: Leg) -> list[tuple[int, int]]:
     return [(s.dst, s.length) for s in leg.slices]
 
 
-def _connect(p: list[_Remote], d: list[_Remote], result: dict[str, Any]) -> tuple[Topology, dict[int, str]]:
+def _connect(p: list[Remote], d: list[Remote], result: dict[str, Any]) -> tuple[Topology, dict[int, str]]:
     """Every rank started, hashes agreed, each leg's peers loaded; the topology and each D rank's agent name."""
     info = {r.role: r.recv() for r in (*p, *d)}
     result["peers"] = {role: {k: v for k, v in i.items() if k != "payload"} for role, i in info.items()}
@@ -83,7 +84,7 @@ def _connect(p: list[_Remote], d: list[_Remote], result: dict[str, Any]) -> tupl
     return topology, {r: str(json.loads(info[remote.role]["payload"])["agent_name"]) for r, remote in enumerate(d)}
 
 
-def _run(cfg: CheckConfig, p: list[_Remote], d: list[_Remote], result: dict[str, Any]) -> None:
+def _run(cfg: CheckConfig, p: list[Remote], d: list[Remote], result: dict[str, Any]) -> None:
     topology, agents = _connect(p, d, result)
     written: dict[int, set[int]] = {r: set() for r in range(cfg.d_tp)}  # D rank -> block ids written
     result["rounds"] = []
@@ -112,8 +113,8 @@ def _write_round(
     left: float,
     topology: Topology,
     agents: dict[int, str],
-    p: list[_Remote],
-    d: list[_Remote],
+    p: list[Remote],
+    d: list[Remote],
     result: dict[str, Any],
 ) -> dict[str, Any]:
     """Every P rank WRITEs its legs (ranks in parallel, a rank's legs one after another); D ranks' notices."""
@@ -150,8 +151,8 @@ def _verify(
     topology: Topology,
     src: list[int],
     dst: list[int],
-    p: list[_Remote],
-    d: list[_Remote],
+    p: list[Remote],
+    d: list[Remote],
     result: dict[str, Any],
 ) -> None:
     """Per leg: SHA-256 of P's source ranges of each block == D's destination ranges (every layer)."""

@@ -1,5 +1,6 @@
-"""The GPU check's pure parts: arguments, the vLLM-shaped caches it builds, its rounds, its summary.
-The check itself (two processes, NIXL) runs in tests/integration/connector/test_gpu_check_cpu.py."""
+"""The GPU check's pure parts: arguments, the vLLM-shaped caches it builds, its rounds, its summary, its VMM
+variants and where a failed check stopped. The check itself (two processes, NIXL) runs in
+tests/integration/loadtest/micro/test_gpu_check_cpu.py; the VMM mode needs a GPU and is not run here."""
 
 from __future__ import annotations
 
@@ -17,8 +18,11 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from connector.gpu_check import CheckConfig, parse_args, plan_rounds, summary, vllm_like_caches
 from connector.kvcache import describe_kv_caches
+from loadtest.micro.gpu_check.caches import vllm_like_caches
+from loadtest.micro.gpu_check.check import VERDICTS, parse_args, summary, vmm_summary, vmm_variants
+from loadtest.micro.gpu_check.config import CheckConfig, plan_rounds
+from loadtest.micro.gpu_check.peer import failed_stage
 
 
 def test_gpu_defaults_are_a_16k_prompt_over_a_32_layer_cache() -> None:
@@ -121,3 +125,60 @@ def test_summary_says_fail_and_why() -> None:
     text = summary(result_of(False, rounds=[{"name": "bulk", "state": "ERR"}], failures=["round bulk: WRITE ERR"]))
     assert text.startswith("kvpush GPU check: FAIL")
     assert "bulk: WRITE ERR" in text and "FAILURE: round bulk: WRITE ERR" in text
+
+
+def test_vmm_is_asked_by_flag_and_needs_cuda_on_both_sides() -> None:
+    cfg, _ = parse_args(["--alloc", "vmm", "--vmm-chunks", "4", "--vmm-storages", "layer", "--vmm-rdma", "off"])
+    assert (cfg.alloc, cfg.vmm_chunks, cfg.vmm_storages, cfg.vmm_rdma) == ("vmm", 4, "layer", "off")
+    plain, _ = parse_args([])
+    assert (plain.alloc, plain.vmm_storages, plain.vmm_rdma) == ("cudamalloc", "whole", "auto")
+    for bad in (["--device", "cpu"], ["--d-device", "cpu"], ["--vmm-chunks", "0"], ["--vmm-rdma", "maybe"]):
+        with pytest.raises(SystemExit):
+            parse_args(["--alloc", "vmm", *bad])
+
+
+def test_vmm_runs_one_chunk_then_several_and_once_when_they_are_the_same() -> None:
+    cfg = CheckConfig(alloc="vmm", vmm_chunks=8)
+    assert [v.vmm_chunks for v in vmm_variants(cfg)] == [1, 8]
+    assert [v.vmm_chunks for v in vmm_variants(CheckConfig(alloc="vmm", vmm_chunks=1))] == [1]
+    assert all(v.alloc == "vmm" for v in vmm_variants(cfg))
+
+
+def test_a_failed_check_names_where_it_stopped() -> None:
+    assert failed_stage(result_of(True)) is None
+    registering = "P failed:\n[stage register] Traceback (most recent call last): nixlBackendError"
+    assert failed_stage(result_of(False, failures=[registering])) == "register"
+    assert failed_stage(result_of(False, failures=["x"], rounds=[{"name": "bulk", "state": "ERR"}])) == "write"
+    assert failed_stage(result_of(False, failures=["1 of 2 blocks differ"], rounds=[{"state": "DONE"}])) == "verify"
+    assert set(VERDICTS) >= {None, "start", "alloc", "describe", "register", "ready", "write", "verify"}
+
+
+def vmm_peer(spanning: int) -> dict[str, Any]:
+    return {
+        "mem_type": "VRAM",
+        "device": "cuda:0",
+        "device_name": "H100",
+        "layout": "LBHNC",
+        "regions": 32,
+        "storages": 1,
+        "registrations": 1,
+        "descriptors": 131072,
+        "timings": {"alloc_s": 0.5, "backend_s": 0.01},
+        "alloc": "vmm",
+        "registrations_spanning_chunks": spanning,
+    }
+
+
+def test_the_vmm_summary_gives_each_variant_its_verdict() -> None:
+    one = result_of(True, config={"vmm_chunks": 1}, peers={"P": vmm_peer(0), "D": vmm_peer(0)}, rounds=[])
+    several = result_of(False, config={"vmm_chunks": 8}, failures=["D failed:\n[stage register] Traceback ..."])
+    run = {"ok": False, "wall_s": 9.0, "config": {"vmm_storages": "whole", "vmm_rdma": "auto"}}
+    text = vmm_summary({**run, "variants": [one, several]})
+    assert text.startswith("kvpush GPU check, VMM (whole storages, RDMA flag auto): FAIL in 9.0 s")
+    assert "  1 physical chunk(s): registered, every WRITE done and every block verified, registrations across" in text
+    assert "  8 physical chunk(s): NIXL registration failed\n" in text
+    assert text.count("kvpush GPU check: ") == 2  # each variant's own summary follows
+    spanning = result_of(True, config={"vmm_chunks": 8}, peers={"P": vmm_peer(1)}, rounds=[])
+    assert "8 physical chunk(s): registered, every WRITE done and every block verified, registrations across " in (
+        vmm_summary({**run, "variants": [spanning]})
+    )

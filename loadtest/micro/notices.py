@@ -1,4 +1,4 @@
-"""How long decode takes to see a transfer end, per progress model: ``python -m connector.notice_bench``.
+"""How long decode takes to see a transfer end, per progress model: ``python -m loadtest.micro.notices``.
 
 Two ``TransferThread`` s on real NIXL DRAM agents in this process (UCX over loopback, the real TCP side
 channel), nobody kicking them (an idle engine). Decode registers, then prefill is told its blocks are

@@ -1,4 +1,4 @@
-"""Descriptor cost at GPU scale with real NIXL DRAM agents: ``python -m connector.descriptor_bench``.
+"""Descriptor cost at GPU scale with real NIXL DRAM agents: ``python -m loadtest.micro.descriptors``.
 
 Two ``NixlBackend`` agents in this process (UCX over loopback), each with a KV layout of ``--layers``
 regions of ``--blocks`` blocks (default 64 x 60,000 = 3.84 M descriptors; ``--block-len`` bytes per
