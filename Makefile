@@ -10,7 +10,7 @@ STAMP := $(VENV)/.kvpush-installed
 BROKEN_EXTRAS := torchvision torchaudio torchcodec
 
 .PHONY: help venv tools run serve test test-unit unit-parallel test-integration lint typecheck bench bench-smoke bench-link bench-profile \
-	calibrate faults gpu-check-wheels gpu-check clean
+	calibrate faults gpu-check-wheels gpu-check compat clean
 
 help: ## show this list
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -94,6 +94,11 @@ gpu-check: ## on a CUDA PyTorch machine: P/D processes, VRAM->VRAM WRITEs via NI
 	  --target /tmp/kvpush-site $(NIXL_WHEELS)/*.whl
 	PYTHONPATH=/tmp/kvpush-site:$$PYTHONPATH PYTHONUNBUFFERED=1 python3 -m loadtest.micro.gpu_check --device cuda \
 	  --json $${OUT:-.}/gpu_check.json $(ARGS)
+
+VLLM ?= 0.34.0
+
+compat: ## the vLLM-facing tests against a published vLLM on CPU (VLLM=0.34.0), in its own .venv-vllm-$(VLLM)
+	PYTHON=$(PYTHON) tests/compat/run.sh $(VLLM) $(ARGS)
 
 clean: ## remove caches (keeps .venv)
 	rm -rf .cache .mypy_cache .ruff_cache .pytest_cache
