@@ -107,7 +107,7 @@ def make_scheduler(
         with _runner_env("v1"):
             scheduler = _build(model, transfer, num_blocks)
         scheduler.use_v2_model_runner = True  # the one switch the scheduler reads for the runner's shape
-    assert scheduler.use_v2_model_runner == (runner == "v2")
+    assert getattr(scheduler, "use_v2_model_runner", True) == (runner == "v2")  # 0.34: Model Runner V2 only
     return scheduler
 
 
