@@ -10,7 +10,7 @@ fronts saw the same sessions there) and the median of the repeats' ratios stated
   engine's stamp (mean, max, later than 1 s), gaps and holes; and a decode's reset reflected in every replica's
   view: <= 1 s;
 - the subscriber's capacity against a paced synthetic publisher (bench/results/kv-events-rate.json, written by
-  loadtest/bench/suites/multiturn_kv_events_rate.py), when that file is there.
+  loadtest/micro/kv_events_rate.py), when that file is there.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def capacity(path: Path | None) -> list[str]:
         "",
         f"The subscriber alone against a paced vLLM-shaped publisher (run {data.get('run_id')}, load average"
         f" {data.get('loadavg', 0):.1f} on the 2 cores; {rows[0].get('blocks_per_message')} blocks stored and as many"
-        " evicted per message; loadtest/bench/suites/multiturn_kv_events_rate.py):",
+        " evicted per message; loadtest/micro/kv_events_rate.py):",
         "",
         "| messages/s asked | events/s consumed | blocks/s | gaps | lag mean / max (ms) | later than 1 s"
         " | CPU per 1000 messages (ms) |",

@@ -33,7 +33,7 @@ load.
 with `--kv-events` (it follows each worker's publisher on its HTTP port + 1000, with a replay socket on + 2000, and
 forwards the session id on both legs). The simulated workers publish nothing, so this prices what events cost a
 request when nothing arrives (the subscriber's sockets, its 0.1 s tick, the session header), not consuming them
-(loadtest/bench/suites/multiturn_kv_events_rate.py prices that, the multiturn suite's replicas run both on real
+(loadtest/micro/kv_events_rate.py prices that, the multiturn suite's replicas run both on real
 engines). Such runs write suite "overhead-events" rows (each kvpush row records `kv_events`), kept out of the
 overhead tables; bench/README.md's multi-turn replicas part compares CPU per request on and off.
 

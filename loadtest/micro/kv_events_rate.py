@@ -10,7 +10,7 @@ overflows ZMQ's queues: the lost messages show as gaps), each batch's lag from i
 seconds per 1000 messages. One line of JSON per rate, and all of them in bench/results/kv-events-rate.json
 (bench/README.md's multi-turn replicas part shows them).
 
-    .venv/bin/python -m loadtest.bench.suites.multiturn_kv_events_rate --rates 500,2000,5000,10000 --seconds 3
+    .venv/bin/python -m loadtest.micro.kv_events_rate --rates 500,2000,5000,10000 --seconds 3
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ For a conversation of `turns` turns (about `chars` characters):
 - from the KV events: the session's blocks held per worker (`KvEventView.session_tokens`), on an index holding
   `blocks` blocks for the session on each of 4 workers.
 
-    flock /tmp/kvpush-vllm.lock .venv/bin/python -m loadtest.bench.suites.multiturn_prompt_ids
+    flock /tmp/kvpush-vllm.lock .venv/bin/python -m loadtest.micro.prompt_ids
 """
 
 from __future__ import annotations
