@@ -112,7 +112,8 @@ def kvpush_requirements(pyproject: Path) -> list[str]:
 
 def stamp_of(version: str) -> dict[str, str]:
     """What a venv was built from: a change to any of it rebuilds."""
-    digest = hashlib.sha256(Path(__file__).read_bytes() + (REPO / "pyproject.toml").read_bytes()).hexdigest()
+    kvpush = "\n".join(kvpush_requirements(REPO / "pyproject.toml")).encode()
+    digest = hashlib.sha256(Path(__file__).read_bytes() + kvpush).hexdigest()
     return {"vllm": version, "torch": TORCH, "inputs": digest}
 
 
