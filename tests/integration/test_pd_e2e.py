@@ -60,7 +60,13 @@ from tests.integration.vllm_support import (
 )
 
 pytestmark = VLLM
-CHUNKED = ("--max-num-batched-tokens", "2", "--max-num-seqs", "2")
+# Our p1: chunked prefill, 2 prompt tokens a step for each of up to two requests at once (a budget of 4 split by the
+# long-prefill threshold, so two prompts advance together), in a KV cache of 16 usable blocks of 128 tokens (and
+# vLLM's null block: the least vLLM accepts for the launcher's 2048-token length). Two prompts of ten blocks each
+# outgrow it together, so vLLM preempts one mid-prefill (issue 38, issue 42 item 4).
+CHUNKED = ("--max-num-batched-tokens", "4", "--long-prefill-token-threshold", "2", "--max-num-seqs", "2")
+SMALL_CACHE = ("--num-gpu-blocks-override", "17")
+PREEMPTED_WORDS = 95  # about 1170 prompt tokens: ten blocks
 LONG_WORDS = 150  # about 1850 prompt tokens: some 900 prefill steps on our chunked p1
 KILL_BOUND = 20.0  # decode must end a request whose prefill died well within this (vLLM's own watchdog: 480 s)
 
@@ -91,7 +97,7 @@ class Connector:
 
 CONNECTORS = (
     Connector("upstream-push", "NixlPushConnector", "push"),
-    Connector("kvpush-push", CONNECTOR, "push", MODULE, CONNECTOR_EXTRA, CHUNKED),
+    Connector("kvpush-push", CONNECTOR, "push", MODULE, CONNECTOR_EXTRA, CHUNKED + SMALL_CACHE),
     Connector("upstream-pull", "NixlConnector", "pull"),
 )
 # The kill at the end of each connector's tests spoils its family: it runs last of the family's group.
@@ -437,6 +443,30 @@ def test_a_chunked_prefill_is_pushed_step_by_step_and_decode_answers_as_one_inst
     assert posted >= 2, f"p1 posted {posted} WRITE(s) for a prompt of {got.prompt_tokens} tokens"
     assert metric(p1, "vllm:kvpush_partial_writes_total") - partial >= 1, "every WRITE carried Done"
     assert got.text == complete(stack.p0_url, "completions", body).text
+
+
+def test_a_prefill_preempted_under_progressive_push_answers_as_one_instance_and_holds_nothing(ours: Stack) -> None:
+    """Two prompts of ten blocks at once on p1 (16 blocks, 2 tokens a step) outgrow its KV cache: vLLM preempts one
+    after partial WRITEs, frees its blocks and recomputes it. The connector fences the WRITE in flight before the
+    forward reuses the blocks, pushes no more partial WRITEs and writes every recomputed block in the final one:
+    each answer equals a single instance's (or fails with a clear error, never a mix), and nothing stays held."""
+    stack, p1 = ours, ours.engines.prefills[1].url
+    assert stack.slow_router_url is not None
+    slow = stack.slow_router_url
+    preemptions = metric(p1, "vllm:num_preemptions_total")
+    partial = metric(p1, "vllm:kvpush_partial_writes_total")
+    bodies = [plain_body(PREEMPTED_WORDS, 8) for _ in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda b: complete(slow, "completions", b, timeout=400.0), bodies))
+    assert metric(p1, "vllm:num_preemptions_total") > preemptions, "the small KV cache preempted nothing"
+    assert metric(p1, "vllm:kvpush_partial_writes_total") > partial, "no partial WRITE before the preemption"
+    for body, got in zip(bodies, results, strict=True):
+        if got.status != 200:
+            assert got.status >= 500 and "error" in json.loads(got.text), got.text  # failed cleanly
+            continue
+        assert got.text == complete(stack.p0_url, "completions", body).text, "decode mixed old and recomputed KV"
+    assert any(got.status == 200 for got in results), [got.text for got in results]
+    wait_idle(stack.engines, [p1, stack.decode_url], "after a preempted prefill leg")
 
 
 def test_decode_disconnect_before_prefill_is_cancelled_and_leaks_nothing(ours: Stack) -> None:
