@@ -101,7 +101,7 @@ def serve_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tracing",
         action=argparse.BooleanOptionalAction,
-        help="OpenTelemetry tracing over OTLP (default off; OTEL_* variables configure it; README, Tracing)",
+        help="OpenTelemetry tracing over OTLP (default off; OTEL_* variables configure it; docs/tracing.md)",
     )
     p.add_argument("--otlp-traces-endpoint", metavar="URL", help="where spans go (switches tracing on)")
     p.add_argument("--otlp-traces-protocol", choices=PROTOCOLS, help="grpc (default) or http/protobuf")

@@ -1,11 +1,12 @@
 """The decode-pod sidecar behind a Gateway API InferencePool: what the gateway's endpoint picker (EPP) decided,
 read from the request's headers. Pure.
 
-llm-d's EPP (the P/D scheduling profiles of llm-d-inference-scheduler) picks the decode pod, which the gateway
-sends the request to, and the prefill endpoint, which it names in `x-prefiller-host-port` as `host:port` (its
-`prefill-header-handler`). The kvpush router in that decode pod then runs both legs at once (push): the prefill
-is known before either leg leaves. The session rides in the client's session header, which the router's
-conversation decider reads for affinity (`SESSION_HEADER`, `x-session-id`, or the first of `session_headers`).
+llm-d's EPP (llm-d-router's P/D scheduling profiles, deploy/k8s/components/inference-pool/epp-config.yaml) picks
+the decode pod, which the gateway sends the request to, and the prefill endpoint, which it names in
+`x-prefiller-host-port` as `host:port` (its `disagg-profile-handler`). The kvpush router in that decode pod then
+runs both legs at once (push): the prefill is known before either leg leaves. The session rides in the client's
+session header, which the router's conversation decider reads for affinity (`SESSION_HEADER`, `x-session-id`,
+or the first of `session_headers`).
 
 The header is an instruction from the network to dial a host, so it is trusted only as far as the pool goes: the
 named endpoint must be a member of the router's own prefill pool (static or discovered); anything else (a host

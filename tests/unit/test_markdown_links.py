@@ -19,11 +19,7 @@ from urllib.parse import unquote
 REPO = Path(__file__).resolve().parents[2]
 
 # (file, link as written) -> who fixes it. Empty when every link holds.
-KNOWN: dict[tuple[str, str], str] = {
-    # the router's settings moved from README.md to docs/configuration.md (issue 43): the deploy docs' owner
-    # points this link there
-    ("deploy/README.md", "../README.md#router-configuration"): "deploy/ docs (issue 43 helper)",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
 INLINE_CODE = re.compile(r"(`+)(?:(?!\1).)+?\1")
