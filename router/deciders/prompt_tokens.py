@@ -9,11 +9,11 @@ None when the router cannot be sure (the shapes chat_render.py leaves out, batch
 
 Incremental: a tokenizer splits its input at its added tokens (`<|im_start|>`, `<|im_end|>` ...) before anything
 else, so a prompt's ids are the ids of its pieces between them, in order. The pieces' ids are remembered (least
-recently used first out, at most `memo_chars` characters): a conversation's next turn encodes only the pieces
-it adds (the new messages), and sessions that share a system prompt encode it once. A text without added tokens
-(most completions prompts) is one piece, encoded whole. Whether a tokenizer really splits that way is checked
-when it is loaded and then on every `CHECK_EVERY`-th prompt (the whole text encoded again and compared): one
-difference turns the memo off for good and is logged.
+recently used first out, at most `memo_chars` characters: 8 Mi by default, ~2 M ids at 8 bytes each): a
+conversation's next turn encodes only the pieces it adds (the new messages), and sessions that share a system
+prompt encode it once. A text without added tokens (most completions prompts) is one piece, encoded whole.
+Whether a tokenizer really splits that way is checked when it is loaded and then on every `CHECK_EVERY`-th
+prompt (the whole text encoded again and compared): one difference turns the memo off for good and is logged.
 
 Cost, CPU time per request on the 2-core box under other agents' load (the tiny model's byte-level BPE, a chat
 of a ~300-token system prompt and turns of ~60-70 tokens; render + split + encode, the decider's lookup not
@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -51,10 +52,10 @@ _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token
 class PromptTokens:
     """The encoder of one model's prompts. Not thread-safe: the decider calls it on the router's loop."""
 
-    def __init__(self, tokenizer: Any, template: ChatTemplate | None, memo_chars: int = 32 << 20) -> None:
+    def __init__(self, tokenizer: Any, template: ChatTemplate | None, memo_chars: int = 8 << 20) -> None:
         self._tokenizer = tokenizer
         self._template = template
-        self._memo: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._memo: OrderedDict[str, array[int]] = OrderedDict()  # 8 bytes per id
         self._memo_chars = memo_chars
         self._held_chars = 0
         self._seen = 0
@@ -68,7 +69,7 @@ class PromptTokens:
         self._self_check()
 
     @classmethod
-    def load(cls, where: str, memo_chars: int = 32 << 20) -> PromptTokens:
+    def load(cls, where: str, memo_chars: int = 8 << 20) -> PromptTokens:
         """The folder holding `tokenizer.json` (or the file itself; then its folder's config and template)."""
         path = Path(where)
         folder = path if path.is_dir() else path.parent
@@ -135,13 +136,13 @@ class PromptTokens:
                 ids.extend(self._piece(piece))
         return ids
 
-    def _piece(self, piece: str) -> tuple[int, ...]:
+    def _piece(self, piece: str) -> array[int]:
         memo = self._memo
         found = memo.get(piece)
         if found is not None:
             memo.move_to_end(piece)
             return found
-        ids = tuple(self._tokenizer.encode(piece, add_special_tokens=False).ids)
+        ids = array("q", self._tokenizer.encode(piece, add_special_tokens=False).ids)
         self.encoded_chars += len(piece)
         if len(piece) <= self._memo_chars:
             memo[piece] = ids

@@ -7,7 +7,9 @@
   engines report holding of those ids: decode is the candidate holding the longest run of the prompt's blocks,
   BYPASS when what its cache serves and what it computes meet the two bypass options, else both legs on the
   holders. No learned ratio, index or answer check takes part: every replica following the same events decides
-  the same, from a session's first turn (a shared system prompt is found because its blocks are held).
+  the same, from a session's first turn (a shared system prompt is found because its blocks are held). Such a
+  turn costs no conversation chain (its digests are the estimate's), so the learned index does not learn from
+  it; the session table does.
 - Everything below is the fallback: no tokenizer or no KV events, a shape the router does not render
   (router/deciders/chat_render.py), or a view not caught up.
 - Decode: the healthy, not overloaded candidate that holds the longest prefix of the request (the index of what
@@ -47,7 +49,7 @@ from typing import Any, ClassVar
 
 from router import values
 from router.decider import AnswerCheck, DeciderStats, Decision, Outcome, Route, Turn
-from router.deciders.conversation import Chain, ConversationKey, Link, conversation_key
+from router.deciders.conversation import Chain, ConversationKey, Link, conversation_key, session_of
 from router.deciders.exact import ExactPick, exact_pick
 from router.deciders.prefix_index import Match, PrefixIndex, SessionTable, TokenRatio, prorated, reusable_answer_tokens
 from router.deciders.prompt_tokens import PromptTokens
@@ -185,12 +187,13 @@ class SessionAffinity:
         return cls(o, view, load_tokenizer(o.tokenizer), PromptTokens.load(o.tokenizer))
 
     def decide(self, turn: Turn, decode: Sequence[WorkerView], prefill: Sequence[WorkerView], now: float) -> Decision:
-        key = conversation_key(turn.info.endpoint, turn.body, turn.headers, self.options.chunk_chars)
         ids = prompt_token_ids(turn.body) if self.view is not None else None
         usable = self._usable(decode)
         exact = self._exact(turn, ids, usable, prefill)
-        if exact is not None:
-            return self._decide_exact(turn, key, exact, usable, now)
+        if exact is not None:  # the chain is the estimate's: not built (the learned index learns nothing here)
+            session = ConversationKey(session_of(turn.body, turn.headers), Chain(turn.info.endpoint, ()))
+            return self._decide_exact(turn, session, exact, usable, now)
+        key = conversation_key(turn.info.endpoint, turn.body, turn.headers, self.options.chunk_chars)
         truth = self._truth(key, ids, usable)
         held = self._pick_decode(key, usable, now, truth)
         cached, uncached = self._predict(key.chain, ids, held)
