@@ -1,0 +1,154 @@
+"""Request shapes and usage through the router on real vLLM CPU engines (issue 39): the cached-token count a client
+bills by is what the serving engine really found in its prefix cache, in push (our connector), pull (upstream's
+NixlConnector) and on a bypass; the shapes vLLM computes on decode anyway go decode-only; refused shapes reach no
+engine.
+
+Runs on test_pd_e2e's families (same specs, so no extra start: conftest groups the modules of one family) with
+routers of its own over p0 and the decode. Prompts are uuid-led, counters are read as deltas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.integration.families import FamilyPool
+from tests.integration.support import VLLM, wait_for
+from tests.integration.test_pd_e2e import CONNECTORS, Connector
+from tests.integration.vllm_support import Engines, kv_sources, path_of, prompt_text, router, timing
+
+pytestmark = VLLM
+SHAPED = [c for c in CONNECTORS if c.id in ("kvpush-push", "upstream-pull")]
+PARAMS = [pytest.param(c, id=c.id, marks=pytest.mark.family(c.family)) for c in SHAPED]
+SUFFIX = "\ndef tail(y): return y + 1\n"
+
+
+@dataclass
+class Shapes:
+    connector: Connector
+    engines: Engines
+    router_url: str  # the mode's legs over p0 and the decode
+    sticky_url: str  # the same, with the session-affinity decider (bypasses to the decode that holds a prefix)
+
+    @property
+    def p0_url(self) -> str:
+        return self.engines.prefills[0].url
+
+    @property
+    def decode_url(self) -> str:
+        return self.engines.decode.url
+
+
+@pytest.fixture(scope="module", params=PARAMS)
+def shapes(request: pytest.FixtureRequest, family_pool: FamilyPool) -> Iterator[Shapes]:
+    c: Connector = request.param
+    engines = family_pool.get(c.family).engines
+    p0, d = engines.prefills[0].engine_spec.prefill_arg(), engines.decode.url
+    with contextlib.ExitStack() as running:
+        url = running.enter_context(router(c.mode, [p0], [d]))
+        sticky = running.enter_context(router(c.mode, [p0], [d], "--decider", "session-affinity"))
+        yield Shapes(c, engines, url, sticky)
+
+
+@dataclass
+class Answer:
+    status: int
+    body: dict[str, Any]  # the JSON answer, or the stream's last usage as {"usage": ...}
+    headers: httpx.Headers
+
+    @property
+    def usage(self) -> dict[str, Any]:
+        found: dict[str, Any] = self.body["usage"]
+        return found
+
+
+def ask(
+    base_url: str, body: dict[str, Any], headers: Mapping[str, str] | None = None, endpoint: str = "completions"
+) -> Answer:
+    """One request; a stream's events are read and its last usage kept."""
+    url = f"{base_url}{path_of(endpoint)}"
+    with httpx.Client(timeout=120) as client, client.stream("POST", url, json=body, headers=headers) as response:
+        if not body.get("stream") or response.status_code != 200:
+            return Answer(response.status_code, json.loads(response.read()), response.headers)
+        usage = None
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                usage = json.loads(line[6:]).get("usage") or usage
+        return Answer(200, {"usage": usage}, response.headers)
+
+
+def completion(prompt: str, stream: bool, max_tokens: int = 4) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    return body
+
+
+def prompt_seen(url: str, before: dict[str, float], prompt_tokens: int) -> dict[str, float]:
+    """The engine's prompt-token counters once it has counted the whole prompt since `before`, as deltas."""
+
+    def delta() -> dict[str, float]:
+        now = kv_sources(url)
+        return {source: now[source] - before[source] for source in now}
+
+    wait_for(lambda: sum(delta().values()) >= prompt_tokens, f"{url} counted the prompt")
+    return delta()
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+def test_cached_tokens_are_exactly_the_prefills_partial_prefix_hit(shapes: Shapes, stream: bool) -> None:
+    head = prompt_text(24)
+    warm = ask(shapes.router_url, completion(head, stream=False))
+    assert warm.status == 200, warm.body
+    before = kv_sources(shapes.p0_url)
+    got = ask(shapes.router_url, completion(head + SUFFIX, stream))
+    assert got.status == 200, got.body
+    prompt = got.usage["prompt_tokens"]
+    on_p = prompt_seen(shapes.p0_url, before, prompt)
+    assert on_p["external_kv_transfer"] == 0
+    assert 0 < on_p["local_cache_hit"] < prompt  # a partial hit: the head's whole blocks
+    assert got.usage["prompt_tokens_details"]["cached_tokens"] == on_p["local_cache_hit"]
+
+
+def test_a_bypass_reports_the_decodes_own_partial_hit(shapes: Shapes) -> None:
+    session = {"x-session-id": f"s-{uuid.uuid4().hex}"}
+    head = prompt_text(24)
+    first = ask(shapes.sticky_url, completion(head, stream=False), session)
+    assert first.status == 200, first.body
+    before = kv_sources(shapes.decode_url)
+    got = ask(shapes.sticky_url, completion(head + SUFFIX, stream=True), session)
+    assert got.status == 200, got.body
+    assert timing(shapes.sticky_url, got.headers["x-kvpush-pairing-id"])["mode"] == "bypass"
+    prompt = got.usage["prompt_tokens"]
+    on_d = prompt_seen(shapes.decode_url, before, prompt)
+    assert on_d["external_kv_transfer"] == 0
+    assert 0 < on_d["local_cache_hit"] < prompt
+    assert got.usage["prompt_tokens_details"]["cached_tokens"] == on_d["local_cache_hit"]
+
+
+@pytest.mark.parametrize(("field", "param"), [({"best_of": 2}, "best_of"), ({"n": 0}, "n"), ({"n": 2.5}, "n")])
+def test_a_refused_shape_reaches_no_engine(shapes: Shapes, field: dict[str, Any], param: str) -> None:
+    before = [kv_sources(url) for url in (shapes.p0_url, shapes.decode_url)]
+    got = ask(shapes.router_url, {**completion(prompt_text(4), stream=False), **field})
+    assert got.status == 400 and got.body["error"]["type"] == "invalid_request_error"
+    assert got.body["error"]["param"] == param
+    assert before == [kv_sources(url) for url in (shapes.p0_url, shapes.decode_url)]
+
+
+def test_prompt_logprobs_go_decode_only_and_answer_as_the_decode_alone(shapes: Shapes) -> None:
+    body = {**completion(prompt_text(2), stream=False), "prompt_logprobs": 1}
+    before = kv_sources(shapes.p0_url)
+    got = ask(shapes.router_url, body)
+    assert got.status == 200, got.body
+    assert timing(shapes.router_url, got.headers["x-kvpush-pairing-id"])["mode"] == "bypass"
+    assert kv_sources(shapes.p0_url) == before
+    alone = ask(shapes.decode_url, body)
+    assert got.body["choices"][0]["text"] == alone.body["choices"][0]["text"]
+    assert got.body["choices"][0]["prompt_logprobs"] == alone.body["choices"][0]["prompt_logprobs"]
