@@ -4,6 +4,11 @@ Descriptor order is region-major on both sides: descriptor ``r * num_blocks + b`
 region ``r`` (with regions of unequal size, region ``r`` starts after the blocks of regions
 ``0..r-1``). A block pair therefore maps to the same index arithmetic on P and on D.
 
+A WRITE's descriptors merge runs: block pairs consecutive on both sides are one contiguous range per region on
+each side (``block_runs``, ``run_descriptors``), which is what NIXL 1.5's ``make_prepped_xfer`` posts for a
+per-block index list (it merges index entries contiguous on both sides; ``connector/README.md``, "Descriptors at
+scale").
+
 Everything returned here is a numpy array in the dtypes NIXL's Python API takes without a copy
 per element: descriptor lists are ``(N, 3)`` (or ``(R, 5)`` strided) ``uint64`` arrays, index lists
 ``int32`` arrays. At GPU scale (64 layers x 60k blocks = 3.8 M descriptors) building the list is
@@ -135,3 +140,83 @@ def coalesced_ranges(layout: KVLayout) -> DescArray:
     for i, (start, end) in enumerate(merged):
         out[i] = (start, end - start, layout.device_id)
     return out
+
+
+RunArrays = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]
+Part = tuple[int, int, int]  # (offset in a local block, offset in a remote block, length): a TP head slice
+
+
+def block_runs(
+    local: Sequence[int] | npt.NDArray[np.integer], remote: Sequence[int] | npt.NDArray[np.integer]
+) -> RunArrays:
+    """Maximal runs, in request order, of block pairs consecutive on both sides: ``(local starts, remote
+    starts, lengths)``. Pairs ``i`` and ``i + 1`` share a run iff ``local[i + 1] == local[i] + 1`` and
+    ``remote[i + 1] == remote[i] + 1``."""
+    lb = np.asarray(local, dtype=np.int64).reshape(-1)
+    rb = np.asarray(remote, dtype=np.int64).reshape(-1)
+    if lb.size != rb.size:
+        raise ValueError(f"{lb.size} local blocks paired with {rb.size} remote blocks")
+    if lb.size == 0:
+        return lb, rb, np.empty(0, dtype=np.int64)
+    starts = np.concatenate(([0], np.flatnonzero((np.diff(lb) != 1) | (np.diff(rb) != 1)) + 1))
+    lengths = np.diff(np.append(starts, lb.size))
+    return lb[starts], rb[starts], lengths
+
+
+def run_descriptors(
+    local: KVLayout,
+    remote: KVLayout,
+    local_blocks: Sequence[int] | npt.NDArray[np.integer],
+    remote_blocks: Sequence[int] | npt.NDArray[np.integer],
+    parts: Sequence[Part] | None = None,
+    regions: tuple[int, int] | None = None,
+) -> tuple[DescArray, DescArray]:
+    """The ``(address, length, device id)`` rows of a WRITE of ``local_blocks`` into ``remote_blocks``, both
+    sides, row ``i`` of one side paired with row ``i`` of the other.
+
+    Order is NIXL's index order (region-major, then part, then block pairs in request order), and rows contiguous
+    on both sides are merged: a run of whole blocks (``block_runs``) is one row per region; a head slice
+    (``parts``, ``connector.topology``) narrower than its block is not contiguous with the next block's, so
+    sliced blocks stay one row each; adjacent rows that happen to touch on both sides (a run ending a region that
+    continues into the next) merge too, as NIXL merges them. ``regions``: only regions ``[lo, hi)`` (one per
+    layer: a layer window of layer-wise push); None: all."""
+    lb = np.asarray(local_blocks, dtype=np.int64).reshape(-1)
+    rb = np.asarray(remote_blocks, dtype=np.int64).reshape(-1)
+    _check_ids(local, lb)
+    _check_ids(remote, rb)
+    runs = block_runs(lb, rb)
+    ones = np.ones(lb.size, dtype=np.int64)
+    pairs = list(zip(local.regions, remote.regions, strict=True))[slice(*(regions or (None, None)))]
+    cols: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]] = []
+    for lr, rr in pairs:
+        for src, dst, length in parts or ((0, 0, lr.block_len),):
+            whole = length == lr.block_len == rr.block_len
+            ls, rs, n = runs if whole else (lb, rb, ones)
+            cols.append((lr.base + src + ls * lr.block_len, rr.base + dst + rs * rr.block_len, n * length))
+    if not cols or lb.size == 0:
+        empty = np.empty((0, 3), dtype=np.uint64)
+        return empty, empty.copy()
+    la, ra, ln = (np.concatenate(c) for c in zip(*cols, strict=True))
+    return _merged(la, ra, ln, local.device_id, remote.device_id)
+
+
+def _merged(
+    la: npt.NDArray[np.int64], ra: npt.NDArray[np.int64], ln: npt.NDArray[np.int64], local_dev: int, remote_dev: int
+) -> tuple[DescArray, DescArray]:
+    """Rows contiguous with the previous row on both sides folded into it."""
+    ends_l, ends_r = la[:-1] + ln[:-1], ra[:-1] + ln[:-1]
+    starts = np.concatenate(([0], np.flatnonzero((ends_l != la[1:]) | (ends_r != ra[1:])) + 1))
+    lengths = np.add.reduceat(ln, starts)
+    out_l, out_r = np.empty((starts.size, 3), dtype=np.uint64), np.empty((starts.size, 3), dtype=np.uint64)
+    out_l[:, 0], out_r[:, 0] = la[starts], ra[starts]
+    out_l[:, 1] = out_r[:, 1] = lengths
+    out_l[:, 2], out_r[:, 2] = local_dev, remote_dev
+    return out_l, out_r
+
+
+def _check_ids(layout: KVLayout, ids: npt.NDArray[np.int64]) -> None:
+    if ids.size and layout.regions:
+        smallest = min(r.num_blocks for r in layout.regions)
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= smallest:
+            raise ValueError(f"block id {lo if lo < 0 else hi} outside region of {smallest} blocks")
