@@ -58,6 +58,8 @@ GPU_STACK = (
 TEST_TOOLS = ("pytest", "pytest-asyncio", "hypothesis")  # taken with their pins from pyproject's dev extra
 STAMP = ".kvpush-compat.json"
 PIP_QUIET = ("--quiet", "--disable-pip-version-check")
+# No byte-compiling at install: a test run imports a small part of vLLM (Python caches what it imports)
+INSTALL = ("install", *PIP_QUIET, "--no-compile")
 
 
 def normalise(name: str) -> str:
@@ -134,7 +136,7 @@ def fetch_vllm(pip: Sequence[str], version: str, wheels: Path) -> Path:
 
 def install_cached(pip: Sequence[str], wheels: Path, args: Sequence[str | Path]) -> None:
     """``pip install args`` from the wheel cache; on a miss, download into it (one resolve) and install again."""
-    offline = [*pip, "install", *PIP_QUIET, "--no-index", "--find-links", str(wheels), *args]
+    offline = [*pip, *INSTALL, "--no-index", "--find-links", str(wheels), *args]
     print("+", " ".join(str(a) for a in offline), flush=True)
     tried = subprocess.run([str(a) for a in offline], check=False, capture_output=True, text=True)
     if tried.returncode == 0:
@@ -166,8 +168,8 @@ def build(version: str, target: Path, wheels: Path) -> None:
     constraints.write_text(f"{TORCH}\n")
     install_cached(pip, wheels, ["-c", constraints, TORCH, *with_deps, *kvpush_requirements(REPO / "pyproject.toml")])
     install_cached(pip, wheels, ["--no-deps", *no_deps])
-    run(*pip, "install", *PIP_QUIET, "--no-deps", wheel)
-    run(*pip, "install", *PIP_QUIET, "--no-deps", "--no-build-isolation", "-e", REPO)
+    run(*pip, *INSTALL, "--no-deps", wheel)
+    run(*pip, *INSTALL, "--no-deps", "--no-build-isolation", "-e", REPO)
     stamp_path.write_text(json.dumps(wanted))
 
 
