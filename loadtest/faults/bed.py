@@ -30,6 +30,33 @@ KVPUSH_CONNECTOR = ("KvpushConnector", "connector.plugin")
 KV_TIMEOUT_S = 30.0
 
 
+@dataclass(frozen=True)
+class BedShape:
+    """How a vLLM bed differs from the plain one: its engines' name prefix, each prefill's own vLLM flags, and
+    which prefills (by index) the router gets (None: all)."""
+
+    label: str = "faults"
+    prefill_args: tuple[tuple[str, ...], ...] = ()
+    routed: tuple[int, ...] | None = None
+
+
+# The preemption bed (issue 42 item 4): p1 advances 2 prompt tokens a step for each of up to two requests (a budget
+# of 4 split by the long-prefill threshold) in a KV cache of 16 usable blocks of 128 tokens (and vLLM's null
+# block: the least vLLM accepts for a 2048-token length): two ten-block prompts outgrow it together and vLLM
+# preempts one mid-prefill, after partial WRITEs. Only p1 is routed; p0 (plain) answers as one instance.
+PREEMPT_SHAPE = BedShape(
+    "faults-preempt",
+    (
+        (),
+        (
+            *("--max-num-batched-tokens", "4", "--long-prefill-token-threshold", "2", "--max-num-seqs", "2"),
+            *("--num-gpu-blocks-override", "17"),
+        ),
+    ),
+    routed=(1,),
+)
+
+
 @dataclass
 class EngineState:
     """One worker after a row: None where the worker does not say (a stand-in has no KV; a dead one nothing)."""
@@ -190,22 +217,29 @@ def standin_bed(
 
 @contextlib.contextmanager
 def vllm_bed(
-    config: Mapping[str, Any], lease_s: float | None = None, kv_timeout_s: float = KV_TIMEOUT_S
+    config: Mapping[str, Any],
+    lease_s: float | None = None,
+    kv_timeout_s: float = KV_TIMEOUT_S,
+    shape: BedShape | None = None,
 ) -> Iterator[Bed]:
     """Two prefill engines (core 0) and one decode engine (core 1) on our push connector, behind a router; P's
     lease (`lease_s`: how long finished blocks wait for a registration) is the connector's default unless given,
-    D's hold deadline `kv_timeout_s` (how long a registration waits for its KV, and quarantined blocks are kept)."""
+    D's hold deadline `kv_timeout_s` (how long a registration waits for its KV, and quarantined blocks are kept).
+    `shape` (default: both prefills plain and routed) gives prefills their own vLLM flags and keeps some of them
+    out of the router (`bed.prefills` still holds every prefill: each is observed after a row)."""
     from stack.engines import Fleet
     from stack.family import pd_family, start_family
     from stack.tiny_model import build
 
+    shape = shape or BedShape()
     model = build(CACHE / "models" / "tiny", "tiny")
     family = pd_family(
-        "faults",
+        shape.label,
         model,
         KVPUSH_CONNECTOR[0],
         module=KVPUSH_CONNECTOR[1],
         n_prefill=2,
+        prefill_args=shape.prefill_args,
         connector_extra={"kv_timeout_s": kv_timeout_s, **({} if lease_s is None else {"lease_s": lease_s})},
     )
     started: list[ManagedProcess] = []
@@ -218,7 +252,8 @@ def vllm_bed(
             ]
             d = Worker("decode", engines.decode.engine_spec.name, engines.decode.url, engines.decode, "vllm", "")
             d.router_arg = d.url
-            router = start_router([w.router_arg for w in p], [d.url], config, started)
+            routed = [w.router_arg for i, w in enumerate(p) if shape.routed is None or i in shape.routed]
+            router = start_router(routed, [d.url], config, started)
             yield Bed(router, p, [d], started)
         finally:
             for worker in (*p, d):

@@ -17,9 +17,10 @@ from typing import Any
 
 import httpx
 
-from loadtest.faults.bed import KV_TIMEOUT_S, REPO, Bed, standin_bed, vllm_bed
+from loadtest.faults.bed import KV_TIMEOUT_S, PREEMPT_SHAPE, REPO, Bed, BedShape, standin_bed, vllm_bed
 from loadtest.faults.rows import FaultRow, selected
 from loadtest.faults.scenarios import SCENARIOS, FaultOutcome
+from loadtest.faults.sustained import SUSTAINED
 
 logger = logging.getLogger("kvpush.faults")
 SETTLE_S = 90.0  # longest wait for a bed to settle (leases: 30 s on P, the bed's kv_timeout_s 30 s on D)
@@ -28,6 +29,8 @@ OUT = REPO / "bench" / "faults"
 # never-reading prefill, a short prefill deadline (the default 300 s would make the row take 5 minutes).
 VLLM_CONFIG: dict[str, Any] = {"max_in_flight": 8, "admission_queue": 8, "admission_wait": 2.0}
 STANDIN_CONFIG: dict[str, dict[str, Any]] = {"never-read": {"timeouts": {"prefill": 5.0}}}
+# The vLLM beds, in the order they run: the plain one, then the preemption bed (a chunked prefill, a small cache).
+VLLM_SHAPES: dict[str, BedShape] = {"vllm": BedShape(), "vllm-preempt": PREEMPT_SHAPE}
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,7 @@ def observe(bed: Bed, timeout: float = SETTLE_S) -> After:
 def run_row(bed: Bed, row: FaultRow) -> RowResult:
     logger.info("fault row: %s", row.name)
     try:
-        outcome = SCENARIOS[row.fault](bed, row)
+        outcome = {**SCENARIOS, **SUSTAINED}[row.fault](bed, row)
     except Exception as exc:  # a row that breaks is a result, and the rest still run
         logger.exception("fault row %s failed to run", row.name)
         outcome = FaultOutcome(f"row failed to run: {type(exc).__name__}: {exc}", False, float("inf"))
@@ -106,7 +109,7 @@ def run(
 ) -> list[RowResult]:
     rows = list(rows)
     results: dict[str, RowResult] = {}
-    on_vllm = [r for r in rows if r.bed == "vllm"]
+    on_vllm = [r for r in rows if r.bed in VLLM_SHAPES]
     with tempfile.TemporaryDirectory(prefix="kvpush-faults-") as kv, ThreadPoolExecutor(1) as side:
 
         def standins() -> None:
@@ -121,9 +124,12 @@ def run(
         if pending is None:
             standins()
         try:
-            if on_vllm:
-                with vllm_bed(VLLM_CONFIG, form.lease_s, form.kv_timeout_s) as bed:
-                    for row in on_vllm:
+            for name, shape in VLLM_SHAPES.items():  # one vLLM bed at a time, each for its own rows
+                mine = [r for r in on_vllm if r.bed == name]
+                if not mine:
+                    continue
+                with vllm_bed(VLLM_CONFIG, form.lease_s, form.kv_timeout_s, shape) as bed:
+                    for row in mine:
                         results[row.name] = run_row(bed, row)
                         progress(results[row.name])
         finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Bed = Literal["vllm", "standin"]
+Bed = Literal["vllm", "vllm-preempt", "standin"]
 Target = Literal["prefill", "decode", "client", "router"]
 
 
@@ -20,7 +20,8 @@ class FaultRow:
     short: bool = True  # part of `--short` (make test)
 
 
-# Order matters on the vLLM bed: the killed engines come last (nothing restarts them).
+# Order matters on the vLLM bed: the killed engines come last (nothing restarts them). A killed router replica is
+# a second router the row starts itself: the bed's router and engines go on.
 ROWS: tuple[FaultRow, ...] = (
     FaultRow("prefill 5xx", "prefill", "status500", "standin", 5.0, "one of two prefills answers 500 to every leg"),
     FaultRow("decode 5xx", "decode", "status500", "standin", 5.0, "one of two decodes answers 500 to every leg"),
@@ -71,11 +72,30 @@ ROWS: tuple[FaultRow, ...] = (
         "decode registers with a wrong engine id and side port",
         short=False,
     ),
+    FaultRow(
+        "router replica killed",
+        "router",
+        "replica-kill",
+        "vllm",
+        10.0,  # the survivor's clients finish well within it; the victim's see their cut at once
+        "SIGKILL on one of two router replicas, streams in flight on both, steady load on the other",
+        short=False,
+    ),
     FaultRow("prefill hung", "prefill", "hang", "vllm", 5.0, "SIGSTOP on one of two prefills, requests in flight"),
     FaultRow("decode hung", "decode", "hang", "vllm", 5.0, "SIGSTOP on the only decode before its first byte"),
     FaultRow("prefill killed", "prefill", "kill", "vllm", 5.0, "SIGKILL on one of two prefills, requests in flight"),
     FaultRow(
         "decode killed", "decode", "kill", "vllm", 5.0, "SIGKILL on the only decode, streams in flight", short=False
+    ),
+    FaultRow(
+        "prefill preempted under load",
+        "prefill",
+        "preempt-under-load",
+        "vllm-preempt",
+        120.0,  # the router's default decode first-byte deadline: the longest one request may take
+        "a chunked prefill in a 16-block KV cache, 4 clients of ten-block prompts for 40 s: vLLM preempts legs"
+        " after partial WRITEs",
+        short=False,
     ),
 )
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from loadtest.faults import matrix
-from loadtest.faults.bed import KV_TIMEOUT_S
+from loadtest.faults.bed import KV_TIMEOUT_S, PREEMPT_SHAPE, BedShape
 from loadtest.faults.rows import FaultRow
 
 ROWS = (
@@ -39,10 +39,15 @@ class Fake:
 
     @contextlib.contextmanager
     def vllm_bed(
-        self, config: Mapping[str, Any], lease_s: float | None = None, kv_timeout_s: float = KV_TIMEOUT_S
+        self,
+        config: Mapping[str, Any],
+        lease_s: float | None = None,
+        kv_timeout_s: float = KV_TIMEOUT_S,
+        shape: BedShape | None = None,
     ) -> Iterator[str]:
         self.leases.append((lease_s, kv_timeout_s))
-        self.events.append("vllm bed")
+        label = (shape or BedShape()).label
+        self.events.append("vllm bed" if label == "faults" else f"vllm bed {label}")
         self.vllm_entered.set()
         yield "vllm"
 
@@ -87,3 +92,13 @@ def test_the_test_form_without_vllm_rows_runs_the_stand_ins_in_place(monkeypatch
     patched(monkeypatch, fake)
     results = matrix.run([r for r in ROWS if r.bed == "standin"], form=matrix.TEST_FORM)
     assert [r.row["name"] for r in results] == ["s1", "s2"] and fake.leases == []
+
+
+def test_each_vllm_bed_runs_only_its_own_rows_one_bed_after_the_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = Fake(standin_waits=False)
+    patched(monkeypatch, fake)
+    preempt = FaultRow("p1", "prefill", "preempt-under-load", "vllm-preempt", 5.0, "-")
+    results = matrix.run([preempt, *ROWS])
+    assert [r.row["name"] for r in results] == ["p1", "s1", "v1", "s2", "v2"]
+    assert fake.events == ["s1", "s2", "vllm bed", "v1", "v2", f"vllm bed {PREEMPT_SHAPE.label}", "p1"]
+    assert PREEMPT_SHAPE.routed == (1,), "the single instance (p0) stays out of the router"
