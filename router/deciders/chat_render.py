@@ -20,6 +20,7 @@ ids against the engine's `/tokenize`.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Mapping, Sequence
 from datetime import datetime
@@ -27,6 +28,7 @@ from typing import Any
 
 from router.errors import ConfigError
 
+logger = logging.getLogger("kvpush.decider")
 _BILLING_HEADER = "x-anthropic-billing-header"
 _ITERATES_CONTENT = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+[^%]*content")
 _REFUSED_FIELDS = ("documents", "chat_template", "truncate_prompt_tokens", "mm_processor_kwargs")
@@ -66,7 +68,6 @@ class ChatTemplate:
             self._template = env.from_string(source)
         except TemplateError as error:
             raise ConfigError(f"decider option tokenizer: the chat template does not compile: {error}") from None
-        self._errors: tuple[type[Exception], ...] = (TemplateError, TypeError, ValueError, KeyError)
         self.special_tokens = dict(special_tokens)
         self.parts_format = _ITERATES_CONTENT.search(source) is not None  # vLLM's "openai" content format
 
@@ -88,8 +89,9 @@ class ChatTemplate:
             return self._template.render(
                 {**self.special_tokens, **variables, "messages": conversation, "tools": tools, "documents": None}
             )
-        except self._errors:
-            return None  # the engine answers this request with a 400; nothing to route on
+        except Exception as error:  # noqa: BLE001 - a model's template is a program of its own: any failure
+            logger.debug("chat template failed on a request (%s): deciding on the estimate", error)
+            return None  # the engine answers it with a 400, or renders what the router cannot: no exact ids
 
 
 def _generation_tag() -> type[Any]:

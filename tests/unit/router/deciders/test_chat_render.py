@@ -133,8 +133,8 @@ def test_shapes_the_router_cannot_be_sure_of_render_to_none(body: dict[str, Any]
 def test_a_template_over_content_parts_or_one_that_raises_renders_to_none() -> None:
     parts = "{% for m in messages %}{% for p in m['content'] %}{{ p.text }}{% endfor %}{% endfor %}"
     assert render(parts, {"messages": [{"role": "user", "content": "x"}]}) is None
-    raising = "{{ raise_exception('no') }}"
-    assert render(raising, {"messages": [{"role": "user", "content": "x"}]}) is None
+    for raising in ("{{ raise_exception('no') }}", "{{ 1 // 0 }}", "{{ messages[5]['content'] }}"):
+        assert render(raising, {"messages": [{"role": "user", "content": "x"}]}) is None
 
 
 def test_a_template_that_does_not_compile_is_a_config_error() -> None:
