@@ -86,8 +86,10 @@ class AffinityOptions:
     block_tokens: int = 16  # the engines' KV block size (--block-size; vLLM's CPU backend defaults to 128):
     # a prefix cache holds whole blocks only
     verify_answers: bool = True  # ask decode for the answer's token ids and check what its text re-tokenizes to
-    tokenizer: str | None = None  # the model's tokenizer.json (or its directory): with KV events, an answer another
-    # replica relayed is checked against the engine's stored ids before a bypass (router/deciders/tokenizer.py)
+    tokenizer: str | None = None  # the model's tokenizer folder (tokenizer.json, tokenizer_config.json, its chat
+    # template): with KV events, requests are decided on their exact prompt ids (router/deciders/prompt_tokens.py,
+    # exact.py); on the estimate path, an answer another replica relayed is checked against the engine's stored
+    # ids before a bypass (router/deciders/tokenizer.py)
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> AffinityOptions:
