@@ -8,7 +8,12 @@ as received, and waits its think time before the next turn. Every turn carries t
 
 Against several targets (router replicas in front of the same engines) every turn goes to another replica than
 the turn before: turn n of the i-th session to replica (i + n - 1) mod k (`turn_target`), so no replica sees two
-turns of a conversation in a row and each starts its share of the conversations.
+turns of a conversation in a row and each starts its share of the conversations (with two replicas, half the
+sessions go A B A B and half B A B A).
+
+A session speaks chat (`/v1/chat/completions`, the history as messages) or completions (`/v1/completions`, the
+history as one transcript text, `transcript`); with `api="both"` even sessions speak chat and odd ones
+completions. With `burst` > 1 sessions arrive in groups of that many at the same instant (the group's Poisson time).
 """
 
 from __future__ import annotations
@@ -44,6 +49,15 @@ class SessionShape:
     system_tokens: int = 0  # a per-session system prompt (0: none)
     seed: int = 0
     system_shared: bool = False  # every session opens with the same system prompt (else each its own)
+    api: str = "chat"  # "chat" | "completions" | "both" (even sessions chat, odd ones completions)
+    burst: int = 1  # sessions arrive in groups of this many at once
+
+    def __post_init__(self) -> None:
+        if self.api not in (*APIS, "both") or self.burst < 1:
+            raise ValueError(f"session shape: api chat, completions or both, burst >= 1 ({self.api!r}, {self.burst})")
+
+
+APIS = ("chat", "completions")
 
 
 @dataclass(frozen=True)
@@ -62,12 +76,14 @@ class Session:
     system_tokens: int
     turns: tuple[TurnSpec, ...]
     system_seed: int | None = None  # the system prompt's text seed; None: the session id's
+    api: str = "chat"  # "chat" | "completions"
 
 
 def plan_sessions(shape: SessionShape) -> list[Session]:
     """The sessions of a run, fully determined by `shape` (seed included)."""
     rng = random.Random(shape.seed)
     starts = schedule(ArrivalSpec(shape.session_rate, 1.0, shape.seed), shape.sessions)
+    starts = [starts[i - i % shape.burst] for i in range(len(starts))]  # a group starts at its first's time
     out = []
     for i, start in enumerate(starts):
         turns = tuple(
@@ -81,7 +97,8 @@ def plan_sessions(shape: SessionShape) -> list[Session]:
             for t in range(rng.randint(*shape.turns))
         )
         shared = shape.seed if shape.system_shared else None
-        out.append(Session(f"{session_prefix(shape.seed)}{i:04d}", start, shape.system_tokens, turns, shared))
+        api = shape.api if shape.api != "both" else APIS[i % 2]
+        out.append(Session(f"{session_prefix(shape.seed)}{i:04d}", start, shape.system_tokens, turns, shared, api))
     return out
 
 
@@ -135,8 +152,8 @@ class _Answer:
         if not line.startswith("data:") or line[5:].strip() == "[DONE]":
             return
         event = json.loads(line[5:])
-        for choice in event.get("choices") or ():
-            self.pieces.append(str((choice.get("delta") or {}).get("content") or ""))
+        for choice in event.get("choices") or ():  # chat: the delta's content; completions: the text
+            self.pieces.append(str((choice.get("delta") or {}).get("content") or choice.get("text") or ""))
         details = (event.get("usage") or {}).get("prompt_tokens_details") or {}
         if isinstance(details.get("cached_tokens"), int):
             self.cached = details["cached_tokens"]
@@ -202,17 +219,9 @@ async def _session(
         messages.append(
             {"role": "user", "content": message_text(spec.message_tokens, spec.kind, spec.seed, target.words_per_token)}
         )
-        body = {
-            "model": target.model,
-            "messages": list(messages),
-            "max_tokens": spec.answer_tokens,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
+        path, body = turn_request(session.api, target.model, messages, spec.answer_tokens)
         where = turn_target(targets, index, n)
-        url = where.base_url.rstrip("/") + "/v1/chat/completions"
+        url = where.base_url.rstrip("/") + path
         rec = RequestRecord(index=len(out), request_id=f"{session.id}-t{n}", sent=clock() - t0)
         headers = {SESSION_HEADER: session.id, "x-request-id": rec.request_id}
         rec, answer, cached = await send_turn(
@@ -224,6 +233,31 @@ async def _session(
         messages.append({"role": "assistant", "content": answer})
         await asyncio.sleep(spec.think_s)
     return out
+
+
+def turn_request(
+    api: str, model: str, messages: Sequence[Mapping[str, str]], answer_tokens: int
+) -> tuple[str, dict[str, Any]]:
+    """A turn's path and body: chat sends the messages, completions their transcript."""
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": answer_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if api == "completions":
+        return "/v1/completions", {**body, "prompt": transcript(messages)}
+    return "/v1/chat/completions", {**body, "messages": [dict(m) for m in messages]}
+
+
+def transcript(messages: Sequence[Mapping[str, str]]) -> str:
+    """A completions prompt holding a conversation: each message as `Role: text` then a blank line, ending on
+    the assistant's cue; an answer follows its cue as received (no space added), so the next turn's prompt is
+    this one, the answer and the new message: the text a client continuing a completion sends."""
+    parts = [f"{m['role'].capitalize()}:{'' if m['role'] == 'assistant' else ' '}{m['content']}" for m in messages]
+    return "\n\n".join([*parts, "Assistant:"])
 
 
 def by_turn(records: Sequence[TurnRecord]) -> dict[str, Any]:

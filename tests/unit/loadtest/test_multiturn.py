@@ -146,3 +146,36 @@ def test_each_turn_goes_to_another_replica_and_sessions_start_on_each() -> None:
     assert firsts == {"http://r0", "http://r1"}
     one = targets[:1]
     assert {multiturn.turn_target(one, s, t).base_url for s in range(3) for t in range(1, 4)} == {"http://r0"}
+
+
+def test_both_apis_alternate_by_session_and_a_burst_arrives_at_once() -> None:
+    sessions = multiturn.plan_sessions(multiturn.SessionShape(6, 0.5, seed=2, api="both", burst=3))
+    assert [s.api for s in sessions] == ["chat", "completions"] * 3
+    assert len({s.start_s for s in sessions[:3]}) == 1 and len({s.start_s for s in sessions[3:]}) == 1
+    assert sessions[3].start_s > sessions[0].start_s
+    assert {s.api for s in multiturn.plan_sessions(multiturn.SessionShape(3, 1.0))} == {"chat"}
+    with pytest.raises(ValueError, match="api"):
+        multiturn.SessionShape(1, 1.0, api="responses")
+    with pytest.raises(ValueError, match="burst"):
+        multiturn.SessionShape(1, 1.0, burst=0)
+
+
+def test_a_completions_turn_extends_the_previous_prompt_by_the_answer_as_received() -> None:
+    history = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]
+    path, first = multiturn.turn_request("completions", "tiny", history, 8)
+    assert path == "/v1/completions" and "messages" not in first
+    assert first["prompt"] == "System: S\n\nUser: hi\n\nAssistant:"
+    history += [{"role": "assistant", "content": " hello"}, {"role": "user", "content": "more"}]
+    _, second = multiturn.turn_request("completions", "tiny", history, 8)
+    assert second["prompt"] == first["prompt"] + " hello\n\nUser: more\n\nAssistant:"
+    path, chat = multiturn.turn_request("chat", "tiny", history, 8)
+    assert path == "/v1/chat/completions" and chat["messages"] == history and "prompt" not in chat
+    assert chat["stream_options"] == {"include_usage": True} and chat["max_tokens"] == 8
+
+
+def test_a_completions_stream_is_read_from_its_text() -> None:
+    got = multiturn._Answer()
+    got.feed('data: {"choices": [{"text": " a"}]}')
+    got.feed('data: {"choices": [{"delta": {"content": "b"}}]}')
+    got.feed("data: [DONE]")
+    assert "".join(got.pieces) == " ab"
