@@ -9,6 +9,9 @@ fronts saw the same sessions there) and the median of the repeats' ratios stated
 - what the subscribers consumed: events and messages per second per replica, each live batch's lag from the
   engine's stamp (mean, max, later than 1 s), gaps and holes; and a decode's reset reflected in every replica's
   view: <= 1 s;
+- issue 40, where the rows carry each replica's routes: each replica's bypass rate (turns it served bypassed)
+  against the one-router events front's on the same sessions, >= 0.95x, replicas within 5 points of each other;
+  and the checked bypasses' predicted cached tokens against decode's reported ones, summed per front: equal;
 - the subscriber's capacity against a paced synthetic publisher (bench/results/kv-events-rate.json, written by
   loadtest/micro/kv_events_rate.py), when that file is there.
 """
@@ -25,6 +28,7 @@ from loadtest.report import multiturn
 
 EVENTS, REPLICAS, EVENTS_OFF = "kvpush-decider-events", "kvpush-decider-replicas", "kvpush-decider"
 HIT_TARGET = 0.9
+RATE_TARGET, SPREAD_POINTS = 0.95, 5.0
 CPU_TARGET = 1.1
 REFLECT_TARGET_S = 1.0
 Row = Mapping[str, Any]
@@ -93,7 +97,12 @@ def overhead_cpu(rows: Sequence[Row]) -> list[str]:
 def reproduce(plan: Mapping[str, Any]) -> str:
     """The command that runs this plan again (the fields a replicas run usually sets)."""
     keys = ("replicas", "sessions", "session_rate", "turns_min", "turns_max", "repeats", "warmup_sessions", "connector")
-    sets = " ".join(f"--set {k}={plan[k]}" for k in keys if k in plan)
+    more = ("api", "burst", "system_tokens", "system_shared", "events_off_row")  # issue 40's plan: when not default
+    unset = {"api": "chat", "burst": 1, "system_tokens": 0, "system_shared": False, "events_off_row": True}
+    keys += tuple(k for k in more if k in plan and plan[k] != unset[k])
+    sets = " ".join(
+        f"--set {k}={str(plan[k]).lower() if isinstance(plan[k], bool) else plan[k]}" for k in keys if k in plan
+    )
     return f"Reproduce: `flock /tmp/kvpush-vllm.lock kvpush bench --suite multiturn {sets}`."
 
 
@@ -152,9 +161,61 @@ def targets(rows: Sequence[Row]) -> list[str]:
             at_least=False,
         )
     )
+    out += exact_lines(rows)
     out += [f"- {_consumed(front, r)}" for front in (EVENTS, REPLICAS) for r in rows if r.get("front") == front]
     out += [_stopped(found) for r in rows if (found := r.get("engine_stop_reflected"))]
     return out
+
+
+def _rate(counts: Mapping[str, int]) -> float | None:
+    turns = counts.get("turns") or 0
+    return counts.get("bypass", 0) / turns if turns else None
+
+
+def exact_lines(rows: Sequence[Row]) -> list[str]:
+    """Issue 40's lines, per repeat: bypass rate per replica against one router's, and predicted cached tokens
+    against decode's; nothing for rows without `bypass_by_replica` (runs before it)."""
+    out: list[str] = []
+    for repeat in sorted({int(r.get("repeat") or 0) for r in rows}):
+        mine = {str(r.get("front")): r for r in rows if int(r.get("repeat") or 0) == repeat}
+        one, many = mine.get(EVENTS), mine.get(REPLICAS)
+        if one is None or many is None or not one.get("bypass_by_replica") or not many.get("bypass_by_replica"):
+            continue
+        base = _rate(one["bypass_by_replica"][0])
+        rates = [_rate(c) for c in many["bypass_by_replica"]]
+        if base is None or not base or any(r is None for r in rates):
+            out.append(f"- repeat {repeat}: bypass rate per replica not measured (no turns or no bypass)")
+            continue
+        got = [r for r in rates if r is not None]
+        each = ", ".join(f"{_shown(c)}" for c in many["bypass_by_replica"])
+        low = min(got) / base
+        spread = (max(got) - min(got)) * 100
+        out.append(
+            f"- repeat {repeat}: bypassed turns per replica {each} against one router's"
+            f" {_shown(one['bypass_by_replica'][0])}: lowest {low:.2f}x (target >= {RATE_TARGET}:"
+            f" {'met' if low >= RATE_TARGET else 'not met'}), spread {spread:.1f} points (target <="
+            f" {SPREAD_POINTS:.0f}: {'met' if spread <= SPREAD_POINTS else 'not met'})"
+        )
+        out += [_predicted(front, mine[front]) for front in (EVENTS, REPLICAS)]
+    return out
+
+
+def _shown(counts: Mapping[str, int]) -> str:
+    first = f"; first turns {counts.get('first_bypass', 0)} of {counts.get('first_turns', 0)}"
+    return f"{counts.get('bypass', 0)} of {counts.get('turns', 0)}{first}"
+
+
+def _predicted(front: str, row: Row) -> str:
+    acc: Mapping[str, int] = row.get("bypass_accuracy") or {}
+    if "predicted_cached" not in acc:
+        return f"  - {front}: predicted cached tokens not read"
+    predicted, actual = acc["predicted_cached"], acc.get("actual_cached", 0)
+    verdict = "equal" if predicted == actual else f"differ by {predicted - actual:+d}"
+    return (
+        f"  - {front}: {acc.get('checked', 0)} checked bypasses predicted {predicted} cached tokens, decode"
+        f" reported {actual} ({verdict}; summed: the router exposes no per-request prediction);"
+        f" {acc.get('accurate', 0)} within 20 %"
+    )
 
 
 def _stopped(found: Mapping[str, Any]) -> str:

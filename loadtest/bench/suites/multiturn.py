@@ -89,7 +89,9 @@ class MultiTurnPlan:
     replicas: int = 1  # 2-4: the KV-event fronts, one of them behind this many router replicas (docstring)
     events_off_row: bool = True  # with replicas: the decider with events off too
     answer_tokenizer: bool = True  # the KV-event fronts' decider gets the model's tokenizer (option `tokenizer`):
-    # it checks answers another replica relayed against the engines' stored ids (router/deciders/tokenizer.py)
+    # it decides on the prompts' exact token ids (issue 40; docs/multi-turn.md, "The exact path")
+    api: str = "chat"  # "chat" | "completions" | "both" (even sessions chat, odd ones completions)
+    burst: int = 1  # sessions arrive in groups of this many at once
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -121,6 +123,8 @@ class MultiTurnPlan:
             system_tokens=self.system_tokens,
             seed=self.seed + repeat,
             system_shared=self.system_shared,
+            api=self.api,
+            burst=self.burst,
         )
 
 
@@ -385,6 +389,7 @@ class _FrontRun:
     accuracy: dict[str, int] | None  # the decider's bypass counters' growth during this run
     replicas: int = 1
     events: dict[str, Any] | None = None  # kvpush fronts: router CPU and KV-event figures (multiturn_replicas)
+    by_replica: list[dict[str, int]] | None = None  # kvpush fronts: each replica's turns and bypasses
 
 
 def _run_front(
@@ -408,6 +413,7 @@ def _run_front(
     sources = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in sorted(set(after) | set(before))}
     accuracy = grown(counted, _accuracy(front)) if kvpush else None
     served = _summed_counts(routes(base, prefix) for base in front.bases) if kvpush else None
+    by_replica = [replicas_mod.replica_routes(base, prefix) for base in front.bases] if kvpush else None
     events = None
     if read is not None:
         done = replicas_mod.read(front.bases, front.pids)
@@ -416,7 +422,7 @@ def _run_front(
             events["reset_reflected"] = replicas_mod.reset_reflected(decodes[0].url, front.bases)
         if progress:
             print(f"multiturn {front.name}: {events}")
-    return _FrontRun(front.name, turns, duration, sources, served, accuracy, len(front.bases), events)
+    return _FrontRun(front.name, turns, duration, sources, served, accuracy, len(front.bases), events, by_replica)
 
 
 def _accuracy(front: _Front) -> dict[str, int] | None:
@@ -468,15 +474,21 @@ def scrape_bypass_accuracy(router_url: str) -> dict[str, int] | None:
 
 def bypass_accuracy(samples: Mapping[promtext.Sample, float]) -> dict[str, int] | None:
     """{"checked", "accurate"} from kvpush_bypass_checked / kvpush_bypass_accurate (counters: exported with a
-    `_total` suffix); None when the router exports neither (it runs no decider)."""
+    `_total` suffix), and {"predicted_cached", "actual_cached"} (the checked bypasses' summed cached tokens, as
+    predicted and as decode reported them) where the router exports them; None when it exports neither of the
+    first two (it runs no decider)."""
     names = {name for name, _ in samples}
     counts: dict[str, int] = {}
-    for key in ("checked", "accurate"):
-        found = [n for n in (f"kvpush_bypass_{key}_total", f"kvpush_bypass_{key}") if n in names]
-        if not found:
+    for key, metric in (*((k, k) for k in ("checked", "accurate")), *_CACHED):
+        found = [n for n in (f"kvpush_bypass_{metric}_total", f"kvpush_bypass_{metric}") if n in names]
+        if found:
+            counts[key] = int(promtext.total(samples, found[0]))
+        elif key in ("checked", "accurate"):
             return None
-        counts[key] = int(promtext.total(samples, found[0]))
     return counts
+
+
+_CACHED = (("predicted_cached", "predicted_cached_tokens"), ("actual_cached", "actual_cached_tokens"))
 
 
 def _row(
@@ -513,6 +525,7 @@ def _row(
         "records": _relative(where / "requests.jsonl"),  # RequestRecord lines (CDF plots)
         "turn_records": _relative(where / "turns.jsonl"),  # + session, turn, answer
         "routes": ran.routes,
+        "bypass_by_replica": ran.by_replica,
         "bypass_accuracy": ran.accuracy,
         **figures,
         **(ran.events or {}),

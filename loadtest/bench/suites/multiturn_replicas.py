@@ -9,7 +9,9 @@ suite runs, side by side on the same sessions:
   replica (loadtest/multiturn.py `turn_target`), so no replica saw the turn before;
 - `kvpush-decider` (unless `events_off_row=false`): one router on its own request-learned index, events off.
 
-Per front, summed over its replicas: bypass-prediction accuracy and routes (as every kvpush front), the routers'
+Per replica: the turns it served and how many it bypassed, first turns apart (`replica_routes`: issue 40's
+bypass rate per replica against one router's on the same plan). Per front, summed over its replicas:
+bypass-prediction accuracy and routes (as every kvpush front), the routers'
 CPU seconds (their process groups, /proc), and what their subscribers consumed (kvpush_kv_events_frames and
 _sequence: messages, events, lag of each live batch from the engine's stamp, batches later than 1 s, gaps,
 holes). After an events front's run, a decode's prefix cache is reset and the time until every replica's view
@@ -107,6 +109,33 @@ def figures(before: Readings, after: Readings, duration_s: float, turns: int, re
         "events_per_s_per_replica": round(grew.get("frames.events", 0.0) / per / duration_s, 1),
         "messages_per_s_per_replica": round(grew.get("frames.messages", 0.0) / per / duration_s, 1),
     }
+    return out
+
+
+def replica_routes(base: str, prefix: str) -> dict[str, int]:
+    """One replica's turns of the run (request ids starting with `prefix`) from its /debug/timings."""
+    try:
+        records = httpx.get(f"{base}/debug/timings", timeout=30).raise_for_status().json()["requests"]
+    except (httpx.HTTPError, KeyError, ValueError) as error:
+        print(f"multiturn: no routes from {base}: {error}")
+        return {}
+    return count_routes(records, prefix)
+
+
+def count_routes(records: Sequence[Mapping[str, Any]], prefix: str) -> dict[str, int]:
+    """{"turns", "bypass", "first_turns", "first_bypass"} over the records whose request id starts with
+    `prefix`; a first turn's id ends in `-t1` (loadtest/multiturn.py names turns `<session>-t<n>`)."""
+    out = dict.fromkeys(("turns", "bypass", "first_turns", "first_bypass"), 0)
+    for record in records:
+        rid = str(record.get("request_id", ""))
+        if not rid.startswith(prefix):
+            continue
+        bypass = record.get("mode") == "bypass"
+        first = rid.endswith("-t1")
+        out["turns"] += 1
+        out["bypass"] += bypass
+        out["first_turns"] += first
+        out["first_bypass"] += bypass and first
     return out
 
 

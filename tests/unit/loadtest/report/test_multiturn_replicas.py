@@ -107,3 +107,32 @@ def test_the_overhead_suites_events_on_off_cpu_is_paired_by_repeat() -> None:
     lines = report.overhead_cpu(rows)
     assert "run O1" in lines[1] and lines[-1] == "- concurrency 64: 1.12 (per repeat: 1.04, 1.20; not met)"
     assert report.overhead_cpu([over("off", 1, 0, 1.0)]) == []
+
+
+def routes(turns: int, bypass: int, first: int = 2, first_bypass: int = 0) -> dict[str, int]:
+    return {"turns": turns, "bypass": bypass, "first_turns": first, "first_bypass": first_bypass}
+
+
+def test_issue_40_judges_each_replicas_bypass_rate_against_one_routers_and_the_predictions() -> None:
+    exact = {"checked": 9, "accurate": 9, "predicted_cached": 900, "actual_cached": 900}
+    one = row(report.EVENTS, 0, 0.9, 2.0, bypass_by_replica=[routes(12, 9)], bypass_accuracy=exact)
+    off = {**exact, "actual_cached": 880}
+    many = row(report.REPLICAS, 0, 0.9, 2.0, bypass_by_replica=[routes(6, 5, 1, 1), routes(6, 4)], bypass_accuracy=off)
+    lines = report.exact_lines([one, many])
+    assert lines[0].startswith("- repeat 0: bypassed turns per replica 5 of 6; first turns 1 of 1, 4 of 6;")
+    assert "lowest 0.89x (target >= 0.95: not met), spread 16.7 points (target <= 5: not met)" in lines[0]
+    assert "predicted 900 cached tokens, decode reported 900 (equal;" in lines[1]
+    assert "decode reported 880 (differ by +20;" in lines[2]
+    even = row(report.REPLICAS, 0, 0.9, 2.0, bypass_by_replica=[routes(6, 5), routes(6, 5)], bypass_accuracy=exact)
+    good = report.exact_lines([row(report.EVENTS, 0, 0.9, 2.0, bypass_by_replica=[routes(12, 10)]), even])
+    assert "lowest 1.00x (target >= 0.95: met), spread 0.0 points (target <= 5: met)" in good[0]
+    assert good[1].endswith("predicted cached tokens not read")
+    assert report.exact_lines([row(report.EVENTS, 0, 0.9, 2.0), row(report.REPLICAS, 0, 0.9, 2.0)]) == []
+
+
+def test_the_reproduce_line_names_issue_40s_fields_when_set() -> None:
+    plan = {"replicas": 2, "sessions": 6, "api": "both", "burst": 3, "system_shared": True, "events_off_row": False}
+    line = report.reproduce({**plan, "system_tokens": 1000})
+    assert "--set api=both --set burst=3 --set system_tokens=1000 --set system_shared=true" in line
+    assert "--set events_off_row=false" in line
+    assert "api=" not in report.reproduce({"replicas": 2, "api": "chat"})

@@ -26,7 +26,7 @@ kvpush_decider_sessions 3.0
 
 
 def test_the_counters_are_read_with_or_without_the_total_suffix() -> None:
-    assert suite.bypass_accuracy(promtext.parse(METRICS)) == {"checked": 20, "accurate": 19}
+    assert suite.bypass_accuracy(promtext.parse(METRICS)) == {"checked": 20, "accurate": 19, "predicted_cached": 4000}
     bare = "kvpush_bypass_checked 4\nkvpush_bypass_accurate 1\n"
     assert suite.bypass_accuracy(promtext.parse(bare)) == {"checked": 4, "accurate": 1}
 
@@ -87,3 +87,16 @@ def test_on_a_link_the_decider_gets_the_bypass_threshold_the_link_derives_unless
     assert f"bypass_max_uncached_tokens: {derived:g}" in suite.decider_yaml(suite.on_link(plan, link))
     by_hand = replace(plan, decider_options=((bypass.OPTION, 512.0),))
     assert suite.on_link(by_hand, link).decider_options == ((bypass.OPTION, 512.0),)
+
+
+def test_the_predicted_and_reported_cached_tokens_are_read_with_the_counts() -> None:
+    text = METRICS + "kvpush_bypass_actual_cached_tokens_total 3968.0\n"
+    found = suite.bypass_accuracy(promtext.parse(text))
+    assert found == {"checked": 20, "accurate": 19, "predicted_cached": 4000, "actual_cached": 3968}
+
+
+def test_issue_40s_plan_fields_reach_the_sessions() -> None:
+    plan = suite.MultiTurnPlan(sessions=4, session_rate=1.0, api="both", burst=2, replicas=2)
+    sessions = multiturn.plan_sessions(plan.shape())
+    assert [s.api for s in sessions] == ["chat", "completions"] * 2
+    assert sessions[0].start_s == sessions[1].start_s != sessions[2].start_s == sessions[3].start_s

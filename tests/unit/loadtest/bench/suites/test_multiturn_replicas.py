@@ -68,3 +68,15 @@ def test_a_router_that_consumed_nothing_has_no_event_figures() -> None:
         "router_cpu_s": 0.2,
         "router_cpu_ms_per_turn": None,
     }
+
+
+def test_each_replicas_turns_and_bypasses_are_counted_first_turns_apart() -> None:
+    records = [
+        {"request_id": "mt-1-0000-t1", "mode": "push"},
+        {"request_id": "mt-1-0001-t1", "mode": "bypass"},
+        {"request_id": "mt-1-0000-t2", "mode": "bypass"},
+        {"request_id": "mt-1-0000-t10", "mode": "push"},
+        {"request_id": "mt-1001-0000-t2", "mode": "bypass"},  # a warmup session: another prefix
+    ]
+    found = replicas.count_routes(records, "mt-1-")
+    assert found == {"turns": 4, "bypass": 2, "first_turns": 2, "first_bypass": 1}
