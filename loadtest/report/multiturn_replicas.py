@@ -96,10 +96,18 @@ def overhead_cpu(rows: Sequence[Row]) -> list[str]:
 
 def reproduce(plan: Mapping[str, Any]) -> str:
     """The command that runs this plan again (the fields a replicas run usually sets)."""
-    keys = ("replicas", "sessions", "session_rate", "turns_min", "turns_max", "repeats", "warmup_sessions", "connector")
-    more = ("api", "burst", "system_tokens", "system_shared", "events_off_row")  # issue 40's plan: when not default
+    usual = (
+        "replicas",
+        "sessions",
+        "session_rate",
+        "turns_min",
+        "turns_max",
+        "repeats",
+        "warmup_sessions",
+        "connector",
+    )
     unset = {"api": "chat", "burst": 1, "system_tokens": 0, "system_shared": False, "events_off_row": True}
-    keys += tuple(k for k in more if k in plan and plan[k] != unset[k])
+    keys = [*usual, *(k for k, v in unset.items() if k in plan and plan[k] != v)]  # issue 40's plan: when set
     sets = " ".join(
         f"--set {k}={str(plan[k]).lower() if isinstance(plan[k], bool) else plan[k]}" for k in keys if k in plan
     )
