@@ -55,6 +55,8 @@ PREEMPT_SHAPE = BedShape(
     ),
     routed=(1,),
 )
+# The rank bed (issue 42 item 1): p0 a TP=2 prefill (the router is told its size), p1 a plain one, both routed.
+TP_SHAPE = BedShape("faults-tp", (("--tensor-parallel-size", "2"), ()))
 
 
 @dataclass

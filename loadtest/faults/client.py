@@ -56,16 +56,23 @@ def body(max_tokens: int = 16, stream: bool = True, words: int = 40) -> dict[str
 
 
 def request(url: str, payload: dict[str, Any], timeout: float = GUARD) -> Result:
-    """One request; a stream is read to its end. Never raises for a network failure: that is an outcome."""
+    """One request; a stream is read to its end. Never raises for a network failure: that is an outcome (no answer
+    before a status; after one, a cut answer with what had come: `200 cut` for a stream cut without an error)."""
+    status: int | None = None
+    content = b""
     try:
         with (
             httpx.Client(timeout=timeout) as client,
             client.stream("POST", f"{url}/v1/completions", json=payload) as response,
         ):
-            content = response.read()
             status = response.status_code
+            for piece in response.iter_bytes():
+                content += piece
     except httpx.HTTPError:
-        return Result(None, False, None, time.monotonic())
+        if status is None:
+            return Result(None, False, None, time.monotonic())
+        judged = _judge(status, content, bool(payload.get("stream")))
+        return Result(judged.status, False, judged.error, judged.t_end)
     return _judge(status, content, bool(payload.get("stream")))
 
 

@@ -17,7 +17,9 @@ from typing import Any
 
 import httpx
 
-from loadtest.faults.bed import KV_TIMEOUT_S, PREEMPT_SHAPE, REPO, Bed, BedShape, standin_bed, vllm_bed
+from loadtest.faults.bed import KV_TIMEOUT_S, PREEMPT_SHAPE, REPO, TP_SHAPE, Bed, BedShape, standin_bed, vllm_bed
+from loadtest.faults.ranks import RANKS
+from loadtest.faults.residual import RESIDUAL
 from loadtest.faults.rows import FaultRow, selected
 from loadtest.faults.scenarios import SCENARIOS, FaultOutcome
 from loadtest.faults.sustained import SUSTAINED
@@ -29,8 +31,9 @@ OUT = REPO / "bench" / "faults"
 # never-reading prefill, a short prefill deadline (the default 300 s would make the row take 5 minutes).
 VLLM_CONFIG: dict[str, Any] = {"max_in_flight": 8, "admission_queue": 8, "admission_wait": 2.0}
 STANDIN_CONFIG: dict[str, dict[str, Any]] = {"never-read": {"timeouts": {"prefill": 5.0}}}
-# The vLLM beds, in the order they run: the plain one, then the preemption bed (a chunked prefill, a small cache).
-VLLM_SHAPES: dict[str, BedShape] = {"vllm": BedShape(), "vllm-preempt": PREEMPT_SHAPE}
+# The vLLM beds, in the order they run: the plain one, the preemption bed (a chunked prefill, a small cache), the
+# rank bed (a TP=2 prefill).
+VLLM_SHAPES: dict[str, BedShape] = {"vllm": BedShape(), "vllm-preempt": PREEMPT_SHAPE, "vllm-tp": TP_SHAPE}
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,7 @@ def observe(bed: Bed, timeout: float = SETTLE_S) -> After:
 def run_row(bed: Bed, row: FaultRow) -> RowResult:
     logger.info("fault row: %s", row.name)
     try:
-        outcome = {**SCENARIOS, **SUSTAINED}[row.fault](bed, row)
+        outcome = {**SCENARIOS, **SUSTAINED, **RANKS, **RESIDUAL}[row.fault](bed, row)
     except Exception as exc:  # a row that breaks is a result, and the rest still run
         logger.exception("fault row %s failed to run", row.name)
         outcome = FaultOutcome(f"row failed to run: {type(exc).__name__}: {exc}", False, float("inf"))

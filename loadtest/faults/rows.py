@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Bed = Literal["vllm", "vllm-preempt", "standin"]
+Bed = Literal["vllm", "vllm-preempt", "vllm-tp", "standin"]
 Target = Literal["prefill", "decode", "client", "router"]
 
 
@@ -95,6 +95,24 @@ ROWS: tuple[FaultRow, ...] = (
         120.0,  # the router's default decode first-byte deadline: the longest one request may take
         "a chunked prefill in a 16-block KV cache, 4 clients of ten-block prompts for 40 s: vLLM preempts legs"
         " after partial WRITEs",
+        short=False,
+    ),
+    FaultRow(
+        "prefill hung mid-push",
+        "prefill",
+        "hung-mid-push",
+        "vllm-preempt",
+        5.0,  # the router gives up on the hung prefill within seconds; decode's hold is the "settled" side
+        "SIGSTOP on the only prefill after its first partial WRITE, kept stopped until decode frees the blocks",
+        short=False,
+    ),
+    FaultRow(
+        "prefill TP rank killed",
+        "prefill",
+        "tp-rank-kill",
+        "vllm-tp",
+        10.0,
+        "SIGKILL on rank 1 of a TP=2 prefill (one of two prefills) while its legs' WRITEs are in flight",
         short=False,
     ),
 )

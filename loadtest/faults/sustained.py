@@ -151,9 +151,9 @@ def _engines_idle(bed: Bed, since: float, timeout: float = 150.0) -> float:
 
 
 def judge_replica(victims: list[client.Result], survivors: list[client.Result], t_fault: float) -> FaultOutcome:
-    """Pure: every client of the killed replica ended (a cut stream or no answer: there is nobody left to send
-    an error), every client of the survivor was served in full."""
-    cut = all(r.status is None or (r.status == 200 and not r.complete) for r in victims)
+    """Pure: every client of the killed replica saw its stream cut (there is nobody left to send an error; a
+    client without an answer means the kill came before the streams did), every survivor's was served in full."""
+    cut = all(r.status == 200 and not r.complete for r in victims)
     served = sum(1 for r in survivors if r.status == 200 and r.complete)
     ok = cut and served == len(survivors) and bool(victims)
     summary = (
@@ -171,9 +171,10 @@ def replica_kill(bed: Bed, row: FaultRow) -> FaultOutcome:
     prefills = [w.router_arg for w in bed.prefills]
     victim = start_router(prefills, [w.router_arg for w in bed.decodes], bed.router.config, bed.started)
     try:
-        streams = lambda: client.body(max_tokens=200, words=60)  # noqa: E731
-        victims = _clients(victim.url, 3, streams)
-        survivors = _clients(bed.router.url, 3, streams)
+        # The victim's streams would run long after the survivor's load (1200 tokens): once that load is over,
+        # engines idle means they let go of the dead replica's legs, not that those legs ran out.
+        victims = _clients(victim.url, 3, lambda: client.body(max_tokens=1200, words=60))
+        survivors = _clients(bed.router.url, 3, lambda: client.body(max_tokens=200, words=60))
         load: list[Future[client.Result]] = []
         with ThreadPoolExecutor(1) as side:
             steady = side.submit(_steady, bed.router.url, REPLICA_RATE, REPLICA_LOAD_S, client.body)

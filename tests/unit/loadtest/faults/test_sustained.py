@@ -41,7 +41,7 @@ def result(status: int | None, complete: bool, t_end: float = 5.0) -> client.Res
 
 
 def test_the_victims_clients_see_a_cut_and_the_survivors_are_served() -> None:
-    outcome = judge_replica([result(200, False, 4.5), result(None, False, 4.2)], [result(200, True)] * 5, 4.0)
+    outcome = judge_replica([result(200, False, 4.5), result(200, False, 4.2)], [result(200, True)] * 5, 4.0)
     assert outcome.acceptable and outcome.fault_to_outcome_s == 0.5
     assert "served 5 of 5" in outcome.note
 
@@ -53,4 +53,9 @@ def test_a_survivor_client_that_failed_makes_the_row_unclean() -> None:
 
 def test_a_victim_client_that_was_served_in_full_means_the_kill_came_too_late() -> None:
     outcome = judge_replica([result(200, True)], [result(200, True)], 4.0)
+    assert not outcome.acceptable
+
+
+def test_a_victim_client_without_an_answer_means_the_kill_came_before_the_streams() -> None:
+    outcome = judge_replica([result(None, False)], [result(200, True)], 4.0)
     assert not outcome.acceptable
