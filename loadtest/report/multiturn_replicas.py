@@ -27,6 +27,8 @@ from typing import Any
 from loadtest.report import multiturn
 
 EVENTS, REPLICAS, EVENTS_OFF = "kvpush-decider-events", "kvpush-decider-replicas", "kvpush-decider"
+PEER, PEER_REPLICAS = "vllm-router-kv", "vllm-router-kv-replicas"
+LOOPBACK_TTFT_TARGET = 1.0
 HIT_TARGET = 0.9
 RATE_TARGET, SPREAD_POINTS = 0.95, 5.0
 CPU_TARGET = 1.1
@@ -205,7 +207,27 @@ def exact_lines(rows: Sequence[Row]) -> list[str]:
             f" {SPREAD_POINTS:.0f}: {'met' if spread <= SPREAD_POINTS else 'not met'})"
         )
         out += [_predicted(front, mine[front]) for front in (EVENTS, REPLICAS)]
+        out += _peer(mine)
     return out
+
+
+def _p50(row: Row | None) -> float | None:
+    found = ((row or {}).get("ttft_ms_turn2plus") or {}).get("p50")
+    return float(found) if found is not None else None
+
+
+def _peer(mine: Mapping[str, Row]) -> list[str]:
+    """Turns >= 2 TTFT p50, kvpush's replicas against vllm-router kv_aware's replicas (loopback: <= 1.0x)."""
+    ours, theirs = _p50(mine.get(REPLICAS)), _p50(mine.get(PEER_REPLICAS))
+    if theirs is None:
+        return []
+    one = _p50(mine.get(PEER))
+    line = f"  - vllm-router kv_aware turns >= 2 TTFT p50: {theirs:.1f} ms behind the replicas, {one} ms behind one"
+    if ours is None or not theirs:
+        return [line]
+    ratio = ours / theirs
+    verdict = "met" if ratio <= LOOPBACK_TTFT_TARGET else "not met"
+    return [f"{line}; kvpush's replicas {ours:.1f} ms: {ratio:.2f}x (loopback target <= 1.0: {verdict})"]
 
 
 def _shown(counts: Mapping[str, int]) -> str:

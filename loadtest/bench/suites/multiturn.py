@@ -92,6 +92,7 @@ class MultiTurnPlan:
     # it decides on the prompts' exact token ids (issue 40; docs/multi-turn.md, "The exact path")
     api: str = "chat"  # "chat" | "completions" | "both" (even sessions chat, odd ones completions)
     burst: int = 1  # sessions arrive in groups of this many at once
+    peer_kv_aware: bool = False  # with replicas: vllm-router's kv_aware on one and on `replicas` routers too
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -110,7 +111,9 @@ class MultiTurnPlan:
     @property
     def fronts(self) -> tuple[str, ...]:
         """The fronts in the order of even repeats; the first is the answers' reference."""
-        return replicas_mod.fronts(self.replicas, self.events_off_row) if self.replicas > 1 else FRONTS
+        if self.replicas < 2:
+            return FRONTS
+        return replicas_mod.fronts(self.replicas, self.events_off_row, self.peer_kv_aware)
 
     def shape(self, repeat: int = 0) -> multiturn.SessionShape:
         return multiturn.SessionShape(
@@ -266,13 +269,15 @@ class _Front:
 
     @property
     def kvpush(self) -> bool:
-        return self.name != "vllm-router"
+        return not self.name.startswith("vllm-router")
 
 
 def _start_front(
     front: str, plan: MultiTurnPlan, fleet: Fleet, p: Engine, decodes: list[str], logs: Path, run_dir: Path, model: Path
 ) -> _Front | None:
     prefill = p.engine_spec.prefill_arg()
+    if front in (replicas_mod.PEER, replicas_mod.PEER_REPLICAS):
+        return _start_peer(front, plan, fleet, p, decodes, logs)
     if front == "vllm-router":
         binary = vrouter_binary()
         if binary is None:
@@ -297,6 +302,27 @@ def _start_front(
         bases.append(url(port))
         pids += [proc.pid] if proc.pid else []
     return _Front(front, tuple(bases), tuple(pids))
+
+
+def _start_peer(
+    front: str, plan: MultiTurnPlan, fleet: Fleet, p: Engine, decodes: list[str], logs: Path
+) -> _Front | None:
+    """vllm-router's kv_aware routers (multiturn_replicas.vrouter_kv_argv), `replicas_of` of them."""
+    binary = vrouter_binary()
+    if binary is None:
+        print(f"multiturn: vllm-router not found (.venv-vrouter); {front} is skipped")
+        return None
+    bases = []
+    for i in range(replicas_mod.replicas_of(front, plan.replicas)):
+        port = free_port()
+        argv = replicas_mod.vrouter_kv_argv(binary, p.url, decodes, port, free_port(), block_size(p.url) or 16)
+        log = logs / f"{front}-{i}.log"
+        proc = fleet.start(
+            ManagedProcess(ProcessSpec(f"{front}-{i}", tuple(argv), _env(), log, f"{url(port)}/health", REPO))
+        )
+        proc.wait_healthy(timeout=120.0)
+        bases.append(url(port))
+    return _Front(front, tuple(bases))
 
 
 def run(plan: MultiTurnPlan, run_dir: Path, summary: Path, progress: bool, run_id: str) -> list[dict[str, Any]]:
@@ -533,7 +559,7 @@ def _row(
     }
     labels = RowLabels(
         plan.suite,
-        "vllm-router" if front == "vllm-router" else "kvpush",
+        "vllm-router" if front.startswith("vllm-router") else "kvpush",
         "push",
         plan.connector,
         plan.session_rate,

@@ -7,7 +7,11 @@ suite runs, side by side on the same sessions:
 - `kvpush-decider-events`: one router, the session-affinity decider judging decode by the engines' events;
 - `kvpush-decider-replicas`: `replicas` routers configured alike, each turn of a conversation sent to the next
   replica (loadtest/multiturn.py `turn_target`), so no replica saw the turn before;
-- `kvpush-decider` (unless `events_off_row=false`): one router on its own request-learned index, events off.
+- `kvpush-decider` (unless `events_off_row=false`): one router on its own request-learned index, events off;
+- with `peer_kv_aware` (issue 40's peer row): vllm-router 0.1.17's own KV-event routing (`--policy kv_aware`, the
+  decodes' and the prefill's events, session affinity TTL) behind one router (`vllm-router-kv`) and behind
+  `replicas` routers taking the turns in turn (`vllm-router-kv-replicas`): both legs always, on the workers
+  holding the prefix (`vrouter_kv_argv`).
 
 Per replica: the turns it served and how many it bypassed, first turns apart (`replica_routes`: issue 40's
 bypass rate per replica against one router's on the same plan). Per front, summed over its replicas:
@@ -37,16 +41,17 @@ from stack.engines import KV_EVENT_OFFSETS, Engine
 EVENTS = "kvpush-decider-events"
 REPLICAS = "kvpush-decider-replicas"
 EVENTS_OFF = "kvpush-decider"
+PEER, PEER_REPLICAS = "vllm-router-kv", "vllm-router-kv-replicas"
 # the frames and sequence counters a run reads (kvpush_kv_events_frames{kind}, kvpush_kv_events_sequence{kind})
 FRAME_KINDS = ("messages", "batches", "events", "timed", "lag_us_total", "late", "malformed", "oversized")
 SEQUENCE_KINDS = ("gaps", "holes", "replays", "restarts")
 
 
-def fronts(replicas: int, events_off_row: bool) -> tuple[str, ...]:
+def fronts(replicas: int, events_off_row: bool, peer: bool = False) -> tuple[str, ...]:
     """The fronts of a replicas run, the answers' reference first."""
     if replicas < 2:
         raise ValueError("the KV-event fronts need replicas >= 2")
-    return (EVENTS, REPLICAS, EVENTS_OFF) if events_off_row else (EVENTS, REPLICAS)
+    return (EVENTS, REPLICAS, *((EVENTS_OFF,) if events_off_row else ()), *((PEER, PEER_REPLICAS) if peer else ()))
 
 
 def uses_events(front: str) -> bool:
@@ -54,7 +59,31 @@ def uses_events(front: str) -> bool:
 
 
 def replicas_of(front: str, replicas: int) -> int:
-    return replicas if front == REPLICAS else 1
+    return replicas if front in (REPLICAS, PEER_REPLICAS) else 1
+
+
+def vrouter_kv_argv(
+    binary: str, prefill: str, decodes: Sequence[str], port: int, prom: int, block: int, ttl_s: int = 300
+) -> list[str]:
+    """vllm-router 0.1.17 in P/D mode with `kv_aware` on both pools, fed every engine's KV events (the engines
+    publish at their HTTP port + KV_EVENT_OFFSETS, replay one offset further) and session affinity on decode."""
+    offset, replay = KV_EVENT_OFFSETS
+
+    def at(url: str, plus: int) -> str:
+        host, _, engine_port = url.removeprefix("http://").rpartition(":")
+        return f"tcp://{host}:{int(engine_port) + plus}"
+
+    argv = [binary, "--vllm-pd-disaggregation", "--prefill", prefill]
+    for d in decodes:
+        argv += ["--decode", d]
+    argv += ["--kv-connector", "nixl", "--host", "127.0.0.1", "--port", str(port), "--policy", "kv_aware"]
+    argv += ["--pd-kv-events", f"{prefill}={at(prefill, offset)}"]
+    for d in decodes:
+        argv += ["--kv-event-source", f"{d}={at(d, offset)}", "--kv-event-replay-source", f"{d}={at(d, replay)}"]
+    argv += ["--kv-event-block-size", str(block), "--kv-event-model", "tiny"]
+    argv += ["--kv-aware-session-affinity-ttl-secs", str(ttl_s)]
+    argv += ["--worker-startup-check-interval", "1", "--prometheus-port", str(prom), "--log-level", "warning"]
+    return argv
 
 
 def kv_events_yaml() -> str:

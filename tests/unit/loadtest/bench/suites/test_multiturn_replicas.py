@@ -3,6 +3,8 @@ from the routers' /metrics (issue 24)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from loadtest import promtext
@@ -80,3 +82,18 @@ def test_each_replicas_turns_and_bypasses_are_counted_first_turns_apart() -> Non
     ]
     found = replicas.count_routes(records, "mt-1-")
     assert found == {"turns": 4, "bypass": 2, "first_turns": 2, "first_bypass": 1}
+
+
+def test_the_peer_row_is_vllm_routers_kv_aware_fed_every_engines_events() -> None:
+    plan = suite.MultiTurnPlan(sessions=2, session_rate=1.0, replicas=2, events_off_row=False, peer_kv_aware=True)
+    assert plan.fronts == (replicas.EVENTS, replicas.REPLICAS, replicas.PEER, replicas.PEER_REPLICAS)
+    assert replicas.replicas_of(replicas.PEER_REPLICAS, 3) == 3 and replicas.replicas_of(replicas.PEER, 3) == 1
+    decodes = ["http://127.0.0.1:8101", "http://127.0.0.1:8102"]
+    argv = replicas.vrouter_kv_argv("vr", "http://127.0.0.1:8100", decodes, 9000, 9001, 16)
+    pairs = list(itertools.pairwise(argv))
+    offset, replay = KV_EVENT_OFFSETS
+    assert ("--policy", "kv_aware") in pairs and ("--port", "9000") in pairs
+    assert ("--pd-kv-events", f"http://127.0.0.1:8100=tcp://127.0.0.1:{8100 + offset}") in pairs
+    assert ("--kv-event-source", f"http://127.0.0.1:8102=tcp://127.0.0.1:{8102 + offset}") in pairs
+    assert ("--kv-event-replay-source", f"http://127.0.0.1:8101=tcp://127.0.0.1:{8101 + replay}") in pairs
+    assert ("--kv-event-block-size", "16") in pairs and ("--kv-aware-session-affinity-ttl-secs", "300") in pairs
