@@ -174,44 +174,81 @@ def run_descriptors(
     """The ``(address, length, device id)`` rows of a WRITE of ``local_blocks`` into ``remote_blocks``, both
     sides, row ``i`` of one side paired with row ``i`` of the other.
 
-    Order is NIXL's index order (region-major, then part, then block pairs in request order), and rows contiguous
-    on both sides are merged: a run of whole blocks (``block_runs``) is one row per region; a head slice
-    (``parts``, ``connector.topology``) narrower than its block is not contiguous with the next block's, so
-    sliced blocks stay one row each; adjacent rows that happen to touch on both sides (a run ending a region that
-    continues into the next) merge too, as NIXL merges them. ``regions``: only regions ``[lo, hi)`` (one per
-    layer: a layer window of layer-wise push); None: all."""
+    Order is NIXL's index order (region-major, then part, then block pairs in request order). A run of whole
+    blocks (``block_runs``) is one row per region; a head slice (``parts``, ``connector.topology``) narrower than
+    its block is not contiguous with the next block's, so sliced blocks stay one row each. Rows are what NIXL 1.5
+    posts for the per-block index list: it merges entries contiguous on both sides within one prepared region,
+    not across regions even where they touch (``tests/integration/connector/test_nixl_runs.py``). ``regions``:
+    only regions ``[lo, hi)`` (one per layer: a layer window of layer-wise push); None: all."""
     lb = np.asarray(local_blocks, dtype=np.int64).reshape(-1)
     rb = np.asarray(remote_blocks, dtype=np.int64).reshape(-1)
     _check_ids(local, lb)
     _check_ids(remote, rb)
-    runs = block_runs(lb, rb)
-    ones = np.ones(lb.size, dtype=np.int64)
-    pairs = list(zip(local.regions, remote.regions, strict=True))[slice(*(regions or (None, None)))]
-    cols: list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]] = []
-    for lr, rr in pairs:
-        for src, dst, length in parts or ((0, 0, lr.block_len),):
-            whole = length == lr.block_len == rr.block_len
-            ls, rs, n = runs if whole else (lb, rb, ones)
-            cols.append((lr.base + src + ls * lr.block_len, rr.base + dst + rs * rr.block_len, n * length))
-    if not cols or lb.size == 0:
-        empty = np.empty((0, 3), dtype=np.uint64)
-        return empty, empty.copy()
-    la, ra, ln = (np.concatenate(c) for c in zip(*cols, strict=True))
-    return _merged(la, ra, ln, local.device_id, remote.device_id)
-
-
-def _merged(
-    la: npt.NDArray[np.int64], ra: npt.NDArray[np.int64], ln: npt.NDArray[np.int64], local_dev: int, remote_dev: int
-) -> tuple[DescArray, DescArray]:
-    """Rows contiguous with the previous row on both sides folded into it."""
-    ends_l, ends_r = la[:-1] + ln[:-1], ra[:-1] + ln[:-1]
-    starts = np.concatenate(([0], np.flatnonzero((ends_l != la[1:]) | (ends_r != ra[1:])) + 1))
-    lengths = np.add.reduceat(ln, starts)
-    out_l, out_r = np.empty((starts.size, 3), dtype=np.uint64), np.empty((starts.size, 3), dtype=np.uint64)
-    out_l[:, 0], out_r[:, 0] = la[starts], ra[starts]
-    out_l[:, 1] = out_r[:, 1] = lengths
-    out_l[:, 2], out_r[:, 2] = local_dev, remote_dev
+    runs, blocks = block_runs(lb, rb), (lb, rb, np.ones(lb.size, dtype=np.int64))
+    segs = _segments(local, remote, parts, regions)
+    sizes = [runs[2].size if merge else lb.size for *_, merge in segs]
+    out_l, out_r = np.empty((sum(sizes), 3), dtype=np.uint64), np.empty((sum(sizes), 3), dtype=np.uint64)
+    out_l[:, 2], out_r[:, 2] = local.device_id, remote.device_id
+    if len({merge for *_, merge in segs}) == 1:  # every segment alike (the usual case): one broadcast
+        _fill(out_l, out_r, np.array([seg[:5] for seg in segs], dtype=np.int64), runs if segs[0][5] else blocks)
+        return out_l, out_r
+    row = 0
+    for seg, size in zip(segs, sizes, strict=True):
+        rows = slice(row, row + size)
+        _fill(out_l[rows], out_r[rows], np.array([seg[:5]], dtype=np.int64), runs if seg[5] else blocks)
+        row += size
     return out_l, out_r
+
+
+def posted_descriptors(
+    local: KVLayout,
+    remote: KVLayout,
+    local_blocks: Sequence[int],
+    remote_blocks: Sequence[int],
+    parts: Sequence[Part] | None = None,
+    regions: tuple[int, int] | None = None,
+) -> int:
+    """How many rows ``run_descriptors`` returns (the descriptors NIXL posts), without building them."""
+    runs = block_runs(local_blocks, remote_blocks)[2].size
+    return sum(runs if merge else len(local_blocks) for *_, merge in _segments(local, remote, parts, regions))
+
+
+RUNS_AS_LISTS_MIN_MEAN = 4  # blocks per run from which a per-request run list beats indexing (loadtest.micro)
+
+
+def runs_as_lists(num_runs: int, num_pairs: int) -> bool:
+    """Whether a WRITE of ``num_pairs`` block pairs in ``num_runs`` runs goes as a per-request list of its runs
+    (``run_descriptors``): building rows for long runs is cheaper than indexing every block and letting NIXL
+    merge them; for short runs NIXL's per-descriptor check of a new list costs more than the indexing."""
+    return num_runs > 0 and num_pairs >= RUNS_AS_LISTS_MIN_MEAN * num_runs
+
+
+Segment = tuple[int, int, int, int, int, bool]  # local base, remote base, local / remote block_len, length, merges
+
+
+def _segments(
+    local: KVLayout, remote: KVLayout, parts: Sequence[Part] | None, regions: tuple[int, int] | None
+) -> list[Segment]:
+    """One per (region, part) in index order; a part as long as the block on both sides merges runs."""
+    pairs = list(zip(local.regions, remote.regions, strict=True))[slice(*(regions or (None, None)))]
+    return [
+        (lr.base + src, rr.base + dst, lr.block_len, rr.block_len, length, length == lr.block_len == rr.block_len)
+        for lr, rr in pairs
+        for src, dst, length in parts or ((0, 0, lr.block_len),)
+    ]
+
+
+def _fill(out_l: DescArray, out_r: DescArray, segs: npt.NDArray[np.int64], ids: RunArrays) -> None:
+    """Rows of segments (``Segment`` columns 0-4) x pairs (``ids``: local, remote starts, lengths), in place."""
+    if out_l.size == 0:
+        return
+    ls, rs, n = ids
+    shape = (len(segs), ls.size)
+    for out, starts, base, block_len in ((out_l, ls, segs[:, 0], segs[:, 2]), (out_r, rs, segs[:, 1], segs[:, 3])):
+        addr = out.reshape(*shape, 3)[:, :, 0]  # a view: written in place, no temporary of the full size
+        np.multiply(starts[None, :], block_len[:, None], out=addr, casting="unsafe")
+        np.add(addr, base[:, None].astype(np.uint64), out=addr)
+        np.multiply(n[None, :], segs[:, 4, None], out=out.reshape(*shape, 3)[:, :, 1], casting="unsafe")
 
 
 def _check_ids(layout: KVLayout, ids: npt.NDArray[np.int64]) -> None:

@@ -10,6 +10,12 @@ model (``connector.options``): ``poll``, no NIXL progress thread, the owner thre
 ``poll_notices`` and ``write_state``; ``thread``, NIXL's progress thread made event-driven
 (``make_agent``). Descriptor lists are handed to NIXL in compact form (``layout.strided_descriptors``),
 and a peer loaded for notices only (decode's view of prefill) gets none.
+
+A WRITE posts one descriptor per run of blocks consecutive on P and on D, per region (``layout.block_runs``):
+with long runs (``layout.runs_as_lists``) as a per-request list of those rows (``layout.run_descriptors``,
+``initialize_xfer``); otherwise, and for TP head slices, by indexing the prepared per-block lists, where NIXL's
+``make_prepped_xfer`` merges index entries contiguous on both sides into the same rows.
+``WriteTicket.num_descriptors`` counts what is posted (``connector/README.md``, "Descriptors at scale").
 """
 
 from __future__ import annotations
@@ -24,8 +30,13 @@ import numpy as np
 import numpy.typing as npt
 
 from connector.layout import (
+    IndexArray,
+    block_runs,
     descriptor_indices,
     pair_blocks,
+    posted_descriptors,
+    run_descriptors,
+    runs_as_lists,
     sliced_layout,
     sliced_strided_descriptors,
     strided_descriptors,
@@ -48,7 +59,7 @@ class WriteTicket:
 
     handle: int
     num_bytes: int
-    num_descriptors: int
+    num_descriptors: int  # as posted: runs of blocks consecutive on both sides count once per region
 
 
 class TransferBackend(Protocol):
@@ -171,7 +182,6 @@ class NixlBackend:
         # never builds the N x 3 list, here nor per peer (64 layers x 60k blocks = 3.8 M rows).
         self._local_dlist = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", strided_descriptors(layout), layout.mem_type)
         self._peers: dict[str, _Peer] = {}
-        self._block_bytes = sum(r.block_len for r in layout.regions)
         self._handles: dict[int, Any] = {}
         self._next_handle = 0
 
@@ -251,21 +261,24 @@ class NixlBackend:
         if peer is None or peer.dlist is None:
             raise TransferError(f"WRITE to unknown or notices-only agent {agent_name!r}")
         local_blocks, remote_blocks = pair_blocks(local_blocks, remote_blocks)
-        local_layout, remote_layout, local_dlist = self._layout, peer.layout, self._local_dlist
-        block_bytes = self._block_bytes
-        if peer.slices is not None:
-            local_layout = sliced_layout(self._layout, [(s.src, s.length) for s in peer.slices])
-            remote_layout = sliced_layout(peer.layout, [(s.dst, s.length) for s in peer.slices])
-            local_dlist, block_bytes = peer.local_dlist, sum(r.block_len for r in local_layout.regions)
-        local_idx = descriptor_indices(local_layout, local_blocks)
-        remote_idx = descriptor_indices(remote_layout, remote_blocks)
-        if layers is not None:  # region-major: layer l's rows are a contiguous run (k rows per layer under slices)
-            k = len(local_layout.regions) // len(self._layout.regions)
-            lo, hi = layers[0] * k * len(local_blocks), layers[1] * k * len(local_blocks)
-            local_idx, remote_idx = local_idx[lo:hi], remote_idx[lo:hi]
-            block_bytes = sum(r.block_len for r in local_layout.regions[layers[0] * k : layers[1] * k])
+        parts = None if peer.slices is None else [(s.src, s.dst, s.length) for s in peer.slices]
+        as_lists = parts is None and runs_as_lists(block_runs(local_blocks, remote_blocks)[2].size, len(local_blocks))
+        if as_lists:  # long runs: a per-request list of one row per run and region
+            rows = run_descriptors(self._layout, peer.layout, local_blocks, remote_blocks, None, layers)
+            posted = len(rows[0])
+        else:  # short runs or head slices: the prepared per-block lists, indexed; NIXL merges what is contiguous
+            indices = self._indices(peer, local_blocks, remote_blocks, layers)
+            posted = posted_descriptors(self._layout, peer.layout, local_blocks, remote_blocks, parts, layers)
         try:
-            xfer = self._agent.make_prepped_xfer("WRITE", local_dlist, local_idx, peer.dlist, remote_idx, notice)
+            if as_lists:
+                local = self._agent.get_xfer_descs(rows[0], self._layout.mem_type)
+                remote = self._agent.get_xfer_descs(rows[1], peer.layout.mem_type)
+                xfer = self._agent.initialize_xfer("WRITE", local, remote, agent_name, notice)
+            else:
+                local_dlist = self._local_dlist if peer.slices is None else peer.local_dlist
+                xfer = self._agent.make_prepped_xfer(
+                    "WRITE", local_dlist, indices[0], peer.dlist, indices[1], notice, skip_desc_merge=False
+                )
             state = self._agent.transfer(xfer)
         except Exception as exc:
             raise TransferError(f"WRITE to {agent_name!r} could not be posted: {exc}") from exc
@@ -274,8 +287,25 @@ class NixlBackend:
             raise TransferError(f"WRITE to {agent_name!r} failed at post")
         self._next_handle += 1
         self._handles[self._next_handle] = xfer
-        num_bytes = block_bytes * len(local_blocks)
-        return WriteTicket(self._next_handle, num_bytes, len(local_idx))
+        regions = self._layout.regions[slice(*(layers or (None, None)))]
+        per_block = sum(n for r in regions for _, _, n in parts or ((0, 0, r.block_len),))
+        return WriteTicket(self._next_handle, per_block * len(local_blocks), posted)
+
+    def _indices(
+        self, peer: _Peer, local_blocks: tuple[int, ...], remote_blocks: tuple[int, ...], layers: tuple[int, int] | None
+    ) -> tuple[IndexArray, IndexArray]:
+        """Indices into the prepared lists (ours, the peer's; a TP leg's sliced lists), region-major."""
+        local_layout, remote_layout = self._layout, peer.layout
+        if peer.slices is not None:
+            local_layout = sliced_layout(self._layout, [(s.src, s.length) for s in peer.slices])
+            remote_layout = sliced_layout(peer.layout, [(s.dst, s.length) for s in peer.slices])
+        local_idx = descriptor_indices(local_layout, local_blocks)
+        remote_idx = descriptor_indices(remote_layout, remote_blocks)
+        if layers is not None:  # region-major: layer l's rows are a contiguous run (k rows per layer under slices)
+            k = len(local_layout.regions) // len(self._layout.regions)
+            lo, hi = layers[0] * k * len(local_blocks), layers[1] * k * len(local_blocks)
+            local_idx, remote_idx = local_idx[lo:hi], remote_idx[lo:hi]
+        return local_idx, remote_idx
 
     def write_state(self, handle: int) -> WriteState:
         state: WriteState = self._agent.check_xfer_state(self._handles[handle])

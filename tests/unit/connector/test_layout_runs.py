@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.layout import Part, block_runs, run_descriptors
+from connector.layout import Part, block_runs, posted_descriptors, run_descriptors, runs_as_lists
 from connector.metadata import KVLayout, Region
 
 
@@ -52,9 +52,12 @@ def test_a_layer_window_writes_only_its_regions() -> None:
     assert rows(run_descriptors(p, d, (1, 2), (4, 5), regions=(1, 2))) == [((1095, 20), (5125, 20))]
 
 
-def test_runs_that_continue_into_the_next_region_merge_as_nixl_merges_them() -> None:
+def test_runs_stay_apart_across_regions_that_touch_as_nixl_keeps_them() -> None:
     p, d = layout(1000, 10, 4, 2), layout(5000, 10, 4, 2)  # regions back to back on both sides
-    assert rows(run_descriptors(p, d, (0, 1, 2, 3), (0, 1, 2, 3))) == [((1000, 80), (5000, 80))]
+    assert rows(run_descriptors(p, d, (0, 1, 2, 3), (0, 1, 2, 3))) == [
+        ((1000, 40), (5000, 40)),
+        ((1040, 40), (5040, 40)),
+    ]
 
 
 def test_head_slices_narrower_than_the_block_stay_one_row_per_block() -> None:
@@ -142,5 +145,27 @@ def test_every_destination_byte_is_written_exactly_once_from_the_right_source(
             assert ra + k not in written, "a destination byte written twice"
             written[ra + k] = la + k
     assert written == by_definition(p, d, local, remote, parts, window)
-    if parts is None:  # whole blocks: at most one row per run per region
-        assert len(loc) <= len(block_runs(local, remote)[2]) * (window[1] - window[0])
+    assert posted_descriptors(p, d, local, remote, parts, window) == len(loc)
+    runs, p_len, d_len = len(block_runs(local, remote)[2]), p.regions[0].block_len, d.regions[0].block_len
+    per_region = sum(runs if n == p_len == d_len else len(local) for _, _, n in parts or ((0, 0, p_len),))
+    assert len(loc) == per_region * (window[1] - window[0]), "one row per run (sliced: per block) per part, region"
+
+
+def test_a_part_whole_in_some_regions_only_merges_there() -> None:
+    p = KVLayout("DRAM", 0, 16, (Region(1000, 10, 4), Region(2000, 20, 4)))
+    d = KVLayout("DRAM", 0, 16, (Region(5000, 10, 4), Region(6000, 20, 4)))
+    got = rows(run_descriptors(p, d, (1, 2), (2, 3), parts=((0, 0, 10),)))
+    assert got == [((1010, 20), (5020, 20)), ((2020, 10), (6040, 10)), ((2040, 10), (6060, 10))]
+    assert posted_descriptors(p, d, (1, 2), (2, 3), parts=((0, 0, 10),)) == 3
+
+
+def test_the_count_without_rows_equals_the_rows() -> None:
+    p, d = layout(1000, 10, 8, 3, gap=5), layout(5000, 10, 8, 3, gap=5)
+    for local, remote, window in [((1, 2, 3, 6), (4, 5, 6, 0), None), ((0, 2), (5, 7), (1, 3)), ((), (), None)]:
+        want = len(run_descriptors(p, d, local, remote, regions=window)[0])
+        assert posted_descriptors(p, d, local, remote, regions=window) == want
+
+
+def test_long_runs_go_as_per_request_lists_short_ones_indexed() -> None:
+    assert runs_as_lists(1, 1024) and runs_as_lists(10, 40)
+    assert not runs_as_lists(10, 39) and not runs_as_lists(1024, 1024) and not runs_as_lists(0, 0)
