@@ -28,6 +28,8 @@ from loadtest.report import multiturn
 
 EVENTS, REPLICAS, EVENTS_OFF = "kvpush-decider-events", "kvpush-decider-replicas", "kvpush-decider"
 PEER, PEER_REPLICAS = "vllm-router-kv", "vllm-router-kv-replicas"
+ESTIMATE = "kvpush-decider-estimate"
+TOKENIZER_CPU_TARGET = 1.3
 LOOPBACK_TTFT_TARGET = 1.0
 HIT_TARGET = 0.9
 RATE_TARGET, SPREAD_POINTS = 0.95, 5.0
@@ -172,6 +174,9 @@ def targets(rows: Sequence[Row]) -> list[str]:
         )
     )
     out += exact_lines(rows)
+    if any(r.get("front") == ESTIMATE for r in rows):
+        what = "router CPU per turn, tokenizer option on / off (one router, events on)"
+        out.append(_ratio_line(what, rows, EVENTS, ESTIMATE, "router_cpu_ms_per_turn", TOKENIZER_CPU_TARGET, False))
     out += [f"- {_consumed(front, r)}" for front in (EVENTS, REPLICAS) for r in rows if r.get("front") == front]
     out += [_stopped(found) for r in rows if (found := r.get("engine_stop_reflected"))]
     return out

@@ -93,6 +93,7 @@ class MultiTurnPlan:
     api: str = "chat"  # "chat" | "completions" | "both" (even sessions chat, odd ones completions)
     burst: int = 1  # sessions arrive in groups of this many at once
     peer_kv_aware: bool = False  # with replicas: vllm-router's kv_aware on one and on `replicas` routers too
+    estimate_row: bool = False  # with replicas: one events router without the tokenizer (CPU on / off)
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -113,7 +114,7 @@ class MultiTurnPlan:
         """The fronts in the order of even repeats; the first is the answers' reference."""
         if self.replicas < 2:
             return FRONTS
-        return replicas_mod.fronts(self.replicas, self.events_off_row, self.peer_kv_aware)
+        return replicas_mod.fronts(self.replicas, self.events_off_row, self.peer_kv_aware, self.estimate_row)
 
     def shape(self, repeat: int = 0) -> multiturn.SessionShape:
         return multiturn.SessionShape(
@@ -292,7 +293,7 @@ def _start_front(
         config = run_dir / f"multiturn-{front}.yaml"
         config.parent.mkdir(parents=True, exist_ok=True)
         events = replicas_mod.kv_events_yaml() if replicas_mod.uses_events(front) else ""
-        tokenizer = model if events and plan.answer_tokenizer else None
+        tokenizer = model if events and plan.answer_tokenizer and front != replicas_mod.ESTIMATE else None
         config.write_text(decider_yaml(plan, block_size(p.url), tokenizer) + events, encoding="utf-8")
     bases, pids = [], []
     for i in range(replicas_mod.replicas_of(front, plan.replicas)):
@@ -541,7 +542,9 @@ def _row(
         "decider": "session-affinity" if front.startswith("kvpush-decider") else None,
         "replicas": ran.replicas,
         "kv_events": replicas_mod.uses_events(front),
-        "answer_tokenizer": replicas_mod.uses_events(front) and plan.answer_tokenizer,
+        "answer_tokenizer": replicas_mod.uses_events(front)
+        and plan.answer_tokenizer
+        and front != replicas_mod.ESTIMATE,
         "model": plan.model_size,
         "plan": asdict(plan),
         "decode_prompt_tokens_by_source": sources,

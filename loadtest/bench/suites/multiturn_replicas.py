@@ -8,6 +8,8 @@ suite runs, side by side on the same sessions:
 - `kvpush-decider-replicas`: `replicas` routers configured alike, each turn of a conversation sent to the next
   replica (loadtest/multiturn.py `turn_target`), so no replica saw the turn before;
 - `kvpush-decider` (unless `events_off_row=false`): one router on its own request-learned index, events off;
+- with `estimate_row` (issue 40): `kvpush-decider-estimate`, one router with events on but no tokenizer (the
+  estimate path), for the router CPU per turn with the tokenizer option on (`kvpush-decider-events`) and off;
 - with `peer_kv_aware` (issue 40's peer row): vllm-router 0.1.17's own KV-event routing (`--policy kv_aware`, the
   decodes' and the prefill's events, session affinity TTL) behind one router (`vllm-router-kv`) and behind
   `replicas` routers taking the turns in turn (`vllm-router-kv-replicas`): both legs always, on the workers
@@ -42,20 +44,22 @@ EVENTS = "kvpush-decider-events"
 REPLICAS = "kvpush-decider-replicas"
 EVENTS_OFF = "kvpush-decider"
 PEER, PEER_REPLICAS = "vllm-router-kv", "vllm-router-kv-replicas"
+ESTIMATE = "kvpush-decider-estimate"
 # the frames and sequence counters a run reads (kvpush_kv_events_frames{kind}, kvpush_kv_events_sequence{kind})
 FRAME_KINDS = ("messages", "batches", "events", "timed", "lag_us_total", "late", "malformed", "oversized")
 SEQUENCE_KINDS = ("gaps", "holes", "replays", "restarts")
 
 
-def fronts(replicas: int, events_off_row: bool, peer: bool = False) -> tuple[str, ...]:
+def fronts(replicas: int, events_off_row: bool, peer: bool = False, estimate: bool = False) -> tuple[str, ...]:
     """The fronts of a replicas run, the answers' reference first."""
     if replicas < 2:
         raise ValueError("the KV-event fronts need replicas >= 2")
-    return (EVENTS, REPLICAS, *((EVENTS_OFF,) if events_off_row else ()), *((PEER, PEER_REPLICAS) if peer else ()))
+    more = ((EVENTS_OFF,) if events_off_row else ()) + ((ESTIMATE,) if estimate else ())
+    return (EVENTS, REPLICAS, *more, *((PEER, PEER_REPLICAS) if peer else ()))
 
 
 def uses_events(front: str) -> bool:
-    return front in (EVENTS, REPLICAS)
+    return front in (EVENTS, REPLICAS, ESTIMATE)
 
 
 def replicas_of(front: str, replicas: int) -> int:

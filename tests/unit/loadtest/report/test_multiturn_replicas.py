@@ -147,3 +147,13 @@ def test_the_peer_line_holds_kvpush_replicas_against_vllm_routers_kv_aware_repli
     last = report.exact_lines([one, many, *peers])[-1]
     assert "50.0 ms behind the replicas, 60.0 ms behind one" in last
     assert last.endswith("kvpush's replicas 40.0 ms: 0.80x (loopback target <= 1.0: met)")
+
+
+def test_the_tokenizers_cpu_is_judged_against_the_estimate_router_in_the_same_repeat() -> None:
+    rows = [row(report.EVENTS, 0, 0.9, 2.6), row(report.REPLICAS, 0, 0.9, 2.6), row(report.ESTIMATE, 0, 0.9, 2.0)]
+    line = [x for x in report.targets(rows) if "tokenizer option on / off" in x]
+    assert line == [
+        "- router CPU per turn, tokenizer option on / off (one router, events on): 1.30 (per repeat:"
+        " 1.30; target <= 1.3: met)"
+    ]
+    assert not [x for x in report.targets(rows[:2]) if "tokenizer option" in x]

@@ -97,3 +97,9 @@ def test_the_peer_row_is_vllm_routers_kv_aware_fed_every_engines_events() -> Non
     assert ("--kv-event-source", f"http://127.0.0.1:8102=tcp://127.0.0.1:{8102 + offset}") in pairs
     assert ("--kv-event-replay-source", f"http://127.0.0.1:8101=tcp://127.0.0.1:{8101 + replay}") in pairs
     assert ("--kv-event-block-size", "16") in pairs and ("--kv-aware-session-affinity-ttl-secs", "300") in pairs
+
+
+def test_the_estimate_row_follows_the_events_without_the_tokenizer() -> None:
+    plan = suite.MultiTurnPlan(sessions=2, session_rate=1.0, replicas=2, events_off_row=False, estimate_row=True)
+    assert plan.fronts == (replicas.EVENTS, replicas.REPLICAS, replicas.ESTIMATE)
+    assert replicas.uses_events(replicas.ESTIMATE) and replicas.replicas_of(replicas.ESTIMATE, 2) == 1
