@@ -129,3 +129,23 @@ def test_head_slices_of_consecutive_blocks_stay_one_descriptor_each(agents: tupl
     assert int(dst.sum()) == sum(
         int(src[layer * span + lb * BLOCK_LEN + half :][:half].sum()) for layer in range(LAYERS) for lb in local
     )
+
+
+def test_a_notice_rides_on_a_write_of_long_runs_and_arrives_after_its_data(agents: tuple[Any, Any, Any, Any]) -> None:
+    from connector.layout import block_runs, runs_as_lists
+
+    p, d, src, dst = agents
+    local, remote = tuple(range(0, 12)), tuple(range(4, 16))
+    assert runs_as_lists(block_runs(local, remote)[2].size, len(local)), "the per-request list way"
+    want = _expected(src, dst, local, remote, range(LAYERS), (0, BLOCK_LEN))
+    ticket = p.write(d.agent_name, local, remote, b"done")
+    assert ticket.num_descriptors == LAYERS and ticket.num_bytes == 12 * LAYERS * BLOCK_LEN
+    notices: list[tuple[str, bytes]] = []
+    end = time.monotonic() + 10
+    while not notices and time.monotonic() < end:
+        p.write_state(ticket.handle)
+        notices = d.poll_notices()
+        time.sleep(0.001)
+    assert notices == [(p.agent_name, b"done")]
+    assert bytes(dst) == bytes(want), "the notice arrived before its data"
+    assert p.release(ticket.handle)
