@@ -61,11 +61,17 @@ def _tokenizer(rows: Sequence[Row]) -> list[str]:
     """Whether the KV-event fronts' deciders had the model's tokenizer (rows of runs before it have no field)."""
     if not any(r.get("answer_tokenizer") for r in rows):
         return []
+    exact = any(r.get("bypass_by_replica") is not None for r in rows)  # runs since issue 40's exact path
+    how = (
+        " it decides on the prompts' exact token ids and the blocks the engines' KV events report"
+        ' (docs/multi-turn.md, "The exact path")'
+        if exact
+        else " before a bypass, a replica checks the previous answer, which the other replica relayed, against the"
+        " token ids the engine stored"
+    )
     return [
-        "The KV-event fronts' deciders have the model's tokenizer (option `tokenizer`): before a bypass, a replica"
-        " checks the previous answer, which the other replica relayed, against the token ids the engine stored"
-        ' (router/README.md, "Answers another replica relayed"). The box (2 cores) is shared with other work;'
-        " the vLLM lock keeps other engines off it during the run."
+        f"The KV-event fronts' deciders have the model's tokenizer (option `tokenizer`):{how}. The box (2 cores) is"
+        " shared with other work; the vLLM lock keeps other engines off it during the run."
     ]
 
 
