@@ -6,15 +6,17 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import get_args
 
 from loadtest.faults.matrix import OUT, RowResult, rows_for, run, write
+from loadtest.faults.rows import Bed
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.faults", description=__doc__)
     p.add_argument("--short", action="store_true", help="the rows make test runs")
     p.add_argument("--out", type=Path, default=OUT, help=f"where matrix.json and README.md go (default {OUT})")
-    p.add_argument("--bed", choices=["vllm", "vllm-preempt", "vllm-tp", "standin"], help="only the rows of one bed")
+    p.add_argument("--bed", choices=get_args(Bed), help="only the rows of one bed")
     p.add_argument("--row", action="append", default=[], help="only the named row(s)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")

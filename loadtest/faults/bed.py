@@ -18,6 +18,7 @@ import yaml
 
 from loadtest import promtext
 from stack.engines import EngineSpec
+from stack.link.fabric import Link
 from stack.procs import LOOPBACK, ManagedProcess, ProcessSpec, free_port
 from stack.routers import Router, router_spec
 
@@ -38,6 +39,7 @@ class BedShape:
     label: str = "faults"
     prefill_args: tuple[tuple[str, ...], ...] = ()
     routed: tuple[int, ...] | None = None
+    link: bool = False  # every engine in its own network namespace behind one shaped link (stack.link)
 
 
 # The preemption bed (issue 42 item 4): p1 advances 2 prompt tokens a step for each of up to two requests (a budget
@@ -57,6 +59,10 @@ PREEMPT_SHAPE = BedShape(
 )
 # The rank bed (issue 42 item 1): p0 a TP=2 prefill (the router is told its size), p1 a plain one, both routed.
 TP_SHAPE = BedShape("faults-tp", (("--tensor-parallel-size", "2"), ()))
+# The link bed (issue 42 item 3): the plain bed with each engine in its own namespace, KV over UCX TCP on a
+# 200 Mbit/s link (stack.link); the router stays in the root namespace (its legs cross the link too).
+LINK_SHAPE = BedShape("faults-link", link=True)
+LINK_RATE_BIT_S = 2e8
 
 
 @dataclass
@@ -147,6 +153,7 @@ class Bed:
     prefills: list[Worker]
     decodes: list[Worker]
     started: list[ManagedProcess] = field(default_factory=list)
+    link: Link | None = None  # the shaped link the engines sit behind (bed `vllm-link`), else None
 
     @property
     def workers(self) -> list[Worker]:
@@ -231,6 +238,7 @@ def vllm_bed(
     out of the router (`bed.prefills` still holds every prefill: each is observed after a row)."""
     from stack.engines import Fleet
     from stack.family import pd_family, start_family
+    from stack.link.plan import Shaping
     from stack.tiny_model import build
 
     shape = shape or BedShape()
@@ -245,8 +253,10 @@ def vllm_bed(
         connector_extra={"kv_timeout_s": kv_timeout_s, **({} if lease_s is None else {"lease_s": lease_s})},
     )
     started: list[ManagedProcess] = []
-    with Fleet(LOGS, spread_start=True) as fleet:  # both prefills start on both cores, pinned once ready
-        engines = start_family(fleet, family, 420.0)
+    with contextlib.ExitStack() as stack:
+        link = stack.enter_context(Link(Shaping.for_rate(LINK_RATE_BIT_S))) if shape.link else None
+        fleet = stack.enter_context(Fleet(LOGS, spread_start=True))  # stops before the link closes
+        engines = start_family(fleet, family, 420.0, link=link)
         try:
             p = [
                 Worker("prefill", e.engine_spec.name, e.url, e, "vllm", e.engine_spec.prefill_arg())
@@ -256,7 +266,7 @@ def vllm_bed(
             d.router_arg = d.url
             routed = [w.router_arg for i, w in enumerate(p) if shape.routed is None or i in shape.routed]
             router = start_router(routed, [d.url], config, started)
-            yield Bed(router, p, [d], started)
+            yield Bed(router, p, [d], started, link)
         finally:
             for worker in (*p, d):
                 worker.resume()

@@ -17,12 +17,24 @@ from typing import Any
 
 import httpx
 
-from loadtest.faults.bed import KV_TIMEOUT_S, PREEMPT_SHAPE, REPO, TP_SHAPE, Bed, BedShape, standin_bed, vllm_bed
+from loadtest.faults.bed import (
+    KV_TIMEOUT_S,
+    LINK_SHAPE,
+    PREEMPT_SHAPE,
+    REPO,
+    TP_SHAPE,
+    Bed,
+    BedShape,
+    standin_bed,
+    vllm_bed,
+)
+from loadtest.faults.link import LINK
 from loadtest.faults.ranks import RANKS
 from loadtest.faults.residual import RESIDUAL
 from loadtest.faults.rows import FaultRow, selected
 from loadtest.faults.scenarios import SCENARIOS, FaultOutcome
 from loadtest.faults.sustained import SUSTAINED
+from stack.link.access import LinkUnavailable
 
 logger = logging.getLogger("kvpush.faults")
 SETTLE_S = 90.0  # longest wait for a bed to settle (leases: 30 s on P, the bed's kv_timeout_s 30 s on D)
@@ -32,8 +44,13 @@ OUT = REPO / "bench" / "faults"
 VLLM_CONFIG: dict[str, Any] = {"max_in_flight": 8, "admission_queue": 8, "admission_wait": 2.0}
 STANDIN_CONFIG: dict[str, dict[str, Any]] = {"never-read": {"timeouts": {"prefill": 5.0}}}
 # The vLLM beds, in the order they run: the plain one, the preemption bed (a chunked prefill, a small cache), the
-# rank bed (a TP=2 prefill).
-VLLM_SHAPES: dict[str, BedShape] = {"vllm": BedShape(), "vllm-preempt": PREEMPT_SHAPE, "vllm-tp": TP_SHAPE}
+# rank bed (a TP=2 prefill), the link bed (engines in namespaces behind a shaped link).
+VLLM_SHAPES: dict[str, BedShape] = {
+    "vllm": BedShape(),
+    "vllm-preempt": PREEMPT_SHAPE,
+    "vllm-tp": TP_SHAPE,
+    "vllm-link": LINK_SHAPE,
+}
 
 
 @dataclass(frozen=True)
@@ -93,7 +110,7 @@ def observe(bed: Bed, timeout: float = SETTLE_S) -> After:
 def run_row(bed: Bed, row: FaultRow) -> RowResult:
     logger.info("fault row: %s", row.name)
     try:
-        outcome = {**SCENARIOS, **SUSTAINED, **RANKS, **RESIDUAL}[row.fault](bed, row)
+        outcome = {**SCENARIOS, **SUSTAINED, **RANKS, **RESIDUAL, **LINK}[row.fault](bed, row)
     except Exception as exc:  # a row that breaks is a result, and the rest still run
         logger.exception("fault row %s failed to run", row.name)
         outcome = FaultOutcome(f"row failed to run: {type(exc).__name__}: {exc}", False, float("inf"))
@@ -105,6 +122,13 @@ def run_row(bed: Bed, row: FaultRow) -> RowResult:
         clean=after.settled and outcome.acceptable,
         within_deadline=outcome.fault_to_outcome_s <= row.deadline_s,
     )
+
+
+def unavailable(row: FaultRow, reason: str) -> RowResult:
+    """A row whose bed could not be made here: not clean, with the reason as its outcome."""
+    outcome = {"summary": f"not run: {reason}", "acceptable": False, "fault_to_outcome_s": float("inf"), "note": ""}
+    after = asdict(After(False, 0.0, {"in_flight": 0.0, "queued": 0.0, "worker_in_flight": 0.0}))
+    return RowResult(row=asdict(row), outcome=outcome, after=after, clean=False, within_deadline=False)
 
 
 def run(
@@ -131,9 +155,14 @@ def run(
                 mine = [r for r in on_vllm if r.bed == name]
                 if not mine:
                     continue
-                with vllm_bed(VLLM_CONFIG, form.lease_s, form.kv_timeout_s, shape) as bed:
+                try:
+                    with vllm_bed(VLLM_CONFIG, form.lease_s, form.kv_timeout_s, shape) as bed:
+                        for row in mine:
+                            results[row.name] = run_row(bed, row)
+                            progress(results[row.name])
+                except LinkUnavailable as exc:  # no root and no user namespace: the link rows say so, the rest run
                     for row in mine:
-                        results[row.name] = run_row(bed, row)
+                        results[row.name] = unavailable(row, str(exc))
                         progress(results[row.name])
         finally:
             if pending is not None:

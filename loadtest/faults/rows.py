@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Bed = Literal["vllm", "vllm-preempt", "vllm-tp", "standin"]
+Bed = Literal["vllm", "vllm-preempt", "vllm-tp", "vllm-link", "standin"]
 Target = Literal["prefill", "decode", "client", "router"]
 
 
@@ -113,6 +113,15 @@ ROWS: tuple[FaultRow, ...] = (
         "vllm-tp",
         10.0,
         "SIGKILL on rank 1 of a TP=2 prefill (one of two prefills) while its legs' WRITEs are in flight",
+        short=False,
+    ),
+    FaultRow(
+        "link cut mid-transfer",
+        "prefill",
+        "link-cut",
+        "vllm-link",
+        130.0,  # decode's first-byte deadline (120 s) and a margin: the longest a client may wait
+        "the P/D link from 200 Mbit/s to 100 kbit/s for 10 s under three ten-block pushes, then restored",
         short=False,
     ),
 )

@@ -14,6 +14,7 @@ import pytest
 from loadtest.faults import matrix
 from loadtest.faults.bed import KV_TIMEOUT_S, PREEMPT_SHAPE, BedShape
 from loadtest.faults.rows import FaultRow
+from stack.link.access import LinkUnavailable
 
 ROWS = (
     FaultRow("s1", "prefill", "status500", "standin", 5.0, "-"),
@@ -102,3 +103,25 @@ def test_each_vllm_bed_runs_only_its_own_rows_one_bed_after_the_other(monkeypatc
     assert [r.row["name"] for r in results] == ["p1", "s1", "v1", "s2", "v2"]
     assert fake.events == ["s1", "s2", "vllm bed", "v1", "v2", f"vllm bed {PREEMPT_SHAPE.label}", "p1"]
     assert PREEMPT_SHAPE.routed == (1,), "the single instance (p0) stays out of the router"
+
+
+def test_a_bed_this_machine_cannot_make_leaves_its_rows_unclean_with_the_reason_and_the_rest_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = Fake(standin_waits=False)
+    patched(monkeypatch, fake)
+    real = fake.vllm_bed
+
+    @contextlib.contextmanager
+    def no_link(*args: Any, **kwargs: Any) -> Iterator[str]:
+        shape = args[3] if len(args) > 3 else kwargs.get("shape")
+        if shape is not None and shape.link:
+            raise LinkUnavailable("no namespaces here")
+        with real(*args, **kwargs) as bed:
+            yield bed
+
+    monkeypatch.setattr(matrix, "vllm_bed", no_link)
+    cut = FaultRow("l1", "prefill", "link-cut", "vllm-link", 5.0, "-")
+    results = {r.row["name"]: r for r in matrix.run([*ROWS, cut])}
+    assert results["l1"].outcome["summary"] == "not run: no namespaces here" and not results["l1"].clean
+    assert all(results[name].clean for name in ("s1", "v1", "s2", "v2"))
