@@ -204,7 +204,7 @@ class HotPath:
 
     def _parse(self, endpoint: Endpoint, raw: bytes) -> tuple[RequestInfo, dict[str, Any]]:
         body = protocol.decode_body(raw, self._limits.max_json_depth)
-        return protocol.parse_request(endpoint, body), body
+        return protocol.parse_request(endpoint, body, max_n=self._limits.max_n), body
 
     def _count(self, endpoint: Endpoint, error: RouterError, *, errors: bool) -> None:
         metrics = self._metrics

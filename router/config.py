@@ -61,6 +61,7 @@ class Limits:
     max_request_id_chars: int = 128  # a longer x-request-id, or one outside [A-Za-z0-9._:-], is replaced
     max_event_bytes: int = 8 * 2**20  # one upstream SSE event; larger: the leg fails (502-class)
     max_json_depth: int = 64  # nesting of the client's JSON body; 400
+    max_n: int = 16  # choices one request may ask for ('n'); 400
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from router import protocol, upstream, usage
+from router import legtasks, protocol, upstream, usage
 from router.answer import JsonAnswer, StreamAnswer, known, read_first_events, true_cached
 from router.config import Settings
 from router.decider import Decider, Decision, NoDecider, Route, Turn
@@ -182,7 +182,24 @@ class Dispatcher:
         prefill = self._select(Role.PREFILL, info, prefills, request.prefill or decision.prefill)
         _served_by(rec, route, ids, decode, prefill)
         self._check_pair(prefill, decode)
-        legs = _Ranks(self._pool.pin_rank(prefill.spec.id, RankPick.LEAST_LOADED), self._decode_rank(decode))
+        n = protocol.choices(request.body)
+        decode_rank = self._decode_rank(decode, pinned=n > 1)
+        legs = _Ranks(self._pool.pin_rank(prefill.spec.id, RankPick.LEAST_LOADED), decode_rank)
+        if n == 1:
+            return await self._pair(request, close, route, prefill, decode, ids, legs)
+        return await self._choices(request, close, route, prefill, decode, ids, legs)
+
+    async def _pair(
+        self,
+        request: ClientRequest,
+        close: StreamClose,
+        route: Route,
+        prefill: WorkerState,
+        decode: WorkerState,
+        ids: protocol.PairingIds,
+        legs: _Ranks,
+    ) -> Answer:
+        """The prompt computed on `prefill`, decoded on `decode`, as the route says (pull or push)."""
         if route is Route.PULL:
             prefilled = await self._prefill(request, prefill, ids, legs.prefill)
             body = protocol.pull_decode_body(request.body, prefilled.params)
@@ -196,9 +213,30 @@ class Dispatcher:
         _check_parallelism(identity, prefill, decode)
         return await self._push(request, close, prefill, decode, identity, ids, legs)
 
-    def _decode_rank(self, decode: WorkerState) -> int | None:
-        """Decode's rank: pinned (to the least loaded) only when the policy reads load; else the server picks."""
-        return self._pool.pin_rank(decode.spec.id, RankPick.LEAST_LOADED) if self._pin_decode else None
+    async def _choices(
+        self,
+        request: ClientRequest,
+        close: StreamClose,
+        route: Route,
+        prefill: WorkerState,
+        decode: WorkerState,
+        ids: protocol.PairingIds,
+        legs: _Ranks,
+    ) -> Answer:
+        """n > 1: a one-token pair (n = 1) moves the prompt's KV once into decode's prefix cache; then the client's
+        request goes to that decode (and rank) alone, and vLLM starts its n choices from that cache (each computes
+        only the prompt's last, partial block). The client's usage gets P's cached count, as for one choice."""
+        body = protocol.first_token_body(request.body, request.info.endpoint)
+        first = replace(request, body=body, info=replace(request.info, stream=False))
+        moved = await self._pair(first, close, route, prefill, decode, ids, legs)
+        assert isinstance(moved, JsonAnswer)
+        answer = await self._decode(request, close, decode, request.body, ids, legs.decode)
+        return await true_cached(answer, request.body, known(usage.answered_cached(moved.content)))
+
+    def _decode_rank(self, decode: WorkerState, *, pinned: bool = False) -> int | None:
+        """Decode's rank: pinned (to the least loaded) when the policy reads load or the request needs its legs on
+        one rank (`pinned`); else the server picks."""
+        return self._pool.pin_rank(decode.spec.id, RankPick.LEAST_LOADED) if self._pin_decode or pinned else None
 
     def _check_pair(self, prefill: WorkerState, decode: WorkerState) -> None:
         """Refuses a pair the engines would refuse at the NIXL handshake, when the router knows it (block sizes)."""
@@ -252,20 +290,20 @@ class Dispatcher:
         decode_leg = asyncio.create_task(self._decode(request, close, decode, decode_body, ids, legs.decode))
         try:
             await asyncio.wait({prefill_leg, decode_leg}, return_when=asyncio.FIRST_COMPLETED)
-            if _failed(prefill_leg) and not decode_leg.done():
+            if legtasks.failed(prefill_leg) and not decode_leg.done():
                 decode_leg.cancel()  # decode would wait for KV that never comes
                 await asyncio.wait({decode_leg})
                 prefill_leg.result()  # raises the prefill error
             answer = await decode_leg
         except BaseException:
-            await _give_up(prefill_leg, decode_leg)
+            await legtasks.give_up(prefill_leg, decode_leg)
             raise
         self.finisher.detach(ids.request_id, prefill_leg)
-        return await true_cached(answer, request.body, lambda: _cached_of(prefill_leg))
+        return await true_cached(answer, request.body, lambda: legtasks.cached_of(prefill_leg))
 
     async def _prefill(
         self, request: ClientRequest, worker: WorkerState, ids: protocol.PairingIds, rank: int | None
-    ) -> _Prefilled:
+    ) -> legtasks.Prefilled:
         """The prefill leg, pinned to `rank` (a server with data-parallel ranks), in its own span when the request
         is traced (ended however the leg ends)."""
         headers = {**self._headers(ids, request), **rank_headers(rank)}
@@ -290,7 +328,7 @@ class Dispatcher:
         ids: protocol.PairingIds,
         headers: dict[str, str],
         rank: int | None,
-    ) -> _Prefilled:
+    ) -> legtasks.Prefilled:
         """The prefill leg under its deadline; returns the kv_transfer_params it answered with and its cache hit."""
         rec, wid, deadline = request.record, worker.spec.id, self._settings.timeouts.prefill
         body = protocol.encode(protocol.prefill_body(request.body, request.info.endpoint, ids.transfer_id))
@@ -313,7 +351,7 @@ class Dispatcher:
         if rank is not None:
             self._pool.report_rank(wid, rank, ok=True)
         self._metrics.child(self._metrics.leg, "prefill", rec.mode).observe(rec.prefill_done - rec.prefill_sent)
-        return _Prefilled(self._check_prefill_answer(worker, answer, rank), usage.prefill_cached(answer))
+        return legtasks.Prefilled(self._check_prefill_answer(worker, answer, rank), usage.prefill_cached(answer))
 
     def _check_prefill_answer(
         self, worker: WorkerState, answer: dict[str, Any], rank: int | None
@@ -508,40 +546,10 @@ class _Ranks:
 
 
 @dataclass(frozen=True)
-class _Prefilled:
-    """A prefill leg's answer: the params it returned, and the prompt tokens it found in its prefix cache."""
-
-    params: protocol.KvTransferParams
-    cached: int | None
-
-
-@dataclass(frozen=True)
 class _DecodeLeg:
     worker: str
     url: str
     headers: dict[str, str]
-
-
-async def _give_up(prefill_leg: asyncio.Task[Any], decode_leg: asyncio.Task[Any]) -> None:
-    """Cancels both legs of a push given up; a stream that opened just then is closed; the prefill leg's error
-    is raised as the root cause."""
-    for leg in (prefill_leg, decode_leg):
-        leg.cancel()
-    await asyncio.wait({prefill_leg, decode_leg})
-    opened = None if _failed(decode_leg) else decode_leg.result()
-    if isinstance(opened, StreamAnswer):
-        await asyncio.shield(opened.aclose())  # it opened just as we gave up
-    if _failed(prefill_leg) and not prefill_leg.cancelled():
-        raise prefill_leg.exception() from None  # type: ignore[misc]  # the root cause
-
-
-async def _cached_of(prefill_leg: asyncio.Task[_Prefilled]) -> int | None:
-    """P's count once its leg has answered (it may still be answering after decode's first byte); None when the
-    leg failed or was cancelled after decode had answered. Waiting never cancels the leg."""
-    await asyncio.wait({prefill_leg})
-    if prefill_leg.cancelled() or prefill_leg.exception() is not None:
-        return None
-    return prefill_leg.result().cached
 
 
 def _end_failed(span: LegSpan, error: BaseException) -> None:
@@ -561,7 +569,3 @@ def _usage(content: bytes) -> dict[str, Any] | None:
         return protocol.usage_of(protocol.decode_json(content))
     except ValueError:
         return None
-
-
-def _failed(task: asyncio.Task[Any]) -> bool:
-    return task.done() and (task.cancelled() or task.exception() is not None)

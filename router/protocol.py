@@ -102,7 +102,11 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def parse_request(endpoint: Endpoint, body: Any) -> RequestInfo:
+DEFAULT_MAX_N = 16  # router/config.py Limits.max_n
+_GREEDY = 1e-5  # vLLM samples greedily below this temperature (and then refuses n > 1)
+
+
+def parse_request(endpoint: Endpoint, body: Any, *, max_n: int = DEFAULT_MAX_N) -> RequestInfo:
     """Checks what the router relies on and returns the facts selection needs; raises BadRequest."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
@@ -118,7 +122,7 @@ def parse_request(endpoint: Endpoint, body: Any) -> RequestInfo:
             raise BadRequest(f"'{key}' must be a positive integer")
     n, best_of = body.get("n"), body.get("best_of")
     if (n is not None and (n.__class__ is not int or n != 1)) or best_of is not None:
-        _check_choices(n, best_of)
+        _check_choices(n, best_of, max_n, body.get("temperature"))
     if "kv_transfer_params" in body:
         raise BadRequest("'kv_transfer_params' is set by the router and must not be sent by clients")
     options = body.get("stream_options")
@@ -128,17 +132,26 @@ def parse_request(endpoint: Endpoint, body: Any) -> RequestInfo:
     return RequestInfo(endpoint=endpoint, stream=stream, prompt_tokens=tokens)
 
 
-def _check_choices(n: Any, best_of: Any) -> None:
+def _check_choices(n: Any, best_of: Any, max_n: int, temperature: Any) -> None:
     """`n` null or 1 is one choice (OpenAI and vLLM read null as 1); `best_of` null or 1 is no best-of."""
     if n is not None and (n.__class__ is not int or n < 1):
         raise BadRequest("'n' must be a positive integer or null", param="n")
-    if n is not None and n > 1:
-        raise BadRequest("'n' > 1 is not served through disaggregated serving: send one request per choice", param="n")
+    if n is not None and n > max_n:
+        raise BadRequest(f"'n' is over this router's limit of {max_n} choices per request", param="n")
+    greedy = isinstance(temperature, int | float) and not isinstance(temperature, bool) and temperature < _GREEDY
+    if n is not None and n > 1 and greedy:  # vLLM refuses it, but only once the prompt has moved
+        raise BadRequest("'n' must be 1 with greedy sampling ('temperature' 0): the choices would be equal", param="n")
     if best_of is not None and (best_of.__class__ is not int or best_of != 1):
         raise BadRequest(
             "'best_of' other than 1 is not served (vLLM's engine has no best-of sampling): ask for 'n' choices",
             param="best_of",
         )
+
+
+def choices(body: Mapping[str, Any]) -> int:
+    """How many choices a validated request asks for."""
+    n = body.get("n")
+    return n if n.__class__ is int else 1
 
 
 def decode_only(endpoint: Endpoint, body: Mapping[str, Any]) -> str | None:
@@ -207,6 +220,20 @@ def prefill_body(body: dict[str, Any], endpoint: Endpoint, transfer_id: str) -> 
         "transfer_id": transfer_id,
     }
     out["kv_transfer_params"] = params
+    return out
+
+
+def first_token_body(body: dict[str, Any], endpoint: Endpoint) -> dict[str, Any]:
+    """One choice of one token, unstreamed: the pair that moves an n > 1 request's prompt into decode's prefix
+    cache once (its answer is not the client's)."""
+    out = dict(body)
+    out["n"] = 1
+    out["max_tokens"] = 1
+    if endpoint is Endpoint.CHAT or "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    for key in ("stream_options", "min_tokens"):
+        out.pop(key, None)
     return out
 
 

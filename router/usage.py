@@ -17,11 +17,14 @@ import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeGuard
 
+import msgspec
+
 REMOTE_CACHED = "remote_prefill_cached_tokens"  # vLLM's key in P's answered kv_transfer_params
 # A quote inside a JSON string is escaped, so neither pattern can match text the model wrote.
 _CACHED = re.compile(rb'"cached_tokens":(\s*)(?:-?[0-9]+|null)')
 _DETAILS = re.compile(rb'"prompt_tokens_details":(\s*)\{[^{}]*\}')
 _SEPARATORS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+_decode = msgspec.json.Decoder().decode
 
 
 def prefill_cached(answer: Any) -> int | None:
@@ -36,6 +39,23 @@ def prefill_cached(answer: Any) -> int | None:
     details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
     stated = details.get("cached_tokens") if isinstance(details, dict) else None
     return stated if _count(stated) else None
+
+
+def answered_cached(content: bytes) -> int | None:
+    """The cached count a whole JSON answer states (None: none, or not JSON)."""
+    if b'"cached_tokens"' not in content:
+        return None
+    try:
+        answer = _decode(content)
+    except (msgspec.DecodeError, ValueError):
+        return None
+    found = _get(_get(answer, "usage"), "prompt_tokens_details").get("cached_tokens")
+    return found if _count(found) else None
+
+
+def _get(parent: Any, key: str) -> dict[str, Any]:
+    child = parent.get(key) if isinstance(parent, dict) else None
+    return child if isinstance(child, dict) else {}
 
 
 def relays_cached(params: Mapping[str, Any]) -> bool:

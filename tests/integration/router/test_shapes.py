@@ -22,7 +22,15 @@ import pytest
 from tests.integration.families import FamilyPool
 from tests.integration.support import VLLM, wait_for
 from tests.integration.test_pd_e2e import CONNECTORS, Connector
-from tests.integration.vllm_support import Engines, kv_sources, path_of, prompt_text, router, timing
+from tests.integration.vllm_support import (
+    Engines,
+    kv_sources,
+    path_of,
+    prompt_text,
+    request_body,
+    router,
+    timing,
+)
 
 pytestmark = VLLM
 SHAPED = [c for c in CONNECTORS if c.id in ("kvpush-push", "upstream-pull")]
@@ -152,3 +160,60 @@ def test_prompt_logprobs_go_decode_only_and_answer_as_the_decode_alone(shapes: S
     alone = ask(shapes.decode_url, body)
     assert got.body["choices"][0]["text"] == alone.body["choices"][0]["text"]
     assert got.body["choices"][0]["prompt_logprobs"] == alone.body["choices"][0]["prompt_logprobs"]
+
+
+@dataclass
+class Choices:
+    texts: dict[int, str]  # choice index -> its text
+    usage: dict[str, Any]
+
+
+def choices(base_url: str, endpoint: str, body: dict[str, Any]) -> Choices:
+    """Every choice's text of one request, streamed (joined per index) or not."""
+    got = ask(base_url, body, endpoint=endpoint) if not body.get("stream") else None
+    if got is not None:
+        assert got.status == 200, got.body
+        key = "text" if endpoint == "completions" else "message"
+        picked = {c["index"]: c[key] if key == "text" else c[key]["content"] for c in got.body["choices"]}
+        return Choices(picked, got.usage)
+    texts: dict[int, str] = {}
+    usage: dict[str, Any] = {}
+    url = f"{base_url}{path_of(endpoint)}"
+    with httpx.Client(timeout=120) as client, client.stream("POST", url, json=body) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            usage = event.get("usage") or usage
+            for c in event["choices"]:
+                piece = c.get("text") if endpoint == "completions" else (c.get("delta") or {}).get("content")
+                texts[c["index"]] = texts.get(c["index"], "") + (piece or "")
+    return Choices(texts, usage)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_n_choices_equal_a_single_instance_and_the_prompt_moves_once(
+    shapes: Shapes, endpoint: str, stream: bool
+) -> None:
+    body = {**request_body(endpoint, stream, max_tokens=6), "n": 3, "temperature": 0.8, "seed": 7}
+    before, before_p = kv_sources(shapes.decode_url), kv_sources(shapes.p0_url)
+    got = choices(shapes.router_url, endpoint, body)
+    prompt = got.usage["prompt_tokens"]
+    assert sum(prompt_seen(shapes.p0_url, before_p, prompt).values()) == prompt  # P computed it once
+    on_d = prompt_seen(shapes.decode_url, before, 4 * prompt)  # the one-token pair's prompt, then 3 children's
+    assert on_d["external_kv_transfer"] == prompt  # moved once, not once per choice
+    assert on_d["local_compute"] < prompt  # the choices started from decode's prefix cache
+    assert got.usage["completion_tokens"] == 3 * 6
+    reference = choices(shapes.p0_url, endpoint, body)
+    assert sorted(got.texts) == [0, 1, 2]
+    assert got.texts == reference.texts
+    assert len(set(got.texts.values())) > 1  # the children's seeds differ (seed + i)
+
+
+def test_greedy_n_choices_are_refused_before_any_engine(shapes: Shapes) -> None:
+    before = [kv_sources(url) for url in (shapes.p0_url, shapes.decode_url)]
+    got = ask(shapes.router_url, {**completion(prompt_text(4), stream=False), "n": 2})
+    assert got.status == 400 and got.body["error"]["param"] == "n"
+    assert before == [kv_sources(url) for url in (shapes.p0_url, shapes.decode_url)]

@@ -129,3 +129,30 @@ async def test_a_stream_without_usage_is_relayed_as_it_came() -> None:
     answer = await dispatcher.handle(call_of(dispatcher, PROMPT))
     events = b"".join(await relay(answer))
     assert b'"cached_tokens": 10' in events  # what decode sent: the client did not ask for usage
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+@pytest.mark.parametrize(
+    "body", [{**PROMPT, "n": 3, "stream": False}, {**USAGE_STREAM, "n": 3}], ids=["json", "stream"]
+)
+async def test_n_choices_move_the_prompt_once_then_ask_decode_alone(mode: str, body: dict[str, Any]) -> None:
+    workers = FakeWorkers({"p0": prefill_with_hit(2, mode), "d0": decode_with_usage()})
+    dispatcher, _, timings = await make(workers, mode=mode)
+    got = await answered_usage(await dispatcher.handle(call_of(dispatcher, body)))
+    (p_leg,) = workers.legs("p0")
+    moved, asked = workers.legs("d0")
+    assert p_leg.body["n"] == moved.body["n"] == 1 and p_leg.body["max_tokens"] == moved.body["max_tokens"] == 1
+    assert moved.body["stream"] is False and moved.body["kv_transfer_params"]["do_remote_prefill"] is True
+    assert asked.body == body  # the client's request, as it came: no KV params, its n
+    assert asked.headers["x-request-id"] == p_leg.headers["x-request-id"]
+    assert got is not None and got["prompt_tokens_details"] == {"cached_tokens": 2}
+    (record,) = timings.query()
+    assert record["outcome"] == "ok" and record["mode"] == mode
+
+
+async def test_n_choices_on_a_bypass_go_to_decode_once() -> None:
+    workers = FakeWorkers({"p0": prefill_ok(), "d0": decode_with_usage()})
+    dispatcher, _, _ = await make(workers)
+    body = {**PROMPT, "n": 2, "use_beam_search": True}
+    await relay(await dispatcher.handle(call_of(dispatcher, body)))
+    assert workers.legs("p0") == [] and [leg.body for leg in workers.legs("d0")] == [body]

@@ -122,7 +122,9 @@ def test_identity_is_read_from_a_prefill_answer() -> None:
         (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "stream": "yes"}, "'stream'"),
         (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": 0}, "'max_tokens'"),
         (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": "5"}, "'max_tokens'"),
-        (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "n": 2}, "'n'"),
+        (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "n": 17}, "'n'"),
+        (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "n": 2, "temperature": 0}, "greedy"),
+        (Endpoint.CHAT, {"model": "m", "messages": [{"role": "u"}], "n": 2, "temperature": 0.0}, "greedy"),
         (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "n": 0}, "'n'"),
         (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "n": True}, "'n'"),
         (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "n": 1.0}, "'n'"),
@@ -148,7 +150,7 @@ def test_invalid_requests_are_rejected_with_a_clear_message(endpoint: Endpoint, 
 
 @pytest.mark.parametrize(
     ("body", "param"),
-    [({"n": 2}, "n"), ({"n": -1}, "n"), ({"n": "1"}, "n"), ({"best_of": 2}, "best_of"), ({"best_of": 0}, "best_of")],
+    [({"n": 99}, "n"), ({"n": -1}, "n"), ({"n": "1"}, "n"), ({"best_of": 2}, "best_of"), ({"best_of": 0}, "best_of")],
 )
 def test_a_refused_sampling_field_is_named_as_the_errors_param(body: dict[str, Any], param: str) -> None:
     with pytest.raises(BadRequest) as refused:
@@ -185,6 +187,24 @@ def test_requests_vllm_computes_the_prompt_for_on_decode_are_decode_only(
 ) -> None:
     reason = protocol.decode_only(endpoint, {"model": "m", **fields})
     assert reason == why if why is None else (reason is not None and why in reason)
+
+
+def test_n_is_bounded_by_the_routers_limit() -> None:
+    body = {"model": "m", "prompt": "x", "n": 4}
+    assert protocol.choices(body) == 4 and protocol.choices({"n": None}) == 1 and protocol.choices({}) == 1
+    protocol.parse_request(Endpoint.COMPLETIONS, body, max_n=4)
+    with pytest.raises(BadRequest, match="limit of 3"):
+        protocol.parse_request(Endpoint.COMPLETIONS, body, max_n=3)
+
+
+@pytest.mark.parametrize("endpoint", [Endpoint.COMPLETIONS, Endpoint.CHAT])
+def test_the_first_token_pair_of_n_choices_asks_one_unstreamed_token(endpoint: Endpoint) -> None:
+    body = {"model": "m", "n": 3, "max_tokens": 9, "stream": True, "stream_options": {"include_usage": True}}
+    out = protocol.first_token_body({**body, "min_tokens": 2, "seed": 7}, endpoint)
+    assert out["n"] == 1 and out["max_tokens"] == 1 and out["stream"] is False and out["seed"] == 7
+    assert "stream_options" not in out and "min_tokens" not in out and "kv_transfer_params" not in out
+    assert ("max_completion_tokens" in out) is (endpoint is Endpoint.CHAT)
+    assert body["n"] == 3  # the client's body is not touched
 
 
 def test_valid_requests_give_selection_facts() -> None:
