@@ -118,14 +118,18 @@ class StreamAnswer:
         self._check.feed(first)
         fix = self._fix
         if fix is not None:
-            first = await self._fixed(fix, first)
+            if fix.wants(first):
+                await fix.resolve()
+            first = fix.feed(first)
         if out := self._observe(first):
             yield out
         try:
             async for chunk in self._chunks:
                 self._check.feed(chunk)
                 if fix is not None:
-                    chunk = await self._fixed(fix, chunk)
+                    if fix.wants(chunk):
+                        await fix.resolve()
+                    chunk = fix.feed(chunk)
                 if out := self._observe(chunk):
                     yield out
         except (httpx.HTTPError, EventTooLarge) as exc:
@@ -138,12 +142,6 @@ class StreamAnswer:
             if tail:
                 yield scrub(tail)
         self._outcome = "ok"
-
-    @staticmethod
-    async def _fixed(fix: CachedFix, chunk: bytes) -> bytes:
-        if fix.wants(chunk):
-            await fix.resolve()
-        return fix.feed(chunk)
 
     async def relay(self, send: Callable[[bytes], Awaitable[None]], *, idle: float, write_stall: float) -> None:
         """Hands every chunk to `send`: at most `idle` s waiting for the worker, `write_stall` s for the client.
