@@ -19,7 +19,13 @@ from loadtest.faults import client
 from loadtest.faults.bed import Bed, Worker
 from loadtest.faults.rows import FaultRow
 from loadtest.faults.scenarios import FaultOutcome, _clients, _outcome, _wait_running
+from loadtest.faults.sustained import counters
 
+DECODE_COUNTERS = {
+    "failed transfers": "vllm:kvpush_failed_transfers_total",
+    "quarantined": "vllm:kvpush_quarantined_total",
+    "cancelled": "vllm:kvpush_cancelled_total",
+}
 RANK_TITLE = "Worker_TP1"  # vLLM's process title of TP rank 1 (VLLM::Worker_TP1)
 
 
@@ -71,6 +77,8 @@ def tp_rank_kill(bed: Bed, row: FaultRow) -> FaultOutcome:
     rank = rank_pid(group_members(victim.pid))
     if rank is None:
         return FaultOutcome(f"no single {RANK_TITLE} process under {victim.name}", False, float("inf"))
+    decode = bed.decodes[0]
+    before = counters(decode, DECODE_COUNTERS)
     futures = _clients(bed.router.url, 4, lambda: client.body(max_tokens=16, words=120))
     _wait_running(victim, futures)
     os.kill(rank, signal.SIGKILL)
@@ -82,13 +90,15 @@ def tp_rank_kill(bed: Bed, row: FaultRow) -> FaultOutcome:
     after = [client.request(bed.router.url, client.body(max_tokens=16)) for _ in range(3)]
     if exited is not None:
         victim.killed = True  # observed as dead from now on
+    after_counts = counters(decode, DECODE_COUNTERS)
     outcome = _outcome(results, t_fault)
     served_after = sum(1 for r in after if r.status == 200 and r.complete)
     outcome.acceptable = outcome.acceptable and held_out and served_after == len(after)
     outcome.note = (
         f"router holds {victim.name} out: {'yes' if held_out else 'NO'}; its API server "
         + (f"exited {exited:.1f} s after the rank" if exited is not None else "still up 60 s after the rank")
-        + f"; {served_after} of {len(after)} requests after the fault served (on p1)"
+        + f"; {served_after} of {len(after)} requests after the fault served (on p1); on decode: "
+        + ", ".join(f"{k} +{after_counts[k] - before[k]:g}" for k in DECODE_COUNTERS)
     )
     return outcome
 
