@@ -40,6 +40,7 @@ class BedShape:
     prefill_args: tuple[tuple[str, ...], ...] = ()
     routed: tuple[int, ...] | None = None
     link: bool = False  # every engine in its own network namespace behind one shaped link (stack.link)
+    prefill_deadline: float | None = None  # the router's prefill leg deadline on this bed (None: the matrix's)
 
 
 # The preemption bed (issue 42 item 4): p1 advances 2 prompt tokens a step for each of up to two requests (a budget
@@ -58,7 +59,9 @@ PREEMPT_SHAPE = BedShape(
     routed=(1,),
 )
 # The rank bed (issue 42 item 1): p0 a TP=2 prefill (the router is told its size), p1 a plain one, both routed.
-TP_SHAPE = BedShape("faults-tp", (("--tensor-parallel-size", "2"), ()))
+# A hung rank leaves p0's API process answering its health probe: the router's prefill deadline ends its legs,
+# 20 s here (default 300 s) so the row takes seconds, not minutes.
+TP_SHAPE = BedShape("faults-tp", (("--tensor-parallel-size", "2"), ()), prefill_deadline=20.0)
 # The link bed (issue 42 item 3): the plain bed with each engine in its own namespace, KV over UCX TCP on a
 # 200 Mbit/s link (stack.link); the router stays in the root namespace (its legs cross the link too).
 LINK_SHAPE = BedShape("faults-link", link=True)
@@ -265,7 +268,8 @@ def vllm_bed(
             d = Worker("decode", engines.decode.engine_spec.name, engines.decode.url, engines.decode, "vllm", "")
             d.router_arg = d.url
             routed = [w.router_arg for i, w in enumerate(p) if shape.routed is None or i in shape.routed]
-            router = start_router(routed, [d.url], config, started)
+            deadline = {} if shape.prefill_deadline is None else {"timeouts": {"prefill": shape.prefill_deadline}}
+            router = start_router(routed, [d.url], {**config, **deadline}, started)
             yield Bed(router, p, [d], started, link)
         finally:
             for worker in (*p, d):

@@ -103,4 +103,35 @@ def tp_rank_kill(bed: Bed, row: FaultRow) -> FaultOutcome:
     return outcome
 
 
-RANKS: dict[str, Callable[[Bed, FaultRow], FaultOutcome]] = {"tp-rank-kill": tp_rank_kill}
+def tp_rank_hang(bed: Bed, row: FaultRow) -> FaultOutcome:
+    """SIGSTOP on p0's rank 1 with legs in flight: p0's API process still answers its health probe, so only the
+    leg deadlines (this bed's prefill deadline: bed.TP_SHAPE) and passive health can take p0 out. The rank is
+    resumed once the clients and three later requests are done."""
+    victim = bed.prefills[0]
+    rank = rank_pid(group_members(victim.pid))
+    if rank is None:
+        return FaultOutcome(f"no single {RANK_TITLE} process under {victim.name}", False, float("inf"))
+    futures = _clients(bed.router.url, 4, lambda: client.body(max_tokens=16, words=120))
+    _wait_running(victim, futures)
+    os.kill(rank, signal.SIGSTOP)
+    t_fault = time.monotonic()
+    try:
+        futures += _clients(bed.router.url, 3, lambda: client.body(max_tokens=16))
+        results = [f.result() for f in futures]
+        held_out = _router_holds_out(bed, victim, timeout=1.0)
+        t_after = time.monotonic()
+        after = [client.request(bed.router.url, client.body(max_tokens=16)) for _ in range(3)]
+        after_s = time.monotonic() - t_after
+    finally:
+        os.kill(rank, signal.SIGCONT)
+    outcome = _outcome(results, t_fault)
+    served_after = sum(1 for r in after if r.status == 200 and r.complete)
+    outcome.acceptable = outcome.acceptable and served_after == len(after)
+    outcome.note = (
+        f"router held {victim.name} out when its clients were done: {'yes' if held_out else 'no'}; "
+        f"{served_after} of {len(after)} later requests served in {after_s:.1f} s; the rank resumed after"
+    )
+    return outcome
+
+
+RANKS: dict[str, Callable[[Bed, FaultRow], FaultOutcome]] = {"tp-rank-kill": tp_rank_kill, "tp-rank-hang": tp_rank_hang}

@@ -107,6 +107,15 @@ ROWS: tuple[FaultRow, ...] = (
         short=False,
     ),
     FaultRow(
+        "prefill TP rank hung",
+        "prefill",
+        "tp-rank-hang",
+        "vllm-tp",
+        30.0,  # the bed's prefill deadline (20 s) and a margin
+        "SIGSTOP on rank 1 of a TP=2 prefill (one of two prefills) while its legs are in flight, then SIGCONT",
+        short=False,
+    ),
+    FaultRow(
         "prefill TP rank killed",
         "prefill",
         "tp-rank-kill",
