@@ -41,10 +41,12 @@ test: venv tools ## everything CI runs: lint, types, unit and integration tests 
 	$(BIN)/python -m pytest tests/integration --durations=30  # real processes pinned to cores: one at a time
 
 unit-parallel: venv
-	$(BIN)/python -m pytest -n 2 tests/unit --durations=10  # pure and socket-free: both cores at once
+	@# pure and socket-free: both cores at once; tests/compat drives vLLM's real scheduler (no engine) on this vLLM,
+	@# as `make compat VLLM=...` does on the others
+	$(BIN)/python -m pytest -n 2 tests/unit tests/compat --durations=10
 
 test-unit: venv ## fast tests only: no sockets, no engines
-	$(BIN)/python -m pytest -q tests/unit
+	$(BIN)/python -m pytest -q tests/unit tests/compat
 
 test-integration: venv tools ## tests on real processes (vLLM CPU engines, NIXL agents, simulators)
 	$(BIN)/python -m pytest tests/integration
