@@ -200,6 +200,22 @@ def reset_reflected(decode_url: str, bases: Sequence[str], limit_s: float = 10.0
     return found
 
 
+def settle_views(engines: Sequence[str], bases: Sequence[str], limit_s: float = 10.0) -> float | None:
+    """After the engines' prefix caches were reset: step each engine once (an idle engine publishes its
+    AllBlocksCleared with its next step; a one-token prompt stores no block) and wait until every replica's view
+    of every engine is caught up and empty; seconds taken, None past `limit_s` (polled every 5 ms). Without it
+    a front's routers still see the blocks the previous front's turns stored: the same sessions, the same ids."""
+    poke = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
+    t0 = time.monotonic()
+    for engine in engines:
+        httpx.post(f"{engine}/v1/completions", json=poke, timeout=60).raise_for_status()
+    while time.monotonic() - t0 < limit_s:
+        if all(_empty_everywhere(bases, engine) for engine in engines):
+            return round(time.monotonic() - t0, 4)
+        time.sleep(0.005)
+    return None
+
+
 def stop_reflected(engine: Engine, bases: Sequence[str], limit_s: float = 10.0) -> dict[str, Any]:
     """Stop the engine (SIGTERM, reaped); the blocks every replica's view held for it before, and seconds from
     the stop asked and from its exit until every view of it holds nothing (None past `limit_s`)."""
