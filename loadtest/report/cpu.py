@@ -48,8 +48,11 @@ def connector_verdicts(rows: Sequence[Row]) -> list[Verdict]:
             out.append(
                 Verdict(f"TTFT {name} <= {k:g}x upstream push", point, _med(ours, "ttft_ms", name), ref, _lim(ref, k))
             )
+        tpot = _med(ours, "tpot_ms", "mean")
         ref = _med(up, "tpot_ms", "mean")
-        out.append(Verdict("TPOT mean <= upstream push", point, _med(ours, "tpot_ms", "mean"), ref, ref))
+        out.append(Verdict("TPOT mean <= upstream push", point, tpot, ref, ref))
+        ref = _med(pull, "tpot_ms", "mean")  # the seed's second headline: push must not slow decode (issue 41)
+        out.append(Verdict("TPOT mean <= pull", point, tpot, ref, ref))
         if qps >= 3:
             ref = _med(up, "handoff_ms", "p50")
             out.append(
@@ -81,7 +84,8 @@ def connector_verdicts(rows: Sequence[Row]) -> list[Verdict]:
 
 
 def router_verdicts(rows: Sequence[Row]) -> list[Verdict]:
-    """kvpush TTFT p50 <= vllm-router's on the same push pair (upstream's connector and ours), every point."""
+    """kvpush TTFT p50 <= vllm-router's on the same push pair (upstream's connector and ours), every point; TPOT
+    mean too (the front must not slow decode; issue 41)."""
     by = group([r for r in rows if r["mode"] == "push"], "qps", "connector", "router")
     out: list[Verdict] = []
     for qps, conn in sorted({(r["qps"], r["connector"]) for r in rows if r["mode"] == "push"}):
@@ -90,6 +94,9 @@ def router_verdicts(rows: Sequence[Row]) -> list[Verdict]:
             ref = _med(theirs, "ttft_ms", "p50")
             label = f"kvpush TTFT p50 <= vllm-router's ({conn} pair)"
             out.append(Verdict(label, f"{qps:g} QPS", _med(ours, "ttft_ms", "p50"), ref, ref))
+            ref = _med(theirs, "tpot_ms", "mean")
+            label = f"kvpush TPOT mean <= vllm-router's ({conn} pair)"
+            out.append(Verdict(label, f"{qps:g} QPS", _med(ours, "tpot_ms", "mean"), ref, ref))
     return out
 
 

@@ -73,6 +73,23 @@ def test_issue8_uses_0_85x_from_3_qps_and_medians_of_repeats() -> None:
     assert vs[("100 % KV by transfer (worst repeat)", "3 QPS")].met
 
 
+def test_issue41_judges_push_tpot_against_pull_and_the_front_against_vllm_router_at_every_point() -> None:
+    rows = [
+        cpu_row("kvpush", "kvpush-push", 1.5, 0, 90.0, tpot_ms=dist(10.5)),
+        cpu_row("kvpush", "upstream-push", 1.5, 0, 100.0, tpot_ms=dist(10.5)),
+        cpu_row("kvpush", "upstream-pull", 1.5, 0, 200.0, tpot_ms=dist(8.1)),
+        cpu_row("kvpush", "kvpush-push", 8.0, 0, 90.0, tpot_ms=dist(7.0)),
+        cpu_row("kvpush", "upstream-push", 8.0, 0, 100.0, tpot_ms=dist(9.0)),
+        cpu_row("kvpush", "upstream-pull", 8.0, 0, 200.0, tpot_ms=dist(10.4)),
+        cpu_row("vllm-router", "kvpush-push", 8.0, 0, 95.0, tpot_ms=dist(6.5)),
+    ]
+    vs = {(v.target, v.point): v for v in report_cpu.connector_verdicts(rows)}
+    assert vs[("TPOT mean <= pull", "1.5 QPS")].met is False, "10.5 ms against pull's 8.1"
+    assert vs[("TPOT mean <= pull", "8 QPS")].met is True
+    (tpot,) = [v for v in report_cpu.router_verdicts(rows) if v.target.startswith("kvpush TPOT")]
+    assert tpot.met is False and tpot.ref == 6.5
+
+
 def test_issue9_compares_fronts_on_the_same_pair() -> None:
     rows = [
         cpu_row("kvpush", "upstream-push", 3.0, 0, 120.0),
