@@ -136,10 +136,10 @@ def test_a_chunked_prefill_leg_pushes_each_steps_full_blocks_then_completes_in_i
     _release(s, "p-1", total)
 
 
-def _chunk_until_preempted(s: Scheduler, request_id: str, chunks: int) -> None:
+def _partial_writes(s: Scheduler, request_id: str, chunks: int) -> None:
     for _ in range(chunks):
         _, plan = step(s)
-        assert _progress(plan, request_id), "a partial WRITE each chunk before the preemption"
+        assert _progress(plan, request_id), "a partial WRITE for each chunk"
 
 
 def _recompute(s: Scheduler, request_id: str, stale: set[int]) -> list[StepPlan]:
@@ -165,7 +165,7 @@ def test_a_preempted_progressive_leg_restarts_and_completes_only_from_recomputed
     s = make_scheduler(model, "kv_producer", "p0", 64, {"progressive": True}, runner=shape)
     total = free_blocks(s)
     s.add_request(make_request("p-1", LONG, P_PARAMS, max_tokens=1))
-    _chunk_until_preempted(s, "p-1", 2)
+    _partial_writes(s, "p-1", 2)
     stale = set(block_ids(s, "p-1"))
     preempt(s, "p-1")
     assert free_blocks(s) == total, "vLLM freed the preempted leg's blocks"
@@ -224,7 +224,7 @@ def test_an_aborted_progressive_leg_keeps_its_blocks_until_the_write_in_flight_i
     s = make_scheduler(model, "kv_producer", "p0", 64, {"progressive": True}, runner=shape)
     total = free_blocks(s)
     s.add_request(make_request("p-1", LONG, P_PARAMS, max_tokens=1))
-    _chunk_until_preempted(s, "p-1", 1)
+    _partial_writes(s, "p-1", 1)
     s.finish_requests("p-1", RequestStatus.FINISHED_ABORTED)
     _, plan = step(s)
     (failed,) = plan.failed
