@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import httpx
 import pytest
 
 from loadtest import promtext
@@ -103,3 +104,28 @@ def test_the_estimate_row_follows_the_events_without_the_tokenizer() -> None:
     plan = suite.MultiTurnPlan(sessions=2, session_rate=1.0, replicas=2, events_off_row=False, estimate_row=True)
     assert plan.fronts == (replicas.EVENTS, replicas.REPLICAS, replicas.ESTIMATE)
     assert replicas.uses_events(replicas.ESTIMATE) and replicas.replicas_of(replicas.ESTIMATE, 2) == 1
+
+
+def test_after_a_reset_every_engine_is_stepped_and_the_views_awaited(monkeypatch: pytest.MonkeyPatch) -> None:
+    stepped: list[str] = []
+    polls = {"n": 0}
+
+    class Answer:
+        def raise_for_status(self) -> None:
+            return None
+
+    def post(url: str, json: dict[str, object], timeout: float) -> Answer:
+        assert json["max_tokens"] == 1 and timeout > 0
+        stepped.append(url)
+        return Answer()
+
+    def empty(bases: object, worker: str) -> bool:
+        polls["n"] += 1
+        return polls["n"] > 3  # the clears arrive after the steps
+
+    monkeypatch.setattr(httpx, "post", post)
+    monkeypatch.setattr(replicas, "_empty_everywhere", empty)
+    assert replicas.settle_views(["http://p", "http://d"], ["http://r0"]) is not None
+    assert stepped == ["http://p/v1/completions", "http://d/v1/completions"] and polls["n"] >= 4
+    polls["n"] = -(10**9)
+    assert replicas.settle_views(["http://p"], ["http://r0"], limit_s=0.0) is None
