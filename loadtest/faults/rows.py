@@ -133,6 +133,15 @@ ROWS: tuple[FaultRow, ...] = (
         "the P/D link from 200 Mbit/s to 100 kbit/s for 10 s under three ten-block pushes, then restored",
         short=False,
     ),
+    FaultRow(
+        "link slowed 100x mid-transfer",
+        "prefill",
+        "link-slow",
+        "vllm-link",
+        130.0,  # decode's first-byte deadline (120 s) and a margin
+        "the P/D link from 200 Mbit/s to 2 Mbit/s for 20 s under three ten-block pushes, then restored",
+        short=False,
+    ),
 )
 
 
