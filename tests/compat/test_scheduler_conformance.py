@@ -27,6 +27,7 @@ from connector.metadata import (
     CancelUnallocated,
     PeerAddress,
     PrefillFinished,
+    PrefillPreempted,
     PrefillProgress,
     PrefillRestarted,
     StepPlan,
@@ -174,6 +175,9 @@ def test_a_preempted_progressive_leg_restarts_and_completes_only_from_recomputed
     assert "p-1" in getattr(out, "preempted_req_ids", {"p-1"})
     assert out.num_scheduled_tokens == {"p-1": TOKEN_BUDGET}, "resumed in the same step, from token 0"
     assert plan.restarted == [PrefillRestarted("p-1", "t:t-1")], "the partial WRITEs' blocks are void"
+    assert plan.preempted == [PrefillPreempted("p-1", "t:t-1")], (
+        "handle_preemptions must wait for a partial WRITE still reading the freed blocks before this forward"
+    )
     assert not _completing(plan, "p-1")
     s.update_from_output(out, runner_output(s, out))
     plans = _recompute(s, "p-1", stale)
@@ -194,6 +198,7 @@ def test_a_leg_preempted_by_a_full_kv_cache_restarts_before_it_writes_again(mode
     s.add_request(make_request("plain", 16, None, max_tokens=24))
     s.add_request(make_request("p-1", LONG, P_PARAMS, max_tokens=1))
     restarted_at: list[int] = []
+    seen: list[StepPlan] = []
     preempted_at = resumed_at = -1
     for i in range(60):
         out = s.schedule()
@@ -201,6 +206,9 @@ def test_a_leg_preempted_by_a_full_kv_cache_restarts_before_it_writes_again(mode
         restarted_at += [i for r in plan.restarted if r.request_id == "p-1"]
         if "p-1" in getattr(out, "preempted_req_ids", ()) and preempted_at < 0:
             preempted_at = i
+            wrote = any(_progress(p, "p-1") for p in seen)
+            assert (plan.preempted == [PrefillPreempted("p-1", "t:t-1")]) == wrote, "fence iff a WRITE was ordered"
+        seen.append(plan)
         if preempted_at >= 0 and resumed_at < 0 and "p-1" in out.num_scheduled_tokens:
             resumed_at = i
         if preempted_at >= 0 and not restarted_at:
