@@ -9,6 +9,7 @@ validation (400), admission (429), then the dispatch and the relay under one dis
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -22,8 +23,8 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import Message, Receive, Scope, Send
 
-from router import auth, heap, protocol
-from router.answer import JsonAnswer
+from router import auth, fanout, heap, protocol
+from router.answer import JsonAnswer, StreamAnswer
 from router.config import Settings
 from router.deciders.conversation import SESSION_HEADER
 from router.dispatch import ClientRequest
@@ -170,9 +171,13 @@ class HotPath:
             prefill=None if pick is None or pick.prefill is None else pick.prefill.id,
             trace=None if self._tracing is None else _start_trace(self._tracing, headers, endpoint, body, request_id),
         )
+        prompts = protocol.batch_of(body) if endpoint is Endpoint.COMPLETIONS else None
+        batched = prompts if prompts is not None and len(prompts) > 1 else None
         try:
-            async with self._service.admission.slot():
-                await self._watched(receive, send, request)
+            async with contextlib.AsyncExitStack() as slots:
+                for _ in range(1 if batched is None else len(batched)):  # a batch holds a slot per prompt
+                    await slots.enter_async_context(self._service.admission.slot())
+                await self._watched(receive, send, request, batched)
         except Overloaded as refused:
             self._count(endpoint, refused, errors=False)
             if request.trace is not None:
@@ -204,7 +209,8 @@ class HotPath:
 
     def _parse(self, endpoint: Endpoint, raw: bytes) -> tuple[RequestInfo, dict[str, Any]]:
         body = protocol.decode_body(raw, self._limits.max_json_depth)
-        return protocol.parse_request(endpoint, body, max_n=self._limits.max_n), body
+        limits = self._limits
+        return protocol.parse_request(endpoint, body, max_n=limits.max_n, max_batch=limits.max_batch_prompts), body
 
     def _count(self, endpoint: Endpoint, error: RouterError, *, errors: bool) -> None:
         metrics = self._metrics
@@ -212,7 +218,9 @@ class HotPath:
             metrics.child(metrics.errors, error.kind).inc()
         metrics.child(metrics.requests, str(endpoint), self._mode, error.kind).inc()
 
-    async def _watched(self, receive: Receive, send: Send, request: ClientRequest) -> None:
+    async def _watched(
+        self, receive: Receive, send: Send, request: ClientRequest, batched: list[Any] | None = None
+    ) -> None:
         """Dispatch and relay; if the client leaves meanwhile, this task is cancelled (closing both legs)."""
         task = asyncio.current_task()
         assert task is not None
@@ -227,7 +235,7 @@ class HotPath:
 
         watcher = asyncio.create_task(watch())
         try:
-            await self._answer(send, request)
+            await self._answer(send, request, batched)
         except asyncio.CancelledError:
             if not gone:
                 raise
@@ -235,10 +243,14 @@ class HotPath:
         finally:
             watcher.cancel()
 
-    async def _answer(self, send: Send, request: ClientRequest) -> None:
+    async def _answer(self, send: Send, request: ClientRequest, batched: list[Any] | None) -> None:
         rec = request.record
+        dispatcher = self._service.dispatcher
         try:
-            answer = await self._service.dispatcher.handle(request)
+            if batched is None:
+                answer: JsonAnswer | StreamAnswer | fanout.BatchStream = await dispatcher.handle(request)
+            else:
+                answer = await fanout.handle_batch(dispatcher, request, batched, self._limits.max_event_bytes)
         except RouterError as failed:
             await _send_error(send, failed, rec.request_id, rec.pairing_id)
             return

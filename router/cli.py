@@ -26,6 +26,7 @@ _LIMIT_FLAGS = {  # limits: what one client request may hold (router/README.md)
     "max_event_bytes": "largest upstream SSE event, bytes (default 8 MiB)",
     "max_json_depth": "deepest nesting of a request's JSON (400 beyond; default 64)",
     "max_n": "most choices ('n') one request may ask for (400 beyond; default 16)",
+    "max_batch_prompts": "most prompts in one batched /v1/completions request (400 beyond; default 64)",
 }
 
 

@@ -62,6 +62,7 @@ class Limits:
     max_event_bytes: int = 8 * 2**20  # one upstream SSE event; larger: the leg fails (502-class)
     max_json_depth: int = 64  # nesting of the client's JSON body; 400
     max_n: int = 16  # choices one request may ask for ('n'); 400
+    max_batch_prompts: int = 64  # prompts in one batched /v1/completions request; 400
 
 
 @dataclass(frozen=True)

@@ -103,10 +103,13 @@ def _depth(value: Any) -> int:
 
 
 DEFAULT_MAX_N = 16  # router/config.py Limits.max_n
+DEFAULT_MAX_BATCH = 64  # router/config.py Limits.max_batch_prompts
 _GREEDY = 1e-5  # vLLM samples greedily below this temperature (and then refuses n > 1)
 
 
-def parse_request(endpoint: Endpoint, body: Any, *, max_n: int = DEFAULT_MAX_N) -> RequestInfo:
+def parse_request(
+    endpoint: Endpoint, body: Any, *, max_n: int = DEFAULT_MAX_N, max_batch: int = DEFAULT_MAX_BATCH
+) -> RequestInfo:
     """Checks what the router relies on and returns the facts selection needs; raises BadRequest."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
@@ -128,7 +131,7 @@ def parse_request(endpoint: Endpoint, body: Any, *, max_n: int = DEFAULT_MAX_N) 
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object")
-    tokens = _prompt_tokens(body) if endpoint is Endpoint.COMPLETIONS else _chat_tokens(body)
+    tokens = _prompt_tokens(body, max_batch) if endpoint is Endpoint.COMPLETIONS else _chat_tokens(body)
     return RequestInfo(endpoint=endpoint, stream=stream, prompt_tokens=tokens)
 
 
@@ -168,17 +171,34 @@ def decode_only(endpoint: Endpoint, body: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _prompt_tokens(body: dict[str, Any]) -> int:
+def _prompt_tokens(body: dict[str, Any], max_batch: int) -> int:
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one is one prompt
+    if isinstance(prompt, str) and prompt:
+        return max(1, len(prompt) // _CHARS_PER_TOKEN)
+    prompts = batch_of(body)
+    if prompts is None:
+        return _one_prompt_tokens(prompt, "'prompt'")
+    if len(prompts) > max_batch:
+        raise BadRequest(
+            f"'prompt' holds {len(prompts)} prompts, over this router's limit of {max_batch}", param="prompt"
+        )
+    return sum(_one_prompt_tokens(p, f"'prompt[{i}]'") for i, p in enumerate(prompts))
+
+
+def _one_prompt_tokens(prompt: Any, name: str) -> int:
     if isinstance(prompt, str) and prompt:
         return max(1, len(prompt) // _CHARS_PER_TOKEN)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return len(prompt)
-    if isinstance(prompt, list) and prompt:
-        raise BadRequest("batched prompts are not supported; send one prompt (a string or a list of token ids)")
-    raise BadRequest("'prompt' is required: a non-empty string or a non-empty list of token ids")
+    raise BadRequest(f"{name} is required: a non-empty string or a non-empty list of token ids", param="prompt")
+
+
+def batch_of(body: Mapping[str, Any]) -> list[Any] | None:
+    """The prompts of a batched completions request (a list of strings or of token-id lists), else None."""
+    prompt = body.get("prompt")
+    if not isinstance(prompt, list) or not prompt or not isinstance(prompt[0], str | list):
+        return None
+    return prompt
 
 
 def _chat_tokens(body: dict[str, Any]) -> int:

@@ -217,3 +217,26 @@ def test_greedy_n_choices_are_refused_before_any_engine(shapes: Shapes) -> None:
     got = ask(shapes.router_url, {**completion(prompt_text(4), stream=False), "n": 2})
     assert got.status == 400 and got.body["error"]["param"] == "n"
     assert before == [kv_sources(url) for url in (shapes.p0_url, shapes.decode_url)]
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
+def test_a_batch_equals_a_single_instance_and_moves_each_prompt_once(shapes: Shapes, stream: bool) -> None:
+    prompts = [prompt_text(words) for words in (20, 8, 14)]
+    body = {**completion("", stream, max_tokens=5), "prompt": prompts}
+    before = kv_sources(shapes.decode_url)
+    got = choices(shapes.router_url, "completions", body)
+    prompt = got.usage["prompt_tokens"]
+    on_d = prompt_seen(shapes.decode_url, before, prompt)
+    assert on_d["external_kv_transfer"] == prompt  # every prompt's KV moved, each once
+    assert on_d["local_compute"] == 0
+    assert got.usage["completion_tokens"] == 3 * 5
+    reference = choices(shapes.p0_url, "completions", body)  # one instance merges the batch itself
+    assert got.texts == reference.texts and sorted(got.texts) == [0, 1, 2]
+    assert prompt == reference.usage["prompt_tokens"]
+
+
+def test_a_batch_with_a_bad_prompt_reaches_no_engine(shapes: Shapes) -> None:
+    before = [kv_sources(url) for url in (shapes.p0_url, shapes.decode_url)]
+    got = ask(shapes.router_url, {**completion("", stream=False), "prompt": [prompt_text(4), ""]})
+    assert got.status == 400 and got.body["error"]["param"] == "prompt"
+    assert before == [kv_sources(url) for url in (shapes.p0_url, shapes.decode_url)]

@@ -118,7 +118,10 @@ def test_identity_is_read_from_a_prefill_answer() -> None:
         (Endpoint.COMPLETIONS, {"model": "m"}, "'prompt'"),
         (Endpoint.COMPLETIONS, {"model": "m", "prompt": ""}, "'prompt'"),
         (Endpoint.COMPLETIONS, {"model": "m", "prompt": 5}, "'prompt'"),
-        (Endpoint.COMPLETIONS, {"model": "m", "prompt": ["a", "b"]}, "batched"),
+        (Endpoint.COMPLETIONS, {"model": "m", "prompt": ["a", ""]}, "prompt[1]"),
+        (Endpoint.COMPLETIONS, {"model": "m", "prompt": [[1], [True]]}, "prompt[1]"),
+        (Endpoint.COMPLETIONS, {"model": "m", "prompt": ["a", 5]}, "prompt[1]"),
+        (Endpoint.COMPLETIONS, {"model": "m", "prompt": ["a"] * 65}, "limit of 64"),
         (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "stream": "yes"}, "'stream'"),
         (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": 0}, "'max_tokens'"),
         (Endpoint.COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": "5"}, "'max_tokens'"),
@@ -205,6 +208,16 @@ def test_the_first_token_pair_of_n_choices_asks_one_unstreamed_token(endpoint: E
     assert "stream_options" not in out and "min_tokens" not in out and "kv_transfer_params" not in out
     assert ("max_completion_tokens" in out) is (endpoint is Endpoint.CHAT)
     assert body["n"] == 3  # the client's body is not touched
+
+
+def test_a_batch_is_each_prompt_validated_and_its_tokens_summed() -> None:
+    body = {"model": "m", "prompt": ["x" * 40, [1, 2, 3]]}
+    assert protocol.parse_request(Endpoint.COMPLETIONS, body).prompt_tokens == 13
+    assert protocol.batch_of(body) == ["x" * 40, [1, 2, 3]]
+    assert protocol.batch_of({"prompt": [1, 2]}) is None and protocol.batch_of({"prompt": "x"}) is None
+    with pytest.raises(BadRequest, match="limit of 1") as refused:
+        protocol.parse_request(Endpoint.COMPLETIONS, body, max_batch=1)
+    assert refused.value.param == "prompt"
 
 
 def test_valid_requests_give_selection_facts() -> None:
