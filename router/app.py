@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import Message, Receive, Scope, Send
 
-from router import auth, fanout, heap, protocol
+from router import auth, fanout, heap, passthrough, protocol
 from router.answer import JsonAnswer, StreamAnswer
 from router.config import Settings
 from router.deciders.conversation import SESSION_HEADER
@@ -363,6 +363,24 @@ def _openai_routes(app: FastAPI, service: Service) -> None:
     async def models(request: Request) -> Response:
         auth.check_client(request.headers.get("authorization"), keys)
         return Response(await service.models(), media_type="application/json")
+
+    async def helper(request: Request) -> Response:  # vLLM's /tokenize, /detokenize, /version (router/passthrough.py)
+        auth.check_client(request.headers.get("authorization"), keys)
+        limit = service.settings.limits.max_body_bytes
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            raise PayloadTooLarge(f"the request body is over {limit} bytes")
+        body = await request.body()
+        if len(body) > limit:
+            raise PayloadTooLarge(f"the request body is over {limit} bytes")
+        deadline = service.settings.timeouts.helper
+        path = request.url.path
+        status, content = await passthrough.forward(service.pool, service.client, request.method, path, body, deadline)
+        return Response(content, status_code=status, media_type="application/json")
+
+    app.add_api_route("/tokenize", helper, methods=["POST"])
+    app.add_api_route("/detokenize", helper, methods=["POST"])
+    app.add_api_route("/version", helper, methods=["GET"])
 
 
 def _operations_routes(app: FastAPI, service: Service) -> None:

@@ -49,6 +49,7 @@ class Timeouts:
     health: float = 1.0  # one health probe (a timed-out probe is confirmed by a second at once; see health_interval)
     client_body: float = 10.0  # the whole client request body must arrive within this (else 408)
     client_write_stall: float = 30.0  # a streaming client that accepts no bytes this long: stream and legs closed
+    helper: float = 30.0  # one /tokenize, /detokenize or /version call passed to a worker (router/passthrough.py)
 
 
 @dataclass(frozen=True)
