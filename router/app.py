@@ -174,10 +174,14 @@ class HotPath:
         prompts = protocol.batch_of(body) if endpoint is Endpoint.COMPLETIONS else None
         batched = prompts if prompts is not None and len(prompts) > 1 else None
         try:
-            async with contextlib.AsyncExitStack() as slots:
-                for _ in range(1 if batched is None else len(batched)):  # a batch holds a slot per prompt
-                    await slots.enter_async_context(self._service.admission.slot())
-                await self._watched(receive, send, request, batched)
+            if batched is None:
+                async with self._service.admission.slot():
+                    await self._watched(receive, send, request)
+            else:
+                async with contextlib.AsyncExitStack() as slots:
+                    for _ in batched:  # a batch holds a slot per prompt
+                        await slots.enter_async_context(self._service.admission.slot())
+                    await self._watched(receive, send, request, batched)
         except Overloaded as refused:
             self._count(endpoint, refused, errors=False)
             if request.trace is not None:
