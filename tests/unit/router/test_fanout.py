@@ -36,8 +36,10 @@ def echoing_decode() -> Handler:
     return handle
 
 
-async def post(workers: FakeWorkers, body: dict[str, Any], **limits: int) -> httpx.Response:
-    settings = build_settings(SETTINGS, {"limits": limits} if limits else {})
+async def post(
+    workers: FakeWorkers, body: dict[str, Any], overrides: dict[str, Any] | None = None, **limits: int
+) -> httpx.Response:
+    settings = build_settings(SETTINGS, {**({"limits": limits} if limits else {}), **(overrides or {})})
     app = create_app(settings, transport=workers.transport())
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
@@ -99,3 +101,11 @@ async def test_a_failing_prompt_fails_the_batch_and_closes_the_other_legs() -> N
     response = await post(workers, {**BODY, "n": 1})
     assert response.status_code == 400 and "bad prompt" in response.json()["error"]["message"]
     assert closed.is_set()
+
+
+async def test_a_batch_holds_a_slot_per_prompt() -> None:
+    workers = FakeWorkers({"p0": prefill_ok(), "d0": echoing_decode()})
+    response = await post(workers, BODY, {"max_in_flight": 2, "admission_queue": 0})
+    assert response.status_code == 429 and workers.seen == []
+    response = await post(workers, {**BODY, "prompt": ["a", "b"]}, {"max_in_flight": 2, "admission_queue": 0})
+    assert response.status_code == 200 and len(response.json()["choices"]) == 4
