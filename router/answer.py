@@ -118,24 +118,24 @@ class StreamAnswer:
         self._check.feed(first)
         fix = self._fix
         if fix is not None:
-            if fix.wants(first):
-                await fix.resolve()
-            first = fix.feed(first)
+            first = await _fixed(fix, first)
         if out := self._observe(first):
             yield out
         try:
             async for chunk in self._chunks:
                 self._check.feed(chunk)
-                if fix is not None:
-                    if fix.wants(chunk):
+                if fix is not None:  # inline: no coroutine per chunk
+                    fed = fix.feed(chunk)
+                    if fed is None:
                         await fix.resolve()
-                    chunk = fix.feed(chunk)
+                        fed = fix.feed(b"")
+                    chunk = fed or b""
                 if out := self._observe(chunk):
                     yield out
         except (httpx.HTTPError, EventTooLarge) as exc:
             yield self._broke(exc)
             return
-        if fix is not None and (tail := fix.flush()):
+        if fix is not None and (tail := await fix.flush()):
             yield self._observe(tail)
         if self._collect is not None and (scrub := self._collect[1].scrub) is not None:
             tail = self._collect[0].framer.flush()  # an unterminated last event
@@ -222,6 +222,15 @@ class StreamAnswer:
             if self._fix is not None and self._fix.resolved:
                 usage = fixed_usage(usage, self._fix.cached)
             self._on_close(StreamEnd(self._outcome, usage, text, ids))
+
+
+async def _fixed(fix: CachedFix, chunk: bytes) -> bytes:
+    """`chunk` through `fix`, P's count awaited first when it holds a count."""
+    out = fix.feed(chunk)
+    if out is None:
+        await fix.resolve()
+        out = fix.feed(b"")
+    return out or b""
 
 
 async def read_first_events(

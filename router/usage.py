@@ -101,29 +101,36 @@ class CachedFix:
         self.cached: int | None = None
         self._tail = b""
 
-    def wants(self, chunk: bytes) -> bool:
-        """P's count must be known before `feed(chunk)`."""
-        if self.resolved:
-            return False
-        return b"cached_tokens" in chunk or (bool(self._tail) and b"cached_tokens" in self._tail + chunk)
-
     async def resolve(self) -> None:
         self.cached = await self._source()
         self.resolved = True
 
-    def feed(self, chunk: bytes) -> bytes:
-        """The bytes to relay now: the whole events so far, rewritten."""
+    def feed(self, chunk: bytes) -> bytes | None:
+        """The bytes to relay now: the whole events so far, rewritten; None when they hold a count and P's is not
+        known yet (`resolve()`, then `feed(b"")`). A chunk of whole events without a count: one search."""
         if self._tail:
             chunk, self._tail = self._tail + chunk, b""
-        if not chunk.endswith(_SEPARATORS):
-            end = max((i + len(sep) for sep in _SEPARATORS if (i := chunk.rfind(sep)) >= 0), default=0)
-            chunk, self._tail = chunk[:end], chunk[end:]
-        return with_cached(chunk, self.cached) if self.resolved else chunk
+        if b"cached_tokens" not in chunk:
+            return chunk if chunk.endswith(_SEPARATORS) else self._whole(chunk)
+        if not self.resolved:
+            self._tail = chunk
+            return None
+        return with_cached(self._whole(chunk), self.cached)
 
-    def flush(self) -> bytes:
+    def _whole(self, chunk: bytes) -> bytes:
+        """`chunk` up to its last event's end; the rest is kept for the next chunk."""
+        end = max((i + len(sep) for sep in _SEPARATORS if (i := chunk.rfind(sep)) >= 0), default=0)
+        self._tail = chunk[end:]
+        return chunk[:end]
+
+    async def flush(self) -> bytes:
         """An unterminated last event (the stream ended without its blank line), rewritten."""
         tail, self._tail = self._tail, b""
-        return with_cached(tail, self.cached) if self.resolved else tail
+        if b"cached_tokens" not in tail:
+            return tail
+        if not self.resolved:
+            await self.resolve()
+        return with_cached(tail, self.cached)
 
 
 def _count(value: Any) -> TypeGuard[int]:
