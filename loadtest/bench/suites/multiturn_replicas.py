@@ -10,10 +10,10 @@ suite runs, side by side on the same sessions:
 - `kvpush-decider` (unless `events_off_row=false`): one router on its own request-learned index, events off;
 - with `estimate_row` (issue 40): `kvpush-decider-estimate`, one router with events on but no tokenizer (the
   estimate path), for the router CPU per turn with the tokenizer option on (`kvpush-decider-events`) and off;
-- with `peer_kv_aware` (issue 40's peer row): vllm-router 0.1.17's own KV-event routing (`--policy kv_aware`, the
-  decodes' and the prefill's events, session affinity TTL) behind one router (`vllm-router-kv`) and behind
-  `replicas` routers taking the turns in turn (`vllm-router-kv-replicas`): both legs always, on the workers
-  holding the prefix (`vrouter_kv_argv`).
+- with `peer_kv_aware` (issue 40's peer row): vllm-router 0.1.17's own KV-event routing (`--policy kv_aware`,
+  the prefill's events, session affinity TTL on decode: 0.1.17 takes no decode events in P/D mode) behind one
+  router (`vllm-router-kv`) and behind `replicas` routers taking the turns in turn (`vllm-router-kv-replicas`):
+  both legs always (`vrouter_kv_argv`).
 
 Per replica: the turns it served and how many it bypassed, first turns apart (`replica_routes`: issue 40's
 bypass rate per replica against one router's on the same plan). Per front, summed over its replicas:
@@ -69,9 +69,12 @@ def replicas_of(front: str, replicas: int) -> int:
 def vrouter_kv_argv(
     binary: str, prefill: str, decodes: Sequence[str], port: int, prom: int, block: int, ttl_s: int = 300
 ) -> list[str]:
-    """vllm-router 0.1.17 in P/D mode with `kv_aware` on both pools, fed every engine's KV events (the engines
-    publish at their HTTP port + KV_EVENT_OFFSETS, replay one offset further) and session affinity on decode."""
-    offset, replay = KV_EVENT_OFFSETS
+    """vllm-router 0.1.17 in P/D mode with `kv_aware`: prefill picked on the prefill's KV events (the engines
+    publish at their HTTP port + KV_EVENT_OFFSETS[0]), decode by its session affinity (soft, by pending and active
+    decode requests). 0.1.17 refuses `--kv-event-source` for decodes outside its regular mode ("static
+    --kv-event-source is only supported in regular mode", run 20261207T134308Z-smoke): in P/D it follows no
+    decode's events, so this is as close to "picks the decode that holds the prefix" as it goes."""
+    offset = KV_EVENT_OFFSETS[0]
 
     def at(url: str, plus: int) -> str:
         host, _, engine_port = url.removeprefix("http://").rpartition(":")
@@ -81,9 +84,7 @@ def vrouter_kv_argv(
     for d in decodes:
         argv += ["--decode", d]
     argv += ["--kv-connector", "nixl", "--host", "127.0.0.1", "--port", str(port), "--policy", "kv_aware"]
-    argv += ["--pd-kv-events", f"{prefill}={at(prefill, offset)}"]
-    for d in decodes:
-        argv += ["--kv-event-source", f"{d}={at(d, offset)}", "--kv-event-replay-source", f"{d}={at(d, replay)}"]
+    argv += ["--pd-kv-events", f"{prefill}={at(prefill, offset)}"]  # P/D mode takes events for prefill only
     argv += ["--kv-event-block-size", str(block), "--kv-event-model", "tiny"]
     argv += ["--kv-aware-session-affinity-ttl-secs", str(ttl_s)]
     argv += ["--worker-startup-check-interval", "1", "--prometheus-port", str(prom), "--log-level", "warning"]
