@@ -242,8 +242,11 @@ def _peer(mine: Mapping[str, Row]) -> list[str]:
 
 
 def _shown(counts: Mapping[str, int]) -> str:
-    first = f"; first turns {counts.get('first_bypass', 0)} of {counts.get('first_turns', 0)}"
-    return f"{counts.get('bypass', 0)} of {counts.get('turns', 0)}{first}"
+    turns, bypass = counts.get("turns", 0), counts.get("bypass", 0)
+    first, first_bypass = counts.get("first_turns", 0), counts.get("first_bypass", 0)
+    return (
+        f"{bypass} of {turns} (first turns {first_bypass} of {first}, later {bypass - first_bypass} of {turns - first})"
+    )
 
 
 def _predicted(front: str, row: Row) -> str:

@@ -119,7 +119,10 @@ def test_issue_40_judges_each_replicas_bypass_rate_against_one_routers_and_the_p
     off = {**exact, "actual_cached": 880}
     many = row(report.REPLICAS, 0, 0.9, 2.0, bypass_by_replica=[routes(6, 5, 1, 1), routes(6, 4)], bypass_accuracy=off)
     lines = report.exact_lines([one, many])
-    assert lines[0].startswith("- repeat 0: bypassed turns per replica 5 of 6; first turns 1 of 1, 4 of 6;")
+    assert lines[0].startswith(
+        "- repeat 0: bypassed turns per replica 5 of 6 (first turns 1 of 1, later 4 of 5), 4 of 6 (first turns 0 of 2,"
+        " later 4 of 4) against one router's 9 of 12 (first turns 0 of 2, later 9 of 10):"
+    )
     assert "lowest 0.89x (target >= 0.95: not met), spread 16.7 points (target <= 5: not met)" in lines[0]
     assert "predicted 900 cached tokens, decode reported 900 (equal;" in lines[1]
     assert "decode reported 880 (differ by +20;" in lines[2]
