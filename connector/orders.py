@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 from connector.handshake import Link
 from connector.layer_push import StepLayers
-from connector.metadata import (
+from connector.metadata import HandshakePayload
+from connector.plan import (
     CancelUnallocated,
-    HandshakePayload,
     PrefillFailed,
     PrefillFinished,
     PrefillProgress,

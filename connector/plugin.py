@@ -28,8 +28,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from connector.kvcache import REQUESTED_LAYOUT, check_parallelism, side_channel_port
-from connector.metadata import StepPlan
 from connector.options import Options
+from connector.plan import StepPlan
 from connector.scheduler import Ending, SchedulerHalf
 from connector.stats import KvpushPromMetrics, KvpushStats
 from connector.worker import WorkerHalf

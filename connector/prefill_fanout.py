@@ -35,7 +35,8 @@ from dataclasses import dataclass, field, replace
 
 from connector.actions import Action, Deadlines, Release, Send, StartWrite, Tally, Timeouts
 from connector.fanin import FanOut
-from connector.metadata import Cancel, CancelAck, Failure, PrefillProgress, Registration
+from connector.metadata import Cancel, CancelAck, Failure, Registration
+from connector.plan import PrefillProgress
 from connector.rendezvous import P_TERMINAL, PrefillRendezvous
 
 

@@ -75,7 +75,8 @@ from connector.actions import (
     Tally,
     Timeouts,
 )
-from connector.metadata import Cancel, CancelAck, Done, Failure, PrefillProgress, Registration
+from connector.metadata import Cancel, CancelAck, Done, Failure, Registration
+from connector.plan import PrefillProgress
 
 __all__ = [
     "P_TERMINAL",

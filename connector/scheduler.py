@@ -44,21 +44,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from connector.metadata import (
+from connector.metadata import DecodeLeg, PeerAddress, PrefillAnswer, PrefillLeg, ProtocolError, pairing_key
+from connector.plan import (
     CancelUnallocated,
-    DecodeLeg,
-    PeerAddress,
-    PrefillAnswer,
     PrefillFailed,
     PrefillFinished,
-    PrefillLeg,
     PrefillPreempted,
     PrefillProgress,
     PrefillRestarted,
-    ProtocolError,
     RegisterOrder,
     StepPlan,
-    pairing_key,
 )
 
 logger = logging.getLogger(__name__)

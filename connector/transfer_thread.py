@@ -50,19 +50,13 @@ from connector.metadata import (
     PROTOCOL_VERSION,
     Cancel,
     CancelAck,
-    CancelUnallocated,
     Done,
     Failure,
     HandshakePayload,
     KVLayout,
     PeerAddress,
-    PrefillFailed,
-    PrefillFinished,
-    PrefillProgress,
-    PrefillRestarted,
     ProtocolError,
     RankInfo,
-    RegisterOrder,
     Registration,
     decode_notice,
     encode_notice,
@@ -70,6 +64,14 @@ from connector.metadata import (
 )
 from connector.options import Options
 from connector.orders import AddPeer, CancelOrder, Command, Gated, Order, PeerLost, PeerReady, Quiesce, Write
+from connector.plan import (
+    CancelUnallocated,
+    PrefillFailed,
+    PrefillFinished,
+    PrefillProgress,
+    PrefillRestarted,
+    RegisterOrder,
+)
 from connector.prefill_fanout import PrefillFanOut, split_leg_key
 from connector.ranks import DecodeFanIn, FanInStep, Unpairable, decode_legs, prefill_peer, prefill_targets
 from connector.ready import READY, HostFence, ReadyEvent, StepFence

@@ -26,9 +26,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 
 from connector.kvcache import KVCaches, compatibility_fields, compatibility_signature, describe_kv_caches
 from connector.layer_push import LayeredBackend, StepLayers
-from connector.metadata import RankInfo, StepPlan, compatibility_hash
+from connector.metadata import RankInfo, compatibility_hash
 from connector.options import Options
 from connector.orders import CancelOrder, Order
+from connector.plan import StepPlan
 from connector.ranks import layer_window, rank_port
 from connector.ready import READY, HostFence, StepFence, fence_for
 from connector.stats import KvpushStats

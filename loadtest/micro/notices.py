@@ -22,8 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from connector.metadata import KVLayout, PeerAddress, PrefillFinished, Region, RegisterOrder
+from connector.metadata import KVLayout, PeerAddress, Region
 from connector.options import Options, Polling
+from connector.plan import PrefillFinished, RegisterOrder
 from connector.transfer import NixlBackend
 from connector.transfer_thread import Results, TransferThread
 

@@ -35,7 +35,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from connector.metadata import StepPlan
+from connector.plan import StepPlan
 from connector.plugin import KvpushConnector
 from stack.tiny_model import SIZES
 from tests.compat.outputs import model_runner_output

@@ -23,9 +23,9 @@ from vllm.config import SchedulerConfig
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from connector.metadata import (
+from connector.metadata import PeerAddress
+from connector.plan import (
     CancelUnallocated,
-    PeerAddress,
     PrefillFinished,
     PrefillPreempted,
     PrefillProgress,

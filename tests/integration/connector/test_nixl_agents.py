@@ -27,9 +27,10 @@ def peer_main(conn: Connection, engine: str, seed: int | None, progress: str = "
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     import numpy as np
 
-    from connector.metadata import KVLayout, PeerAddress, PrefillFailed, PrefillFinished, Region, RegisterOrder
+    from connector.metadata import KVLayout, PeerAddress, Region
     from connector.options import Options
     from connector.orders import CancelOrder
+    from connector.plan import PrefillFailed, PrefillFinished, RegisterOrder
     from connector.rendezvous import Timeouts
     from connector.transfer import NixlBackend
     from connector.transfer_thread import Results, TransferThread

@@ -33,8 +33,9 @@ def rank_main(conn: Connection, engine: str, tp: int, rank: int, port: int, seed
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     import numpy as np
 
-    from connector.metadata import KVLayout, PeerAddress, PrefillFinished, RankInfo, Region, RegisterOrder
+    from connector.metadata import KVLayout, PeerAddress, RankInfo, Region
     from connector.options import Options
+    from connector.plan import PrefillFinished, RegisterOrder
     from connector.results import Results
     from connector.topology import RankId, heads_of
     from connector.transfer import NixlBackend

@@ -26,8 +26,9 @@ pytest.importorskip("nixl")
 
 import numpy as np  # noqa: E402
 
-from connector.metadata import KVLayout, PeerAddress, PrefillFinished, RankInfo, Region, RegisterOrder  # noqa: E402
+from connector.metadata import KVLayout, PeerAddress, RankInfo, Region  # noqa: E402
 from connector.options import Options  # noqa: E402
+from connector.plan import PrefillFinished, RegisterOrder  # noqa: E402
 from connector.results import Results  # noqa: E402
 from connector.topology import RankId, heads_of  # noqa: E402
 from connector.transfer import NixlBackend  # noqa: E402

@@ -17,9 +17,10 @@ import pytest
 
 from connector.layer_push import LayeredBackend, LayerParts, StepLayers, StepsByKey
 from connector.memory_backend import MemoryBackend, MemoryFabric
-from connector.metadata import HandshakePayload, KVLayout, PrefillFinished, PrefillProgress, Region, StepPlan
+from connector.metadata import HandshakePayload, KVLayout, Region
 from connector.options import Options
 from connector.orders import CancelOrder
+from connector.plan import PrefillFinished, PrefillProgress, StepPlan
 from connector.ready import READY, ReadyEvent
 from connector.transfer_thread import Results, TransferThread
 from connector.worker import WorkerHalf

@@ -12,7 +12,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from connector.actions import AbandonWrite, Action, Release, Send, StartWrite, Timeouts
-from connector.metadata import Cancel, CancelAck, Done, Failure, PrefillProgress, Registration
+from connector.metadata import Cancel, CancelAck, Done, Failure, Registration
+from connector.plan import PrefillProgress
 from connector.prefill_fanout import PrefillFanOut, leg_key, split_leg_key
 
 T = Timeouts(lease_s=10, kv_timeout_s=60, write_grace_s=20, write_timeout_s=5, connect_timeout_s=5)

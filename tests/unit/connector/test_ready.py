@@ -10,7 +10,7 @@ import pytest
 
 from connector.actions import Tally
 from connector.memory_backend import MemoryBackend, MemoryFabric
-from connector.metadata import PrefillFinished, StepPlan
+from connector.plan import PrefillFinished, StepPlan
 from connector.ready import READY, CudaFence, HostFence, ReadyEvent, fence_for
 from connector.worker import WorkerHalf
 from tests.unit.connector.test_transfer_thread import Side, make_side, register, sha, wait_for

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from connector.decode_rendezvous import DecodeRendezvous, DState
-from connector.metadata import Cancel, CancelAck, Done, Failure, PeerAddress, PrefillProgress, Registration
+from connector.metadata import Cancel, CancelAck, Done, Failure, PeerAddress, Registration
+from connector.plan import PrefillProgress
 from connector.rendezvous import (
     AbandonWrite,
     Connect,

@@ -4,7 +4,8 @@ Done only with the final WRITE; cancel, abort, preemption and expiry wait for th
 
 from __future__ import annotations
 
-from connector.metadata import Cancel, CancelAck, Done, Failure, PrefillProgress, Registration
+from connector.metadata import Cancel, CancelAck, Done, Failure, Registration
+from connector.plan import PrefillProgress
 from connector.rendezvous import AbandonWrite, Action, PrefillRendezvous, PState, Release, Send, StartWrite, Timeouts
 
 T = Timeouts(lease_s=30, kv_timeout_s=100, write_grace_s=10, write_timeout_s=5, connect_timeout_s=10)

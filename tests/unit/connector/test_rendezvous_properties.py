@@ -26,7 +26,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from connector.decode_rendezvous import DecodeRendezvous
-from connector.metadata import CancelAck, Done, Failure, Notice, PeerAddress, PrefillProgress, Registration
+from connector.metadata import CancelAck, Done, Failure, Notice, PeerAddress, Registration
+from connector.plan import PrefillProgress
 from connector.rendezvous import (
     P_TERMINAL,
     AbandonWrite,

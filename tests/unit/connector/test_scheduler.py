@@ -12,15 +12,8 @@ from typing import Any
 
 import pytest
 
-from connector.metadata import (
-    PeerAddress,
-    PrefillFailed,
-    PrefillFinished,
-    PrefillPreempted,
-    PrefillProgress,
-    PrefillRestarted,
-    StepPlan,
-)
+from connector.metadata import PeerAddress
+from connector.plan import PrefillFailed, PrefillFinished, PrefillPreempted, PrefillProgress, PrefillRestarted, StepPlan
 from connector.scheduler import Ending, SchedulerHalf
 
 

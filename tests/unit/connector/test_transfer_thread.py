@@ -19,17 +19,10 @@ import pytest
 
 from connector.handshake import Liveness
 from connector.memory_backend import MemoryBackend, MemoryFabric
-from connector.metadata import (
-    CancelUnallocated,
-    KVLayout,
-    PeerAddress,
-    PrefillFailed,
-    PrefillFinished,
-    Region,
-    RegisterOrder,
-)
+from connector.metadata import KVLayout, PeerAddress, Region
 from connector.options import Options, Polling
 from connector.orders import CancelOrder
+from connector.plan import CancelUnallocated, PrefillFailed, PrefillFinished, RegisterOrder
 from connector.ready import StepFence
 from connector.rendezvous import Timeouts
 from connector.transfer import TransferError

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 
 from connector.memory_backend import MemoryFabric
-from connector.metadata import PrefillFailed, PrefillFinished, PrefillProgress
 from connector.orders import CancelOrder
+from connector.plan import PrefillFailed, PrefillFinished, PrefillProgress
 from tests.unit.connector.test_transfer_thread import BLOCK_LEN, FAST, Side, make_side, register, sha, wait_for
 
 KEY = "t:1"

@@ -21,9 +21,10 @@ import pytest
 
 from connector.handshake import Liveness
 from connector.memory_backend import MemoryBackend, MemoryFabric
-from connector.metadata import KVLayout, PeerAddress, PrefillFinished, RankInfo, Region, RegisterOrder
+from connector.metadata import KVLayout, PeerAddress, RankInfo, Region
 from connector.options import Options
 from connector.orders import CancelOrder
+from connector.plan import PrefillFinished, RegisterOrder
 from connector.rendezvous import Timeouts
 from connector.topology import RankId, heads_of, plan
 from connector.transfer import WriteTicket

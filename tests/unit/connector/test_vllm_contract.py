@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("vllm", reason="connector.plugin is the class vLLM loads")
 
 from connector.memory_backend import MemoryFabric
-from connector.metadata import PrefillPreempted, PrefillProgress, StepPlan
+from connector.plan import PrefillPreempted, PrefillProgress, StepPlan
 from connector.plugin import KvpushConnector, KvpushMetadata
 from connector.worker import WorkerHalf
 from tests.unit.connector.test_transfer_thread import Side, make_side, register, wait_for
