@@ -117,6 +117,7 @@ def reproduce(plan: Mapping[str, Any]) -> str:
         "connector",
     )
     unset = {"api": "chat", "burst": 1, "system_tokens": 0, "system_shared": False, "events_off_row": True}
+    unset |= {"estimate_row": False, "peer_kv_aware": False, "message_max": 500, "max_model_len": 8192}
     keys = [*usual, *(k for k, v in unset.items() if k in plan and plan[k] != v)]  # issue 40's plan: when set
     sets = " ".join(
         f"--set {k}={str(plan[k]).lower() if isinstance(plan[k], bool) else plan[k]}" for k in keys if k in plan
@@ -233,7 +234,8 @@ def _peer(mine: Mapping[str, Row]) -> list[str]:
     if theirs is None:
         return []
     one = _p50(mine.get(PEER))
-    line = f"  - vllm-router kv_aware turns >= 2 TTFT p50: {theirs:.1f} ms behind the replicas, {one} ms behind one"
+    shown = "not run" if one is None else f"{one:.1f} ms"
+    line = f"  - vllm-router kv_aware turns >= 2 TTFT p50: {theirs:.1f} ms behind the replicas, {shown} behind one"
     if ours is None or not theirs:
         return [line]
     ratio = ours / theirs

@@ -138,6 +138,7 @@ def test_the_reproduce_line_names_issue_40s_fields_when_set() -> None:
     line = report.reproduce({**plan, "system_tokens": 1000})
     assert "--set api=both --set burst=3 --set system_tokens=1000 --set system_shared=true" in line
     assert "--set events_off_row=false" in line
+    assert "--set peer_kv_aware=true" in report.reproduce({**plan, "peer_kv_aware": True, "estimate_row": False})
     assert "api=" not in report.reproduce({"replicas": 2, "api": "chat"})
 
 
@@ -147,6 +148,7 @@ def test_the_peer_line_holds_kvpush_replicas_against_vllm_routers_kv_aware_repli
     many = row(report.REPLICAS, 0, 0.9, 2.0, bypass_by_replica=[routes(6, 5), routes(6, 5)], **p50)
     peers = [row(report.PEER, 0, 0.9, 2.0, ttft_ms_turn2plus={"p50": 60.0})]
     peers.append(row(report.PEER_REPLICAS, 0, 0.9, 2.0, ttft_ms_turn2plus={"p50": 50.0}))
+    peers[0]["ttft_ms_turn2plus"] = {"p50": 60.04}
     last = report.exact_lines([one, many, *peers])[-1]
     assert "50.0 ms behind the replicas, 60.0 ms behind one" in last
     assert last.endswith("kvpush's replicas 40.0 ms: 0.80x (loopback target <= 1.0: met)")
