@@ -60,7 +60,7 @@ def test_tools_and_tool_calls_as_vllm_hands_them_to_the_template() -> None:
     ]
     call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
     bad = {"id": "2", "type": "function", "function": {"name": "g", "arguments": "not json"}}
-    body = {
+    body: dict[str, Any] = {
         "tools": [tool],
         "reasoning_effort": "low",
         "chat_template_kwargs": {"extra": "!"},
@@ -77,7 +77,7 @@ def test_the_same_text_as_transformers_renders() -> None:
     """The environment is transformers' (vLLM calls its apply_chat_template): checked where it is installed."""
     utils = pytest.importorskip("transformers.utils.chat_template_utils")
     tool = {"type": "function", "function": {"name": "f", "description": "d", "parameters": {"type": "object"}}}
-    body = {
+    body: dict[str, Any] = {
         "tools": [tool],
         "messages": [
             {"role": "system", "content": "s"},

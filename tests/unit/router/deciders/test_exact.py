@@ -144,6 +144,6 @@ def test_nothing_held_pushes_to_the_sessions_last_decode(tokens: PromptTokens) -
 def test_a_shape_the_router_does_not_render_falls_back_to_the_estimate(tokens: PromptTokens) -> None:
     engines = Engines()
     d = replica(engines, tokens)
-    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+    image: dict[str, Any] = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
     decision = d.decide(chat([image], "s"), DECODES, PREFILLS, 1.0)
     assert decision.route is Route.PUSH and "exact" not in decision.reason
