@@ -240,3 +240,19 @@ def test_a_batch_with_a_bad_prompt_reaches_no_engine(shapes: Shapes) -> None:
     got = ask(shapes.router_url, {**completion("", stream=False), "prompt": [prompt_text(4), ""]})
     assert got.status == 400 and got.body["error"]["param"] == "prompt"
     assert before == [kv_sources(url) for url in (shapes.p0_url, shapes.decode_url)]
+
+
+def test_tokenize_detokenize_and_version_are_a_workers_own_answers(shapes: Shapes) -> None:
+    text = {"model": "tiny", "prompt": prompt_text(3)}
+    via, alone = (
+        httpx.post(f"{url}/tokenize", json=text, timeout=30) for url in (shapes.router_url, shapes.decode_url)
+    )
+    assert via.status_code == 200 and via.json() == alone.json()
+    ids = {"model": "tiny", "tokens": via.json()["tokens"]}
+    back, back_alone = (
+        httpx.post(f"{url}/detokenize", json=ids, timeout=30) for url in (shapes.router_url, shapes.decode_url)
+    )
+    assert back.status_code == 200 and back.json() == back_alone.json()
+    assert back.json()["prompt"].endswith(text["prompt"])  # after the tokenizer's BOS
+    version = httpx.get(f"{shapes.router_url}/version", timeout=30)
+    assert version.status_code == 200 and version.json() == httpx.get(f"{shapes.decode_url}/version").json()
