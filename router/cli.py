@@ -53,7 +53,7 @@ def serve_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="NAME=SECONDS",
         help="a deadline: connect, prefill, decode_first_byte, decode_total, stream_idle, health, client_body, "
-        "client_write_stall",
+        "client_write_stall, helper",
     )
     p.add_argument("--decider", help="the P/D decider (default none: the mode decides, the policies pick the workers)")
     p.add_argument(
