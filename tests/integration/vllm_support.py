@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -120,6 +121,30 @@ def router(mode: str, prefills: Sequence[str], decodes: Sequence[str], *extra: s
         yield proc.url
     finally:
         proc.stop(10.0)
+
+
+def push_replicas(
+    routers: Fleet, prefill: Engine, decode: Engine, config: Path, label: str, count: int = 2
+) -> list[str]:
+    """`count` router processes in push mode over one prefill and one decode, each reading `config` (the replicas
+    of a test that follows the engines' KV events); their base URLs once each is healthy."""
+    urls = []
+    for i in range(count):
+        port = free_port()
+        spec = router_spec(
+            port,
+            "push",
+            [prefill.engine_spec.prefill_arg()],
+            [decode.url],
+            "--health-interval",
+            "0.5",
+            config=config,
+            name=f"router-{label}{i}-{port}",
+        )
+        router = routers.start(Router(spec, log_dir=LOGS))
+        router.wait_healthy(60.0)
+        urls.append(router.url)
+    return urls
 
 
 def kv_sources(decode_url: str) -> dict[str, float]:

@@ -31,12 +31,10 @@ from router.kv_events.endpoints import endpoints_near
 from router.kv_events.index import KvIndex
 from router.kv_events.subscriber import KvEventSubscriber
 from stack.engines import KV_EVENT_OFFSETS, Engine, Fleet
-from stack.procs import free_port
-from stack.routers import Router, router_spec
 from tests.integration.families import UPSTREAM_PUSH, FamilyPool
 from tests.integration.multiturn.mt_support import block_size, chat_body, reply_of
 from tests.integration.support import LOGS, VLLM, metric, tiny_model
-from tests.integration.vllm_support import kv_sources, prompt_text
+from tests.integration.vllm_support import kv_sources, prompt_text, push_replicas
 
 pytestmark = [*VLLM, pytest.mark.family(UPSTREAM_PUSH)]
 SESSIONS, TURNS = 3, 4
@@ -65,22 +63,7 @@ def bed(family_pool: FamilyPool, tmp_path_factory: pytest.TempPathFactory) -> It
         encoding="utf-8",
     )
     with Fleet(LOGS) as routers:
-        urls = []
-        for i in range(2):
-            port = free_port()
-            spec = router_spec(
-                port,
-                "push",
-                [prefill.engine_spec.prefill_arg()],
-                [decode.url],
-                "--health-interval",
-                "0.5",
-                config=config,
-                name=f"router-exact-replica{i}-{port}",
-            )
-            router = routers.start(Router(spec, log_dir=LOGS))
-            router.wait_healthy(60.0)
-            urls.append(router.url)
+        urls = push_replicas(routers, prefill, decode, config, "exact-replica")
         yield Bed(prefill, decode, (urls[0], urls[1]), block)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,15 +85,6 @@ def make_side(
     )
     thread.start()
     return Side(thread, backend, kv, Results())
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[Side, Side]]:
-    fabric = MemoryFabric()
-    p, d = make_side(fabric, "P", seed=1), make_side(fabric, "D", seed=None)
-    yield p, d
-    d.thread.close()
-    p.thread.close()
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 5.0) -> None:

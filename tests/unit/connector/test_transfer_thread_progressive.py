@@ -8,26 +8,13 @@ P posts a WRITE of each step's full blocks (``PrefillProgress``) without a notic
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
-import pytest
-
-from connector.memory_backend import MemoryFabric
 from connector.orders import CancelOrder
 from connector.plan import PrefillFailed, PrefillFinished, PrefillProgress
-from tests.unit.connector.test_transfer_thread import BLOCK_LEN, FAST, Side, make_side, register, sha, wait_for
+from tests.unit.connector.test_transfer_thread import BLOCK_LEN, FAST, Side, register, sha, wait_for
 
 KEY = "t:1"
 D_BLOCKS = (4, 5, 6)
-
-
-@pytest.fixture
-def sides() -> Iterator[tuple[Side, Side]]:
-    fabric = MemoryFabric()
-    p, d = make_side(fabric, "P", seed=1), make_side(fabric, "D", seed=None)
-    yield p, d
-    d.thread.close()
-    p.thread.close()
 
 
 def progress(p: Side, full: int) -> None:
@@ -39,8 +26,8 @@ def registered(p: Side, d: Side) -> None:
     wait_for(lambda: KEY in p.thread._prefill.entries)
 
 
-def test_each_chunk_lands_at_once_and_decode_is_done_only_after_the_final_write(sides: tuple[Side, Side]) -> None:
-    p, d = sides
+def test_each_chunk_lands_at_once_and_decode_is_done_only_after_the_final_write(pair: tuple[Side, Side]) -> None:
+    p, d = pair
     registered(p, d)
     progress(p, 1)
     wait_for(lambda: d.block(4) == p.block(1))
@@ -58,8 +45,8 @@ def test_each_chunk_lands_at_once_and_decode_is_done_only_after_the_final_write(
     assert [r.num_bytes for r in p.results.records] == [2 * BLOCK_LEN] * 3, "one block per WRITE"
 
 
-def test_at_most_one_write_is_in_flight_and_later_chunks_join_the_next(sides: tuple[Side, Side]) -> None:
-    p, d = sides
+def test_at_most_one_write_is_in_flight_and_later_chunks_join_the_next(pair: tuple[Side, Side]) -> None:
+    p, d = pair
     p.backend.polls_before_done = 30
     registered(p, d)
     progress(p, 1)
@@ -77,8 +64,8 @@ def test_at_most_one_write_is_in_flight_and_later_chunks_join_the_next(sides: tu
     assert sha(d.block(4) + d.block(5) + d.block(6)) == sha(p.block(1) + p.block(2) + p.block(3))
 
 
-def test_a_registration_that_arrives_late_is_pushed_what_is_computed_in_one_write(sides: tuple[Side, Side]) -> None:
-    p, d = sides
+def test_a_registration_that_arrives_late_is_pushed_what_is_computed_in_one_write(pair: tuple[Side, Side]) -> None:
+    p, d = pair
     progress(p, 1)
     progress(p, 2)
     time.sleep(0.05)
@@ -92,9 +79,9 @@ def test_a_registration_that_arrives_late_is_pushed_what_is_computed_in_one_writ
 
 
 def test_an_err_of_a_partial_write_fails_decode_and_frees_the_prefill_only_at_its_end(
-    sides: tuple[Side, Side],
+    pair: tuple[Side, Side],
 ) -> None:
-    p, d = sides
+    p, d = pair
     p.backend.fail_writes = True
     registered(p, d)
     progress(p, 1)
@@ -107,9 +94,9 @@ def test_an_err_of_a_partial_write_fails_decode_and_frees_the_prefill_only_at_it
 
 
 def test_an_err_with_a_sibling_part_in_flight_frees_nothing_on_decode_until_it_ended(
-    sides: tuple[Side, Side],
+    pair: tuple[Side, Side],
 ) -> None:
-    p, d = sides
+    p, d = pair
     p.backend.subrequests, p.backend.fail_first_part, p.backend.sibling_polls = 2, True, 40
     registered(p, d)
     p.thread.submit(PrefillProgress("p1", KEY, (1, 2), 3, 0))
@@ -118,8 +105,8 @@ def test_an_err_with_a_sibling_part_in_flight_frees_nothing_on_decode_until_it_e
     assert d.results.failed == {"d1"}
 
 
-def test_an_abort_with_a_partial_write_in_flight_frees_the_blocks_only_after_it(sides: tuple[Side, Side]) -> None:
-    p, d = sides
+def test_an_abort_with_a_partial_write_in_flight_frees_the_blocks_only_after_it(pair: tuple[Side, Side]) -> None:
+    p, d = pair
     p.backend.polls_before_done = 40
     registered(p, d)
     progress(p, 1)
@@ -130,8 +117,8 @@ def test_an_abort_with_a_partial_write_in_flight_frees_the_blocks_only_after_it(
     wait_for(lambda: "d1" in d.collect().failed and "d1" in d.results.received)
 
 
-def test_a_stuck_partial_write_quarantines_and_holds_the_prefill_blocks(sides: tuple[Side, Side]) -> None:
-    p, d = sides
+def test_a_stuck_partial_write_quarantines_and_holds_the_prefill_blocks(pair: tuple[Side, Side]) -> None:
+    p, d = pair
     p.backend.fail_writes, p.backend.refuse_releases = True, -1
     registered(p, d)
     progress(p, 1)
@@ -143,8 +130,8 @@ def test_a_stuck_partial_write_quarantines_and_holds_the_prefill_blocks(sides: t
     wait_for(lambda: "p1" in p.collect().released, timeout=FAST.kv_timeout_s + 2)
 
 
-def test_a_cancel_with_a_partial_write_in_flight_is_acked_only_after_it(sides: tuple[Side, Side]) -> None:
-    p, d = sides
+def test_a_cancel_with_a_partial_write_in_flight_is_acked_only_after_it(pair: tuple[Side, Side]) -> None:
+    p, d = pair
     p.backend.polls_before_done = 40
     registered(p, d)
     progress(p, 1)
@@ -161,8 +148,8 @@ def test_a_cancel_with_a_partial_write_in_flight_is_acked_only_after_it(sides: t
 # ---- issue 38: a preempted leg's blocks are free before its partial WRITE is over (handle_preemptions) --------
 
 
-def test_a_preemption_fence_returns_only_once_the_legs_partial_write_is_over(sides: tuple[Side, Side]) -> None:
-    p, d = sides
+def test_a_preemption_fence_returns_only_once_the_legs_partial_write_is_over(pair: tuple[Side, Side]) -> None:
+    p, d = pair
     p.backend.polls_before_done = 40
     registered(p, d)
     progress(p, 1)
@@ -173,9 +160,9 @@ def test_a_preemption_fence_returns_only_once_the_legs_partial_write_is_over(sid
 
 
 def test_after_a_preemption_fence_no_partial_write_is_posted_and_the_final_write_writes_every_block(
-    sides: tuple[Side, Side],
+    pair: tuple[Side, Side],
 ) -> None:
-    p, d = sides
+    p, d = pair
     registered(p, d)
     progress(p, 1)
     wait_for(lambda: d.block(4) == p.block(1))
@@ -190,9 +177,9 @@ def test_after_a_preemption_fence_no_partial_write_is_posted_and_the_final_write
 
 
 def test_a_preemption_fence_with_a_write_that_cannot_be_released_gives_up_at_the_write_timeout(
-    sides: tuple[Side, Side],
+    pair: tuple[Side, Side],
 ) -> None:
-    p, d = sides
+    p, d = pair
     p.backend.polls_before_done, p.backend.refuse_releases = 10**9, -1
     registered(p, d)
     progress(p, 1)
@@ -202,7 +189,7 @@ def test_a_preemption_fence_with_a_write_that_cannot_be_released_gives_up_at_the
     assert counters["fence_timeouts"] == 1 and counters["fenced"] == 1
 
 
-def test_a_fence_for_a_transfer_with_nothing_in_flight_returns_at_once(sides: tuple[Side, Side]) -> None:
-    p, _ = sides
+def test_a_fence_for_a_transfer_with_nothing_in_flight_returns_at_once(pair: tuple[Side, Side]) -> None:
+    p, _ = pair
     assert p.thread.quiesce(frozenset({"t:unknown"})) is True
     assert p.collect().counters["fenced"] == 0

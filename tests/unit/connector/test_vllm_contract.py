@@ -11,29 +11,18 @@ Runs in ``make test`` on 0.32 and in ``make compat VLLM=...`` on every other sup
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
 
 pytest.importorskip("vllm", reason="connector.plugin is the class vLLM loads")
 
-from connector.memory_backend import MemoryFabric
 from connector.plan import PrefillPreempted, PrefillProgress, StepPlan
 from connector.plugin import KvpushConnector, KvpushMetadata
 from connector.worker import WorkerHalf
-from tests.unit.connector.test_transfer_thread import Side, make_side, register, wait_for
+from tests.unit.connector.test_transfer_thread import Side, register, wait_for
 
 KEY = "t:1"
-
-
-@pytest.fixture
-def sides() -> Iterator[tuple[Side, Side]]:
-    fabric = MemoryFabric()
-    p, d = make_side(fabric, "P", seed=1), make_side(fabric, "D", seed=None)
-    yield p, d
-    d.thread.close()
-    p.thread.close()
 
 
 def _prefill_connector(p: Side) -> KvpushConnector:
@@ -44,8 +33,8 @@ def _prefill_connector(p: Side) -> KvpushConnector:
     return conn
 
 
-def test_handle_preemptions_returns_only_once_the_preempted_legs_write_is_over(sides: tuple[Side, Side]) -> None:
-    p, d = sides
+def test_handle_preemptions_returns_only_once_the_preempted_legs_write_is_over(pair: tuple[Side, Side]) -> None:
+    p, d = pair
     p.backend.polls_before_done = 40
     register(p, d, blocks=(4, 5, 6))
     wait_for(lambda: KEY in p.thread._prefill.entries)
@@ -56,8 +45,8 @@ def test_handle_preemptions_returns_only_once_the_preempted_legs_write_is_over(s
     assert p.backend.in_flight_to("agent-D") == 0, "the forward would overwrite blocks a WRITE still reads"
 
 
-def test_handle_preemptions_without_a_preempted_leg_does_not_wait(sides: tuple[Side, Side]) -> None:
-    p, _ = sides
+def test_handle_preemptions_without_a_preempted_leg_does_not_wait(pair: tuple[Side, Side]) -> None:
+    p, _ = pair
     _prefill_connector(p).handle_preemptions(KvpushMetadata(StepPlan()))
     assert p.collect().counters["fenced"] == 0
 
