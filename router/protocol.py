@@ -223,13 +223,7 @@ def prefill_body(body: dict[str, Any], endpoint: Endpoint, transfer_id: str) -> 
     """The prefill leg: the client's request cut to one token, unstreamed, asking for a remote decode.
 
     Shaping copies the top level only: it sets top-level keys and never writes into the client's nested values."""
-    out = dict(body)
-    out["max_tokens"] = 1
-    if endpoint is Endpoint.CHAT or "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    out["stream"] = False
-    for key in ("stream_options", "min_tokens"):
-        out.pop(key, None)
+    out = _one_token(body, endpoint)
     params: KvTransferParams = {
         "do_remote_decode": True,
         "do_remote_prefill": False,
@@ -246,8 +240,14 @@ def prefill_body(body: dict[str, Any], endpoint: Endpoint, transfer_id: str) -> 
 def first_token_body(body: dict[str, Any], endpoint: Endpoint) -> dict[str, Any]:
     """One choice of one token, unstreamed: the pair that moves an n > 1 request's prompt into decode's prefix
     cache once (its answer is not the client's)."""
-    out = dict(body)
+    out = _one_token(body, endpoint)
     out["n"] = 1
+    return out
+
+
+def _one_token(body: dict[str, Any], endpoint: Endpoint) -> dict[str, Any]:
+    """A top-level copy of the client's body cut to one token, unstreamed."""
+    out = dict(body)
     out["max_tokens"] = 1
     if endpoint is Endpoint.CHAT or "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
