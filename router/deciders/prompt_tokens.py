@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from router.deciders.chat_render import ChatTemplate
+from router.deciders.tokenizer import read_tokenizer
 from router.domain import Endpoint
 from router.errors import ConfigError
 
@@ -73,17 +74,7 @@ class PromptTokens:
     @classmethod
     def load(cls, where: str, memo_chars: int = 8 << 20) -> PromptTokens:
         """The folder holding `tokenizer.json` (or the file itself; then its folder's config and template)."""
-        path = Path(where)
-        folder = path if path.is_dir() else path.parent
-        file = path / "tokenizer.json" if path.is_dir() else path
-        try:
-            from tokenizers import Tokenizer
-        except ImportError as error:
-            raise ConfigError(f"decider option tokenizer: the tokenizers package is not installed ({error})") from None
-        try:
-            tokenizer = Tokenizer.from_file(str(file))
-        except Exception as error:  # noqa: BLE001 - the library raises bare Exception for a missing or bad file
-            raise ConfigError(f"decider option tokenizer: cannot load {file}: {error}") from None
+        tokenizer, folder = read_tokenizer(where)
         config = _read_config(folder)
         source = _template_source(folder, config)
         template = ChatTemplate(source, _special_tokens(config)) if source is not None else None
@@ -115,6 +106,10 @@ class PromptTokens:
         if not isinstance(prompt, str):
             return None
         return self.encode(prompt, body.get("add_special_tokens", True) is not False)
+
+    def plain(self, text: str) -> list[int]:
+        """`text` alone, no special tokens, no memo: what the engines' `/tokenize` gives for an answer check."""
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
 
     def encode(self, text: str, special: bool) -> list[int]:
         """`text`'s ids (with the post-processor's special tokens when `special`), piece by piece."""

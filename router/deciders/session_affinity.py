@@ -53,7 +53,7 @@ from router.deciders.conversation import Chain, ConversationKey, Link, conversat
 from router.deciders.exact import ExactPick, exact_pick
 from router.deciders.prefix_index import Match, PrefixIndex, SessionTable, TokenRatio, prorated, reusable_answer_tokens
 from router.deciders.prompt_tokens import PromptTokens
-from router.deciders.tokenizer import Tokenize, load_tokenizer
+from router.deciders.tokenizer import Tokenize
 from router.domain import Endpoint, WorkerView
 from router.errors import ConfigError
 from router.kv_events.index import SessionTail
@@ -186,7 +186,8 @@ class SessionAffinity:
         o = AffinityOptions.from_mapping(options)
         if o.tokenizer is None or view is None:
             return cls(o, view)
-        return cls(o, view, load_tokenizer(o.tokenizer), PromptTokens.load(o.tokenizer))
+        tokens = PromptTokens.load(o.tokenizer)  # the file read once, for answer checks and exact prompt ids
+        return cls(o, view, tokens.plain, tokens)
 
     def decide(self, turn: Turn, decode: Sequence[WorkerView], prefill: Sequence[WorkerView], now: float) -> Decision:
         ids = prompt_token_ids(turn.body) if self.view is not None else None

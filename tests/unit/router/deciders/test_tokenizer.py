@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
+from router.deciders.prompt_tokens import PromptTokens
 from router.deciders.session_affinity import SessionAffinity
-from router.deciders.tokenizer import load_tokenizer
 from router.errors import ConfigError
 from router.kv_events.index import KvIndex
 from router.kv_events.view import KvEventView
@@ -24,13 +24,13 @@ def saved(tmp_path: Path) -> Path:
 
 def test_a_model_directory_or_its_file_encodes_without_special_tokens(tmp_path: Path) -> None:
     where = saved(tmp_path)
-    assert list(load_tokenizer(str(where))("hello world")) == [1, 2]
-    assert list(load_tokenizer(str(where / "tokenizer.json"))("world x")) == [2, 3]
+    assert PromptTokens.load(str(where)).plain("hello world") == [1, 2]
+    assert PromptTokens.load(str(where / "tokenizer.json")).plain("world x") == [2, 3]
 
 
 def test_a_missing_tokenizer_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="tokenizer"):
-        load_tokenizer(str(tmp_path))
+        PromptTokens.load(str(tmp_path))
 
 
 def test_the_decider_loads_it_only_with_kv_events(tmp_path: Path) -> None:
