@@ -14,11 +14,20 @@ from a starved API process does not cost the legs in flight on that worker.
 A hard request failure (the worker refused or dropped the connection) ejects at once; soft ones (a 5xx answer,
 a deadline) eject after `eject_after` in a row. Each ejection doubles the hold (`base_backoff` up to
 `max_backoff`); a successful request resets the streak.
+
+A prefill worker can also be *stalled*: its API process answers /health (so the probes see it up) while its
+engine makes no progress, e.g. one tensor-parallel rank stopped (SIGSTOP) or wedged in a collective: the other
+ranks wait for it and no leg is ever answered. Its legs' failures reach the router as the paired decode's errors
+(the KV never came), so passive health does not see it either. `stalled` is the rule the pool applies on every
+health round: a leg in flight on it has waited, since it began or since the worker last answered a leg (whichever
+is later), longer than any healthy engine takes to prefill that leg (`stall_base` + `stall_per_token` per prompt
+token). A stalled worker is ejected as by a hard failure (held out, its legs told at once, retried elsewhere).
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -34,6 +43,20 @@ class HealthPolicy:
     base_backoff: float = 1.0  # seconds the first ejection holds a worker out
     max_backoff: float = 30.0
     probe_timeouts: int = 2  # probe timeouts in a row that take an UP worker down
+    stall_base: float = 5.0  # seconds a prefill leg may wait without any answer from its worker, plus:
+    stall_per_token: float = 0.001  # per prompt token of the leg (a 1000 tokens/s floor on prefill speed)
+
+    def stall_budget(self, tokens: int) -> float:
+        """Seconds a prefill leg of `tokens` prompt tokens may wait on a worker that answers nothing meanwhile."""
+        return self.stall_base + self.stall_per_token * max(0, tokens)
+
+
+def stalled(legs: Iterable[tuple[float, int]], last_answer: float, now: float, policy: HealthPolicy) -> bool:
+    """Pure: whether a worker is stalled. `legs`: its legs in flight as (started, prompt tokens); `last_answer`:
+    when it last answered a leg (its clock; 0 when never). A leg waits from its start or from the last answer,
+    whichever is later: an engine that answered another leg meanwhile is making progress, and a leg queued
+    behind answered ones is judged from the latest answer only."""
+    return any(now - max(started, last_answer) > policy.stall_budget(tokens) for started, tokens in legs)
 
 
 class WorkerHealth:

@@ -19,12 +19,13 @@ import httpx
 
 from router.domain import EngineLoad, NixlIdentity, Role, Sleep, WorkerSpec, WorkerView
 from router.errors import UpstreamError
-from router.health import HealthPolicy, WorkerHealth
+from router.health import HealthPolicy, WorkerHealth, stalled
 from router.metrics import Metrics
 from router.ranks import RankPick, RankSet
 
 logger = logging.getLogger("kvpush.pool")
 
+_STALLED = "stalled: up to its probes but answered no leg within the stall budget (health.stalled)"
 ProbeErrorHook = Callable[[WorkerSpec, BaseException], None]  # a probe raised something that is not HTTP's
 
 
@@ -45,6 +46,9 @@ class Tracked:
     loss could land on a leg that has already finished."""
 
     worker_id: str
+    started: float = 0.0  # the pool's clock when the leg began
+    tokens: int = 0  # its prompt tokens (the stall budget: health.stalled)
+    rank: int | None = None  # the data-parallel rank it is pinned to, if any
     loss: Loss | None = None
     reason: str = ""  # for logs: what the probe or the failure said
     _listener: Callable[[], None] | None = field(default=None, repr=False)
@@ -120,6 +124,8 @@ class WorkerState:
     block_size: int | None = None  # its KV block size, from the last scrape that stated it
     draining: bool = False  # an operator asked: no new requests
     legs: set[Tracked] = field(default_factory=set)  # legs in flight on it, told when it is lost
+    last_answer: float = 0.0  # when a leg on it last succeeded (the pool's clock): the stall rule's progress
+    rank_answers: dict[int, float] = field(default_factory=dict)  # the same per data-parallel rank
 
     @property
     def identity(self) -> NixlIdentity | None:
@@ -264,7 +270,7 @@ class Pool:
         duration of the block. The leg is marked lost when the worker goes down, is drained or leaves while the
         leg runs."""
         state = self._workers[worker_id]  # held: the worker may leave the pool while the leg runs
-        leg = Tracked(worker_id)
+        leg = Tracked(worker_id, started=self._clock(), tokens=tokens, rank=rank)
         state.in_flight += 1
         state.outstanding_tokens += tokens
         state.legs.add(leg)
@@ -319,6 +325,8 @@ class Pool:
         state = self._workers.get(worker_id)
         if state is None:
             return
+        if ok:
+            state.rank_answers[rank] = self._clock()
         if state.ranks.report(rank, self._clock(), ok=ok, hard=hard):
             logger.warning("%s worker %s: data-parallel rank %d held out: %s", state.spec.role, worker_id, rank, reason)
 
@@ -330,6 +338,7 @@ class Pool:
         now = self._clock()
         if ok:
             state.health.on_request_ok(now)
+            state.last_answer = now
             return
         if state.health.on_request_failed(now, hard=hard):
             logger.warning(
@@ -347,6 +356,30 @@ class Pool:
         A probe that raises anything counts as failed; `on_error` hears of those that are not HTTP errors."""
         workers = list(self._workers.values())
         await asyncio.gather(*(self._probe(client, s, timeout, on_error) for s in workers))
+        self.check_stalls()
+
+    def check_stalls(self) -> None:
+        """Ejects every prefill worker (or, with data parallelism, every rank) that `health.stalled` says makes no
+        progress: up to its probes, answering none of its legs. Run on every health round."""
+        now = self._clock()
+        for state in list(self._workers.values()):
+            if state.spec.role is not Role.PREFILL or not state.healthy:
+                continue
+            if state.spec.dp_size > 1:
+                self._check_rank_stalls(state, now)
+                continue
+            legs = [(leg.started, leg.tokens) for leg in state.legs if not leg.is_lost]
+            if stalled(legs, state.last_answer, now, self._policy):
+                self.report(state.spec.id, ok=False, hard=True, reason=_STALLED)
+
+    def _check_rank_stalls(self, state: WorkerState, now: float) -> None:
+        for rank in sorted({leg.rank for leg in state.legs if leg.rank is not None and not leg.is_lost}):
+            legs = [(leg.started, leg.tokens) for leg in state.legs if leg.rank == rank and not leg.is_lost]
+            if stalled(legs, state.rank_answers.get(rank, 0.0), now, self._policy):
+                self.report_rank(state.spec.id, rank, ok=False, hard=True, reason=_STALLED)
+                for leg in list(state.legs):
+                    if leg.rank == rank:
+                        leg.mark_lost(Loss.DOWN, f"rank {rank} held out: {_STALLED}")
 
     async def run_health(
         self,

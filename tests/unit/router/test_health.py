@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from router.health import Health, HealthPolicy, WorkerHealth
+from router.health import Health, HealthPolicy, WorkerHealth, stalled
 
 POLICY = HealthPolicy(eject_after=3, base_backoff=1.0, max_backoff=4.0)
 
@@ -111,3 +111,26 @@ def test_one_probe_timeout_takes_a_worker_down_when_the_policy_says_so() -> None
     h = WorkerHealth(HealthPolicy(probe_timeouts=1))
     h.on_probe_ok(0.0)
     assert h.on_probe_failed(1.0, timed_out=True) and h.state is Health.DOWN
+
+
+# ------------------------------------------------------------------------------------------------ the stall rule
+
+STALL = HealthPolicy(stall_base=5.0, stall_per_token=0.01)
+
+
+def test_a_leg_that_waits_past_its_budget_with_no_answer_meanwhile_means_stalled() -> None:
+    assert STALL.stall_budget(100) == 6.0
+    assert not stalled([(10.0, 100)], last_answer=0.0, now=16.0, policy=STALL)
+    assert stalled([(10.0, 100)], last_answer=0.0, now=16.1, policy=STALL)
+
+
+def test_an_answer_after_the_leg_began_restarts_its_wait() -> None:
+    """The engine answered another leg meanwhile: it makes progress, so the long leg waits from that answer."""
+    assert not stalled([(10.0, 100)], last_answer=15.0, now=20.0, policy=STALL)
+    assert stalled([(10.0, 100)], last_answer=15.0, now=21.5, policy=STALL)
+
+
+def test_long_prompts_get_a_longer_budget_and_no_legs_is_never_stalled() -> None:
+    assert not stalled([(0.0, 10_000)], last_answer=0.0, now=100.0, policy=STALL)
+    assert stalled([(0.0, 10_000), (90.0, 1)], last_answer=0.0, now=100.0, policy=STALL)
+    assert not stalled([], last_answer=0.0, now=1e9, policy=STALL)

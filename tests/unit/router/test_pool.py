@@ -222,3 +222,69 @@ async def test_the_pool_says_when_a_worker_goes_down_or_leaves_and_not_when_it_i
     assert gone == [P0.id, P1.id, d1.id], "discovery dropped d1"
     pool.remove(D0.id)
     assert gone[-1] == D0.id
+
+
+# ---------------------------------------------------------------------- a stalled prefill (a hung TP rank, issue 42)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+STALL = HealthPolicy(stall_base=5.0, stall_per_token=0.0)
+
+
+def test_a_prefill_up_to_its_probes_that_answers_no_leg_is_held_out_and_its_legs_told() -> None:
+    """A SIGSTOPped TP rank: the API process answers /health, the engine answers nothing. Before the stall rule
+    nothing took such a prefill out (its failures came back as decode's errors), so new legs kept going to it."""
+    clock = Clock()
+    pool = Pool((P0, P1, D0), Metrics(), STALL, clock)
+    for spec in (P0, P1, D0):
+        pool.get(spec.id).health.on_probe_ok(clock.now)
+    with pool.track(P0.id, 100) as hung, pool.track(P1.id, 100), pool.track(D0.id, 100) as stream:
+        clock.now += 5.0
+        pool.check_stalls()
+        assert not hung.is_lost, "within the budget"
+        pool.report(P1.id, ok=True)  # p1 answers its legs: progress
+        clock.now += 0.5
+        pool.check_stalls()
+        assert hung.is_lost and hung.loss is Loss.DOWN and "stalled" in hung.reason
+        assert [v.id for v in pool.candidates(Role.PREFILL)] == [P1.id], "new requests go to p1"
+        assert not stream.is_lost, "decode legs (long streams) are not judged by the prefill rule"
+
+
+def test_an_idle_prefill_or_one_that_answers_is_never_stalled() -> None:
+    clock = Clock()
+    pool = Pool((P0, D0), Metrics(), STALL, clock)
+    pool.get(P0.id).health.on_probe_ok(clock.now)
+    clock.now += 1000.0
+    pool.check_stalls()
+    with pool.track(P0.id, 100) as long_leg:
+        for _ in range(10):
+            clock.now += 4.0
+            with pool.track(P0.id, 1):
+                pass
+            pool.report(P0.id, ok=True)
+            pool.check_stalls()
+        assert not long_leg.is_lost, "a long leg on an engine that answers others meanwhile is not a stall"
+    assert pool.candidates(Role.PREFILL)
+
+
+def test_a_stalled_data_parallel_rank_is_held_out_alone() -> None:
+    clock = Clock()
+    dp = WorkerSpec("http://pdp:1", Role.PREFILL, dp_size=2)
+    pool = Pool((dp, D0), Metrics(), STALL, clock)
+    pool.get(dp.id).health.on_probe_ok(clock.now)
+    with pool.track(dp.id, 10, rank=1) as hung, pool.track(dp.id, 10, rank=0) as fine:
+        clock.now += 4.0
+        pool.report_rank(dp.id, 0, ok=True)
+        clock.now += 2.0
+        pool.check_stalls()
+        assert hung.is_lost and not fine.is_lost
+    views = {v.rank: v.usable for v in pool.get(dp.id).ranks.views(clock.now)}
+    assert views == {0: True, 1: False}
+    assert pool.candidates(Role.PREFILL), "the worker stays a candidate on its other rank"
