@@ -49,6 +49,8 @@ from router.errors import ConfigError
 
 logger = logging.getLogger("kvpush.decider")
 CHECK_EVERY = 64
+HEAD_CHARS = 256  # a piece longer than this may extend a remembered one with the same first characters
+HEAD_KEEP = 16  # remembered long pieces per such head (sessions sharing a long opening)
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
@@ -64,6 +66,10 @@ class PromptTokens:
         self._seen = 0
         self.memo_on = True
         self.encoded_chars = 0  # characters the tokenizer encoded (memo misses): what the memo saves is visible
+        self.extended = 0  # pieces encoded as a remembered piece they extend plus their new text
+        self._resume: dict[str, tuple[int, int]] = {}  # long piece -> (char, token) an extension resumes from
+        self._heads: dict[str, list[str]] = {}  # a long piece's first HEAD_CHARS -> such pieces, newest last
+        self.extends_on = True
         added = {token.content: token_id for token_id, token in tokenizer.get_added_tokens_decoder().items()}
         self._added = added
         pattern = "|".join(re.escape(text) for text in sorted(added, key=len, reverse=True) if text)
@@ -139,15 +145,69 @@ class PromptTokens:
         if found is not None:
             memo.move_to_end(piece)
             return found
-        ids = array("q", self._tokenizer.encode(piece, add_special_tokens=False).ids)
-        self.encoded_chars += len(piece)
+        start = self._extension_of(piece) if self.extends_on and len(piece) > HEAD_CHARS else None
+        ids, resume = self._encode_from(piece, *(start or (0, array("q"))))
         if len(piece) <= self._memo_chars:
             memo[piece] = ids
             self._held_chars += len(piece)
+            if resume is not None and len(piece) > HEAD_CHARS:
+                self._resume[piece] = resume
+                heads = self._heads.setdefault(piece[:HEAD_CHARS], [])
+                heads.append(piece)
+                if len(heads) > HEAD_KEEP:
+                    self._resume.pop(heads.pop(0), None)
             while self._held_chars > self._memo_chars:
-                old, _ = memo.popitem(last=False)
-                self._held_chars -= len(old)
+                self._drop(memo.popitem(last=False)[0])
         return ids
+
+    def _extension_of(self, piece: str) -> tuple[int, array[int]] | None:
+        """Where to resume encoding `piece` when it extends a remembered long piece (a completions prompt that
+        grew by a turn): the char and the ids before it, from the longest such piece; None when none."""
+        best = None
+        for old in self._heads.get(piece[:HEAD_CHARS], ()):
+            if len(old) < len(piece) and (best is None or len(old) > len(best)) and piece.startswith(old):
+                best = old
+        if best is None:
+            return None
+        at, tokens = self._resume[best]
+        self.extended += 1
+        return at, self._memo[best][:tokens]
+
+    def _encode_from(self, piece: str, at: int, kept: array[int]) -> tuple[array[int], tuple[int, int] | None]:
+        """`piece`'s ids: `kept` (the ids of `piece[:at]`, `at` a pre-token start) and `piece[at:]` encoded; with
+        where an extension of `piece` may resume: the start of its second-to-last pre-token (the last one may
+        grow or split when text is appended, the ones before it cannot: a regex pre-tokenizer matches left to
+        right, each match decided by the text from its start to one past its end), checked by encoding from
+        there again; else `at`'s own, else None."""
+        encoding = self._tokenizer.encode(piece[at:], add_special_tokens=False)
+        self.encoded_chars += len(piece) - at
+        tail = encoding.ids
+        ids = kept + array("q", tail)
+        fallback = (at, len(kept)) if at else None
+        if len(piece) <= HEAD_CHARS or not self.extends_on:
+            return ids, fallback  # never extended: no resume point wanted
+        last = encoding.token_to_word(len(tail) - 1) if tail else None
+        if last is None or last < 1:
+            return ids, fallback
+        k = len(tail) - 1
+        while k > 0 and (encoding.token_to_word(k - 1) or 0) >= last - 1:
+            k -= 1  # back to the first token of the second-to-last pre-token
+        chars = encoding.token_to_chars(k)
+        if chars is None or chars[0] <= 0:
+            return ids, fallback
+        again = self._tokenizer.encode(piece[at + chars[0] :], add_special_tokens=False).ids
+        if list(again) != list(tail[k:]):
+            return ids, fallback
+        return ids, (at + chars[0], len(kept) + k)
+
+    def _drop(self, piece: str) -> None:
+        self._held_chars -= len(piece)
+        if self._resume.pop(piece, None) is not None:
+            heads = self._heads.get(piece[:HEAD_CHARS], [])
+            if piece in heads:
+                heads.remove(piece)
+            if not heads:
+                self._heads.pop(piece[:HEAD_CHARS], None)
 
     def _whole(self, text: str, special: bool) -> list[int]:
         self.encoded_chars += len(text)
@@ -157,9 +217,14 @@ class PromptTokens:
         whole = self._whole(text, special)
         if whole != list(ids):
             self.memo_on = False
-            self._memo.clear()
-            self._held_chars = 0
+            self._forget_all()
             logger.warning("prompt tokens: this tokenizer does not split at its added tokens; encoding whole prompts")
+
+    def _forget_all(self) -> None:
+        self._memo.clear()
+        self._resume.clear()
+        self._heads.clear()
+        self._held_chars = 0
 
     def _special_around(self) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
         """The ids the post-processor puts before and after a text's own (BOS ...); None when they are not a
@@ -178,7 +243,21 @@ class PromptTokens:
             if self._around is None and special:
                 continue
             self._compare(probe, special, self.encode(probe, special))
-        self._seen = 0
+        if self.memo_on:
+            self._check_extensions()
+        self._seen = self.extended = 0
+
+    def _check_extensions(self) -> None:
+        """Extensions on a probe grown by endings that move the last pre-token's edge (a word going on, spaces
+        then text, newlines, digits, non-ASCII): one difference from the whole text turns them off for good."""
+        text = "Hello world, 12 apples; " * 12
+        for more in ("foo", "bar baz", "  ", "\n\n", "x", "123", "45 é", "中文", " \t\n next", "!?", "'s end"):
+            text += more
+            if self._pieces(text) != self._whole(text, False):
+                self.extends_on = False
+                logger.warning("prompt tokens: an extended prompt's ids differ from the whole; encoding whole")
+                break
+        self._forget_all()
 
 
 def _read_config(folder: Path) -> dict[str, Any]:

@@ -195,3 +195,63 @@ def test_the_memo_is_bounded_by_characters(tmp_path: Path) -> None:
 def test_a_missing_tokenizer_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="tokenizer"):
         PromptTokens.load(str(tmp_path))
+
+
+ENDINGS = ["the", " fox", "  ", "\n\n", "jumps", "12", "345", " é", "héllo", " \t\n x:", "#", "'s", "=1", "中文", ""]
+
+
+def grown(seed: int, turns: int) -> list[str]:
+    """A completions conversation's prompts: each the one before and more, cut anywhere (mid-word, in spaces)."""
+    rng = random.Random(seed)
+    text, out = corpus(seed, 120), []  # longer than HEAD_CHARS from the first
+    for _ in range(turns):
+        more = corpus(rng.randrange(1 << 30), rng.randrange(0, 12)) + "".join(rng.sample(ENDINGS, 3))
+        text += more[rng.randrange(0, 3) :]
+        out.append(text)
+    return out
+
+
+def test_a_grown_completions_prompt_equals_the_whole_encoded_and_encodes_about_its_new_text(tmp_path: Path) -> None:
+    prompt = PromptTokens.load(str(folder(tmp_path)))
+    whole = trained()
+    prompts = grown(3, 12)
+    for before, text in zip(["", *prompts], prompts, strict=False):
+        encoded = prompt.encoded_chars
+        assert prompt.of(Endpoint.COMPLETIONS, {"prompt": text}) == whole.encode(text).ids
+        if before:  # the new text and the previous prompt's last two pre-tokens, not the whole prompt
+            assert prompt.encoded_chars - encoded < len(text) - len(before) + 40
+    assert prompt.extended == len(prompts) - 1
+    assert prompt.memo_on and prompt.extends_on
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_extensions_cut_anywhere_equal_the_whole_encoded(tmp_path: Path, seed: int) -> None:
+    prompt = PromptTokens.load(str(folder(tmp_path)))
+    whole = trained()
+    for text in grown(seed, 8):
+        assert prompt.of(Endpoint.COMPLETIONS, {"prompt": text, "add_special_tokens": False}) == (
+            whole.encode(text, add_special_tokens=False).ids
+        )
+    assert prompt.extended == 7
+
+
+def test_sessions_sharing_an_opening_each_extend_their_own(tmp_path: Path) -> None:
+    prompt = PromptTokens.load(str(folder(tmp_path)))
+    whole = trained()
+    opening = corpus(99, 80)
+    sessions = [[opening + p for p in grown(seed, 4)] for seed in range(5)]
+    for turn in range(4):
+        for session in sessions:
+            assert prompt.of(Endpoint.COMPLETIONS, {"prompt": session[turn]}) == whole.encode(session[turn]).ids
+    assert prompt.extended == 5 * 3
+
+
+def test_a_pre_tokenizer_that_adds_a_prefix_space_still_gives_the_whole_ids(tmp_path: Path) -> None:
+    """Encoding from a pre-token's start adds a space unless it starts with one: the resume point's check finds
+    it (only pre-tokens starting with a space are resumed from)."""
+    spaced = trained()
+    spaced.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    spaced.save(str(tmp_path / "tokenizer.json"))
+    prompt = PromptTokens.load(str(tmp_path / "tokenizer.json"))
+    for text in grown(5, 5):
+        assert prompt.of(Endpoint.COMPLETIONS, {"prompt": text}) == spaced.encode(text).ids
