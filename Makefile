@@ -10,7 +10,7 @@ STAMP := $(VENV)/.kvpush-installed
 BROKEN_EXTRAS := torchvision torchaudio torchcodec
 
 .PHONY: help venv tools run serve test test-unit unit-parallel test-integration lint typecheck bench bench-smoke bench-link bench-profile \
-	calibrate faults gpu-check-wheels gpu-check compat clean
+	calibrate faults soak gpu-check-wheels gpu-check compat clean
 
 help: ## show this list
 	@awk 'BEGIN {FS = ":.*## "} /^[a-zA-Z_-]+:.*## / {printf "  \033[36m%-18s\033[0m %s\n", $$1, $$2}' $(MAKEFILE_LIST)
@@ -84,6 +84,10 @@ calibrate: venv ## fit the seed-sim profile's unmeasured numbers to the seed's p
 
 faults: venv ## fault matrix on vLLM CPU engines + stand-ins (ARGS=--short: the make-test rows); writes bench/faults/
 	$(BIN)/python -m loadtest.faults $(ARGS)
+
+DURATION ?= 60m
+soak: venv ## mixed traffic at ~60 % of capacity for DURATION (default 60m); fails on growth or leftovers; writes bench/faults/soak.json
+	$(BIN)/python -m loadtest.faults.soak --duration $(DURATION) $(ARGS)
 
 NIXL_WHEELS := .cache/wheels
 
