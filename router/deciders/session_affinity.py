@@ -49,6 +49,7 @@ from typing import Any, ClassVar
 
 from router import values
 from router.decider import AnswerCheck, DeciderStats, Decision, Outcome, Route, Turn
+from router.deciders.answer_align import align, assistant_text
 from router.deciders.conversation import Chain, ConversationKey, Link, conversation_key, session_of
 from router.deciders.exact import ExactPick, exact_pick
 from router.deciders.prefix_index import Match, PrefixIndex, SessionTable, TokenRatio, prorated, reusable_answer_tokens
@@ -56,15 +57,12 @@ from router.deciders.prompt_tokens import PromptTokens
 from router.deciders.tokenizer import Tokenize
 from router.domain import Endpoint, WorkerView
 from router.errors import ConfigError
-from router.kv_events.index import SessionTail
 from router.kv_events.view import KvEventView
 
 logger = logging.getLogger("kvpush.decider")
 ACCURATE = 0.2  # a bypass prediction is "accurate" when uncached tokens are within 20 % of the actual
 PLACE_SLACK = 0.25  # how far the tokens-per-character estimate of a held chat prefix may be off (_at_message)
 BLOCK_SLACK = 16  # tokens searched either side of an answer's estimated start, beyond PLACE_SLACK of the estimate
-MIN_AGREED = 2  # an answer is placed in the engine's stored ids where this many of its tokens agree (else a first
-# token that also ends the prompt could place it early)
 MISS_WINDOW, MISS_LIMIT = 16, 4  # this many of the last checked bypasses holding under half the predicted cache:
 # the answers the router relays are not what the engines cache (e.g. reasoning the relay does not show), so
 # generated text stops being credited
@@ -138,6 +136,7 @@ class _Plan:
     key: ConversationKey
     predicted_uncached: int
     held: Match | None = None  # the prefix decode was found holding
+    exact: bool = False  # decided on the prompt's exact ids and the KV events (router/deciders/exact.py)
 
 
 @dataclass
@@ -247,14 +246,14 @@ class SessionAffinity:
         cached, uncached = pick.cached, pick.uncached
         if pick.decode is not None and self._bypassable(cached, uncached):
             reason = "decode holds all but a short suffix (exact)"
-            return self._count(Decision(Route.BYPASS, pick.decode, None, cached, reason), key, uncached, None)
+            return self._count(Decision(Route.BYPASS, pick.decode, None, cached, reason), key, uncached, None, True)
         worker = pick.decode
         if worker is None and key.session is not None:
             last = self.sessions.get(key.session, now)
             worker = last if any(w.id == last for w in usable) else None
         reason = "prefix on decode (exact)" if pick.decode is not None else "no prefix held (exact)"
         decision = Decision(Route.of(turn.mode), worker, pick.prefill, cached if pick.decode else 0, reason)
-        return self._count(decision, key, uncached, None)
+        return self._count(decision, key, uncached, None, True)
 
     def _predict(self, chain: Chain, ids: Sequence[int] | None, held: Match | None) -> tuple[int, int]:
         """(cached, uncached) tokens of the prompt on the decode holding `held`: whole blocks only are cached."""
@@ -279,7 +278,7 @@ class SessionAffinity:
             return None
         learned = self.decode_index.longest(held.worker, chain, now)
         at = next((i for i, link in enumerate(chain.links) if link.chars == held.chars), 0)
-        text = _assistant_text(turn.body, at - 1)
+        text = assistant_text(turn.body, at - 1)
         if held.chars <= learned.chars or at < 2 or text is None:
             return None
         tail = view.session_tail(held.worker, key.session)
@@ -289,7 +288,7 @@ class SessionAffinity:
         anchor = learned if learned.tokens > 0 else None
         guess = self._tokens_at(chain.links[at - 1].chars, anchor)
         slack = BLOCK_SLACK + round(PLACE_SLACK * (guess - (anchor.tokens if anchor is not None else 0)))
-        start, agreed = _align(tail, answer, guess, slack)
+        start, agreed = align(tail, answer, guess, slack)
         reached = min(tail.end, start + agreed)
         self._counts.event_answer_checks += 1
         return Match(held.worker, 0, held.chars, start + len(answer), (reached // tail.block_size) * tail.block_size)
@@ -326,7 +325,8 @@ class SessionAffinity:
         self.decode_index.record(outcome.decode, held_links, held_counts, now, reusable)
         if plan.key.session is not None:
             self.sessions.set(plan.key.session, outcome.decode, now)
-        self._check_prediction(decision, plan, outcome)
+        if self._check_prediction(decision, plan, outcome):
+            _log_bypass(turn, decision, plan, outcome)
         return check
 
     def _answer_check(
@@ -507,15 +507,18 @@ class SessionAffinity:
         ratio = self.suffix_ratio if self.suffix_ratio.samples else self.ratio
         return ratio.tokens(max(0, chain.chars - held.chars))
 
-    def _count(self, decision: Decision, key: ConversationKey, uncached: int, held: Match | None) -> Decision:
+    def _count(
+        self, decision: Decision, key: ConversationKey, uncached: int, held: Match | None, exact: bool = False
+    ) -> Decision:
         self._counts.decisions[str(decision.route)] += 1
-        return dataclasses.replace(decision, state=_Plan(key, uncached, held))
+        return dataclasses.replace(decision, state=_Plan(key, uncached, held, exact))
 
-    def _check_prediction(self, decision: Decision, plan: _Plan, outcome: Outcome) -> None:
+    def _check_prediction(self, decision: Decision, plan: _Plan, outcome: Outcome) -> bool:
         """Predicted vs actual, on bypasses only: there decode's usage counts its own prefix-cache hits (in push
-        mode decode reports transferred tokens as cached, so its figure says nothing about the prediction)."""
+        mode decode reports transferred tokens as cached, so its figure says nothing about the prediction).
+        False: nothing to check."""
         if decision.route is not Route.BYPASS or outcome.cached_tokens is None or outcome.prompt_tokens is None:
-            return
+            return False
         c = self._counts
         c.predicted_cached_tokens += decision.predicted_cached_tokens
         c.actual_cached_tokens += outcome.cached_tokens
@@ -535,43 +538,26 @@ class SessionAffinity:
                 sum(c.recent_misses),
                 len(c.recent_misses),
             )
+        return True
 
 
-def _assistant_text(body: Mapping[str, Any], index: int) -> str | None:
-    """The text of the chat request's `index`-th message when it is the assistant's (a relayed answer)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not 0 <= index < len(messages):
-        return None
-    message = messages[index]
-    if not isinstance(message, Mapping) or message.get("role") != "assistant":
-        return None
-    content = message.get("content")
-    return content if isinstance(content, str) and content else None
-
-
-def _align(tail: SessionTail, answer: Sequence[int], guess: int, slack: int) -> tuple[int, int]:
-    """(start, agreed): the chain position within `slack` of `guess` from which the tail's token ids agree with
-    `answer` the longest (ties: the nearest to `guess`), and for how many tokens; (guess, 0) when nowhere do
-    `MIN_AGREED` agree (the answer's first token re-tokenized otherwise, or no stored block reaches it)."""
-    ids = tail.tokens
-    if not answer:
-        return guess, 0
-    low, high = max(0, guess - slack - tail.start), min(len(ids), guess + slack - tail.start + 1)
-    starts, at = [], low
-    while at < high:  # the places the answer's first id is stored (C's search, not a Python loop per position)
-        try:
-            at = ids.index(answer[0], at, high)
-        except ValueError:
-            break
-        starts.append(at)
-        at += 1
-    best, agreed = guess, 0
-    for offset in sorted(starts, key=lambda o: abs(o + tail.start - guess)):
-        n, limit = 1, min(len(answer), len(ids) - offset)
-        while n < limit and ids[offset + n] == answer[n]:
-            n += 1
-        if n > agreed:
-            best, agreed = tail.start + offset, n
-            if n == len(answer):
-                break
-    return (best, agreed) if agreed >= min(MIN_AGREED, len(answer)) else (guess, 0)
+def _log_bypass(turn: Turn, decision: Decision, plan: _Plan, outcome: Outcome) -> None:
+    """One line per checked bypass (INFO): what was predicted and what decode reported, under the client's
+    x-request-id, so "predicted uncached tokens equal decode's computed tokens" is checkable bypass by bypass."""
+    prompt, cached = outcome.prompt_tokens or 0, outcome.cached_tokens or 0
+    fields = {
+        "request_id": turn.headers.get("x-request-id"),
+        "decode": outcome.decode,
+        "exact": plan.exact,
+        "predicted_cached_tokens": decision.predicted_cached_tokens,
+        "predicted_uncached_tokens": plan.predicted_uncached,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "computed_tokens": prompt - cached,
+    }
+    logger.info(
+        "bypass checked: predicted %d uncached, decode computed %d",
+        plan.predicted_uncached,
+        prompt - cached,
+        extra={"fields": fields},
+    )

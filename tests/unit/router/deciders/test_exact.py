@@ -147,3 +147,24 @@ def test_a_shape_the_router_does_not_render_falls_back_to_the_estimate(tokens: P
     image: dict[str, Any] = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
     decision = d.decide(chat([image], "s"), DECODES, PREFILLS, 1.0)
     assert decision.route is Route.PUSH and "exact" not in decision.reason
+
+
+def test_each_checked_bypass_is_logged_with_its_prediction_and_decodes_count(
+    tokens: PromptTokens, caplog: pytest.LogCaptureFixture
+) -> None:
+    engines = Engines()
+    history = [{"role": "user", "content": corpus(5, 120)}]
+    engines.store("d1", tokens.of(Endpoint.CHAT, {"messages": history}) or [], "s")
+    later = chat([*history, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and?"}], "s")
+    later = Turn(later.info, later.body, {**later.headers, "x-request-id": "r-7"}, later.mode)
+    d = replica(engines, tokens)
+    decision = d.decide(later, DECODES, PREFILLS, 1.0)
+    assert decision.route is Route.BYPASS
+    prompt = len(tokens.of(Endpoint.CHAT, later.body) or [])
+    caplog.set_level("INFO", logger="kvpush.decider")
+    d.record(later, decision, Outcome(True, "d1", None, prompt, decision.predicted_cached_tokens - BLOCK, 5), 2.0)
+    (line,) = [r for r in caplog.records if r.getMessage().startswith("bypass checked")]
+    fields = line.fields  # type: ignore[attr-defined]
+    assert fields["request_id"] == "r-7" and fields["exact"] is True and fields["decode"] == "d1"
+    assert fields["predicted_uncached_tokens"] == prompt - decision.predicted_cached_tokens
+    assert fields["computed_tokens"] == fields["predicted_uncached_tokens"] + BLOCK  # a block evicted meanwhile

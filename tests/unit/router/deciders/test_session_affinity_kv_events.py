@@ -6,8 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from router.decider import Decision, Outcome, Route, Turn
+from router.deciders.answer_align import align
 from router.deciders.conversation import conversation_key
-from router.deciders.session_affinity import AffinityOptions, SessionAffinity, _align, prompt_token_ids
+from router.deciders.session_affinity import AffinityOptions, SessionAffinity, prompt_token_ids
 from router.domain import Endpoint, Mode, RequestInfo, WorkerView
 from router.kv_events.frames import Cleared, Removed, Stored
 from router.kv_events.index import KvIndex, SessionTail
@@ -289,7 +290,7 @@ def test_a_shared_system_prompt_counts_for_every_session_that_extends_it() -> No
 def test_an_answer_is_aligned_where_most_of_it_agrees_nearest_the_estimate() -> None:
     ids = [1, 2, 9, 5, 6, 7, 3, 5, 6, 7, 8, 4, 4, 4, 4, 4]  # the answer [5, 6, 7, 8] starts at 7 (chain 107)
     tail = SessionTail(100, ids, 16)
-    assert _align(tail, [5, 6, 7, 8], 104, 8) == (107, 4)  # not at 103, where only 3 agree
-    assert _align(tail, [5, 6, 7, 0], 104, 8) == (103, 3)  # a tie: the nearer
-    assert _align(tail, [9, 0], 104, 8) == (104, 0)  # one id agreeing places nothing
-    assert _align(tail, [5, 6, 7, 8], 100, 2) == (100, 0)  # out of reach
+    assert align(tail, [5, 6, 7, 8], 104, 8) == (107, 4)  # not at 103, where only 3 agree
+    assert align(tail, [5, 6, 7, 0], 104, 8) == (103, 3)  # a tie: the nearer
+    assert align(tail, [9, 0], 104, 8) == (104, 0)  # one id agreeing places nothing
+    assert align(tail, [5, 6, 7, 8], 100, 2) == (100, 0)  # out of reach
