@@ -39,6 +39,7 @@ import httpx
 from loadtest import multiturn, promtext
 from loadtest.bench.point import kv_sources, scrape
 from loadtest.bench.procs import url, vllm_lock, vrouter_binary
+from loadtest.bench.suites import multiturn_checks as checks_mod
 from loadtest.bench.suites import multiturn_replicas as replicas_mod
 from loadtest.job import REPO
 from loadtest.records import write_jsonl
@@ -217,9 +218,9 @@ def block_size(engine_url: str) -> int | None:
 
 
 def kvpush_proc(
-    name: str, port: int, prefill: str, decodes: list[str], logs: Path, config: Path | None
+    name: str, port: int, prefill: str, decodes: list[str], logs: Path, config: Path | None, level: str = "warning"
 ) -> ManagedProcess:
-    spec = router_spec(port, "push", [prefill], decodes, "--log-level", "warning", name=name, config=config)
+    spec = router_spec(port, "push", [prefill], decodes, "--log-level", level, name=name, config=config)
     return Router(spec, log_dir=logs)
 
 
@@ -267,6 +268,7 @@ class _Front:
     name: str
     bases: tuple[str, ...]
     pids: tuple[int, ...] = ()
+    logs: tuple[Path, ...] = ()  # a decider front's routers' logs (INFO: each checked bypass, multiturn_checks)
 
     @property
     def kvpush(self) -> bool:
@@ -295,14 +297,16 @@ def _start_front(
         events = replicas_mod.kv_events_yaml() if replicas_mod.uses_events(front) else ""
         tokenizer = model if events and plan.answer_tokenizer and front != replicas_mod.ESTIMATE else None
         config.write_text(decider_yaml(plan, block_size(p.url), tokenizer) + events, encoding="utf-8")
-    bases, pids = [], []
+    bases, pids, paths = [], [], []
+    level = "warning" if config is None else "info"  # a decider logs each checked bypass at INFO
     for i in range(replicas_mod.replicas_of(front, plan.replicas)):
-        port = free_port()
-        proc = fleet.start(kvpush_proc(f"router-mt-{front}-{i}", port, prefill, decodes, logs, config))
+        port, name = free_port(), f"router-mt-{front}-{i}"
+        proc = fleet.start(kvpush_proc(name, port, prefill, decodes, logs, config, level))
         proc.wait_healthy(timeout=60.0)
         bases.append(url(port))
         pids += [proc.pid] if proc.pid else []
-    return _Front(front, tuple(bases), tuple(pids))
+        paths.append(logs / f"{name}.log")
+    return _Front(front, tuple(bases), tuple(pids), tuple(paths) if config is not None else ())
 
 
 def _start_peer(
@@ -421,6 +425,7 @@ class _FrontRun:
     replicas: int = 1
     events: dict[str, Any] | None = None  # kvpush fronts: router CPU and KV-event figures (multiturn_replicas)
     by_replica: list[dict[str, int]] | None = None  # kvpush fronts: each replica's turns and bypasses
+    bypass_checks: dict[str, Any] | None = None  # decider fronts: each bypass's prediction (multiturn_checks)
 
 
 def _run_front(
@@ -448,6 +453,11 @@ def _run_front(
     accuracy = grown(counted, _accuracy(front)) if kvpush else None
     served = _summed_counts(routes(base, prefix) for base in front.bases) if kvpush else None
     by_replica = [replicas_mod.replica_routes(base, prefix) for base in front.bases] if kvpush else None
+    checks = None
+    if front.logs:
+        bypassed = set().union(*(checks_mod.bypass_ids(base, prefix) for base in front.bases))
+        checks = checks_mod.verdict(checks_mod.logged_checks(front.logs, prefix), bypassed)
+        print(f"multiturn {front.name}: bypass checks {checks}")
     events = None
     if read is not None:
         done = replicas_mod.read(front.bases, front.pids)
@@ -456,7 +466,9 @@ def _run_front(
             events["reset_reflected"] = replicas_mod.reset_reflected(decodes[0].url, front.bases)
         if progress:
             print(f"multiturn {front.name}: {events}")
-    return _FrontRun(front.name, turns, duration, sources, served, accuracy, len(front.bases), events, by_replica)
+    return _FrontRun(
+        front.name, turns, duration, sources, served, accuracy, len(front.bases), events, by_replica, checks
+    )
 
 
 def _accuracy(front: _Front) -> dict[str, int] | None:
@@ -563,6 +575,7 @@ def _row(
         "routes": ran.routes,
         "bypass_by_replica": ran.by_replica,
         "bypass_accuracy": ran.accuracy,
+        "bypass_checks": ran.bypass_checks,
         **figures,
         **(ran.events or {}),
         **(more or {}),
