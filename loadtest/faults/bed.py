@@ -65,6 +65,9 @@ TP_SHAPE = BedShape("faults-tp", (("--tensor-parallel-size", "2"), ()), prefill_
 # The link bed (issue 42 item 3): the plain bed with each engine in its own namespace, KV over UCX TCP on a
 # 200 Mbit/s link (stack.link); the router stays in the root namespace (its legs cross the link too).
 LINK_SHAPE = BedShape("faults-link", link=True)
+# The data-parallel bed (issue 42 item 1): p0 a DP=2 prefill (two engine cores, EngineCore_DP0 and _DP1, one
+# HTTP server; the router is told dp=2 and pins each leg's rank), p1 a plain one, both routed.
+DP_SHAPE = BedShape("faults-dp", (("--data-parallel-size", "2"), ()), prefill_deadline=20.0)
 LINK_RATE_BIT_S = 2e8
 
 
@@ -262,7 +265,7 @@ def vllm_bed(
         engines = start_family(fleet, family, 420.0, link=link)
         try:
             p = [
-                Worker("prefill", e.engine_spec.name, e.url, e, "vllm", e.engine_spec.prefill_arg())
+                Worker("prefill", e.engine_spec.name, e.url, e, "vllm", router_prefill_arg(e.engine_spec))
                 for e in engines.prefills
             ]
             d = Worker("decode", engines.decode.engine_spec.name, engines.decode.url, engines.decode, "vllm", "")
@@ -275,6 +278,12 @@ def vllm_bed(
             for worker in (*p, d):
                 worker.resume()
             stop_all(started)
+
+
+def router_prefill_arg(spec: EngineSpec) -> str:
+    """The router's --prefill SPEC of an engine of the bed: its identity, and `dp=N` with data parallelism."""
+    dp = spec.dp_size
+    return spec.prefill_arg() + (f",dp={dp}" if dp > 1 else "")
 
 
 def stop_all(started: list[ManagedProcess]) -> None:

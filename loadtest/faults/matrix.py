@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from loadtest.faults.bed import (
+    DP_SHAPE,
     KV_TIMEOUT_S,
     LINK_SHAPE,
     PREEMPT_SHAPE,
@@ -28,6 +29,7 @@ from loadtest.faults.bed import (
     standin_bed,
     vllm_bed,
 )
+from loadtest.faults.dp import DP
 from loadtest.faults.link import LINK
 from loadtest.faults.ranks import RANKS
 from loadtest.faults.residual import RESIDUAL
@@ -49,6 +51,7 @@ VLLM_SHAPES: dict[str, BedShape] = {
     "vllm": BedShape(),
     "vllm-preempt": PREEMPT_SHAPE,
     "vllm-tp": TP_SHAPE,
+    "vllm-dp": DP_SHAPE,
     "vllm-link": LINK_SHAPE,
 }
 
@@ -110,7 +113,7 @@ def observe(bed: Bed, timeout: float = SETTLE_S) -> After:
 def run_row(bed: Bed, row: FaultRow) -> RowResult:
     logger.info("fault row: %s", row.name)
     try:
-        outcome = {**SCENARIOS, **SUSTAINED, **RANKS, **RESIDUAL, **LINK}[row.fault](bed, row)
+        outcome = {**SCENARIOS, **SUSTAINED, **RANKS, **DP, **RESIDUAL, **LINK}[row.fault](bed, row)
     except Exception as exc:  # a row that breaks is a result, and the rest still run
         logger.exception("fault row %s failed to run", row.name)
         outcome = FaultOutcome(f"row failed to run: {type(exc).__name__}: {exc}", False, float("inf"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Bed = Literal["vllm", "vllm-preempt", "vllm-tp", "vllm-link", "standin"]
+Bed = Literal["vllm", "vllm-preempt", "vllm-tp", "vllm-dp", "vllm-link", "standin"]
 Target = Literal["prefill", "decode", "client", "router"]
 
 
@@ -122,6 +122,26 @@ ROWS: tuple[FaultRow, ...] = (
         "vllm-tp",
         10.0,
         "SIGKILL on rank 1 of a TP=2 prefill (one of two prefills) while its legs' WRITEs are in flight",
+        short=False,
+    ),
+    FaultRow(
+        "prefill DP rank hung under load",
+        "prefill",
+        "dp-rank-hang",
+        "vllm-dp",
+        30.0,  # the bed's prefill deadline (20 s) and a margin
+        "SIGSTOP on engine core 1 of a DP=2 prefill (one of two prefills) with its legs in flight, steady load at 70 %"
+        " of capacity, then SIGCONT",
+        short=False,
+    ),
+    FaultRow(
+        "prefill DP rank killed under load",
+        "prefill",
+        "dp-rank-kill",
+        "vllm-dp",
+        10.0,
+        "SIGKILL on engine core 1 of a DP=2 prefill (one of two prefills) with its legs in flight, steady load at 70 %"
+        " of capacity",
         short=False,
     ),
     FaultRow(
