@@ -101,14 +101,14 @@ class MultiTurnPlan:
             raise ValueError("multiturn repeats: at least 1")
         if self.link:
             preset(self.link)  # ValueError naming the known presets
-        if not 1 <= self.replicas <= 4 or (self.replicas > 1 and self.link):
-            raise ValueError("multiturn replicas: 1 to 4, and on loopback only")
+        if not 1 <= self.replicas <= 4:
+            raise ValueError("multiturn replicas: 1 to 4")
 
     @property
     def suite(self) -> str:
-        """The rows' suite: "multiturn", "multiturn-link" on a link or "multiturn-replicas" with replicas (the
-        loopback section stays as it is)."""
-        return "multiturn-link" if self.link else "multiturn-replicas" if self.replicas > 1 else "multiturn"
+        """The rows' suite: "multiturn-replicas" with replicas (on a link too: its rows carry the link's record),
+        else "multiturn-link" on a link, else "multiturn" (the loopback section stays as it is)."""
+        return "multiturn-replicas" if self.replicas > 1 else "multiturn-link" if self.link else "multiturn"
 
     @property
     def fronts(self) -> tuple[str, ...]:

@@ -47,8 +47,14 @@ def test_only_the_replicas_plan_has_its_engines_publish() -> None:
     assert "port_offset: 1000" in replicas.kv_events_yaml()
 
 
-@pytest.mark.parametrize("changes", [{"replicas": 5}, {"replicas": 0}, {"replicas": 2, "link": "ethernet-25g-like"}])
-def test_replicas_are_one_to_four_and_on_loopback(changes: dict[str, object]) -> None:
+def test_replicas_on_a_link_are_a_replicas_run() -> None:
+    plan = suite.MultiTurnPlan(sessions=2, session_rate=1.0, replicas=2, link="ethernet-25g-like")
+    assert plan.suite == "multiturn-replicas"
+    assert suite.MultiTurnPlan(sessions=2, session_rate=1.0, link="ethernet-25g-like").suite == "multiturn-link"
+
+
+@pytest.mark.parametrize("changes", [{"replicas": 5}, {"replicas": 0}])
+def test_replicas_are_one_to_four(changes: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="replicas"):
         suite.MultiTurnPlan(sessions=2, session_rate=1.0, **changes)  # type: ignore[arg-type]
 
