@@ -41,6 +41,7 @@ class BedShape:
     routed: tuple[int, ...] | None = None
     link: bool = False  # every engine in its own network namespace behind one shaped link (stack.link)
     prefill_deadline: float | None = None  # the router's prefill leg deadline on this bed (None: the matrix's)
+    decode_args: tuple[str, ...] = ()  # the decode engine's own vLLM flags
 
 
 # The preemption bed (issue 42 item 4): p1 advances 2 prompt tokens a step for each of up to two requests (a budget
@@ -68,6 +69,9 @@ LINK_SHAPE = BedShape("faults-link", link=True)
 # The data-parallel bed (issue 42 item 1): p0 a DP=2 prefill (two engine cores, EngineCore_DP0 and _DP1, one
 # HTTP server; the router is told dp=2 and pins each leg's rank), p1 a plain one, both routed.
 DP_SHAPE = BedShape("faults-dp", (("--data-parallel-size", "2"), ()), prefill_deadline=20.0)
+# The decode-rank bed (issue 42 item 1): the decode a TP=2 engine (each prefill writes each decode rank its KV
+# head: P1-D2 fan-out), both prefills plain.
+DECODE_TP_SHAPE = BedShape("faults-dtp", decode_args=("--tensor-parallel-size", "2"))
 LINK_RATE_BIT_S = 2e8
 
 
@@ -256,6 +260,7 @@ def vllm_bed(
         module=KVPUSH_CONNECTOR[1],
         n_prefill=2,
         prefill_args=shape.prefill_args,
+        decode_args=shape.decode_args,
         connector_extra={"kv_timeout_s": kv_timeout_s, **({} if lease_s is None else {"lease_s": lease_s})},
     )
     started: list[ManagedProcess] = []

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from loadtest.faults.bed import (
+    DECODE_TP_SHAPE,
     DP_SHAPE,
     KV_TIMEOUT_S,
     LINK_SHAPE,
@@ -52,6 +53,7 @@ VLLM_SHAPES: dict[str, BedShape] = {
     "vllm-preempt": PREEMPT_SHAPE,
     "vllm-tp": TP_SHAPE,
     "vllm-dp": DP_SHAPE,
+    "vllm-dtp": DECODE_TP_SHAPE,
     "vllm-link": LINK_SHAPE,
 }
 

@@ -20,6 +20,7 @@ from loadtest.faults.bed import Bed, Worker
 from loadtest.faults.rows import FaultRow
 from loadtest.faults.scenarios import FaultOutcome, _clients, _outcome, _wait_running
 from loadtest.faults.sustained import counters
+from loadtest.faults.underload import LOAD_FRACTION, Load, capacity, judge_load
 
 DECODE_COUNTERS = {
     "failed transfers": "vllm:kvpush_failed_transfers_total",
@@ -27,6 +28,8 @@ DECODE_COUNTERS = {
     "cancelled": "vllm:kvpush_cancelled_total",
 }
 RANK_TITLE = "Worker_TP1"  # vLLM's process title of TP rank 1 (VLLM::Worker_TP1)
+DECODE_LOAD_S = 30.0  # the decode-rank row's steady load, of which DECODE_LEAD_S before the kill
+DECODE_LEAD_S = 8.0
 
 
 def group_members(pgid: int, proc: Path = Path("/proc")) -> dict[int, str]:
@@ -134,4 +137,43 @@ def tp_rank_hang(bed: Bed, row: FaultRow) -> FaultOutcome:
     return outcome
 
 
-RANKS: dict[str, Callable[[Bed, FaultRow], FaultOutcome]] = {"tp-rank-kill": tp_rank_kill, "tp-rank-hang": tp_rank_hang}
+def decode_tp_rank_kill(bed: Bed, row: FaultRow) -> FaultOutcome:
+    """Bed `vllm-dtp` (the only decode runs TP=2): SIGKILL on decode's rank-1 worker once decode holds requests
+    (registered, its blocks allocated, the prefills writing each rank its head), under a steady load at 70 % of
+    the bed's capacity. No decode remains, so every client must be served or fail clearly, the router must hold
+    decode out, and the prefills must let go of every leg (the runner's observe() waits for it)."""
+    victim = bed.decodes[0]
+    rank = rank_pid(group_members(victim.pid))
+    if rank is None:
+        return FaultOutcome(f"no single {RANK_TITLE} process under {victim.name}", False, float("inf"))
+    rate = LOAD_FRACTION * capacity(bed.router.url)
+    load = Load(bed.router.url, rate, DECODE_LOAD_S)
+    load.start()
+    time.sleep(DECODE_LEAD_S)
+    futures = _clients(bed.router.url, 4, lambda: client.body(max_tokens=64, words=120))
+    _wait_running(victim, futures)
+    os.kill(rank, signal.SIGKILL)
+    t_fault = time.monotonic()
+    results = [f.result() for f in futures]
+    loaded = load.results()
+    _, _, note = judge_load(loaded, t_fault, 0.0)
+    held_out = _router_holds_out(bed, victim)
+    exited = _engine_exit(victim)
+    if exited is not None:
+        victim.killed = True
+    outcome = _outcome(results, t_fault)
+    outcome.acceptable = outcome.acceptable and held_out and all(r.acceptable for _, r in loaded)
+    outcome.note = (
+        f"load {rate:.2f} req/s ({LOAD_FRACTION:.0%} of capacity) for {DECODE_LOAD_S:g} s; {note} (no decode "
+        f"remains: each must be served or fail clearly); router holds {victim.name} out: "
+        f"{'yes' if held_out else 'NO'}; its API server "
+        + (f"exited {exited:.1f} s after the rank" if exited is not None else "still up 60 s after the rank")
+    )
+    return outcome
+
+
+RANKS: dict[str, Callable[[Bed, FaultRow], FaultOutcome]] = {
+    "tp-rank-kill": tp_rank_kill,
+    "tp-rank-hang": tp_rank_hang,
+    "decode-tp-rank-kill": decode_tp_rank_kill,
+}

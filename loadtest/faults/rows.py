@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Bed = Literal["vllm", "vllm-preempt", "vllm-tp", "vllm-dp", "vllm-link", "standin"]
+Bed = Literal["vllm", "vllm-preempt", "vllm-tp", "vllm-dp", "vllm-dtp", "vllm-link", "standin"]
 Target = Literal["prefill", "decode", "client", "router"]
 
 
@@ -142,6 +142,16 @@ ROWS: tuple[FaultRow, ...] = (
         10.0,
         "SIGKILL on engine core 1 of a DP=2 prefill (one of two prefills) with its legs in flight, steady load at 70 %"
         " of capacity",
+        short=False,
+    ),
+    FaultRow(
+        "decode TP rank killed under load",
+        "decode",
+        "decode-tp-rank-kill",
+        "vllm-dtp",
+        10.0,
+        "SIGKILL on rank 1 of the only decode (TP=2) once it holds registered requests, steady load at 70 % of"
+        " capacity",
         short=False,
     ),
     FaultRow(
