@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Final
 import numpy as np
 import numpy.typing as npt
 
-from connector.metadata import KVLayout, Region
+from connector.wire.metadata import KVLayout, Region
 
 if TYPE_CHECKING:
     import torch
@@ -78,8 +78,8 @@ def check_parallelism(
 ) -> None:
     """Refuse what kvpush cannot transfer (call from the connector's ``__init__``, both roles).
 
-    Tensor parallelism is served rank by rank (``connector.ranks``: P_tp = D_tp, P_tp > D_tp, and P_tp < D_tp
-    through the prefill-side fan-out, ``connector.prefill_fanout``). Pipeline parallelism on a prefill
+    Tensor parallelism is served rank by rank (``connector.parallel.ranks``: P_tp = D_tp, P_tp > D_tp, and P_tp < D_tp
+    through the prefill-side fan-out, ``connector.parallel.fanout``). Pipeline parallelism on a prefill
     (``kv_producer``): each stage writes its own layers (``ranks.stage_window``); a decode needs PP 1.
     Data parallelism is fine: each DP rank is its own engine with its own ports
     (``side_channel_port``)."""
@@ -102,7 +102,7 @@ def check_parallelism(
 def side_channel_port(base_port: int, dp_rank: int, world_size: int = 1) -> int:
     """The side-channel port of rank (0, 0) of data-parallel engine ``dp_rank``: ``base_port + dp_rank *
     world_size`` with ``world_size = tensor_parallel_size * pipeline_parallel_size``. Rank ``(pp, tp)`` of the
-    engine listens on that port ``+ pp * tensor_parallel_size + tp`` (``connector.ranks.rank_port``), so the
+    engine listens on that port ``+ pp * tensor_parallel_size + tp`` (``connector.parallel.ranks.rank_port``), so the
     ports of an engine's ranks are consecutive and DP engines on one host do not collide. With TP = PP = 1 this
     is ``base_port + dp_rank``, as upstream. A router or launcher naming the port of a DP engine with TP > 1
     must use the same rule (the prefill's own answer states its rank-0 port).
@@ -373,7 +373,7 @@ def compatibility_fields(
     From the config: model, model dtype, ``cache_dtype`` (e.g. ``auto``, ``fp8``), attention backend
     name, KV heads and head size, manager block size, vLLM version. From the tensors: layout, kernel
     block size (states per block), content width, element dtype and bytes per head per block (the same on
-    every rank: ranks of unequal TP pair; ``connector.ranks.prefill_slices`` checks each pair's geometry). Two
+    every rank: ranks of unequal TP pair; ``connector.parallel.ranks.prefill_slices`` checks each pair's geometry). Two
     engines that differ in any of these would read each other's blocks as garbage even where the byte
     counts agree (e.g. LBHNC vs LBNHC pages of equal size).
     """
@@ -397,5 +397,5 @@ def compatibility_fields(
 
 def compatibility_signature(fields: Mapping[str, str]) -> str:
     """Canonical text of ``fields`` (sorted keys, JSON-escaped values): pass it as ``model_signature``
-    to ``connector.metadata.compatibility_hash``."""
+    to ``connector.wire.metadata.compatibility_hash``."""
     return json.dumps(dict(fields), sort_keys=True, separators=(",", ":"))

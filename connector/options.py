@@ -17,7 +17,7 @@ the *target* must progress too, not one-sided as on RDMA):
 
 When P's WRITEs leave (``push_granularity``): ``"step"`` (default), a step's blocks in one WRITE once the step's
 forward is over; ``"layer"``, one part per run of layers whose KV is in the cache, while the forward still
-computes the later layers (``connector.layer_push``).
+computes the later layers (``connector.transfer.layered``).
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from connector.actions import Timeouts
-from connector.handshake import Liveness
-from connector.layer_push import GRANULARITIES
+from connector.rendezvous.actions import Timeouts
+from connector.wire.side_channel import Liveness
 
 
 @dataclass(frozen=True)
@@ -119,3 +118,4 @@ class Options:
 _SWITCHES = ("early_write", "progressive")  # boolean keys of kv_connector_extra_config
 _VALUES = ("backends", "progress", "progress_delay_us", "push_granularity")  # the other keys outside the groups
 PROGRESS_MODELS = ("poll", "thread")
+GRANULARITIES = ("step", "layer")  # push_granularity: after the step, or per layer (transfer/layered.py)

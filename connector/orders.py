@@ -6,10 +6,11 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from connector.handshake import Link
-from connector.layer_push import StepLayers
-from connector.metadata import HandshakePayload
-from connector.plan import (
+from connector.transfer.base import WriteTicket
+from connector.transfer.layered import StepLayers
+from connector.transfer.ready import ReadyEvent
+from connector.wire.metadata import HandshakePayload
+from connector.wire.plan import (
     CancelUnallocated,
     PrefillFailed,
     PrefillFinished,
@@ -17,8 +18,7 @@ from connector.plan import (
     PrefillRestarted,
     RegisterOrder,
 )
-from connector.ready import ReadyEvent
-from connector.transfer import WriteTicket
+from connector.wire.side_channel import Link
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ Order = (
 
 @dataclass(frozen=True)
 class Gated:
-    """An order and the event after which its blocks hold the step's KV (``connector.ready``)."""
+    """An order and the event after which its blocks hold the step's KV (``connector.transfer.ready``)."""
 
     order: Order
     ready: ReadyEvent

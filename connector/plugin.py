@@ -9,7 +9,8 @@ Launch (P and D differ only in ``kv_role`` and ``engine_id``)::
 The side channel listens on ``VLLM_NIXL_SIDE_CHANNEL_HOST``:``VLLM_NIXL_SIDE_CHANNEL_PORT`` (the same
 variables as upstream NIXL, so routers and launchers need no change): the port of rank (0, 0) of DP engine ``i`` is
 ``base + i * TP * PP``, rank ``(pp, tp)`` adds ``pp * TP + tp`` (``connector.kvcache.side_channel_port``,
-``connector.ranks``). TP > 1 is served rank by rank; PP > 1 on a prefill stage by stage (decode: refused at startup).
+``connector.parallel.ranks``). TP > 1 is served rank by rank; PP > 1 on a prefill stage by stage
+(decode: refused at startup).
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from vllm.v1.request import RequestStatus
 
 from connector.kvcache import REQUESTED_LAYOUT, check_parallelism, side_channel_port
 from connector.options import Options
-from connector.plan import StepPlan
 from connector.scheduler import Ending, SchedulerHalf
 from connector.stats import KvpushPromMetrics, KvpushStats
+from connector.wire.plan import StepPlan
 from connector.worker import WorkerHalf
 
 if TYPE_CHECKING:

@@ -44,8 +44,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from connector.metadata import DecodeLeg, PeerAddress, PrefillAnswer, PrefillLeg, ProtocolError, pairing_key
-from connector.plan import (
+from connector.wire.metadata import DecodeLeg, PeerAddress, PrefillAnswer, PrefillLeg, ProtocolError, pairing_key
+from connector.wire.plan import (
     CancelUnallocated,
     PrefillFailed,
     PrefillFinished,
@@ -148,7 +148,7 @@ class SchedulerHalf:
         if leg is None or params is None:
             return
         key = pairing_key(leg.transfer_id, request.request_id)
-        # Each worker rank works out which prefill ranks it registers with (``connector.ranks``).
+        # Each worker rank works out which prefill ranks it registers with (``connector.parallel.ranks``).
         peer = PeerAddress(leg.remote_engine_id, leg.remote_host, leg.remote_port, leg.tp_size, leg.pp_size)
         # Only the blocks without a local prefix-cache hit: prefill writes exactly these (tail-aligned).
         block_ids = tuple(blocks.get_unhashed_block_ids())

@@ -10,7 +10,7 @@ from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from connector.rendezvous import Tally
+from connector.rendezvous.actions import Tally
 from connector.results import TransferRecord
 
 _SERIES = ("transfer_duration", "bytes_transferred", "num_descriptors")

@@ -12,14 +12,14 @@ Threading model (guarantee G6):
   side-channel event, the next deadline of either machine (a heap: O(1) to look at), or, only
   while a transfer is in flight on this side (P: a WRITE posted; D: a receive waiting for its
   ``Done``, so a notice never waits for the idle tick; either: an order waiting for its step's
-  ``ReadyEvent``, G15 ``connector.ready``), a short backoff timer (``Polling.write_poll_min_s``
+  ``ReadyEvent``, G15 ``connector.transfer.ready``), a short backoff timer (``Polling.write_poll_min_s``
   doubling up to ``write_poll_max_s``) that notices its completion. With nothing in flight it wakes
   at most every ``Polling.idle_wait_s`` as a safety net (NIXL offers no wake-up on a notification).
   Who moves UCX's bytes is the progress model (``connector.options``: ``poll`` or ``thread``).
 * **Worker thread** (vLLM's model runner, via ``connector.worker``): only calls ``submit``,
   ``kick`` and ``collect_results`` (empties the outbox). It never waits on the owner thread, so
   the forward loop never waits on NIXL.
-* **Side-channel threads** (``connector.handshake`` through the ``SideChannel`` seam, TCP unless a
+* **Side-channel threads** (``connector.wire.side_channel`` through the ``SideChannel`` seam, TCP unless a
   test injects another; started by ``start``): put ``PeerReady`` / ``PeerLost`` / ``AddPeer`` in
   the inbox. ``AddPeer`` carries an ``Event`` the server thread waits on, so the handshake reply is
   sent only after the owner loaded the peer's agent. They read only ``_local_payload`` (cached bytes).
@@ -43,39 +43,11 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import assert_never
 
-from connector.decode_rendezvous import DecodeRendezvous
-from connector.handshake import Link, Server, SideChannel, TcpSideChannel
-from connector.layer_push import LayeredBackend, StepLayers, StepsByKey
-from connector.metadata import (
-    PROTOCOL_VERSION,
-    Cancel,
-    CancelAck,
-    Done,
-    Failure,
-    HandshakePayload,
-    KVLayout,
-    PeerAddress,
-    ProtocolError,
-    RankInfo,
-    Registration,
-    decode_notice,
-    encode_notice,
-    is_notice,
-)
 from connector.options import Options
 from connector.orders import AddPeer, CancelOrder, Command, Gated, Order, PeerLost, PeerReady, Quiesce, Write
-from connector.plan import (
-    CancelUnallocated,
-    PrefillFailed,
-    PrefillFinished,
-    PrefillProgress,
-    PrefillRestarted,
-    RegisterOrder,
-)
-from connector.prefill_fanout import PrefillFanOut, split_leg_key
-from connector.ranks import DecodeFanIn, FanInStep, Unpairable, decode_legs, prefill_peer, prefill_targets
-from connector.ready import READY, HostFence, ReadyEvent, StepFence
-from connector.rendezvous import (
+from connector.parallel.fanout import PrefillFanOut, split_leg_key
+from connector.parallel.ranks import DecodeFanIn, FanInStep, Unpairable, decode_legs, prefill_peer, prefill_targets
+from connector.rendezvous.actions import (
     AbandonWrite,
     Action,
     Connect,
@@ -87,10 +59,38 @@ from connector.rendezvous import (
     StartWrite,
     Tally,
 )
+from connector.rendezvous.decode import DecodeRendezvous
 from connector.results import Results as Results
 from connector.results import TransferRecord
-from connector.topology import RankId
-from connector.transfer import TransferBackend, TransferError
+from connector.transfer.base import TransferBackend, TransferError
+from connector.transfer.layered import LayeredBackend, StepLayers, StepsByKey
+from connector.transfer.ready import READY, HostFence, ReadyEvent, StepFence
+from connector.wire.metadata import (
+    PROTOCOL_VERSION,
+    Cancel,
+    CancelAck,
+    Done,
+    Failure,
+    HandshakePayload,
+    KVLayout,
+    PeerAddress,
+    ProtocolError,
+    RankId,
+    RankInfo,
+    Registration,
+    decode_notice,
+    encode_notice,
+    is_notice,
+)
+from connector.wire.plan import (
+    CancelUnallocated,
+    PrefillFailed,
+    PrefillFinished,
+    PrefillProgress,
+    PrefillRestarted,
+    RegisterOrder,
+)
+from connector.wire.side_channel import Link, Server, SideChannel, TcpSideChannel
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class TransferThread:
         rank: RankInfo | None = None,
     ) -> None:
         options = options or Options()
-        self._rank = rank or RankInfo()  # this worker's rank in its engine (wire v3, ``connector.ranks``)
+        self._rank = rank or RankInfo()  # this worker's rank in its engine (wire v3, ``connector.parallel.ranks``)
         self._leader = self._rank.rank == RankId(0, 0)  # request-level counters from the leader rank only
         self._fanin = DecodeFanIn()  # D: requests with several source ranks
         self._peer_ranks: dict[str, RankInfo] = {}  # D: each prefill rank's RankInfo from its handshake
@@ -129,7 +129,7 @@ class TransferThread:
         self._liveness = options.liveness
         self._timeouts = options.timeouts
         self._side_host, self._side_port = side_host, side_port
-        self._prefill = PrefillFanOut(self._timeouts)  # P: legs per D rank (``connector.prefill_fanout``)
+        self._prefill = PrefillFanOut(self._timeouts)  # P: legs per D rank (``connector.parallel.fanout``)
         self._d_ranks: dict[str, RankInfo] = {}  # P: each decode rank's RankInfo from its handshake
         self._decode = DecodeRendezvous(self._timeouts, engine_id, self._rank.rank.tp)
         self._writes: dict[str, Write] = {}
@@ -168,8 +168,8 @@ class TransferThread:
 
     def submit(self, order: Order, ready: ReadyEvent = READY, layers: StepLayers | None = None) -> None:
         """Queue an order; it reaches the machines (and may post a WRITE) only once ``ready`` completed
-        and every order submitted before it did (``connector.ready``: the forward stream on a GPU).
-        ``layers``: its WRITE is posted layer by layer as they are marked ready (``connector.layer_push``)."""
+        and every order submitted before it did (``connector.transfer.ready``: the forward stream on a GPU).
+        ``layers``: its WRITE is posted layer by layer as they are marked ready (``connector.transfer.layered``)."""
         self._inbox.put(Gated(order, ready, layers))
         self._wake.set()
 
@@ -352,7 +352,7 @@ class TransferThread:
                 assert_never(cmd)
 
     def _register(self, cmd: RegisterOrder, now: float) -> None:
-        """D: register with every P rank the topology makes a source of this rank (``connector.ranks``)."""
+        """D: register with every P rank the topology makes a source of this rank (``connector.parallel.ranks``)."""
         try:
             legs = decode_legs(cmd.request_id, cmd.peer, self._rank)
         except Unpairable as exc:

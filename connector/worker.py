@@ -25,17 +25,18 @@ from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_bac
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from connector.kvcache import KVCaches, compatibility_fields, compatibility_signature, describe_kv_caches
-from connector.layer_push import LayeredBackend, StepLayers
-from connector.metadata import RankInfo, compatibility_hash
 from connector.options import Options
 from connector.orders import CancelOrder, Order
-from connector.plan import StepPlan
-from connector.ranks import layer_window, rank_port
-from connector.ready import READY, HostFence, StepFence, fence_for
+from connector.parallel.ranks import layer_window, rank_port
+from connector.parallel.topology import heads_of
 from connector.stats import KvpushStats
-from connector.topology import RankId, heads_of
-from connector.transfer import NixlBackend, TransferBackend
+from connector.transfer.base import TransferBackend
+from connector.transfer.layered import LayeredBackend, StepLayers
+from connector.transfer.nixl import NixlBackend
+from connector.transfer.ready import READY, HostFence, StepFence, fence_for
 from connector.transfer_thread import TransferThread
+from connector.wire.metadata import RankId, RankInfo, compatibility_hash
+from connector.wire.plan import StepPlan
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -58,7 +59,7 @@ class WorkerHalf:
     def __init__(
         self, vllm_config: VllmConfig, engine_id: str, side_host: str, side_port: int, rank: RankId | None = None
     ) -> None:
-        """``side_port``: the engine's rank-0 port; this rank listens on ``connector.ranks.rank_port``."""
+        """``side_port``: the engine's rank-0 port; this rank listens on ``connector.parallel.ranks.rank_port``."""
         kv_config = vllm_config.kv_transfer_config
         # Unknown keys are refused here, at engine start, with the list of known ones.
         self._options = Options.from_extra(kv_config.kv_connector_extra_config)
@@ -187,7 +188,7 @@ class WorkerHalf:
             self._thread.submit(order)
         if self._layer_index and (plan.progress or plan.completing):
             # Layer-wise: the step's pushes reach the machines now; their WRITEs' parts wait for the layers
-            # that ``save_layer`` marks (connector.layer_push), the rest for ``end_of_step``.
+            # that ``save_layer`` marks (connector.transfer.layered), the rest for ``end_of_step``.
             self._step_layers = StepLayers(len(self._layer_index))
             pushes: list[Order] = [*plan.progress, *plan.completing]
             for push in pushes:
@@ -212,7 +213,7 @@ class WorkerHalf:
         their WRITE is ordered now, not one step later (G10); so are the full blocks this step computed
         of the chunked prefills in ``progress`` (G14). The forward may only have been launched (GPU):
         one ``ReadyEvent`` recorded now on the forward stream goes with these orders, and the owner
-        thread posts their WRITEs only once it completed (``connector.ready``; on CPU it is ready)."""
+        thread posts their WRITEs only once it completed (``connector.transfer.ready``; on CPU it is ready)."""
         if self._thread is None:
             return
         if self._layer_index:  # layer-wise: the orders went in ``start``; layers not marked are ready after the step

@@ -6,7 +6,7 @@ The router gives up on the hung prefill (its health check loses the worker) and 
 router's only prefill, so the client gets a clear error. The row keeps p1 stopped until decode holds nothing (or
 the bed's hold deadline and a margin pass), then resumes it, and reports how long decode held its blocks after
 the client's outcome: decode may free them only on P's Done, CancelAck or Failure, or at its hold deadline
-(connector/rendezvous.py, guarantee G2), and a stopped P sends nothing."""
+(connector/rendezvous/prefill.py, guarantee G2), and a stopped P sends nothing."""
 
 from __future__ import annotations
 

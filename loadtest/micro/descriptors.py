@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from connector.layout import (
+from connector.transfer.layout import (
     block_runs,
     descriptor_indices,
     posted_descriptors,
@@ -49,8 +49,8 @@ from connector.layout import (
     runs_as_lists,
     strided_descriptors,
 )
-from connector.metadata import PROTOCOL_VERSION, HandshakePayload, KVLayout, Region
-from connector.transfer import NixlBackend
+from connector.transfer.nixl import NixlBackend
+from connector.wire.metadata import PROTOCOL_VERSION, HandshakePayload, KVLayout, Region
 
 BLOCK_TOKENS = 16
 PATTERNS = ("consecutive", "mid_load", "mid_load_paired", "scattered")

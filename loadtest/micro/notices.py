@@ -22,11 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from connector.metadata import KVLayout, PeerAddress, Region
 from connector.options import Options, Polling
-from connector.plan import PrefillFinished, RegisterOrder
-from connector.transfer import NixlBackend
+from connector.transfer.nixl import NixlBackend
 from connector.transfer_thread import Results, TransferThread
+from connector.wire.metadata import KVLayout, PeerAddress, Region
+from connector.wire.plan import PrefillFinished, RegisterOrder
 
 
 def side(engine: str, options: Options, blocks: int, block_len: int, seed: int | None) -> tuple[TransferThread, Any]:

@@ -17,7 +17,7 @@ EFA = "efa-like"
 UNSHAPED = "unshaped"  # stack/link/plan.py: the same namespaces and TCP, no rate limit (the efa check's in-run control)
 MT_LINK = "ethernet-25g-like"
 PROG, OURS, UP, PULL = "kvpush-progressive", "kvpush-push", "upstream-push", "upstream-pull"
-LAYER = "kvpush-layer"  # push_granularity: layer (connector/layer_push.py)
+LAYER = "kvpush-layer"  # push_granularity: layer (connector/transfer/layered.py)
 LAYERC = "kvpush-layer-chunked"  # layer-wise in chunks: deleted, worst of the three; older runs' rows still show
 OVERLAPS = {PROG: "progressive", LAYER: "layer-wise", LAYERC: "layer-wise chunked"}  # judged against the targets
 FRONT_ORDER = (
@@ -283,8 +283,8 @@ def section(
         f"(`kvpush-push`: one-step prefill; `kvpush-progressive`: chunks of {chunk_tokens} tokens, each chunk's "
         "blocks written at its step's end), and, where the run had it, a prefill that pushes layer by layer "
         "(`kvpush-layer`, `push_granularity: layer`: each layer's blocks written as soon as the layer is computed, "
-        "connector/layer_push.py); runs up to 20261207T014140Z also had `kvpush-layer-chunked`, layer by layer in "
-        'chunks, deleted since as the worst of the three overlaps (bench/ANALYSIS.md, "Options deleted"); '
+        "connector/transfer/layered.py); runs up to 20261207T014140Z also had `kvpush-layer-chunked`, layer by "
+        'layer in chunks, deleted since as the worst of the three overlaps (bench/ANALYSIS.md, "Options deleted"); '
         "our engines run the connector's event-driven progress thread. "
         "The rate is set per step from P's prefill measured in the run (the preset's transfer/prefill share). "
         "`transfer measured` = the connectors' own mean WRITE/READ time (their xfer-time histograms; the wire "

@@ -35,8 +35,8 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from connector.plan import StepPlan
 from connector.plugin import KvpushConnector
+from connector.wire.plan import StepPlan
 from stack.tiny_model import SIZES
 from tests.compat.outputs import model_runner_output
 

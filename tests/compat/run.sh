@@ -23,7 +23,7 @@ mapfile -t tests < <(
   {
     grep -rlE "$vllm_imports" tests/unit --include='test_*.py'
     echo tests/unit/connector/test_scheduler.py
-    echo tests/unit/connector/test_metadata.py
+    echo tests/unit/connector/wire/test_metadata.py
     ls tests/compat/test_*.py
   } | sort -u
 )

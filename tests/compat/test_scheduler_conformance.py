@@ -23,8 +23,9 @@ from vllm.config import SchedulerConfig
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from connector.metadata import PeerAddress
-from connector.plan import (
+from connector.plugin import KvpushWorkerMeta
+from connector.wire.metadata import PeerAddress
+from connector.wire.plan import (
     CancelUnallocated,
     PrefillFinished,
     PrefillPreempted,
@@ -32,7 +33,6 @@ from connector.plan import (
     PrefillRestarted,
     StepPlan,
 )
-from connector.plugin import KvpushWorkerMeta
 from tests.compat.harness import (
     BLOCK_SIZE,
     TOKEN_BUDGET,

@@ -70,14 +70,14 @@ IO = {
     "connector.plugin": "vLLM's connector base",
     "connector.worker": "vLLM's connector base",
     "connector.stats": "vLLM's stats base",
-    "connector.transfer": "NIXL",
+    "connector.transfer.nixl": "NIXL",
     "connector.transfer_thread": "the transfer thread",
-    "connector.handshake": "the side-channel sockets",
-    "connector.memory_backend": "an in-memory transfer backend with a lock",
+    "connector.wire.side_channel": "the side-channel sockets",
+    "connector.transfer.memory": "an in-memory transfer backend with a lock",
 }
 # The rendezvous state machine also stays out of threads and sockets (the transfer thread drives it). Others may
 # load threading through the standard logging module.
-EXTRA = {"connector.rendezvous": ("threading", "socket")}
+EXTRA = {"connector.rendezvous.prefill": ("threading", "socket")}
 
 
 # Cycles inside router/ still to cut: none left (issue 19 cut decider <-> deciders and http1 <-> http1_pool).
@@ -109,7 +109,8 @@ def loaded_after_import(module: str) -> frozenset[str]:
 
 
 def test_the_lists_name_real_modules() -> None:
-    assert {"router.health", "router.auth", "router.decider", "connector.metadata", "connector.layout"} <= set(PURE)
+    assert {"router.health", "router.auth", "router.decider"} <= set(PURE)
+    assert {"connector.wire.metadata", "connector.transfer.layout"} <= set(PURE)
     assert {"router.policy", "router.config", "router.discovery.settings", "router.discovery.pods"} <= set(PURE)
     assert {"router.legs.base", "router.deciders.registry", "router.deciders.session_affinity"} <= set(PURE)
     assert "connector.scheduler" in PURE  # the scheduler half is vLLM-free: it runs in the unit tests

@@ -1,4 +1,4 @@
-"""The kv_transfer_params contract between the router (router.protocol) and our connector (connector.metadata).
+"""The kv_transfer_params contract between the router (router.protocol) and our connector (connector.wire.metadata).
 
 Both ends are real code: the router builds the legs' bodies and reads a prefill's answer; the connector parses
 the legs and builds that answer. A change on either side that breaks the other fails here.
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from connector.metadata import DecodeLeg, PrefillAnswer, PrefillLeg, pairing_key
+from connector.wire.metadata import DecodeLeg, PrefillAnswer, PrefillLeg, pairing_key
 from router.domain import Endpoint, NixlIdentity
 from router.protocol import (
     KvTransferParams,

@@ -5,7 +5,7 @@ KV goes over UCX's TCP transport across it. Pairs (P on core 0, D on core 1): up
 upstream push (NixlPushConnector) and ours (KvpushConnector) with its prefills on one decode: `p0` prefills a
 prompt in one step (`kvpush-push`), `p1` in chunks of `chunk_tokens` (`kvpush-progressive`: each chunk's full
 blocks are written at the end of its step, overlapping the rest of the prefill); with `layer` a third prefill,
-`p2`, pushes layer by layer in one step (`kvpush-layer`: `push_granularity: layer`, connector/layer_push.py: each
+`p2`, pushes layer by layer in one step (`kvpush-layer`: `push_granularity: layer`, connector/transfer/layered.py: each
 layer's blocks are written as soon as the layer is computed). A fourth, layer by layer in chunks
 (`kvpush-layer-chunked`), was the worst of the three overlaps and was deleted (bench/ANALYSIS.md, "Options
 deleted"); the report still shows its old rows. Our engines run the connector's event-driven progress thread
@@ -49,7 +49,7 @@ from stack.tiny_model import resolve_size
 MODEL_SIZE = "bench"
 SUITE = "link"
 THREAD = {"progress": "thread"}  # our connector on a link: NIXL's event-driven progress thread (connector/options.py)
-LAYER = {"push_granularity": "layer"}  # p2: each layer's blocks written once computed (connector/layer_push.py)
+LAYER = {"push_granularity": "layer"}  # p2: each layer's blocks written once computed (connector/transfer/layered.py)
 CHECK_PROMPTS = ("def f0(x): return x * 0\ndef f1(x):", "The link between prefill and decode carries")
 
 

@@ -1,4 +1,4 @@
-"""GPU check: two processes, vLLM-shaped KV caches, block WRITEs through ``connector.transfer``'s NIXL
+"""GPU check: two processes, vLLM-shaped KV caches, block WRITEs through ``connector.transfer.nixl``'s NIXL
 backend, SHA-256 of every written block, timings. ``python -m loadtest.micro.gpu_check --help``.
 
 What it does, in order (each step bounded by ``--deadline``, default 270 s):
@@ -6,7 +6,7 @@ What it does, in order (each step bounded by ``--deadline``, default 270 s):
 1. spawns a prefill (P) and a decode (D) process; each allocates its KV cache the way vLLM 0.32 does
    (one zeroed ``int8`` backing buffer on ``--device``, one ``[B, H, N, C]`` view per layer in
    ``--layout``), describes it with ``connector.kvcache`` (memory type VRAM/DRAM from the tensors'
-   device) and builds a ``connector.transfer.NixlBackend`` over it; P fills its cache with random bytes;
+   device) and builds a ``connector.transfer.nixl.NixlBackend`` over it; P fills its cache with random bytes;
 2. exchanges handshake payloads (agent metadata and layout) through the parent, checks both sides'
    compatibility hashes agree, and loads each other as peers;
 3. runs three WRITE rounds P -> D: ``bulk`` (one long prompt, contiguous blocks, timed ``--reps``
@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict, replace
 from typing import Any
 
-from connector.layout import pair_blocks
+from connector.transfer.layout import pair_blocks
 from loadtest.micro.gpu_check.config import CPU_DEFAULTS, ROLES, CheckConfig, plan_rounds
 from loadtest.micro.gpu_check.peer import CheckError, Remote, environment, failed_stage
 from loadtest.micro.gpu_check.tp import run_tp_check
@@ -86,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[CheckConfig, str | None]:
         p.error("--p-tp and --d-tp must be >= 1")
     if (cfg.p_tp > 1 or cfg.d_tp > 1) and cfg.layout != "LBHNC":
         p.error("--p-tp/--d-tp need --layout LBHNC (a rank's heads are byte ranges of a block only there)")
-    from connector.topology import TopologyError, plan
+    from connector.parallel.topology import TopologyError, plan
 
     try:
         plan(p_tp=cfg.p_tp, d_tp=cfg.d_tp, num_kv_heads=cfg.heads, head_bytes=1, num_layers=cfg.layers)

@@ -17,7 +17,7 @@ from importlib import metadata as importlib_metadata
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from connector.layout import num_descriptors
+from connector.transfer.layout import num_descriptors
 from loadtest.micro.gpu_check.caches import vllm_like_caches, vmm_caches
 from loadtest.micro.gpu_check.config import NOTICE, CheckConfig
 
@@ -30,15 +30,16 @@ if TYPE_CHECKING:
 
 
 class Peer:
-    """P or D inside its process: the cache, its description, the NIXL backend. Under TP, TP rank ``rank`` of
-    its side: its cache holds only that rank's heads (``connector.topology.heads_of``), P's bytes seeded per rank."""
+    """P or D inside its process: the cache, its description, the NIXL backend. Under TP, TP rank
+    ``rank`` of its side: its cache holds only that rank's heads (``connector.parallel.topology.heads_of``),
+    P's bytes seeded per rank."""
 
     def __init__(self, role: str, cfg: CheckConfig, rank: int = 0, stages: list[str] | None = None) -> None:
         import torch
 
         from connector.kvcache import describe_kv_caches
-        from connector.topology import heads_of
-        from connector.transfer import NixlBackend
+        from connector.parallel.topology import heads_of
+        from connector.transfer.nixl import NixlBackend
 
         self.role, self.rank = role, rank
         self.total_heads = cfg.heads
@@ -94,7 +95,7 @@ class Peer:
 
     def ready(self) -> dict[str, Any]:
         from connector.kvcache import compatibility_fields, compatibility_signature
-        from connector.metadata import PROTOCOL_VERSION, HandshakePayload, compatibility_hash
+        from connector.wire.metadata import PROTOCOL_VERSION, HandshakePayload, compatibility_hash
 
         fields = compatibility_fields(
             self.kv,
@@ -160,8 +161,8 @@ class Peer:
         self, raw_payload: bytes, slices: list[tuple[int, int, int]] | None = None, writes_to: bool = True
     ) -> float:
         """Load a peer; ``slices`` ((src, dst, length) byte ranges of each block): a TP leg writes only those."""
-        from connector.metadata import HandshakePayload
-        from connector.topology import Slice
+        from connector.parallel.topology import Slice
+        from connector.wire.metadata import HandshakePayload
 
         legs = tuple(Slice(*s) for s in slices) if slices is not None else None
         t = time.perf_counter()

@@ -1,8 +1,9 @@
 """The GPU check for a TP pair (``python -m loadtest.micro.gpu_check --p-tp N --d-tp M``): every rank a process.
 
 Each of the ``p_tp`` prefill and ``d_tp`` decode ranks is its own process (``peer.Peer``) whose
-KV cache holds only its heads of ``--heads`` (``connector.topology.heads_of``: split by rank, one replicated head
-per rank where tp > heads), LBHNC, so a head is a byte range of a block. The legs are ``connector.topology.plan``'s:
+KV cache holds only its heads of ``--heads`` (``connector.parallel.topology.heads_of``: split by rank, one
+replicated head per rank where tp > heads), LBHNC, so a head is a byte range of a block. The legs are
+``connector.parallel.topology.plan``'s:
 each P rank loads every D rank it writes as a peer with that leg's slices (``NixlBackend.add_peer(slices=)``),
 each D rank loads its source P ranks for notices only. Per round (the same three as the single pair: bulk,
 scattered, prefix-hit) every P rank WRITEs each of its legs and every D rank waits for the notice of each of its
@@ -19,8 +20,8 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from connector.layout import pair_blocks
-from connector.topology import Leg, Topology, plan
+from connector.parallel.topology import Leg, Topology, plan
+from connector.transfer.layout import pair_blocks
 from loadtest.micro.gpu_check.config import CheckConfig, plan_rounds
 from loadtest.micro.gpu_check.peer import CheckError, Remote, environment
 
@@ -28,7 +29,8 @@ __all__ = ["check_topology", "run_tp_check"]
 
 
 def check_topology(cfg: CheckConfig, head_bytes: int) -> Topology:
-    """The legs of this pair (raises ``connector.topology.TopologyError`` for a split the heads do not allow)."""
+    """The legs of this pair (raises ``connector.parallel.topology.TopologyError`` for a split the heads do
+    not allow)."""
     return plan(p_tp=cfg.p_tp, d_tp=cfg.d_tp, num_kv_heads=cfg.heads, head_bytes=head_bytes, num_layers=cfg.layers)
 
 

@@ -27,13 +27,13 @@ def peer_main(conn: Connection, engine: str, seed: int | None, progress: str = "
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     import numpy as np
 
-    from connector.metadata import KVLayout, PeerAddress, Region
     from connector.options import Options
     from connector.orders import CancelOrder
-    from connector.plan import PrefillFailed, PrefillFinished, RegisterOrder
-    from connector.rendezvous import Timeouts
-    from connector.transfer import NixlBackend
+    from connector.rendezvous.actions import Timeouts
+    from connector.transfer.nixl import NixlBackend
     from connector.transfer_thread import Results, TransferThread
+    from connector.wire.metadata import KVLayout, PeerAddress, Region
+    from connector.wire.plan import PrefillFailed, PrefillFinished, RegisterOrder
 
     rng = np.random.default_rng(seed)
     kv = [
@@ -189,7 +189,7 @@ def test_prefill_failure_is_notified(agents: tuple[Peer, Peer]) -> None:
 
 
 def _payload(backend: Any, layout: Any) -> Any:
-    from connector.metadata import PROTOCOL_VERSION, HandshakePayload
+    from connector.wire.metadata import PROTOCOL_VERSION, HandshakePayload
 
     return HandshakePayload(PROTOCOL_VERSION, "it", "x", backend.agent_name, backend.agent_metadata(), layout)
 
@@ -210,8 +210,8 @@ def test_a_peer_restarted_under_the_same_agent_name_is_reloaded() -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     import numpy as np
 
-    from connector.metadata import KVLayout, Region
-    from connector.transfer import NixlBackend
+    from connector.transfer.nixl import NixlBackend
+    from connector.wire.metadata import KVLayout, Region
 
     arrays = [np.zeros(BLOCKS * BLOCK_LEN, np.uint8) for _ in range(3)]
     layouts = [KVLayout("DRAM", 0, 16, (Region(a.ctypes.data, BLOCK_LEN, BLOCKS),)) for a in arrays]
@@ -240,7 +240,7 @@ def test_a_frozen_prefill_fails_the_waiting_decode_request_within_the_liveness_b
     still post a WRITE when it resumes) instead of reporting them free."""
     import signal
 
-    from connector.handshake import Liveness
+    from connector.wire.side_channel import Liveness
 
     ctx = mp.get_context("spawn")
     p, d = Peer(ctx, "P", seed=3), Peer(ctx, "D", seed=None)

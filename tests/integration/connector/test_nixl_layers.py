@@ -1,6 +1,6 @@
 """Layer-wise push on real NIXL agents (DRAM, UCX over loopback): a WRITE of a layer range moves exactly those
 layers' regions (whole blocks and TP head slices), and ``LayeredBackend`` posts a step's layers as they are
-marked, with Done delivered only after the last layer landed (``connector.layer_push``)."""
+marked, with Done delivered only after the last layer landed (``connector.transfer.layered``)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ BLOCKS, BLOCK_LEN, LAYERS = 8, 4096, 3
 
 
 def _payload(backend: Any, layout: Any) -> Any:
-    from connector.metadata import PROTOCOL_VERSION, HandshakePayload
+    from connector.wire.metadata import PROTOCOL_VERSION, HandshakePayload
 
     return HandshakePayload(PROTOCOL_VERSION, "it", "x", backend.agent_name, backend.agent_metadata(), layout)
 
@@ -29,8 +29,8 @@ def agents(request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any, list[Any]
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     import numpy as np
 
-    from connector.metadata import KVLayout, Region
-    from connector.transfer import NixlBackend
+    from connector.transfer.nixl import NixlBackend
+    from connector.wire.metadata import KVLayout, Region
 
     rng = np.random.default_rng(7)
     src = [rng.integers(0, 256, BLOCKS * BLOCK_LEN, dtype=np.uint8) for _ in range(LAYERS)]
@@ -83,7 +83,7 @@ def test_a_write_of_one_layer_moves_only_that_layers_blocks(agents: tuple[Any, A
 
 
 def _half() -> Any:
-    from connector.topology import Slice
+    from connector.parallel.topology import Slice
 
     return (Slice(0, 0, BLOCK_LEN // 2),)
 
@@ -105,8 +105,8 @@ def test_a_sliced_write_of_one_layer_moves_only_its_slice_of_that_layer(
 def test_layers_are_posted_as_marked_and_done_arrives_after_the_last(
     agents: tuple[Any, Any, list[Any], list[Any]],
 ) -> None:
-    from connector.layer_push import LayeredBackend, StepLayers
-    from connector.ready import READY
+    from connector.transfer.layered import LayeredBackend, StepLayers
+    from connector.transfer.ready import READY
 
     p, d, src, dst = agents
     layered = LayeredBackend(p, LAYERS, BLOCK_LEN)

@@ -20,7 +20,7 @@ BLOCKS, BLOCK_LEN, LAYERS = 16, 256, 3
 
 
 def _payload(backend: Any, layout: Any) -> Any:
-    from connector.metadata import PROTOCOL_VERSION, HandshakePayload
+    from connector.wire.metadata import PROTOCOL_VERSION, HandshakePayload
 
     return HandshakePayload(PROTOCOL_VERSION, "it", "x", backend.agent_name, backend.agent_metadata(), layout)
 
@@ -33,8 +33,8 @@ def agents(request: pytest.FixtureRequest) -> Iterator[tuple[Any, Any, Any, Any]
     os.environ["NIXL_TELEMETRY_ENABLE"] = "y"  # NIXL's count of the descriptors it posted
     import numpy as np
 
-    from connector.metadata import KVLayout, Region
-    from connector.transfer import NixlBackend
+    from connector.transfer.nixl import NixlBackend
+    from connector.wire.metadata import KVLayout, Region
 
     gap, slices = getattr(request, "param", (1, None))
     span = (BLOCKS + gap) * BLOCK_LEN
@@ -110,7 +110,7 @@ def test_nixl_keeps_one_descriptor_per_region_where_regions_touch(agents: tuple[
 
 
 def _half() -> Any:
-    from connector.topology import Slice
+    from connector.parallel.topology import Slice
 
     return (Slice(BLOCK_LEN // 2, 0, BLOCK_LEN // 2),)
 
@@ -132,7 +132,7 @@ def test_head_slices_of_consecutive_blocks_stay_one_descriptor_each(agents: tupl
 
 
 def test_a_notice_rides_on_a_write_of_long_runs_and_arrives_after_its_data(agents: tuple[Any, Any, Any, Any]) -> None:
-    from connector.layout import block_runs, runs_as_lists
+    from connector.transfer.layout import block_runs, runs_as_lists
 
     p, d, src, dst = agents
     local, remote = tuple(range(0, 12)), tuple(range(4, 16))

@@ -33,13 +33,13 @@ def rank_main(conn: Connection, engine: str, tp: int, rank: int, port: int, seed
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     import numpy as np
 
-    from connector.metadata import KVLayout, PeerAddress, RankInfo, Region
     from connector.options import Options
-    from connector.plan import PrefillFinished, RegisterOrder
+    from connector.parallel.topology import heads_of
     from connector.results import Results
-    from connector.topology import RankId, heads_of
-    from connector.transfer import NixlBackend
+    from connector.transfer.nixl import NixlBackend
     from connector.transfer_thread import TransferThread
+    from connector.wire.metadata import KVLayout, PeerAddress, RankId, RankInfo, Region
+    from connector.wire.plan import PrefillFinished, RegisterOrder
 
     heads = heads_of(rank, tp, HEADS)
     rng = np.random.default_rng(seed)
@@ -133,7 +133,7 @@ def wait_for(rank: Rank, cond: Any, timeout: float = 30.0) -> Any:
 
 
 def test_one_p_rank_fans_its_head_slices_out_to_two_d_ranks_in_their_own_processes(spawn: Any) -> None:
-    from connector.topology import plan
+    from connector.parallel.topology import plan
     from tests.integration.connector.test_nixl_tp_threads import free_base
 
     p_base, d_base = free_base(1), free_base(2)

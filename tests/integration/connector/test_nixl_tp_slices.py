@@ -1,7 +1,7 @@
 """Head slices of unequal TP on real NIXL DRAM agents, one process per rank (issue 20 (e)).
 
 Each rank is a child process with a ``NixlBackend`` over its own KV (2 layers, 12 blocks, 4 KV heads of
-``HEAD`` bytes per block in total, split by TP as ``connector.topology`` says). The legs come from
+``HEAD`` bytes per block in total, split by TP as ``connector.parallel.topology`` says). The legs come from
 ``topology.plan``; each P rank loads its D peers with the legs' slices and WRITEs. Checked: every slice's
 bytes on D equal the source's (SHA-256 per slice), every byte of a written block is covered, and blocks
 nobody wrote stay zero. 2 P ranks -> 1 D rank and 1 P rank -> 2 D ranks.
@@ -32,9 +32,9 @@ def rank_main(conn: Connection, name: str, tp: int, seed: int | None) -> None:
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     import numpy as np
 
-    from connector.metadata import PROTOCOL_VERSION, HandshakePayload, KVLayout, Region
-    from connector.topology import Slice
-    from connector.transfer import NixlBackend
+    from connector.parallel.topology import Slice
+    from connector.transfer.nixl import NixlBackend
+    from connector.wire.metadata import PROTOCOL_VERSION, HandshakePayload, KVLayout, Region
 
     block_len = HEADS // min(tp, HEADS) * HEAD if tp <= HEADS else HEAD
     rng = np.random.default_rng(seed)
@@ -115,7 +115,7 @@ def spawn() -> Iterator[Any]:
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2)], ids=["2P-to-1D", "1P-to-2D"])
 def test_head_slices_land_in_the_right_byte_ranges(spawn: Any, p_tp: int, d_tp: int) -> None:
-    from connector.topology import plan
+    from connector.parallel.topology import plan
 
     topo = plan(p_tp=p_tp, d_tp=d_tp, num_kv_heads=HEADS, head_bytes=HEAD, num_layers=LAYERS)
     tag = f"{p_tp}{d_tp}-{os.getpid()}"

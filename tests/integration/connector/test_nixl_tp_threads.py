@@ -2,7 +2,7 @@
 
 Every rank of a prefill engine (N ranks) and of a decode engine (M ranks) is a ``TransferThread`` with its own
 ``NixlBackend`` agent (UCX over loopback) in this process, its own side-channel listener on rank-0 port + rank
-(``connector.ranks.rank_port``) and its ``RankInfo`` (4 KV heads of 64 bytes per block split by TP, 2 layer
+(``connector.parallel.ranks.rank_port``) and its ``RankInfo`` (4 KV heads of 64 bytes per block split by TP, 2 layer
 regions). Each D rank dials the P ranks the topology makes its sources, each P rank checks the D rank's
 geometry and writes its heads (whole blocks at equal TP, a slice of the D rank's blocks otherwise). Checked:
 each D rank's blocks hold exactly its heads of the prefill's blocks (SHA-256), blocks nobody wrote stay zero,
@@ -26,13 +26,13 @@ pytest.importorskip("nixl")
 
 import numpy as np  # noqa: E402
 
-from connector.metadata import KVLayout, PeerAddress, RankInfo, Region  # noqa: E402
 from connector.options import Options  # noqa: E402
-from connector.plan import PrefillFinished, RegisterOrder  # noqa: E402
+from connector.parallel.topology import heads_of  # noqa: E402
 from connector.results import Results  # noqa: E402
-from connector.topology import RankId, heads_of  # noqa: E402
-from connector.transfer import NixlBackend  # noqa: E402
+from connector.transfer.nixl import NixlBackend  # noqa: E402
 from connector.transfer_thread import TransferThread  # noqa: E402
+from connector.wire.metadata import KVLayout, PeerAddress, RankId, RankInfo, Region  # noqa: E402
+from connector.wire.plan import PrefillFinished, RegisterOrder  # noqa: E402
 
 HEADS, HEAD_BYTES, BLOCKS, REGIONS = 4, 64, 12, 2
 P_BLOCKS, D_BLOCKS = (3, 7, 8), (1, 4, 10)

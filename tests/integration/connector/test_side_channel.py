@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from connector.handshake import Liveness, PeerLink
-from connector.metadata import PROTOCOL_VERSION, HandshakePayload, KVLayout, PeerAddress, Region
+from connector.wire.metadata import PROTOCOL_VERSION, HandshakePayload, KVLayout, PeerAddress, Region
+from connector.wire.side_channel import Liveness, PeerLink
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +35,7 @@ def payload(engine: str) -> HandshakePayload:
 
 
 def server_main(conn: Connection) -> None:
-    from connector.handshake import SideChannelServer
+    from connector.wire.side_channel import SideChannelServer
 
     server = SideChannelServer(
         "127.0.0.1", 0, lambda: payload("P"), lambda peer: None, lambda engine: None, "it", liveness=LIVENESS
@@ -112,7 +112,7 @@ def test_a_peer_of_the_old_wire_version_is_refused_at_the_handshake_naming_both_
         timeout_s=5.0,
         liveness=LIVENESS,
     )
-    with caplog.at_level(logging.WARNING, logger="connector.handshake"):
+    with caplog.at_level(logging.WARNING, logger="connector.wire.side_channel"):
         link.start()
         try:
             assert lost.wait(10), "the refused handshake was not reported"

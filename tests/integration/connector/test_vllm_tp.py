@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from connector.topology import plan
+from connector.parallel.topology import plan
 from tests.integration.connector.kvpush_support import CONNECTOR, CONNECTOR_EXTRA, MODULE
 from tests.integration.families import FamilyPool, FamilySpec, pairs
 from tests.integration.support import VLLM, metric, wait_for

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from connector.memory_backend import MemoryFabric
+from connector.transfer.memory import MemoryFabric
 from tests.unit.connector.test_transfer_thread import Side, make_side
 
 

@@ -13,8 +13,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from connector.handshake import Liveness
-from connector.metadata import HandshakePayload, PeerAddress
+from connector.wire.metadata import HandshakePayload, PeerAddress
+from connector.wire.side_channel import Liveness
 
 _ports = itertools.count(41000)
 

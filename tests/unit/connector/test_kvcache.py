@@ -30,9 +30,8 @@ from connector.kvcache import (
     memory_type,
     side_channel_port,
 )
-from connector.metadata import compatibility_hash
-from connector.ranks import rank_port
-from connector.topology import RankId
+from connector.parallel.ranks import rank_port
+from connector.wire.metadata import RankId, compatibility_hash
 
 BLOCKS, LAYERS, HEADS, TOKENS, HEAD_SIZE = 10, 3, 4, 16, 8
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]

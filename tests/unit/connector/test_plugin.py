@@ -19,8 +19,8 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from connector.plugin import KvpushConnector, KvpushWorkerMeta, _dp_index
 from connector.scheduler import Ending, SchedulerHalf
-from connector.topology import RankId
 from connector.transfer_thread import Results
+from connector.wire.metadata import RankId
 from connector.worker import WorkerHalf
 from tests.compat.outputs import model_runner_output
 

@@ -12,9 +12,16 @@ from typing import Any
 
 import pytest
 
-from connector.metadata import PeerAddress
-from connector.plan import PrefillFailed, PrefillFinished, PrefillPreempted, PrefillProgress, PrefillRestarted, StepPlan
 from connector.scheduler import Ending, SchedulerHalf
+from connector.wire.metadata import PeerAddress
+from connector.wire.plan import (
+    PrefillFailed,
+    PrefillFinished,
+    PrefillPreempted,
+    PrefillProgress,
+    PrefillRestarted,
+    StepPlan,
+)
 
 
 @dataclass

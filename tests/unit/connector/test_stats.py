@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="connector.stats plugs into vLLM's connector-stats hooks")
 
-from connector.rendezvous import Tally
+from connector.rendezvous.actions import Tally
 from connector.stats import COUNTERS, KvpushStats
 
 

@@ -17,16 +17,16 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from connector.handshake import Liveness
-from connector.memory_backend import MemoryBackend, MemoryFabric
-from connector.metadata import KVLayout, PeerAddress, Region
 from connector.options import Options, Polling
 from connector.orders import CancelOrder
-from connector.plan import CancelUnallocated, PrefillFailed, PrefillFinished, RegisterOrder
-from connector.ready import StepFence
-from connector.rendezvous import Timeouts
-from connector.transfer import TransferError
+from connector.rendezvous.actions import Timeouts
+from connector.transfer.base import TransferError
+from connector.transfer.memory import MemoryBackend, MemoryFabric
+from connector.transfer.ready import StepFence
 from connector.transfer_thread import Results, TransferThread
+from connector.wire.metadata import KVLayout, PeerAddress, Region
+from connector.wire.plan import CancelUnallocated, PrefillFailed, PrefillFinished, RegisterOrder
+from connector.wire.side_channel import Liveness
 from tests.unit.connector.side_channel_fake import LoopbackSideChannel
 
 BLOCKS, BLOCK_LEN = 8, 64

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from connector.orders import CancelOrder
-from connector.plan import PrefillFailed, PrefillFinished, PrefillProgress
+from connector.wire.plan import PrefillFailed, PrefillFinished, PrefillProgress
 from tests.unit.connector.test_transfer_thread import BLOCK_LEN, FAST, Side, register, sha, wait_for
 
 KEY = "t:1"

@@ -1,7 +1,7 @@
 """N prefill ranks and M decode ranks as transfer threads in one process (issue 20): the TP wiring.
 
 Every rank is a ``TransferThread`` with its own ``MemoryBackend`` agent, its own side-channel port (rank-0 port
-+ rank, ``connector.ranks.rank_port``) and its ``RankInfo``. The KV of a made-up model (4 KV heads of 16 bytes
++ rank, ``connector.parallel.ranks.rank_port``) and its ``RankInfo``. The KV of a made-up model (4 KV heads of 16 bytes
 per block, 2 layer regions) is split by head as vLLM does; a D rank's blocks must end up holding exactly its
 heads of the prefill's blocks. ``Engine`` plays vLLM's part across ranks: a request is finished when every rank
 reported it received, failed when any rank did, and (as the scheduler half does with the workers' failures) a
@@ -19,16 +19,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from connector.handshake import Liveness
-from connector.memory_backend import MemoryBackend, MemoryFabric
-from connector.metadata import KVLayout, PeerAddress, RankInfo, Region
 from connector.options import Options
 from connector.orders import CancelOrder
-from connector.plan import PrefillFinished, RegisterOrder
-from connector.rendezvous import Timeouts
-from connector.topology import RankId, heads_of, plan
-from connector.transfer import WriteTicket
+from connector.parallel.topology import heads_of, plan
+from connector.rendezvous.actions import Timeouts
+from connector.transfer.base import WriteTicket
+from connector.transfer.memory import MemoryBackend, MemoryFabric
 from connector.transfer_thread import Results, TransferThread
+from connector.wire.metadata import KVLayout, PeerAddress, RankId, RankInfo, Region
+from connector.wire.plan import PrefillFinished, RegisterOrder
+from connector.wire.side_channel import Liveness
 from tests.unit.connector.side_channel_fake import LoopbackSideChannel
 
 HEADS, HEAD_BYTES, BLOCKS, REGIONS = 4, 16, 8, 2

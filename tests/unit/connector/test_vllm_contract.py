@@ -17,8 +17,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="connector.plugin is the class vLLM loads")
 
-from connector.plan import PrefillPreempted, PrefillProgress, StepPlan
 from connector.plugin import KvpushConnector, KvpushMetadata
+from connector.wire.plan import PrefillPreempted, PrefillProgress, StepPlan
 from connector.worker import WorkerHalf
 from tests.unit.connector.test_transfer_thread import Side, register, wait_for
 

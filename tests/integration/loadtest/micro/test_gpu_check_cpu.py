@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from connector.layout import descriptor_indices, region_descriptors, strided_descriptors
-from connector.metadata import KVLayout, Region
+from connector.transfer.layout import descriptor_indices, region_descriptors, strided_descriptors
+from connector.wire.metadata import KVLayout, Region
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("nixl")
