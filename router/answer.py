@@ -19,12 +19,13 @@ from typing import Any
 
 import httpx
 
+from router.apis import OPENAI, Api
 from router.domain import Role
 from router.errors import RouterError, UpstreamError, UpstreamProtocolError, UpstreamTimeout
 from router.legs.base import LegResponse
-from router.sse import EventFramer, EventTooLarge, RelayCheck, error_event, payload_of
+from router.sse import EventFramer, EventTooLarge, RelayCheck, payload_of
 from router.upstream import translate
-from router.usage import CachedFix, fixed_usage, wants_usage, with_cached
+from router.usage import CachedFix
 
 logger = logging.getLogger("kvpush.answer")
 
@@ -87,7 +88,10 @@ class StreamAnswer:
         cleanup: contextlib.AsyncExitStack,
         on_close: Callable[[StreamEnd], None],
         collect: Collect | None = None,
+        api: Api = OPENAI,
     ) -> None:
+        self._api = api  # its in-band error event and usage rule (router/apis.py)
+        self._last = b""  # the last chunk relayed (a Responses error event is numbered after it)
         self._response = response
         self._first = first
         self._framer = framer
@@ -130,6 +134,7 @@ class StreamAnswer:
                         await fix.resolve()
                         fed = fix.feed(b"")
                     chunk = fed or b""
+                self._last = chunk
                 if out := self._observe(chunk):
                     yield out
         except (httpx.HTTPError, EventTooLarge) as exc:
@@ -175,7 +180,7 @@ class StreamAnswer:
         self._outcome = f"stream_{failure.kind}"
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(write_stall):
-                await send(error_event(failure))
+                await send(self._api.error_event(failure, self._last))
 
     def _broke(self, exc: Exception) -> bytes:
         error: RouterError
@@ -185,7 +190,7 @@ class StreamAnswer:
             error = translate(exc, leg=Role.DECODE, worker=self._worker)
         logger.warning("decode stream broke after the first event: %s", error)
         self._outcome = f"stream_{error.kind}"
-        return error_event(error)
+        return self._api.error_event(error, self._last)
 
     def _observe(self, chunk: bytes) -> bytes:
         """The bytes to relay for `chunk`: itself, or its whole events scrubbed (see `Collect`)."""
@@ -219,8 +224,8 @@ class StreamAnswer:
                 collected = self._collect[0]
                 text, ids = collected.text(), tuple(collected.ids) if collected.saw_ids else None
             usage = self._check.usage()
-            if self._fix is not None and self._fix.resolved:
-                usage = fixed_usage(usage, self._fix.cached)
+            if self._fix is not None and self._fix.resolved and usage is not None:
+                usage = self._api.fixed_usage(usage, self._fix.cached)
             self._on_close(StreamEnd(self._outcome, usage, text, ids))
 
 
@@ -234,14 +239,16 @@ async def _fixed(fix: CachedFix, chunk: bytes) -> bytes:
 
 
 async def read_first_events(
-    response: LegResponse, framer: EventFramer, *, worker: str
+    response: LegResponse, framer: EventFramer, *, worker: str, held: Callable[[bytes], bool] | None = None
 ) -> tuple[list[bytes], AsyncGenerator[bytes, None]]:
-    """Reads until at least one whole event has arrived; returns it and the iterator for the rest."""
+    """Reads until at least one whole event has arrived (one that `held` does not hold back: events an API sends
+    before the engine has done anything); returns the events so far and the iterator for the rest."""
     chunks = response.chunks()
+    events: list[bytes] = []
     try:
         async for chunk in chunks:
-            events = framer.feed(chunk)
-            if events:
+            events += framer.feed(chunk)
+            if events and (held is None or not all(held(event) for event in events)):
                 return events, chunks
     except httpx.HTTPError as exc:
         raise translate(exc, leg=Role.DECODE, worker=worker) from exc
@@ -249,23 +256,27 @@ async def read_first_events(
         raise UpstreamProtocolError(str(exc), leg=Role.DECODE, worker=worker) from None
     rest = framer.flush()
     if rest.strip():
-        return [rest], chunks
+        return [*events, rest], chunks
     raise UpstreamError("closed the stream before sending anything", leg=Role.DECODE, worker=worker)
 
 
 async def true_cached(
-    answer: JsonAnswer | StreamAnswer, client_body: Mapping[str, Any], cached: Callable[[], Awaitable[int | None]]
+    answer: JsonAnswer | StreamAnswer,
+    client_body: Mapping[str, Any],
+    cached: Callable[[], Awaitable[int | None]],
+    api: Api = OPENAI,
 ) -> JsonAnswer | StreamAnswer:
-    """Decode's answer with its cached counts made P's (router/usage.py): a JSON answer now, a stream as it is
-    relayed, and only when the client gets usage at all (a stream without it costs nothing)."""
-    if not wants_usage(client_body):
+    """Decode's answer with its cached counts made P's (router/usage.py), as `api` states them: a JSON answer
+    now, a stream as it is relayed, and only when the client gets usage at all (a stream without it costs
+    nothing)."""
+    if not api.wants_usage(client_body):
         return answer
     if isinstance(answer, StreamAnswer):
-        answer.fix_cached(CachedFix(cached))
+        answer.fix_cached(CachedFix(cached, api.with_cached, api.cached_marker))
         return answer
-    if b'"cached_tokens"' not in answer.content:
+    if api.cached_marker not in answer.content:
         return answer
-    return JsonAnswer(answer.status, with_cached(answer.content, await cached()))
+    return JsonAnswer(answer.status, api.with_cached(answer.content, await cached()))
 
 
 def known(cached: int | None) -> Callable[[], Awaitable[int | None]]:

@@ -23,12 +23,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import Message, Receive, Scope, Send
 
-from router import auth, fanout, heap, passthrough, protocol
+from router import auth, fanout, heap, passthrough, protocol, responses
 from router.answer import JsonAnswer, StreamAnswer
+from router.apis import api_of
 from router.config import Settings
 from router.deciders.conversation import SESSION_HEADER
 from router.dispatch import ClientRequest
-from router.domain import Endpoint, RequestInfo
+from router.domain import Endpoint, RequestInfo, Role
 from router.errors import (
     BadRequest,
     HeadersTooLarge,
@@ -48,7 +49,7 @@ from router.tracing.provider import Tracing
 from router.tracing.trace import RequestTrace
 
 logger = logging.getLogger("kvpush.app")
-_HOT = {Endpoint.COMPLETIONS.path: Endpoint.COMPLETIONS, Endpoint.CHAT.path: Endpoint.CHAT}
+_HOT = {endpoint.path: endpoint for endpoint in Endpoint}
 _JSON = (b"content-type", b"application/json")
 _STREAM = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
 _REQUEST_ID = protocol.REQUEST_ID_HEADER.encode()
@@ -92,7 +93,7 @@ def create_app(
 
 
 class RouterApp(FastAPI):
-    """FastAPI, except that POSTs to the two completion routes go straight to the hot path."""
+    """FastAPI, except that POSTs to the hot routes (router/domain.py `Endpoint`) go straight to the hot path."""
 
     def __init__(self, hot: HotPath, **kwargs: Any) -> None:
         super().__init__(title="kvpush router", docs_url=None, redoc_url=None, openapi_url=None, **kwargs)
@@ -112,7 +113,8 @@ class RouterApp(FastAPI):
 
 
 class HotPath:
-    """POST /v1/completions and /v1/chat/completions, without a framework."""
+    """POST /v1/completions, /v1/chat/completions, /v1/messages and /v1/responses, without a framework. Every
+    error is in the endpoint's own shape (router/apis.py: Anthropic's for Messages)."""
 
     def __init__(self, service: Service) -> None:
         self._service = service
@@ -134,7 +136,7 @@ class HotPath:
         too_big = self.header_limits(headers)
         if too_big is not None:  # before anything is copied out of them
             self._count(endpoint, too_big, errors=True)
-            await _send_error(send, too_big, protocol.client_request_id(None, 0))
+            await _send_error(send, too_big, protocol.client_request_id(None, 0), endpoint=endpoint)
             return
         authorization = client_id = length = None
         max_id = self._limits.max_request_id_chars
@@ -150,13 +152,14 @@ class HotPath:
             auth.check_client(authorization, self._keys)
             raw = await self._body(receive, length)
             info, body = self._parse(endpoint, raw)
+            owner = self._owner(body) if endpoint is Endpoint.RESPONSES else None
             pick = self._service.gateway_pick(headers)  # behind an EPP: its prefill and session (or a 400)
         except ClientGone:
             logger.info("request %s: the client left while sending its body", request_id)
             return
         except (BadRequest, Unauthorized) as refused:
             self._count(endpoint, refused, errors=True)
-            await _send_error(send, refused, request_id)
+            await _send_error(send, refused, request_id, endpoint=endpoint)
             return
         client_headers = (
             {k.decode("latin-1"): v.decode("latin-1") for k, v in headers} if self._service.wants_headers else {}
@@ -169,6 +172,7 @@ class HotPath:
             record=self._service.new_record(request_id, info),
             headers=client_headers,
             prefill=None if pick is None or pick.prefill is None else pick.prefill.id,
+            owner=owner,
             trace=None if self._tracing is None else _start_trace(self._tracing, headers, endpoint, body, request_id),
         )
         prompts = protocol.batch_of(body) if endpoint is Endpoint.COMPLETIONS else None
@@ -186,7 +190,7 @@ class HotPath:
             self._count(endpoint, refused, errors=False)
             if request.trace is not None:
                 request.trace.end(refused.kind, status=refused.http_status)
-            await _send_error(send, refused, request_id)
+            await _send_error(send, refused, request_id, endpoint=endpoint)
 
     async def _body(self, receive: Receive, length: bytes | None) -> bytes:
         limit, deadline = self._limits.max_body_bytes, self._timeouts.client_body
@@ -210,6 +214,16 @@ class HotPath:
         except TimeoutError:
             raise RequestTimeout(f"the request body did not arrive within {deadline:g} s") from None
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def _owner(self, body: dict[str, Any]) -> str | None:
+        """The decode worker that holds a Responses request's `previous_response_id` (404 when none does)."""
+        previous = body.get("previous_response_id")
+        if previous is None:
+            return None
+        owner = responses.owner_of(previous, (spec.url for spec in self._service.pool.members(Role.DECODE)))
+        if owner is None:
+            raise NotFound(responses.not_found(previous), param="previous_response_id")
+        return owner
 
     def _parse(self, endpoint: Endpoint, raw: bytes) -> tuple[RequestInfo, dict[str, Any]]:
         body = protocol.decode_body(raw, self._limits.max_json_depth)
@@ -248,7 +262,7 @@ class HotPath:
             watcher.cancel()
 
     async def _answer(self, send: Send, request: ClientRequest, batched: list[Any] | None) -> None:
-        rec = request.record
+        rec, endpoint = request.record, request.info.endpoint
         dispatcher = self._service.dispatcher
         try:
             if batched is None:
@@ -256,13 +270,14 @@ class HotPath:
             else:
                 answer = await fanout.handle_batch(dispatcher, request, batched, self._limits.max_event_bytes)
         except RouterError as failed:
-            await _send_error(send, failed, rec.request_id, rec.pairing_id)
+            await _send_error(send, failed, rec.request_id, rec.pairing_id, endpoint)
             return
         except Exception:
             logger.exception("request %s: internal error", rec.request_id)
             if request.trace is not None:
                 request.trace.end(RouterError.kind, status=RouterError.status)
-            await _send_error(send, RouterError("internal error in the router"), rec.request_id, rec.pairing_id)
+            internal = RouterError("internal error in the router")
+            await _send_error(send, internal, rec.request_id, rec.pairing_id, endpoint)
             return
         ids = [(_REQUEST_ID, rec.request_id.encode()), (_PAIRING_ID, (rec.pairing_id or "").encode())]
         if isinstance(answer, JsonAnswer):
@@ -305,7 +320,13 @@ def _start_trace(
     return tracing.begin(trace_context.read(headers), describe)
 
 
-async def _send_error(send: Send, error: RouterError, request_id: str | None, pairing_id: str | None = None) -> None:
+async def _send_error(
+    send: Send,
+    error: RouterError,
+    request_id: str | None,
+    pairing_id: str | None = None,
+    endpoint: Endpoint = Endpoint.CHAT,
+) -> None:
     headers = [_JSON]
     if request_id:
         headers.append((_REQUEST_ID, request_id.encode()))
@@ -316,7 +337,7 @@ async def _send_error(send: Send, error: RouterError, request_id: str | None, pa
     if isinstance(error, UpstreamError) and error.http_status >= 500:
         logger.warning("request %s failed: %s", request_id, error)
     await send({"type": "http.response.start", "status": error.http_status, "headers": headers})
-    await send({"type": "http.response.body", "body": error.to_json()})
+    await send({"type": "http.response.body", "body": api_of(endpoint).error_body(error)})
 
 
 def _extra_headers(error: RouterError) -> dict[str, str]:
@@ -360,6 +381,8 @@ def _openai_routes(app: FastAPI, service: Service) -> None:
 
     @app.post("/v1/completions")
     @app.post("/v1/chat/completions")
+    @app.post("/v1/messages")
+    @app.post("/v1/responses")
     async def hot_route() -> Response:  # POSTs never get here (RouterApp serves them); other methods get 405
         raise AssertionError("served by HotPath")
 
@@ -385,6 +408,19 @@ def _openai_routes(app: FastAPI, service: Service) -> None:
     app.add_api_route("/tokenize", helper, methods=["POST"])
     app.add_api_route("/detokenize", helper, methods=["POST"])
     app.add_api_route("/version", helper, methods=["GET"])
+
+    async def stored(request: Request, response_id: str) -> Response:  # a stored response, on its decode alone
+        auth.check_client(request.headers.get("authorization"), keys)
+        owner = responses.owner_of(response_id, (spec.url for spec in service.pool.members(Role.DECODE)))
+        if owner is None:
+            raise NotFound(responses.not_found(response_id), param="response_id")
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        deadline = service.settings.timeouts.helper
+        status, content, kind = await passthrough.to_owner(service.client, owner, request.method, path, deadline)
+        return Response(content, status_code=status, media_type=kind)
+
+    app.add_api_route("/v1/responses/{response_id}", stored, methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}/cancel", stored, methods=["POST"])
 
 
 def _operations_routes(app: FastAPI, service: Service) -> None:

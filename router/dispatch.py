@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
@@ -21,12 +22,13 @@ from typing import Any
 
 import httpx
 
-from router import legtasks, protocol, upstream, usage
+from router import legtasks, protocol, responses, upstream, usage
 from router.answer import JsonAnswer, StreamAnswer, known, read_first_events, true_cached
+from router.apis import api_of
 from router.config import Settings
 from router.decider import Decider, Decision, NoDecider, Route, Turn
 from router.deciders.conversation import SESSION_HEADER, session_of
-from router.domain import Fallback, NixlIdentity, RequestInfo, Role, WorkerView
+from router.domain import Endpoint, Fallback, NixlIdentity, RequestInfo, Role, WorkerView
 from router.errors import (
     NoHealthyWorker,
     RouterError,
@@ -65,6 +67,7 @@ class ClientRequest:
     record: RequestRecord
     headers: Mapping[str, str] = field(default_factory=dict)  # lower-case names, for the decider
     prefill: str | None = None  # the prefill worker a gateway's EPP named (router/gateway.py), a pool member
+    owner: str | None = None  # the decode worker that alone can serve it (router/responses.py), a pool member
     trace: RequestTrace | None = None  # its trace (router/tracing), None with tracing off
 
 
@@ -112,11 +115,13 @@ class Dispatcher:
                 request.record.new_attempt()
                 decodes = self._pool.candidates(Role.DECODE, frozenset(exclude[Role.DECODE]))
                 prefills = self._pool.candidates(Role.PREFILL, frozenset(exclude[Role.PREFILL]))
-                decision = self._decide(turn, decodes, prefills)
+                decision = self._decide(turn, decodes, prefills, request.owner)
                 try:
                     answer = await self._attempt(request, turn, decision, decodes, prefills)
                 except UpstreamError as error:
                     self.feedback.tell(turn, decision, request.record, ok=False)
+                    if request.owner is not None:
+                        raise  # no other decode holds its conversation
                     exclude[error.leg].add(error.worker)
                     self._retry_or_raise(error, attempt, exclude[error.leg], request.record)
                     continue
@@ -149,7 +154,13 @@ class Dispatcher:
                 answer = JsonAnswer(answer.status, protocol.scrub_token_ids(answer.content))
         return answer
 
-    def _decide(self, turn: Turn, decodes: Sequence[WorkerView], prefills: Sequence[WorkerView]) -> Decision:
+    def _decide(
+        self, turn: Turn, decodes: Sequence[WorkerView], prefills: Sequence[WorkerView], owner: str | None = None
+    ) -> Decision:
+        if owner is not None:  # only that decode holds the conversation (previous_response_id)
+            if not any(view.id == owner for view in decodes):
+                raise NoHealthyWorker("the decode worker that holds 'previous_response_id' is not available")
+            return Decision(Route.BYPASS, decode=owner, reason="the decode that holds previous_response_id")
         if (why := protocol.decode_only(turn.info.endpoint, turn.body)) is not None:
             return Decision(Route.BYPASS, reason=why)  # decode computes the prompt whatever it is sent
         if not prefills and self._settings.fallback is Fallback.DECODE_ONLY:
@@ -172,6 +183,8 @@ class Dispatcher:
         rec, info, route = request.record, request.info, decision.route
         decode = self._select(Role.DECODE, info, decodes, decision.decode)
         self._metrics.child(self._metrics.decisions, str(route)).inc()
+        if info.endpoint is Endpoint.RESPONSES:  # the response id names the decode that will hold it
+            request = replace(request, body=responses.owned(request.body, decode.spec.url))
         ids = protocol.mint_ids()
         close = StreamClose(self.feedback, self.finisher, turn, decision, rec, request.trace)
         if route in (Route.BYPASS, Route.FALLBACK):
@@ -182,7 +195,7 @@ class Dispatcher:
         prefill = self._select(Role.PREFILL, info, prefills, request.prefill or decision.prefill)
         _served_by(rec, route, ids, decode, prefill)
         self._check_pair(prefill, decode)
-        n = protocol.choices(request.body)
+        n = protocol.choices(request.body, info.endpoint)
         decode_rank = self._decode_rank(decode, pinned=n > 1)
         legs = _Ranks(self._pool.pin_rank(prefill.spec.id, RankPick.LEAST_LOADED), decode_rank)
         if n == 1:
@@ -206,7 +219,7 @@ class Dispatcher:
             answer = await self._decode(request, close, decode, body, ids, legs.decode)
             if usage.relays_cached(prefilled.params):  # decode reports P's count itself
                 return answer
-            return await true_cached(answer, request.body, known(prefilled.cached))
+            return await true_cached(answer, request.body, known(prefilled.cached), api_of(request.info.endpoint))
         identity = prefill.ranks.identity(legs.prefill or 0)
         if identity is None:  # auto: learn the identity (this rank's) from a first, sequential prefill
             return await self._push_learning(request, close, prefill, decode, ids, legs)
@@ -272,7 +285,7 @@ class Dispatcher:
         _check_parallelism(identity, prefill, decode)
         body = protocol.push_decode_body(request.body, identity, ids)
         answer = await self._decode(request, close, decode, body, ids, legs.decode)
-        return await true_cached(answer, request.body, known(prefilled.cached))
+        return await true_cached(answer, request.body, known(prefilled.cached), api_of(request.info.endpoint))
 
     async def _push(
         self,
@@ -299,7 +312,8 @@ class Dispatcher:
             await legtasks.give_up(prefill_leg, decode_leg)
             raise
         self.finisher.detach(ids.request_id, prefill_leg)
-        return await true_cached(answer, request.body, lambda: legtasks.cached_of(prefill_leg))
+        cached = functools.partial(legtasks.cached_of, prefill_leg)
+        return await true_cached(answer, request.body, cached, api_of(request.info.endpoint))
 
     async def _prefill(
         self, request: ClientRequest, worker: WorkerState, ids: protocol.PairingIds, rank: int | None
@@ -405,18 +419,19 @@ class Dispatcher:
         if span is not None:
             headers.update(span.headers)
         leg = _DecodeLeg(wid, f"{worker.spec.url}{request.info.endpoint.path}", headers)
-        scrub = self.feedback.asks_ids_for_us(request.body)
+        scrub = request.info.endpoint.openai_choices and self.feedback.asks_ids_for_us(request.body)
         raw = protocol.encode(protocol.asking_token_ids(body) if scrub else body)
         cleanup = contextlib.AsyncExitStack()
         tracked = cleanup.enter_context(self._pool.track(wid, request.info.prompt_tokens, rank))
         framer = EventFramer(self._settings.limits.max_event_bytes)
+        api = api_of(request.info.endpoint)
         rec.decode_sent = self._clock()
         try:
             if not request.info.stream:
                 content = await self._decode_json(tracked, leg, raw)
                 await cleanup.aclose()
             else:
-                response, first, rest = await self._open_decode_stream(tracked, leg, raw, framer, cleanup)
+                response, first, rest = await self._open_decode_stream(tracked, leg, raw, framer, cleanup, api.held)
         except BaseException as error:
             if isinstance(error, UpstreamError):
                 self._passive_check(error, rank)
@@ -437,7 +452,7 @@ class Dispatcher:
         check = RelayCheck(self._settings.limits.max_event_bytes)
         collect = self.feedback.collect(scrub)
         return StreamAnswer(
-            response, first, rest, framer, check, worker=wid, cleanup=cleanup, on_close=close, collect=collect
+            response, first, rest, framer, check, worker=wid, cleanup=cleanup, on_close=close, collect=collect, api=api
         )
 
     async def _decode_json(self, tracked: Tracked, leg: _DecodeLeg, raw: bytes) -> bytes:
@@ -455,10 +470,17 @@ class Dispatcher:
         return content
 
     async def _open_decode_stream(
-        self, tracked: Tracked, leg: _DecodeLeg, raw: bytes, framer: EventFramer, cleanup: contextlib.AsyncExitStack
+        self,
+        tracked: Tracked,
+        leg: _DecodeLeg,
+        raw: bytes,
+        framer: EventFramer,
+        cleanup: contextlib.AsyncExitStack,
+        held: Callable[[bytes], bool] | None = None,
     ) -> tuple[LegResponse, list[bytes], AsyncGenerator[bytes, None]]:
-        """A stream decode leg, opened: the response and its first events, within the first-byte deadline. An
-        error event before the first token is retryable: nothing reached the client yet."""
+        """A stream decode leg, opened: the response and its first events (past the ones `held` holds back),
+        within the first-byte deadline. An error event before the first token is retryable: nothing reached the
+        client yet."""
         deadline, wid = self._settings.timeouts.decode_first_byte, leg.worker
         try:
             async with unless_lost(tracked, Role.DECODE), asyncio.timeout(deadline):
@@ -466,8 +488,8 @@ class Dispatcher:
                     self._legs, leg.url, raw, leg.headers, leg=Role.DECODE, worker=wid
                 )
                 cleanup.push_async_callback(response.aclose)
-                first, rest = await read_first_events(response, framer, worker=wid)
-                if (message := error_of(first[0])) is not None:
+                first, rest = await read_first_events(response, framer, worker=wid, held=held)
+                if (message := _first_error(first)) is not None:
                     raise UpstreamError(f"failed before its first token: {message}", leg=Role.DECODE, worker=wid)
         except TimeoutError:
             raise UpstreamTimeout(
@@ -561,6 +583,10 @@ def _end_failed(span: LegSpan, error: BaseException) -> None:
         span.end(error.kind)
     else:
         span.end(semconv.CANCELLED if isinstance(error, asyncio.CancelledError) else RouterError.kind)
+
+
+def _first_error(events: list[bytes]) -> str | None:
+    return next((message for event in events if (message := error_of(event)) is not None), None)
 
 
 def _usage(content: bytes) -> dict[str, Any] | None:

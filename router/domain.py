@@ -32,10 +32,25 @@ class Fallback(enum.StrEnum):
 class Endpoint(enum.StrEnum):
     COMPLETIONS = "completions"
     CHAT = "chat"
+    MESSAGES = "messages"  # Anthropic's Messages API (vLLM serves it as chat)
+    RESPONSES = "responses"  # OpenAI's Responses API
 
     @property
     def path(self) -> str:
-        return "/v1/completions" if self is Endpoint.COMPLETIONS else "/v1/chat/completions"
+        return _PATHS[self]
+
+    @property
+    def openai_choices(self) -> bool:
+        """An OpenAI completions-shaped API (`choices`, `n`, `usage.prompt_tokens_details`)."""
+        return self in (Endpoint.COMPLETIONS, Endpoint.CHAT)
+
+
+_PATHS = {
+    Endpoint.COMPLETIONS: "/v1/completions",
+    Endpoint.CHAT: "/v1/chat/completions",
+    Endpoint.MESSAGES: "/v1/messages",
+    Endpoint.RESPONSES: "/v1/responses",
+}
 
 
 class ConnectorKind(enum.StrEnum):

@@ -10,6 +10,7 @@ from typing import Any, TypedDict
 
 import msgspec
 
+from router import messages, responses
 from router.domain import Endpoint, NixlIdentity, RequestInfo
 from router.errors import BadRequest
 
@@ -122,12 +123,18 @@ def parse_request(
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise BadRequest(f"'{key}' must be a positive integer")
+            raise BadRequest(f"'{key}' must be a positive integer", param=key)
+    if "kv_transfer_params" in body:
+        raise BadRequest(
+            "'kv_transfer_params' is set by the router and must not be sent by clients", param="kv_transfer_params"
+        )
+    if endpoint is Endpoint.MESSAGES:
+        return RequestInfo(endpoint=endpoint, stream=stream, prompt_tokens=messages.parse(body))
+    if endpoint is Endpoint.RESPONSES:
+        return RequestInfo(endpoint=endpoint, stream=stream, prompt_tokens=responses.parse(body))
     n, best_of = body.get("n"), body.get("best_of")
     if (n is not None and (n.__class__ is not int or n != 1)) or best_of is not None:
         _check_choices(n, best_of, max_n, body.get("temperature"))
-    if "kv_transfer_params" in body:
-        raise BadRequest("'kv_transfer_params' is set by the router and must not be sent by clients")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object")
@@ -151,10 +158,10 @@ def _check_choices(n: Any, best_of: Any, max_n: int, temperature: Any) -> None:
         )
 
 
-def choices(body: Mapping[str, Any]) -> int:
-    """How many choices a validated request asks for."""
+def choices(body: Mapping[str, Any], endpoint: Endpoint = Endpoint.COMPLETIONS) -> int:
+    """How many choices a validated request asks for (Messages and Responses have one)."""
     n = body.get("n")
-    return n if n.__class__ is int else 1
+    return n if n.__class__ is int and endpoint.openai_choices else 1
 
 
 def decode_only(endpoint: Endpoint, body: Mapping[str, Any]) -> str | None:
@@ -162,6 +169,8 @@ def decode_only(endpoint: Endpoint, body: Mapping[str, Any]) -> str | None:
     the prompt itself on the decode engine whatever KV it was sent: beam search runs its own engine requests
     without the router's `kv_transfer_params`; prompt logprobs (asked, or implied by `echo` with logprobs) skip
     every prefix-cache and connector hit. A prefill leg would compute the prompt for nothing and hold its KV."""
+    if not endpoint.openai_choices:
+        return None  # Messages and Responses have none of these fields
     if body.get("use_beam_search") is True:
         return "beam search"
     if body.get("prompt_logprobs") is not None:
@@ -246,9 +255,16 @@ def first_token_body(body: dict[str, Any], endpoint: Endpoint) -> dict[str, Any]
 
 
 def _one_token(body: dict[str, Any], endpoint: Endpoint) -> dict[str, Any]:
-    """A top-level copy of the client's body cut to one token, unstreamed."""
+    """A top-level copy of the client's body cut to one token, unstreamed. A Responses prefill stores nothing
+    (router/responses.py): its one-token stub must never answer a later `previous_response_id`."""
     out = dict(body)
+    if endpoint is Endpoint.RESPONSES:
+        out.update(max_output_tokens=1, stream=False, store=False, background=False)
+        return out
     out["max_tokens"] = 1
+    if endpoint is Endpoint.MESSAGES:
+        out["stream"] = False
+        return out
     if endpoint is Endpoint.CHAT or "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out["stream"] = False

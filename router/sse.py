@@ -124,8 +124,14 @@ class RelayCheck:
 
 
 def payload_of(event: bytes) -> Any:
-    """The JSON of an event's `data:` line, or None (comments, [DONE], non-JSON)."""
-    if not event.startswith(b"data:"):
+    """The JSON of an event's `data:` line, or None (comments, [DONE], non-JSON). The event may be led by its
+    `event:` line (Anthropic's Messages and OpenAI's Responses streams)."""
+    if event.startswith(b"event:"):
+        at = event.find(b"\ndata:")
+        if at < 0:
+            return None
+        event = event[at + 1 :]
+    elif not event.startswith(b"data:"):
         return None
     try:
         return _decode(event[5:].strip())
@@ -134,13 +140,16 @@ def payload_of(event: bytes) -> Any:
 
 
 def error_of(event: bytes) -> str | None:
-    """The message of an in-band error event (`data: {"error": ...}`), or None for any other event."""
-    if not event.startswith(b"data:") or b'"error"' not in event:
+    """The message of an in-band error event, or None for any other event: OpenAI's `data: {"error": ...}`,
+    Anthropic's `{"type": "error", "error": {...}}`, the Responses API's `{"type": "error", "message": ...}`."""
+    if b'"error"' not in event or not event.startswith((b"data:", b"event:")):
         return None
     payload = payload_of(event)
-    error = payload.get("error") if isinstance(payload, dict) else None
-    if error is None:
+    if not isinstance(payload, dict):
         return None
+    error = payload.get("error")
+    if error is None:
+        return str(payload.get("message", "error")) if payload.get("type") == "error" else None
     return str(error.get("message", error)) if isinstance(error, dict) else str(error)
 
 

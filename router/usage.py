@@ -28,7 +28,9 @@ _decode = msgspec.json.Decoder().decode
 
 
 def prefill_cached(answer: Any) -> int | None:
-    """What P found in its prefix cache, as its answer states it (its params, else its usage), or None."""
+    """What P found in its prefix cache, as its answer states it (its params, else its usage: chat's and
+    completions' `prompt_tokens_details`, Responses' `input_tokens_details`, Messages' `cache_read_input_tokens`),
+    or None."""
     if not isinstance(answer, dict):
         return None
     params = answer.get("kv_transfer_params")
@@ -36,8 +38,10 @@ def prefill_cached(answer: Any) -> int | None:
     if _count(stated):
         return stated
     usage = answer.get("usage")
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    stated = details.get("cached_tokens") if isinstance(details, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))  # chat, completions; Responses
+    stated = details.get("cached_tokens") if isinstance(details, dict) else usage.get("cache_read_input_tokens")
     return stated if _count(stated) else None
 
 
@@ -95,8 +99,15 @@ class CachedFix:
     event's start back until its end arrives (a client cannot use half an event anyway), so a count split
     across chunks is still found; a chunk of whole events without a count goes through as it came."""
 
-    def __init__(self, cached: Callable[[], Awaitable[int | None]]) -> None:
+    def __init__(
+        self,
+        cached: Callable[[], Awaitable[int | None]],
+        rewrite: Callable[[bytes, int | None], bytes] = with_cached,
+        marker: bytes = b"cached_tokens",
+    ) -> None:
         self._source = cached
+        self._rewrite = rewrite  # the API's (router/apis.py): OpenAI's `with_cached` by default
+        self._marker = marker  # what every event that states a count contains
         self.resolved = False
         self.cached: int | None = None
         self._tail = b""
@@ -110,12 +121,12 @@ class CachedFix:
         known yet (`resolve()`, then `feed(b"")`). A chunk of whole events without a count: one search."""
         if self._tail:
             chunk, self._tail = self._tail + chunk, b""
-        if b"cached_tokens" not in chunk:
+        if self._marker not in chunk:
             return chunk if chunk.endswith(_SEPARATORS) else self._whole(chunk)
         if not self.resolved:
             self._tail = chunk
             return None
-        return with_cached(self._whole(chunk), self.cached)
+        return self._rewrite(self._whole(chunk), self.cached)
 
     def _whole(self, chunk: bytes) -> bytes:
         """`chunk` up to its last event's end; the rest is kept for the next chunk."""
@@ -126,11 +137,11 @@ class CachedFix:
     async def flush(self) -> bytes:
         """An unterminated last event (the stream ended without its blank line), rewritten."""
         tail, self._tail = self._tail, b""
-        if b"cached_tokens" not in tail:
+        if self._marker not in tail:
             return tail
         if not self.resolved:
             await self.resolve()
-        return with_cached(tail, self.cached)
+        return self._rewrite(tail, self.cached)
 
 
 def _count(value: Any) -> TypeGuard[int]:
