@@ -1,16 +1,13 @@
-"""The multiturn suite's bypass-prediction accuracy: read from the router's /metrics text, shown in the front's
-row and stated against issue 11's target (>= 90 % of bypass decisions within 20 %) in the section."""
+"""The multiturn suite's bypass-prediction accuracy (readings.py): read from the router's /metrics text, shown in
+the front's row and stated against issue 11's target (>= 90 % of bypass decisions within 20 %) in the section."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
-from loadtest import multiturn, promtext
-from loadtest.bench.suites import multiturn as suite
+from loadtest import promtext
+from loadtest.bench.suites.multiturn import readings as suite
 from loadtest.report import multiturn as report
-from stack.link import bypass
-from stack.link.plan import preset, resolve
 
 # what prometheus_client renders for the decider collector's counters (a counter gets the `_total` suffix)
 METRICS = """\
@@ -69,34 +66,7 @@ def test_without_a_decider_front_the_section_states_no_accuracy() -> None:
     assert not any("bypass predictions within" in line for line in report.section([row("kvpush", None)], None)[1:])
 
 
-def test_warmup_sessions_are_short_and_never_share_an_id_with_a_measured_one() -> None:
-    plan = suite.FULL
-    warm = suite.warmup(plan)
-    assert len(warm) == plan.warmup_sessions > 0 and all(len(s.turns) == 2 for s in warm)
-    measured = {s.id for r in range(plan.repeats) for s in multiturn.plan_sessions(plan.shape(r))}
-    assert not measured & {s.id for s in warm}
-    assert suite.SMOKE.warmup_sessions == 0  # make test's smoke stays as cheap as it was
-
-
-def test_on_a_link_the_decider_gets_the_bypass_threshold_the_link_derives_unless_set_by_hand() -> None:
-    plan = suite.MultiTurnPlan(sessions=4, session_rate=0.5, link="ethernet-25g-like")
-    kv = plan.link_calibrate_tokens * 65536
-    link = resolve(preset("ethernet-25g-like"), prefill_s=0.5, kv_bytes=kv)
-    derived = dict(suite.on_link(plan, link).decider_options)[bypass.OPTION]
-    assert derived == bypass.for_link(link, plan.link_calibrate_tokens) > bypass.BASE_TOKENS
-    assert f"bypass_max_uncached_tokens: {derived:g}" in suite.decider_yaml(suite.on_link(plan, link))
-    by_hand = replace(plan, decider_options=((bypass.OPTION, 512.0),))
-    assert suite.on_link(by_hand, link).decider_options == ((bypass.OPTION, 512.0),)
-
-
 def test_the_predicted_and_reported_cached_tokens_are_read_with_the_counts() -> None:
     text = METRICS + "kvpush_bypass_actual_cached_tokens_total 3968.0\n"
     found = suite.bypass_accuracy(promtext.parse(text))
     assert found == {"checked": 20, "accurate": 19, "predicted_cached": 4000, "actual_cached": 3968}
-
-
-def test_issue_40s_plan_fields_reach_the_sessions() -> None:
-    plan = suite.MultiTurnPlan(sessions=4, session_rate=1.0, api="both", burst=2, replicas=2)
-    sessions = multiturn.plan_sessions(plan.shape())
-    assert [s.api for s in sessions] == ["chat", "completions"] * 2
-    assert sessions[0].start_s == sessions[1].start_s != sessions[2].start_s == sessions[3].start_s

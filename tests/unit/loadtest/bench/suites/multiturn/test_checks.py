@@ -6,7 +6,7 @@ import json
 import logging
 from pathlib import Path
 
-from loadtest.bench.suites import multiturn_checks as checks
+from loadtest.bench.suites.multiturn import checks
 from router.logs import JsonFormatter
 
 

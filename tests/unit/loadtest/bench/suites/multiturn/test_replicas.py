@@ -10,7 +10,7 @@ import pytest
 
 from loadtest import promtext
 from loadtest.bench.suites import multiturn as suite
-from loadtest.bench.suites import multiturn_replicas as replicas
+from loadtest.bench.suites.multiturn import replicas
 from loadtest.job import REPO
 from stack.engines import KV_EVENT_OFFSETS
 
