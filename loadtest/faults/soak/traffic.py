@@ -46,8 +46,9 @@ class Outcome:
     seconds: float
 
 
-def _prompt(rng: random.Random) -> str:
-    words = rng.randint(20, 120)
+def _prompt(rng: random.Random, least: int = 20, most: int = 120) -> str:
+    """A prompt no engine has seen (a unique first line), of `least` to `most` short lines of code."""
+    words = rng.randint(least, most)
     return f"# {uuid.uuid4().hex}\n" + " ".join(f"def f{i}(x): return x * {i}" for i in range(words))
 
 
@@ -96,10 +97,11 @@ def chat(http: httpx.Client, url: str, rng: random.Random, stream: bool) -> str:
 
 
 def session(http: httpx.Client, url: str, rng: random.Random) -> str:
-    """Three turns; the label is the first turn's that was not 200 (else "200")."""
+    """Three turns; the label is the first turn's that was not 200 (else "200"). Short turns: the whole
+    conversation stays within the bed's 2048-token context."""
     messages: list[dict[str, str]] = [{"role": "system", "content": rng.choice(SYSTEMS)}]
     for turn in range(3):
-        messages.append({"role": "user", "content": _prompt(rng)})
+        messages.append({"role": "user", "content": _prompt(rng, 8, 24)})
         payload = {"model": MODEL, "messages": messages, "max_tokens": 24, "stream": turn % 2 == 1}
         label, text = _post(http, url, "/v1/chat/completions", payload)
         if label != "200":
