@@ -11,19 +11,27 @@ Incremental: a tokenizer splits its input at its added tokens (`<|im_start|>`, `
 else, so a prompt's ids are the ids of its pieces between them, in order. The pieces' ids are remembered (least
 recently used first out, at most `memo_chars` characters: 8 Mi by default, ~2 M ids at 8 bytes each): a
 conversation's next turn encodes only the pieces it adds (the new messages), and sessions that share a system
-prompt encode it once. A text without added tokens (most completions prompts) is one piece, encoded whole.
-Whether a tokenizer really splits that way is checked when it is loaded and then on every `CHECK_EVERY`-th
-prompt (the whole text encoded again and compared): one difference turns the memo off for good and is logged.
+prompt encode it once. A text without added tokens (a completions transcript) is one piece; when it extends a
+remembered long piece (more than `HEAD_CHARS`, found by its first `HEAD_CHARS` characters: the conversation's
+previous prompt), the remembered ids are kept up to its second-to-last pre-token and only the rest is encoded
+(`_encode_from`: a regex pre-tokenizer's matches before the last cannot change when text is appended).
+Whether a tokenizer really splits that way is checked when it is loaded (extensions on a probe too) and then on
+every `CHECK_EVERY`-th prompt (the whole text encoded again and compared): one difference turns the memo off for
+good and is logged.
 
-Cost, CPU time per request on the 2-core box under other agents' load (the tiny model's byte-level BPE, a chat
-of a ~300-token system prompt and turns of ~60-70 tokens; render + split + encode, the decider's lookup not
-included):
+Cost, CPU time per request on the 2-core box under other agents' load (the tiny model's byte-level BPE, the
+multiturn suite's conversations: a ~300-token system prompt, messages and answers of ~60 tokens; render + split
++ encode, the decider's lookup not included; median of 5 conversations,
+`.venv/bin/python -m loadtest.bench.suites.multiturn.idcost`, Dec 7):
 
-| prompt tokens | next turn (earlier turns remembered) | first turn, nothing remembered | completions (whole) |
+| prompt tokens | chat, next turn | completions, next turn | nothing remembered (first turn), chat / completions |
 |---|---|---|---|
-| ~1.3k | 0.21 ms | 1.24 ms | 1.13 ms (1.1k) |
-| ~4.3k | 0.35 ms | 4.24 ms | 3.57 ms (4.0k) |
-| ~16.5k | 0.84 ms | 16.35 ms | 14.46 ms (15.2k) |
+| ~1.0k | 0.16-0.44 ms | 0.19-0.20 ms | 1.25 / 1.14 ms |
+| ~4.0k | 0.31-0.34 ms | 0.23-0.28 ms | 4.80 / 4.53 ms |
+| ~16.1k | 0.97-1.24 ms | 0.52-0.61 ms | 19.8 / 21.6 ms |
+
+(ranges: two runs; nothing remembered: the second. Before the extensions a completions next turn cost what
+nothing remembered costs.)
 
 Encoding costs ~1 µs per token; rendering the template 0.03-0.25 ms; a next turn pays for its own new text, the
 split of the whole prompt and one hash per piece. The session-affinity decider's whole `decide` for a next turn
