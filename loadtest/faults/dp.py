@@ -22,7 +22,7 @@ from loadtest.faults import client
 from loadtest.faults.bed import Bed, Worker
 from loadtest.faults.ranks import _engine_exit, group_members, rank_pid
 from loadtest.faults.rows import FaultRow
-from loadtest.faults.scenarios import FaultOutcome, _clients, _outcome, _wait_running
+from loadtest.faults.scenarios import FaultOutcome, _clients, _wait_running
 from loadtest.faults.underload import LOAD_FRACTION, MIN_SUCCESS, Load, capacity, judge_load
 
 RANK_TITLE = "EngineCore_DP1"  # vLLM's process title of data-parallel engine core 1
@@ -75,6 +75,18 @@ class Watch:
                 time.sleep(0.2)
 
 
+def caught(
+    victims: list[client.Result], loaded: list[tuple[float, client.Result]], t_fault: float, held: float | None
+) -> FaultOutcome:
+    """Pure: the row's outcome over every request the fault could catch: the victims, and the load's requests
+    that started before the router held the rank out (all of them if it never did). The time is the last of
+    their outcomes after the fault."""
+    exposed = [*victims, *(r for t, r in loaded if held is None or t <= held)]
+    last = max((r.t_end for r in exposed), default=t_fault)
+    summary = f"{client.summary(victims)}; load: {client.summary([r for _, r in loaded])}"
+    return FaultOutcome(summary, all(r.acceptable for r in exposed), max(0.0, last - t_fault))
+
+
 def _fault(bed: Bed, sig: signal.Signals) -> tuple[FaultOutcome, Worker, int] | FaultOutcome:
     victim = bed.prefills[0]
     rank = rank_pid(group_members(victim.pid), RANK_TITLE)
@@ -92,13 +104,14 @@ def _fault(bed: Bed, sig: signal.Signals) -> tuple[FaultOutcome, Worker, int] | 
     t_fault = time.monotonic()
     try:
         results = [f.result() for f in futures]
-        _every, later, note = judge_load(load.results(), t_fault, SETTLE_S)
+        loaded = load.results()
+        _every, later, note = judge_load(loaded, t_fault, SETTLE_S)
         first_out = watch.stop()
         after = [client.request(bed.router.url, client.body(max_tokens=16)) for _ in range(3)]
     finally:
         if sig is signal.SIGSTOP:
             os.kill(rank, signal.SIGCONT)
-    outcome = _outcome(results, t_fault)
+    outcome = caught(results, loaded, t_fault, first_out)
     served_after = sum(1 for r in after if r.status == 200 and r.complete)
     held = f"{first_out - t_fault:.1f} s after the fault" if first_out is not None else "NO"
     outcome.acceptable = (
