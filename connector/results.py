@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from connector.transfer.base import RunShape
+
 
 @dataclass(frozen=True)
 class TransferRecord:
@@ -13,6 +15,7 @@ class TransferRecord:
     num_bytes: int
     seconds: float
     num_descriptors: int
+    runs: RunShape = field(default_factory=RunShape)
 
 
 @dataclass

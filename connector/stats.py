@@ -14,6 +14,8 @@ from connector.rendezvous.actions import Tally
 from connector.results import TransferRecord
 
 _SERIES = ("transfer_duration", "bytes_transferred", "num_descriptors")
+# Run lengths of each WRITE's block ids as (length, count) pairs (``transfer.base.RunShape``): on P, on D, on both.
+_RUNS = ("runs_prefill", "runs_decode", "runs_both")
 
 # Prometheus counter (without "vllm:kvpush_" and "_total") -> the connector's event counters it sums.
 # Every ``Tally`` member belongs to exactly one series (tests/unit/connector/test_stats.py checks it).
@@ -41,7 +43,7 @@ COUNTERS: dict[str, tuple[Tally, ...]] = {
 
 
 def _empty() -> dict[str, Any]:
-    return {**{k: [] for k in _SERIES}, "counters": {}}
+    return {**{k: [] for k in (*_SERIES, *_RUNS)}, "counters": {}}
 
 
 @dataclass
@@ -59,6 +61,8 @@ class KvpushStats(KVConnectorStats):  # type: ignore[misc]  # vllm is untyped he
             self.data["transfer_duration"].append(r.seconds)
             self.data["bytes_transferred"].append(r.num_bytes)
             self.data["num_descriptors"].append(r.num_descriptors)
+            for key, lengths in zip(_RUNS, (r.runs.prefill, r.runs.decode, r.runs.both), strict=True):
+                self.data[key].extend([n, c] for n, c in lengths)
         for name, n in counters.items():
             self.data["counters"][name] = self.data["counters"].get(name, 0) + n
 
@@ -68,8 +72,8 @@ class KvpushStats(KVConnectorStats):  # type: ignore[misc]  # vllm is untyped he
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         if other.is_empty():
             return self
-        for k in _SERIES:
-            self.data[k].extend(other.data[k])
+        for k in (*_SERIES, *_RUNS):
+            self.data[k].extend(other.data.get(k, ()))
         for name, n in other.data["counters"].items():
             self.data["counters"][name] = self.data["counters"].get(name, 0) + n
         return self
@@ -124,6 +128,15 @@ class KvpushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
                 [float(2**k) for k in range(0, 16)],
             ),
         }
+        runs_doc = "Runs of consecutive block ids in kvpush KV WRITEs, in blocks, one observation per run"
+        run_buckets = [float(2**k) for k in range(0, 13)]
+        self.run_histograms = {
+            "runs_prefill": histogram("vllm:kvpush_run_blocks_prefill", f"{runs_doc}: on the prefill.", run_buckets),
+            "runs_decode": histogram("vllm:kvpush_run_blocks_decode", f"{runs_doc}: on the decode.", run_buckets),
+            "runs_both": histogram(
+                "vllm:kvpush_run_blocks_both", f"{runs_doc}: on both sides at once (one descriptor).", run_buckets
+            ),
+        }
         self.counters = {
             name: create_metric_per_engine(
                 self._counter_cls(
@@ -140,6 +153,10 @@ class KvpushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         for key, metric in self.histograms.items():
             for value in transfer_stats_data.get(key, ()):
                 metric[engine_idx].observe(value)
+        for key, metric in self.run_histograms.items():
+            for length, count in transfer_stats_data.get(key, ()):
+                for _ in range(count):
+                    metric[engine_idx].observe(length)
         counters = transfer_stats_data.get("counters", {})
         for name, sources in COUNTERS.items():
             n = sum(counters.get(s, 0) for s in sources)

@@ -471,7 +471,9 @@ class TransferThread:
             del self._writes[key]
             if not self._backend.release(w.ticket.handle):
                 self._pending.counters[Tally.RELEASE_REFUSED] += 1  # done: the data landed already
-            self._pending.records.append(TransferRecord(w.ticket.num_bytes, now - w.started, w.ticket.num_descriptors))
+            self._pending.records.append(
+                TransferRecord(w.ticket.num_bytes, now - w.started, w.ticket.num_descriptors, w.ticket.runs)
+            )
             if w.final:  # one structured line per transfer: how many WRITEs it took (G14)
                 logger.info("kvpush transfer written key=%s writes=%d", key, w.ordinal)
             self._perform(self._prefill.on_write_done(key, now), now)

@@ -20,6 +20,19 @@ class TransferError(RuntimeError):
     """A backend call failed (unknown peer, refused descriptor list, NIXL error)."""
 
 
+Lengths = tuple[tuple[int, int], ...]  # (run length in blocks, how many runs of that length), by length
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """How one WRITE's block ids fall into runs of consecutive ids: on P alone, on D alone, and on both sides at
+    once (what one descriptor per region covers; ``layout.block_runs``). Exported as histograms (``stats.py``)."""
+
+    prefill: Lengths = ()
+    decode: Lengths = ()
+    both: Lengths = ()
+
+
 @dataclass(frozen=True)
 class WriteTicket:
     """A posted WRITE: the backend's handle plus what it moves (for statistics)."""
@@ -27,6 +40,7 @@ class WriteTicket:
     handle: int
     num_bytes: int
     num_descriptors: int  # as posted: runs of blocks consecutive on both sides count once per region
+    runs: RunShape = RunShape()
 
 
 class TransferBackend(Protocol):

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from connector.transfer.base import TransferError, WriteState, WriteTicket
+from connector.transfer.layout import pair_blocks, run_shape
 from connector.transfer.ready import ReadyEvent
 
 if TYPE_CHECKING:
@@ -190,7 +191,7 @@ class LayeredBackend:
         ticket = self._inner.write(agent_name, local_blocks, remote_blocks, notice, layers=layers)
         self._next += 1
         self._plain[self._next] = ticket.handle
-        return WriteTicket(self._next, ticket.num_bytes, ticket.num_descriptors)
+        return WriteTicket(self._next, ticket.num_bytes, ticket.num_descriptors, ticket.runs)
 
     def write_layered(
         self,
@@ -211,7 +212,8 @@ class LayeredBackend:
         per_layer = first if first is not None else self._inner_size(w)
         self._next += 1
         self._layered[self._next] = w
-        return WriteTicket(self._next, per_layer[0] * self.num_layers, per_layer[1] * self.num_layers)
+        runs = run_shape(*pair_blocks(local_blocks, remote_blocks))
+        return WriteTicket(self._next, per_layer[0] * self.num_layers, per_layer[1] * self.num_layers, runs)
 
     def _inner_size(self, w: _Layered) -> tuple[int, int]:
         """(bytes, descriptors) of one layer when no part is posted yet."""

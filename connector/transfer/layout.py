@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from connector.transfer.base import Lengths, RunShape
 from connector.wire.metadata import KVLayout, Region
 
 DescArray = npt.NDArray[np.uint64]
@@ -161,6 +162,26 @@ def block_runs(
     starts = np.concatenate(([0], np.flatnonzero((np.diff(lb) != 1) | (np.diff(rb) != 1)) + 1))
     lengths = np.diff(np.append(starts, lb.size))
     return lb[starts], rb[starts], lengths
+
+
+def _lengths(breaks: npt.NDArray[np.bool_], size: int) -> Lengths:
+    """``(length, count)`` of the runs that ``breaks`` (True where pair ``i + 1`` starts a new run) cut ``size``
+    pairs into."""
+    if size == 0:
+        return ()
+    starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
+    values, counts = np.unique(np.diff(np.append(starts, size)), return_counts=True)
+    return tuple(zip(values.tolist(), counts.tolist(), strict=True))
+
+
+def run_shape(
+    local: Sequence[int] | npt.NDArray[np.integer], remote: Sequence[int] | npt.NDArray[np.integer]
+) -> RunShape:
+    """The run lengths of a WRITE's paired block ids on P (``local``), on D (``remote``) and on both at once."""
+    lb = np.asarray(local, dtype=np.int64).reshape(-1)
+    rb = np.asarray(remote, dtype=np.int64).reshape(-1)
+    on_p, on_d = np.diff(lb) != 1, np.diff(rb) != 1
+    return RunShape(_lengths(on_p, lb.size), _lengths(on_d, rb.size), _lengths(on_p | on_d, lb.size))
 
 
 def run_descriptors(

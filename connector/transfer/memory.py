@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from connector.parallel.topology import Slice
 from connector.transfer.base import TransferError, WriteState, WriteTicket
-from connector.transfer.layout import pair_blocks
+from connector.transfer.layout import pair_blocks, posted_descriptors, run_shape
 from connector.wire.metadata import HandshakePayload, KVLayout
 
 
@@ -164,7 +164,9 @@ class MemoryBackend:
                 part.polls_left = self.sibling_polls
         self._next += 1
         self.writes[self._next] = _Write(agent_name, parts, notice)
-        return WriteTicket(self._next, sum(n for _, _, n in pairs), len(pairs))
+        cuts = None if slices is None else [(s.src, s.dst, s.length) for s in slices]
+        posted = posted_descriptors(self.layout, remote, local_blocks, remote_blocks, cuts, layers)
+        return WriteTicket(self._next, sum(n for _, _, n in pairs), posted, run_shape(local_blocks, remote_blocks))
 
     def write_state(self, handle: int) -> WriteState:
         w = self.writes[handle]

@@ -38,6 +38,7 @@ from connector.transfer.layout import (
     pair_blocks,
     posted_descriptors,
     run_descriptors,
+    run_shape,
     runs_as_lists,
     sliced_layout,
     sliced_strided_descriptors,
@@ -226,7 +227,9 @@ class NixlBackend:
         self._handles[self._next_handle] = xfer
         regions = self._layout.regions[slice(*(layers or (None, None)))]
         per_block = sum(n for r in regions for _, _, n in parts or ((0, 0, r.block_len),))
-        return WriteTicket(self._next_handle, per_block * len(local_blocks), posted)
+        return WriteTicket(
+            self._next_handle, per_block * len(local_blocks), posted, run_shape(local_blocks, remote_blocks)
+        )
 
     def _indices(
         self, peer: _Peer, local_blocks: tuple[int, ...], remote_blocks: tuple[int, ...], layers: tuple[int, int] | None

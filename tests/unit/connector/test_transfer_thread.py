@@ -121,7 +121,9 @@ def test_either_order_moves_the_blocks(pair: tuple[Side, Side], prefill_first: b
     assert sha(d.block(5) + d.block(6)) == sha(p.block(1) + p.block(2))
     assert d.block(4) == bytes(2 * BLOCK_LEN)  # nothing else touched
     [record] = p.results.records
-    assert record.num_bytes == 2 * 2 * BLOCK_LEN and record.num_descriptors == 4
+    assert record.num_bytes == 2 * 2 * BLOCK_LEN
+    assert record.num_descriptors == 2  # one run consecutive on both sides: one descriptor per region, as NIXL posts
+    assert record.runs.both == ((2, 1),) and record.runs.prefill == record.runs.decode == ((2, 1),)
 
 
 def test_tail_blocks_are_aligned_when_decode_registers_fewer(pair: tuple[Side, Side]) -> None:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.transfer.layout import Part, block_runs, posted_descriptors, run_descriptors, runs_as_lists
+from connector.transfer.layout import Part, block_runs, posted_descriptors, run_descriptors, run_shape, runs_as_lists
 from connector.wire.metadata import KVLayout, Region
 
 
@@ -170,3 +170,23 @@ def test_the_count_without_rows_equals_the_rows() -> None:
 def test_long_runs_go_as_per_request_lists_short_ones_indexed() -> None:
     assert runs_as_lists(1, 1024) and runs_as_lists(10, 40)
     assert not runs_as_lists(10, 39) and not runs_as_lists(1024, 1024) and not runs_as_lists(0, 0)
+
+
+def test_run_shape_counts_runs_on_each_side_and_on_both() -> None:
+    shape = run_shape((3, 4, 5, 6), (9, 10, 2, 3))
+    assert shape.prefill == ((4, 1),)  # consecutive on P
+    assert shape.decode == ((2, 2),)  # D breaks after the second block
+    assert shape.both == ((2, 2),)
+    assert run_shape((), ()).both == ()
+
+
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=60))
+@settings(max_examples=200, deadline=None)
+def test_run_shape_partitions_the_pairs_and_both_sides_refine_each_side(pairs: list[tuple[int, int]]) -> None:
+    local, remote = [p for p, _ in pairs], [d for _, d in pairs]
+    shape = run_shape(local, remote)
+    for lengths in (shape.prefill, shape.decode, shape.both):
+        assert sum(n * c for n, c in lengths) == len(pairs)
+    prefill, decode, both = (sum(c for _, c in lengths) for lengths in (shape.prefill, shape.decode, shape.both))
+    assert both >= max(prefill, decode)
+    assert both == block_runs(local, remote)[2].size
