@@ -1,8 +1,8 @@
 """What the soak samples once a minute from the live stack: each process group's RSS and open descriptors (the
 router's, every engine's: an engine is its API process plus its engine core and workers), the router's requests
 in flight, queued and legs in flight, and each engine's running + waiting requests and KV usage; and, at the
-start and the end, the connector's WRITE shape from each prefill's /metrics (descriptors per WRITE, and blocks
-per descriptor where the connector exports its blocks)."""
+start and the end, the connector's WRITE shape from each prefill's /metrics (descriptors per WRITE, bytes per
+descriptor, and blocks per run of consecutive blocks: issue 44's run length after churn)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from loadtest.faults.ranks import group_members
 PROC = Path("/proc")
 DESCRIPTORS = "vllm:kvpush_num_descriptors"  # histogram: descriptors per WRITE
 BYTES = "vllm:kvpush_bytes_transferred"  # histogram: bytes per WRITE
+RUNS = "vllm:kvpush_run_blocks_"  # histograms: blocks per run of consecutive blocks (prefill, decode, both sides)
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,9 @@ def take(bed: Bed, t: float, http: httpx.Client) -> Sample:
 
 
 def write_shape(workers: Sequence[Worker], http: httpx.Client) -> dict[str, float]:
-    """Summed over the prefills: WRITEs, descriptors and bytes posted, and blocks written when some
-    vllm:kvpush_*block* sum is exported (its name is kept in the key)."""
+    """Summed over the prefills: WRITEs, descriptors and bytes posted, and for each block-count histogram the
+    connector exports (vllm:kvpush_run_blocks_{prefill,decode,both}: one observation per run of consecutive
+    blocks) its sum and count."""
     out: dict[str, float] = {}
     for w in workers:
         try:
@@ -80,12 +82,9 @@ def write_shape(workers: Sequence[Worker], http: httpx.Client) -> dict[str, floa
         add(out, "writes", promtext.total(samples, f"{DESCRIPTORS}_count"))
         add(out, "descriptors", promtext.total(samples, f"{DESCRIPTORS}_sum"))
         add(out, "bytes", promtext.total(samples, f"{BYTES}_sum"))
-        for name in {
-            n
-            for n, _ in samples
-            if n.startswith("vllm:kvpush_") and "block" in n and not n.endswith(("_bucket", "_count", "_created"))
-        }:
-            add(out, f"blocks ({name})", promtext.total(samples, name))
+        for name in {n.removesuffix("_sum") for n, _ in samples if n.startswith(RUNS) and n.endswith("_sum")}:
+            add(out, f"{name} sum", promtext.total(samples, f"{name}_sum"))
+            add(out, f"{name} count", promtext.total(samples, f"{name}_count"))
     return out
 
 
@@ -95,7 +94,7 @@ def add(into: dict[str, float], key: str, value: float) -> None:
 
 def shape_between(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
     """Pure: the WRITEs between two readings of `write_shape`, as means: descriptors per WRITE, bytes per
-    descriptor, and blocks per descriptor for each blocks sum exported."""
+    descriptor, and for each block histogram its mean (blocks per run)."""
     moved = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     writes, descriptors = moved.get("writes", 0.0), moved.get("descriptors", 0.0)
     out = {"writes": writes}
@@ -103,9 +102,9 @@ def shape_between(before: Mapping[str, float], after: Mapping[str, float]) -> di
         out["descriptors per WRITE"] = descriptors / writes
     if descriptors:
         out["bytes per descriptor"] = moved.get("bytes", 0.0) / descriptors
-        for k, v in moved.items():
-            if k.startswith("blocks ("):
-                out[f"{k} per descriptor"] = v / descriptors
+    for key, total in moved.items():
+        if key.endswith(" sum") and (count := moved.get(key.removesuffix(" sum") + " count", 0.0)):
+            out[f"{key.removesuffix(' sum')} mean"] = total / count
     return out
 
 

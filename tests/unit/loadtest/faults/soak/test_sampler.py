@@ -10,12 +10,13 @@ def test_series_kinds() -> None:
 
 
 def test_the_write_shape_is_the_means_between_two_readings() -> None:
-    before = {"writes": 10.0, "descriptors": 40.0, "bytes": 4000.0, "blocks (vllm:kvpush_blocks_sum)": 80.0}
-    after = {"writes": 20.0, "descriptors": 100.0, "bytes": 10000.0, "blocks (vllm:kvpush_blocks_sum)": 200.0}
+    runs = "vllm:kvpush_run_blocks_both"
+    before = {"writes": 10.0, "descriptors": 40.0, "bytes": 4000.0, f"{runs} sum": 80.0, f"{runs} count": 20.0}
+    after = {"writes": 20.0, "descriptors": 100.0, "bytes": 10000.0, f"{runs} sum": 200.0, f"{runs} count": 50.0}
     assert shape_between(before, after) == {
         "writes": 10.0,
         "descriptors per WRITE": 6.0,
         "bytes per descriptor": 100.0,
-        "blocks (vllm:kvpush_blocks_sum) per descriptor": 2.0,
+        f"{runs} mean": 4.0,
     }
     assert shape_between(after, after) == {"writes": 0.0}
