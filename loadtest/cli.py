@@ -177,7 +177,7 @@ def _calibrate(a: argparse.Namespace) -> int:
     from loadtest.sim.profile import PROFILE_DIR
 
     results = a.results or REPO / "bench" / "results"
-    plan = calibrate.SMOKE_PLAN if a.smoke else calibrate.Plan()
+    plan = calibrate.SMOKE_PLAN if a.smoke else calibrate.CalibrationPlan()
     data = calibrate.write_files(plan, results, profile_dir=results if a.smoke else PROFILE_DIR)
     push = data["predicted"]["upstream-push"]
     print(f"fitted {data['fitted']} (pull error {data['error']:.4f}, bounded: {data['bounded'] or 'none'})")

@@ -37,6 +37,7 @@ __all__ = [  # the worker builders live in router.specs; config is where callers
 ]
 
 
+# connector.rendezvous.actions.Timeouts is the same concept in the other process (tests/unit/test_layout_names.py)
 @dataclass(frozen=True)
 class Timeouts:
     """Every upstream deadline, in seconds. None of them may be unset."""

@@ -32,7 +32,7 @@ import zmq
 
 from loadtest.job import REPO
 from loadtest.results import git_commit
-from router.kv_events.endpoints import Endpoint
+from router.kv_events.endpoints import RankPublisher
 from router.kv_events.index import KvIndex
 from router.kv_events.subscriber import KvEventSubscriber
 from stack.procs import free_port
@@ -77,7 +77,7 @@ def publish(port: int, rate: float, seconds: float, blocks: int, ready_s: float)
 
 async def _consume(port: int, rate: float, seconds: float, blocks: int) -> dict[str, Any]:
     subscriber = KvEventSubscriber(KvIndex(200_000))
-    subscriber.add([Endpoint("w", 0, f"tcp://127.0.0.1:{port}", None, "")])
+    subscriber.add([RankPublisher("w", 0, f"tcp://127.0.0.1:{port}", None, "")])
     task = asyncio.create_task(subscriber.run())
     spawn = multiprocessing.get_context("spawn")
     publisher = spawn.Process(target=publish, args=(port, rate, seconds, blocks, 1.5))

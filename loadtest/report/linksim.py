@@ -66,7 +66,7 @@ def predicted(r: Row, conn: str, chunk_tokens: int, seed: int, shared: bool = Tr
 
 
 @dataclass(frozen=True)
-class Point:
+class Comparison:
     """One (prompt, preset, QPS, connector) of a link run: measured and predicted medians over its repeats."""
 
     input_len: int
@@ -79,7 +79,7 @@ class Point:
     fifo: tuple[float, float]  # the same, one transfer at a time
 
 
-def points(rows: Sequence[Row], chunk_tokens: int) -> list[Point]:
+def points(rows: Sequence[Row], chunk_tokens: int) -> list[Comparison]:
     """Every kvpush point of the run that the simulator models, in the table's order."""
     seeds = arrival_seeds(rows)
     out = []
@@ -97,7 +97,7 @@ def points(rows: Sequence[Row], chunk_tokens: int) -> list[Point]:
             continue
         fair, fifo = ((median([p[0] for p in ps]), median([p[1] for p in ps])) for ps in (model[True], model[False]))
         ttft, hand = _med(rs, "ttft_ms", "mean"), _med(rs, "handoff_ms", "p50")
-        out.append(Point(int(n), str(preset), float(qps), str(conn), ttft, hand, fair, fifo))
+        out.append(Comparison(int(n), str(preset), float(qps), str(conn), ttft, hand, fair, fifo))
     return out
 
 
@@ -117,7 +117,7 @@ def _pct(g: float | None) -> str:
     return "-" if g is None else f"{100 * g:+.0f} %"
 
 
-def table(pts: Sequence[Point]) -> list[str]:
+def table(pts: Sequence[Comparison]) -> list[str]:
     """Measured against the fair-share link's prediction, per point."""
     out = [
         "| preset | prompt | QPS | connector | TTFT mean measured / predicted (ms) | handoff p50 measured / predicted "
@@ -133,7 +133,7 @@ def table(pts: Sequence[Point]) -> list[str]:
     return out
 
 
-def error_by_preset(pts: Sequence[Point]) -> dict[str, dict[str, float]]:
+def error_by_preset(pts: Sequence[Comparison]) -> dict[str, dict[str, float]]:
     """preset -> median |gap| of handoff and TTFT under each link model ("fifo", "fair"), as fractions."""
     out: dict[str, dict[str, float]] = {}
     for preset in sorted({p.preset for p in pts}):
@@ -148,7 +148,7 @@ def error_by_preset(pts: Sequence[Point]) -> dict[str, dict[str, float]]:
     return out
 
 
-def error_table(pts: Sequence[Point]) -> list[str]:
+def error_table(pts: Sequence[Comparison]) -> list[str]:
     out = [
         "| preset | points | handoff: one at a time | handoff: fair share | TTFT: one at a time | TTFT: fair share |",
         "|---|---|---|---|---|---|",

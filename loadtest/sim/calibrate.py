@@ -57,7 +57,7 @@ KNOBS = (
 
 
 @dataclass(frozen=True)
-class Plan:
+class CalibrationPlan:
     n: int = 300
     seeds: tuple[int, ...] = (1000, 1001, 1002)
     coarse: int = 7  # grid points per knob in the first pass
@@ -65,7 +65,7 @@ class Plan:
     passes: int = 3
 
 
-SMOKE_PLAN = Plan(n=30, seeds=(1000,), coarse=3, fine=3, passes=1)
+SMOKE_PLAN = CalibrationPlan(n=30, seeds=(1000,), coarse=3, fine=3, passes=1)
 
 
 def with_values(doc: Mapping[str, Any], values: Mapping[str, float]) -> dict[str, Any]:
@@ -77,14 +77,16 @@ def with_values(doc: Mapping[str, Any], values: Mapping[str, float]) -> dict[str
     return out
 
 
-def measure(profile: Profile, mode: str, plan: Plan, qps: float = QPS, pull_serial_s: float = 0.0) -> pair.Stats:
+def measure(
+    profile: Profile, mode: str, plan: CalibrationPlan, qps: float = QPS, pull_serial_s: float = 0.0
+) -> pair.Scores:
     """Mean over the plan's arrival seeds of one mode's stats at `qps` (TTFT/TPOT means and p50s averaged)."""
     runs = [
         pair.run(profile, mode, schedule(ArrivalSpec(qps, 1.0, s), plan.n), PROMPT, OUTPUT, pull_serial_s=pull_serial_s)
         for s in plan.seeds
     ]
     k = len(runs)
-    return pair.Stats(
+    return pair.Scores(
         mode=mode,
         qps=qps,
         n=sum(r.n for r in runs),
@@ -96,7 +98,7 @@ def measure(profile: Profile, mode: str, plan: Plan, qps: float = QPS, pull_seri
     )
 
 
-def error(stats: pair.Stats, target: SeedRow) -> float:
+def error(stats: pair.Scores, target: SeedRow) -> float:
     """Squared log error of TTFT mean and TPOT mean (a factor of 2 off either way weighs the same)."""
     if not (stats.ttft_mean_ms > 0 and stats.tpot_mean_ms > 0) or stats.unfinished:
         return math.inf
@@ -121,18 +123,18 @@ class Fit:
     apriori: dict[str, float]
     error: float
     evaluations: int
-    pull: pair.Stats
-    predicted: dict[str, pair.Stats]  # every mode on the calibrated profile at QPS
-    apriori_predicted: dict[str, pair.Stats]  # and on the a-priori one
+    pull: pair.Scores
+    predicted: dict[str, pair.Scores]  # every mode on the calibrated profile at QPS
+    apriori_predicted: dict[str, pair.Scores]  # and on the a-priori one
     bounded: list[str]  # knobs whose fitted value sits on a bound of its range
     rho: float  # P's utilisation from prefill alone at the fitted values
     refused: int  # grid points refused because they overload P (rho >= MAX_RHO)
 
 
-def fit(doc: Mapping[str, Any], plan: Plan, knobs: Sequence[Knob] = KNOBS) -> Fit:
+def fit(doc: Mapping[str, Any], plan: CalibrationPlan, knobs: Sequence[Knob] = KNOBS) -> Fit:
     """Grid search on the knobs, refined around the best point; then predict every mode at the best point."""
     ranges = {f"{k.section}.{k.key}": (k.lo, k.hi) for k in knobs}
-    best: tuple[float, dict[str, float], pair.Stats | None] = (math.inf, {}, None)
+    best: tuple[float, dict[str, float], pair.Scores | None] = (math.inf, {}, None)
     evals = refused = 0
     spans = dict(ranges)
     for n in [plan.coarse] + [plan.fine] * plan.passes:
@@ -247,7 +249,7 @@ def mfu_for(doc: Mapping[str, Any], values: Mapping[str, float], rho: float) -> 
 SCAN_RHO = (0.5, 0.8, 0.9, 0.94, 0.96, 0.965)
 
 
-def scan(doc: Mapping[str, Any], values: Mapping[str, float], plan: Plan) -> list[dict[str, float]]:
+def scan(doc: Mapping[str, Any], values: Mapping[str, float], plan: CalibrationPlan) -> list[dict[str, float]]:
     """Pull and upstream push side by side as P nears saturation (the fitted setup cost kept): does any P load
     give the seed's pull/push ratio (3.2x)?"""
     out = []
@@ -269,7 +271,7 @@ def scan(doc: Mapping[str, Any], values: Mapping[str, float], plan: Plan) -> lis
 
 
 def missing_mechanism(
-    doc: Mapping[str, Any], scanned: list[dict[str, float]], values: Mapping[str, float], plan: Plan
+    doc: Mapping[str, Any], scanned: list[dict[str, float]], values: Mapping[str, float], plan: CalibrationPlan
 ) -> dict[str, float] | None:
     """A what-if, not a fit of the profile: at the scanned P load whose upstream push TTFT is nearest the seed's
     push row, the pull-only serial stage on D (`pull_serial_s`) that brings pull's TTFT to the seed's pull row."""
@@ -278,7 +280,7 @@ def missing_mechanism(
     near = min(scanned, key=lambda x: abs(math.log(x["push_ttft_ms"] / SEED_PUSH.ttft_mean_ms)))
     profile = from_mapping(with_values(doc, {**values, "efficiency.mfu": near["mfu"]}))
     lo, hi = 0.0, 1.0 / QPS  # beyond 1/QPS the stage itself saturates
-    best: pair.Stats | None = None
+    best: pair.Scores | None = None
     for _ in range(12):
         mid = (lo + hi) / 2
         stats = measure(profile, "pull", plan, pull_serial_s=mid)
@@ -299,7 +301,7 @@ def missing_mechanism(
     }
 
 
-def write_files(plan: Plan, results_dir: Path, profile_dir: Path = PROFILE_DIR) -> dict[str, Any]:
+def write_files(plan: CalibrationPlan, results_dir: Path, profile_dir: Path = PROFILE_DIR) -> dict[str, Any]:
     """Fit, write the calibrated profile next to the a-priori one and calibration.json into results_dir."""
     text = (profile_dir / f"{APRIORI}.yaml").read_text(encoding="utf-8")
     doc = yaml.safe_load(text)

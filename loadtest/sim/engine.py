@@ -24,7 +24,7 @@ from loadtest.sim import costs
 from loadtest.sim.profile import Profile
 
 
-class Kind(enum.Enum):
+class LegKind(enum.Enum):
     LOCAL = "local"  # prefill and decode here
     PREFILL = "prefill"  # P leg: prefill, one token, then hold the KV for the handoff
     PULL = "pull"  # D leg that READs the KV from P
@@ -44,7 +44,7 @@ class State(enum.Enum):
 @dataclass(eq=False)
 class Req:
     rid: str
-    kind: Kind
+    kind: LegKind
     prompt: int
     max_tokens: int
     state: State = State.QUEUED
@@ -98,7 +98,7 @@ Event = Token | PrefillDone | StartPull | StartPush | ChunkDone | StepEnd
 
 
 @dataclass(frozen=True)
-class Step:
+class ScheduledStep:
     chunks: tuple[tuple[Req, int], ...]  # (request, new prompt tokens)
     decodes: tuple[Req, ...]  # one token each (KV_READY ones produce their first token)
     admitted_remote: tuple[Req, ...]  # PULL/PUSH legs admitted (blocks allocated)
@@ -106,7 +106,7 @@ class Step:
 
 
 @dataclass
-class Engine:
+class EngineModel:
     profile: Profile
     waiting: deque[Req] = field(default_factory=deque)
     running: list[Req] = field(default_factory=list)  # PREFILL, WAIT_KV, KV_READY, DECODE in admission order
@@ -157,7 +157,7 @@ class Engine:
         return len(self.running)
 
     def _footprint(self, req: Req) -> int:
-        return req.prompt + (1 if req.kind is Kind.PREFILL else req.max_tokens)
+        return req.prompt + (1 if req.kind is LegKind.PREFILL else req.max_tokens)
 
     def _admit(self) -> list[Req]:
         admitted: list[Req] = []
@@ -167,12 +167,12 @@ class Engine:
                 break  # FIFO: the head waits for blocks, nobody overtakes it
             self.waiting.popleft()
             self.used_tokens += self._footprint(req)
-            req.state = State.WAIT_KV if req.kind in (Kind.PULL, Kind.PUSH) else State.PREFILL
+            req.state = State.WAIT_KV if req.kind in (LegKind.PULL, LegKind.PUSH) else State.PREFILL
             self.running.append(req)
             admitted.append(req)
         return admitted
 
-    def plan(self) -> Step | None:
+    def plan(self) -> ScheduledStep | None:
         """The next step, or None when there is nothing to compute and nobody to admit."""
         admitted = self._admit()
         decodes = tuple(r for r in self.running if r.state in (State.DECODE, State.KV_READY))
@@ -183,27 +183,27 @@ class Engine:
                 n = min(budget, r.prompt - r.computed)
                 chunks.append((r, n))
                 budget -= n
-        remote = tuple(r for r in admitted if r.kind in (Kind.PULL, Kind.PUSH))
+        remote = tuple(r for r in admitted if r.kind in (LegKind.PULL, LegKind.PUSH))
         idle = not decodes and not chunks and not remote
         if idle and not self._wanted:
             return None
         self._wanted = False
         p = self.profile
         duration = costs.step_time(p, [(n, r.computed) for r, n in chunks], [r.prompt + r.generated for r in decodes])
-        duration += sum(costs.setup_time(p, r.prompt) for r in remote if r.kind is Kind.PULL)
+        duration += sum(costs.setup_time(p, r.prompt) for r in remote if r.kind is LegKind.PULL)
         if idle:
             duration = p.step_overhead_s  # a no-forward step: scheduling and the connector's hooks only
         self.busy = True
-        return Step(tuple(chunks), decodes, remote, duration)
+        return ScheduledStep(tuple(chunks), decodes, remote, duration)
 
-    def complete(self, step: Step) -> list[Event]:
+    def complete(self, step: ScheduledStep) -> list[Event]:
         """Apply a finished step; returns its events in a stable order."""
         events: list[Event] = []
         for r, n in step.chunks:
             if r.state is not State.PREFILL:
                 continue  # aborted while the step ran
             r.computed += n
-            if self.chunk_events and r.kind is Kind.PREFILL:
+            if self.chunk_events and r.kind is LegKind.PREFILL:
                 events.append(ChunkDone(r, r.computed))
             if r.computed >= r.prompt:
                 events.extend(self._first_token(r))
@@ -214,7 +214,7 @@ class Engine:
             events.extend(self._token(r))
         for r in step.admitted_remote:
             if r.state is not State.DONE:
-                events.append(StartPull(r) if r.kind is Kind.PULL else StartPush(r))
+                events.append(StartPull(r) if r.kind is LegKind.PULL else StartPush(r))
         for r in self._landed_in_step:
             if r.state is State.WAIT_KV:
                 r.state = State.KV_READY
@@ -227,7 +227,7 @@ class Engine:
         return events
 
     def _first_token(self, r: Req) -> list[Event]:
-        if r.kind is Kind.PREFILL:
+        if r.kind is LegKind.PREFILL:
             r.generated = 1
             r.state = State.HELD
             self.running.remove(r)

@@ -15,7 +15,7 @@ from loadtest.sim import costs
 from loadtest.sim.engine import Req
 from loadtest.sim.link import Fifo
 from loadtest.sim.profile import Profile
-from loadtest.sim.writes import Write, WriteAt, WritePlan, post
+from loadtest.sim.writes import PlannedWrite, WriteAt, WritePlan, post
 
 
 class HandoffError(Exception):
@@ -95,7 +95,7 @@ class HandoffDesk:
         if h.expiry is None and self._table.get(key) is h:
             h.expiry = asyncio.get_running_loop().create_task(self._expire(h))
 
-    def _post(self, h: Handoff, writes: list[Write]) -> None:
+    def _post(self, h: Handoff, writes: list[PlannedWrite]) -> None:
         if not writes:
             return
         p = self.profile

@@ -1,16 +1,16 @@
-"""The async driver of an Engine: plan a step, wait its duration on the injected sleep, apply it, repeat."""
+"""The async driver of an EngineModel: plan a step, wait its duration on the injected sleep, apply it, repeat."""
 
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-from loadtest.sim.engine import Engine, Event
+from loadtest.sim.engine import EngineModel, Event
 
 Sleep = Callable[[float], Awaitable[None]]
 
 
 class EngineLoop:
-    """Owns the stepping of one Engine. `poke()` after any outside change (new request, landed KV).
+    """Owns the stepping of one EngineModel. `poke()` after any outside change (new request, landed KV).
 
     Steps follow a modeled timeline: back-to-back steps are timed from the previous step's modeled end, so the
     time spent handling events (and sleep overshoot) is caught up by the next sleep instead of piling up, up to
@@ -22,7 +22,7 @@ class EngineLoop:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineModel,
         sleep: Sleep,
         on_events: Callable[[Sequence[Event]], None],
         clock: Callable[[], float] = time.monotonic,

@@ -1,6 +1,6 @@
 """A 1P+1D pair in virtual time (pure, no I/O): the simulator's engines and handoff, stepped by an event heap.
 
-The same Engine, cost model and WRITE timing (`writes.py`) as the simulator processes, without HTTP, asyncio
+The same EngineModel, cost model and WRITE timing (`writes.py`) as the simulator processes, without HTTP, asyncio
 or the wall clock, so a whole 8 QPS run of 16k prompts takes well under a second. Used to calibrate a profile
 and to predict the connectors' rows; the process simulator (seed-sim suite) stays the measured path.
 
@@ -22,11 +22,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from loadtest.sim import costs
-from loadtest.sim.engine import ChunkDone, Engine, Event, Kind, PrefillDone, Req, StartPull, StartPush, StepEnd, Token
+from loadtest.sim.engine import (
+    ChunkDone,
+    EngineModel,
+    Event,
+    LegKind,
+    PrefillDone,
+    Req,
+    StartPull,
+    StartPush,
+    StepEnd,
+    Token,
+)
 from loadtest.sim.link import Fifo
 from loadtest.sim.net import FifoNet, Net, SharedNet
 from loadtest.sim.profile import Profile
-from loadtest.sim.writes import CONNECTOR_WRITE_AT, Write, WritePlan, stage
+from loadtest.sim.writes import CONNECTOR_WRITE_AT, PlannedWrite, WritePlan, stage
 
 MODES = ("pull", *CONNECTOR_WRITE_AT)
 
@@ -73,10 +84,11 @@ class Clock:
 
 
 @dataclass
-class Driver:
-    """Steps one Engine on the Clock: plan, wait the step's duration, complete, hand the events on."""
+class ClockLoop:
+    """Steps one EngineModel on the Clock (loop.EngineLoop's virtual-time twin): plan, wait the step's duration,
+    complete, hand the events on."""
 
-    engine: Engine
+    engine: EngineModel
     clock: Clock
     on_events: Callable[[Sequence[Event]], None]
     stepping: bool = False
@@ -98,7 +110,7 @@ class Driver:
 
 
 @dataclass
-class Pair:
+class PairModel:
     profile: Profile
     mode: str
     output_len: int
@@ -117,22 +129,22 @@ class Pair:
         if self.mode not in MODES:
             raise ValueError(f"mode {self.mode!r} is not one of {MODES}")
         self.net: Net = SharedNet(self.clock, self.start_s) if self.shared else FifoNet(self.clock)
-        self.p = Driver(Engine(self.profile, chunk_events=True), self.clock, self._p_events)
-        self.d = Driver(Engine(self.profile), self.clock, self._d_events)
+        self.p = ClockLoop(EngineModel(self.profile, chunk_events=True), self.clock, self._p_events)
+        self.d = ClockLoop(EngineModel(self.profile), self.clock, self._d_events)
 
     # arrivals ----------------------------------------------------------------------------------------
     def arrive(self, rid: str, t: float, prompt: int) -> None:
         self.outcomes[rid] = RequestTimes(t)
         api = costs.api_time(self.profile, prompt)
-        p_leg = Req(rid, Kind.PREFILL, prompt, 1)
+        p_leg = Req(rid, LegKind.PREFILL, prompt, 1)
         self.clock.at(t + api, lambda: self._add(self.p, p_leg))
         if self.mode != "pull":
-            d_leg = Req(rid, Kind.PUSH, prompt, self.output_len)
+            d_leg = Req(rid, LegKind.PUSH, prompt, self.output_len)
             self._legs[p_leg], self._legs[d_leg] = d_leg, p_leg
             self._plans[p_leg] = WritePlan(CONNECTOR_WRITE_AT[self.mode], prompt)
             self.clock.at(t + api, lambda: self._add(self.d, d_leg))
 
-    def _add(self, drv: Driver, req: Req) -> None:
+    def _add(self, drv: ClockLoop, req: Req) -> None:
         drv.engine.add(req)
         drv.kick()
 
@@ -160,7 +172,7 @@ class Pair:
         self._contact = True
         return self.profile.handshake_s
 
-    def _post(self, p_leg: Req, writes: list[Write]) -> None:
+    def _post(self, p_leg: Req, writes: list[PlannedWrite]) -> None:
         if not writes:
             return
         p = self.profile
@@ -196,7 +208,7 @@ class Pair:
 
     # D side ------------------------------------------------------------------------------------------
     def _pull_d_leg(self, p_leg: Req) -> None:
-        d_leg = Req(p_leg.rid, Kind.PULL, p_leg.prompt, self.output_len)
+        d_leg = Req(p_leg.rid, LegKind.PULL, p_leg.prompt, self.output_len)
         self._legs[d_leg] = p_leg
         self.clock.at(self.clock.now + costs.api_time(self.profile, p_leg.prompt), lambda: self._add(self.d, d_leg))
 
@@ -235,7 +247,7 @@ class Pair:
 
 
 @dataclass(frozen=True)
-class Stats:
+class Scores:
     """Means over the scored requests (after warm-up), in ms; n counts the scored requests that finished."""
 
     mode: str
@@ -266,12 +278,12 @@ def run(
     pull_serial_s: float = 0.0,
     shared: bool = False,
     start_s: float = 0.0,
-) -> Stats:
+) -> Scores:
     """Send one request per arrival time (seconds) through a fresh pair in `mode`; score all but the first `warmup`.
 
     `pull_serial_s` adds a pull-only serial stage on D (a what-if mechanism, see calibrate.missing_mechanism);
     `shared`: transfers share the link (FairShare) and each pays `start_s` first; else FIFO."""
-    pair = Pair(profile, mode, output_len, pull_serial_s=pull_serial_s, shared=shared, start_s=start_s)
+    pair = PairModel(profile, mode, output_len, pull_serial_s=pull_serial_s, shared=shared, start_s=start_s)
     for i, t in enumerate(arrivals):
         pair.arrive(f"r{i}", t, prompt)
     pair.clock.run()
@@ -285,7 +297,7 @@ def run(
     ]
     hand = [1000 * h for o in done if (h := o.handoff) is not None]
     qps = (len(arrivals) - 1) / arrivals[-1] if len(arrivals) > 1 and arrivals[-1] > 0 else math.inf
-    return Stats(
+    return Scores(
         mode=mode,
         qps=qps,
         n=len(done),

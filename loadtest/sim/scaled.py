@@ -95,7 +95,7 @@ def predict(
     n: int = 200,
     warmup: int = 5,
     seeds: int = 1,
-) -> pair.Stats:
+) -> pair.Scores:
     """The virtual pair's TTFT/handoff/TPOT for `mode` (pull, upstream-push, kvpush-push, kvpush-progressive).
 
     `n` arrivals, the first `warmup` not scored. A short measured point (a few requests at a QPS near
@@ -113,7 +113,7 @@ def predict(
         return runs[0]
     ok = [r for r in runs if r.n > 0]
     hand = sorted(r.handoff_p50_ms for r in ok)
-    return pair.Stats(
+    return pair.Scores(
         mode=mode,
         qps=qps,
         n=sum(r.n for r in ok),
@@ -127,7 +127,7 @@ def predict(
 
 def predict_at(
     m: Measured, mode: str, arrivals: list[float], output_len: int, chunk_tokens: int | None = None
-) -> pair.Stats:
+) -> pair.Scores:
     """The virtual pair on the exact send times of a measured point (seconds, any origin), every one scored."""
     chunk = chunk_tokens if mode == "kvpush-progressive" else None
     t0 = min(arrivals)

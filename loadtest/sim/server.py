@@ -2,7 +2,7 @@
 
 Routes: POST /v1/completions, /v1/chat/completions; GET /health, /v1/models, /metrics; POST /tokenize; and the
 simulated KV side channel on the same port: POST /kv/push (D registers, answered when P's WRITE is done) and
-POST /kv/read (D's READ). One EngineLoop steps the Engine; each request waits on its own token queue.
+POST /kv/read (D's READ). One EngineLoop steps the EngineModel; each request waits on its own token queue.
 """
 
 import asyncio
@@ -19,7 +19,18 @@ import httpx
 
 from loadtest.prompts import word_ids
 from loadtest.sim import costs, wire
-from loadtest.sim.engine import ChunkDone, Engine, Event, Kind, PrefillDone, Req, StartPull, StartPush, StepEnd, Token
+from loadtest.sim.engine import (
+    ChunkDone,
+    EngineModel,
+    Event,
+    LegKind,
+    PrefillDone,
+    Req,
+    StartPull,
+    StartPush,
+    StepEnd,
+    Token,
+)
 from loadtest.sim.handoff import HandoffDesk, HandoffError
 from loadtest.sim.loop import EngineLoop
 from loadtest.sim.profile import Profile, load
@@ -57,7 +68,7 @@ class SimServer:
             model,
         )
         self.kv_mode = kv_mode
-        self.engine = Engine(profile, chunk_events=role != "decode")
+        self.engine = EngineModel(profile, chunk_events=role != "decode")
         self.loop = EngineLoop(self.engine, asyncio.sleep, self._on_events)
         self.desk = HandoffDesk(profile, self._release, clock, asyncio.sleep, write_at=write_at)
         self.streams: dict[Req, asyncio.Queue[Item]] = {}
@@ -206,10 +217,10 @@ class SimServer:
         queue: asyncio.Queue[Item] = asyncio.Queue()
         self.streams[req] = queue
         key = wire.handoff_key(inc.kv, rid)
-        if inc.kind is Kind.PREFILL:
+        if inc.kind is LegKind.PREFILL:
             self.keys[req] = key
             self.desk.on_leg(key, req)
-        elif inc.kind in (Kind.PULL, Kind.PUSH):
+        elif inc.kind in (LegKind.PULL, LegKind.PUSH):
             self.remote[req] = dict(inc.kv)
         self.engine.add(req)
         self.loop.poke()
@@ -229,7 +240,7 @@ class SimServer:
             self.remote.pop(req, None)
             if req.state.value not in ("done", "held"):
                 self.engine.abort(req)
-                if inc.kind is Kind.PREFILL:
+                if inc.kind is LegKind.PREFILL:
                     self.keys.pop(req, None)
                     self.desk.on_leg_failed(key)
 
@@ -248,7 +259,7 @@ class SimServer:
                 break
         self._count(req)
         kv = None
-        if inc.kind is Kind.PREFILL:
+        if inc.kind is LegKind.PREFILL:
             kv = wire.prefill_kv_params(
                 self.engine_id,
                 self.host,
@@ -289,7 +300,7 @@ class SimServer:
 
     def _count(self, req: Req) -> None:
         self.success += 1
-        src = "external_kv_transfer" if req.kind in (Kind.PULL, Kind.PUSH) else "local_compute"
+        src = "external_kv_transfer" if req.kind in (LegKind.PULL, LegKind.PUSH) else "local_compute"
         self.by_source[src] += req.prompt
 
     async def _side(self, body: dict[str, Any], read: bool, rid: str, send: Send) -> None:

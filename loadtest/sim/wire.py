@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from loadtest.sim.engine import Kind
+from loadtest.sim.engine import LegKind
 
 TOKEN_TEXT = " x"
 
@@ -20,7 +20,7 @@ class Incoming:
     max_tokens: int
     stream: bool
     include_usage: bool
-    kind: Kind
+    kind: LegKind
     kv: Mapping[str, Any]
 
 
@@ -37,12 +37,12 @@ def count_prompt(body: Mapping[str, Any], chat: bool) -> int:
     return len(str(prompt).split())  # the word tokenizer's count, without building the ids
 
 
-def kind_of(kv: Mapping[str, Any]) -> Kind:
+def kind_of(kv: Mapping[str, Any]) -> LegKind:
     if kv.get("do_remote_decode"):
-        return Kind.PREFILL
+        return LegKind.PREFILL
     if kv.get("do_remote_prefill"):
-        return Kind.PULL if kv.get("remote_block_ids") else Kind.PUSH
-    return Kind.LOCAL
+        return LegKind.PULL if kv.get("remote_block_ids") else LegKind.PUSH
+    return LegKind.LOCAL
 
 
 def parse(body: Mapping[str, Any], chat: bool) -> Incoming:
@@ -51,7 +51,7 @@ def parse(body: Mapping[str, Any], chat: bool) -> Incoming:
         raise ValueError("kv_transfer_params must be an object")
     kind = kind_of(kv)
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
-    if kind is Kind.PREFILL:
+    if kind is LegKind.PREFILL:
         max_tokens = 1
     opts = body.get("stream_options") or {}
     return Incoming(

@@ -38,7 +38,7 @@ CONNECTOR_WRITE_AT: dict[str, WriteAt] = {
 
 
 @dataclass(frozen=True)
-class Write:
+class PlannedWrite:
     """One WRITE: the KV of `tokens` prompt tokens; `final` carries Done (D's KV is complete when it lands)."""
 
     tokens: int
@@ -65,7 +65,7 @@ class WritePlan:
         """next-step only: the prompt is complete and P must run one more step before the WRITE can leave."""
         return self.mode is WriteAt.NEXT_STEP and self.completed_at is not None and not self.due
 
-    def on_step_end(self, index: int, computed: int) -> list[Write]:
+    def on_step_end(self, index: int, computed: int) -> list[PlannedWrite]:
         """P's step `index` ended with `computed` prompt tokens of this request computed."""
         if self.finished:
             return []
@@ -85,7 +85,7 @@ class WritePlan:
         self.due = True
         return self._post(self.prompt)
 
-    def on_register(self) -> list[Write]:
+    def on_register(self) -> list[PlannedWrite]:
         """D's registration arrived (its blocks are allocated): post what is already due."""
         if self.registered:
             return []
@@ -99,16 +99,16 @@ class WritePlan:
             return self._post(self.prompt)
         return []
 
-    def _post(self, upto: int) -> list[Write]:
+    def _post(self, upto: int) -> list[PlannedWrite]:
         if not self.registered or upto <= self.posted:
             return []
-        write = Write(upto - self.posted, final=upto >= self.prompt)
+        write = PlannedWrite(upto - self.posted, final=upto >= self.prompt)
         self.posted = upto
         return [write]
 
 
 def stage(
-    writes: list[Write],
+    writes: list[PlannedWrite],
     now: float,
     writer: Fifo,
     setup_s: Callable[[int], float],
@@ -125,7 +125,7 @@ def stage(
 
 
 def post(
-    writes: list[Write],
+    writes: list[PlannedWrite],
     now: float,
     writer: Fifo,
     link: Fifo,

@@ -14,7 +14,7 @@ from router.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
-class Endpoint:
+class RankPublisher:
     """One publisher: a worker's DP rank."""
 
     worker: str  # the router's worker id
@@ -50,7 +50,7 @@ def endpoints_for(
     replay: str | None = None,
     topic: str = "",
     dp_size: int = 1,
-) -> list[Endpoint]:
+) -> list[RankPublisher]:
     """Every rank's endpoints of one worker, from rank 0's."""
     if dp_size < 1:
         raise ConfigError(f"kv_events: dp_size is at least 1 (got {dp_size})")
@@ -58,7 +58,7 @@ def endpoints_for(
         if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
             raise ConfigError(f"kv_events: the {name} endpoint {value!r} is not tcp://, ipc:// or inproc://")
     return [
-        Endpoint(
+        RankPublisher(
             worker,
             rank,
             offset_for_rank(publisher, rank),
@@ -88,7 +88,7 @@ def endpoints_near(
     replay_port: int | None = None,
     topic: str = "",
     dp_size: int = 1,
-) -> list[Endpoint]:
+) -> list[RankPublisher]:
     """A worker's endpoints on the host of its HTTP URL (the usual deployment: the engine binds `tcp://*:<port>`)."""
     host = urlsplit(worker_url).hostname
     if not host:

@@ -13,20 +13,22 @@ from dataclasses import dataclass
 
 from router.domain import WorkerSpec
 from router.errors import ConfigError
-from router.kv_events.endpoints import Endpoint
+from router.kv_events.endpoints import RankPublisher
 from router.kv_events.settings import KvEventSettings
 
 
 @dataclass(frozen=True)
 class Plan:
-    add: tuple[Endpoint, ...]  # publishers to follow (new workers, or ones whose endpoints changed)
+    add: tuple[RankPublisher, ...]  # publishers to follow (new workers, or ones whose endpoints changed)
     remove: tuple[str, ...]  # workers to drop (they left the pool, or no longer publish)
     refused: tuple[str, ...] = ()  # workers whose endpoints cannot be derived (their URL), with the reason
 
 
-def wanted(settings: KvEventSettings, members: Iterable[WorkerSpec]) -> tuple[dict[str, list[Endpoint]], list[str]]:
+def wanted(
+    settings: KvEventSettings, members: Iterable[WorkerSpec]
+) -> tuple[dict[str, list[RankPublisher]], list[str]]:
     """Per publishing worker, its endpoints (every rank); and the workers refused, with why."""
-    found: dict[str, list[Endpoint]] = {}
+    found: dict[str, list[RankPublisher]] = {}
     refused = []
     for spec in members:
         if spec.role not in settings.roles:
@@ -38,7 +40,9 @@ def wanted(settings: KvEventSettings, members: Iterable[WorkerSpec]) -> tuple[di
     return found, refused
 
 
-def plan(settings: KvEventSettings, members: Iterable[WorkerSpec], following: Mapping[str, Sequence[Endpoint]]) -> Plan:
+def plan(
+    settings: KvEventSettings, members: Iterable[WorkerSpec], following: Mapping[str, Sequence[RankPublisher]]
+) -> Plan:
     """What to change so the subscriber follows exactly the publishing members (`following`: per worker, the
     endpoints followed now)."""
     want, refused = wanted(settings, members)

@@ -30,7 +30,7 @@ from typing import Any
 from router import values
 from router.domain import Role
 from router.errors import ConfigError
-from router.kv_events.endpoints import Endpoint, endpoints_near, url_port
+from router.kv_events.endpoints import RankPublisher, endpoints_near, url_port
 from router.kv_events.stream import StreamLimits, SubscriberLimits
 
 
@@ -49,7 +49,7 @@ class KvEventSettings:
     port_offset: int | None = None  # set: rank 0 publishes on the worker's HTTP port + this (`port` unused)
     replay_offset: int | None = None  # with port_offset: the replay socket on the HTTP port + this; None: none
 
-    def endpoints(self, worker_id: str, worker_url: str, dp_size: int = 1) -> list[Endpoint]:
+    def endpoints(self, worker_id: str, worker_url: str, dp_size: int = 1) -> list[RankPublisher]:
         """Where the worker at `worker_url` publishes, every rank (`dp_size` > 1: the worker's own ranks, else
         the block's `dp_size`)."""
         ranks = dp_size if dp_size > 1 else self.dp_size

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from router.kv_events.endpoints import Endpoint
+from router.kv_events.endpoints import RankPublisher
 from router.kv_events.frames import (
     Batch,
     BatchDecoder,
@@ -93,7 +93,7 @@ class SubscriberLimits:
 class Stream:
     def __init__(
         self,
-        endpoint: Endpoint,
+        endpoint: RankPublisher,
         index: StreamIndex,
         clock: Callable[[], float],
         limits: StreamLimits,

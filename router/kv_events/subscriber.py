@@ -32,7 +32,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 __all__ = ["KvEventSubscriber", "SubscriberLimits"]
 
-from router.kv_events.endpoints import Endpoint
+from router.kv_events.endpoints import RankPublisher
 from router.kv_events.frames import replay_request
 from router.kv_events.index import KvIndex
 from router.kv_events.sequence import EndReplay, RequestReplay, SeqCounters
@@ -74,7 +74,7 @@ class KvEventSubscriber:
 
     # --- membership -----------------------------------------------------------------------------------------------
 
-    def add(self, endpoints: Iterable[Endpoint]) -> None:
+    def add(self, endpoints: Iterable[RankPublisher]) -> None:
         """Subscribe to these publishers (idempotent; an endpoint that changed starts its stream over)."""
         for endpoint in endpoints:
             live = self._streams.get(endpoint.key)
@@ -111,9 +111,9 @@ class KvEventSubscriber:
     def workers(self) -> list[str]:
         return sorted({worker for worker, _ in self._streams})
 
-    def following(self) -> dict[str, list[Endpoint]]:
+    def following(self) -> dict[str, list[RankPublisher]]:
         """Per worker, the endpoints followed now (rank order)."""
-        found: dict[str, list[Endpoint]] = {}
+        found: dict[str, list[RankPublisher]] = {}
         for key in sorted(self._streams):
             found.setdefault(key[0], []).append(self._streams[key].stream.endpoint)
         return found
@@ -121,7 +121,7 @@ class KvEventSubscriber:
     def status(self, worker: str) -> list[StreamStatus]:
         return [status_of(live.stream) for key, live in sorted(self._streams.items()) if key[0] == worker]
 
-    def _open(self, endpoint: Endpoint) -> None:
+    def _open(self, endpoint: RankPublisher) -> None:
         sub = self._socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, endpoint.topic.encode())
         monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)

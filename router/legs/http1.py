@@ -46,12 +46,12 @@ class _HeadTooLarge(Exception):
     pass
 
 
-class Target(NamedTuple):
+class RequestTarget(NamedTuple):
     origin: Origin
     prefix: bytes  # b"POST <path> HTTP/1.1\r\nHost: <host>\r\n"
 
 
-def target_of(url: str) -> Target:
+def target_of(url: str) -> RequestTarget:
     """The origin and the request line of `url`; httpx.UnsupportedProtocol for anything but http(s)://host."""
     parts = httpx.URL(url)
     if parts.scheme not in ("http", "https") or not parts.host:
@@ -61,7 +61,7 @@ def target_of(url: str) -> Target:
     authority = host if parts.port is None else f"{host}:{port}"
     path = parts.raw_path.decode("ascii") or "/"
     prefix = f"POST {path} HTTP/1.1\r\nHost: {authority}\r\n".encode("ascii")
-    return Target((parts.scheme, parts.host, port), prefix)
+    return RequestTarget((parts.scheme, parts.host, port), prefix)
 
 
 def request_head(prefix: bytes, headers: Mapping[str, str], length: int) -> bytes:

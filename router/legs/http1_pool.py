@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import httpx
 
-from router.legs.http1 import Connection, Origin, Response, Target, request_head, target_of
+from router.legs.http1 import Connection, Origin, RequestTarget, Response, request_head, target_of
 
 
 class ConnectionPool:
@@ -184,7 +184,7 @@ class Http1Legs:
         self._keepalive = keepalive
         self._high_water = high_water
         self._pool: ConnectionPool | None = pool
-        self._targets: dict[str, Target] = {}
+        self._targets: dict[str, RequestTarget] = {}
 
     @property
     def pool(self) -> ConnectionPool:

@@ -22,7 +22,7 @@ from stack.link.plan import bytes_verdict
 __all__ = ["BytesCheck", "NicMeter"]
 
 
-class _Counters(Protocol):
+class _NicCounters(Protocol):
     def nic_bytes(self, name: str) -> Any: ...
 
     def drops(self) -> int: ...
@@ -56,7 +56,7 @@ class BytesCheck:
 class NicMeter:
     """Counts the bytes that leave engine `engine`'s NIC from now on (and the link's drops)."""
 
-    def __init__(self, link: _Counters, engine: str) -> None:
+    def __init__(self, link: _NicCounters, engine: str) -> None:
         self._link = link
         self.engine = engine
         self._tx0 = int(link.nic_bytes(engine).tx)

@@ -62,7 +62,7 @@ def run(
         # the calibrated profile lands next to the a-priori one only for the repo's own results
         home = summary.parent.resolve() == (REPO / "bench" / "results").resolve()
         data = calibrate.write_files(
-            calibrate.Plan(), summary.parent, profile_dir=PROFILE_DIR if home else summary.parent
+            calibrate.CalibrationPlan(), summary.parent, profile_dir=PROFILE_DIR if home else summary.parent
         )
         print(f"seed-sim: calibrated {data['fitted']} (pull error {data['error']:.4f})")
     rows: list[dict[str, Any]] = []

@@ -14,7 +14,7 @@ import msgspec
 import pytest
 import zmq
 
-from router.kv_events.endpoints import Endpoint, endpoints_for
+from router.kv_events.endpoints import RankPublisher, endpoints_for
 from router.kv_events.index import KvIndex
 from router.kv_events.stream import StreamLimits
 from router.kv_events.subscriber import KvEventSubscriber, SubscriberLimits
@@ -138,7 +138,7 @@ async def test_two_ranks_a_silent_replay_socket_and_bad_frames(
 
     # rank 1's endpoint changes: that stream starts over, rank 0's stays
     moved = RawPublisher(context, free_port())
-    subscriber.add([endpoints[0], Endpoint("w", 1, moved.pub.getsockopt_string(zmq.LAST_ENDPOINT), None, "kv")])
+    subscriber.add([endpoints[0], RankPublisher("w", 1, moved.pub.getsockopt_string(zmq.LAST_ENDPOINT), None, "kv")])
     await until(lambda: view.status("w")[1].state == "in_sync", "the moved rank heard", moved.send)
     subscriber.remove("w")
     assert view.status("w") == [] and subscriber.workers() == [] and subscriber.index.blocks() == 0

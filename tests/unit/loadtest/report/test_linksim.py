@@ -52,8 +52,8 @@ def test_overlapping_transfers_hand_off_later_on_the_fair_share_link_than_one_at
 
 
 def test_the_error_per_preset_is_the_median_absolute_gap_under_each_model() -> None:
-    def pt(preset: str, hand: float, fair: float, fifo: float) -> linksim.Point:
-        return linksim.Point(1024, preset, 1.0, "kvpush-push", 100.0, hand, (100.0, fair), (100.0, fifo))
+    def pt(preset: str, hand: float, fair: float, fifo: float) -> linksim.Comparison:
+        return linksim.Comparison(1024, preset, 1.0, "kvpush-push", 100.0, hand, (100.0, fair), (100.0, fifo))
 
     pts = [pt("a", 150.0, 100.0, 50.0), pt("a", 90.0, 100.0, 100.0), pt("a", 100.0, 100.0, 100.0)]
     err = linksim.error_by_preset(pts)["a"]

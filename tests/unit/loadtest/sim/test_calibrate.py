@@ -32,8 +32,8 @@ def test_calibrated_yaml_marks_each_fitted_number_and_keeps_the_rest() -> None:
 
 
 def test_error_is_zero_on_target_and_symmetric_in_log() -> None:
-    def stats(ttft: float, tpot: float) -> pair.Stats:
-        return pair.Stats("pull", 8.0, 10, ttft, ttft, tpot, 0.0, 0)
+    def stats(ttft: float, tpot: float) -> pair.Scores:
+        return pair.Scores("pull", 8.0, 10, ttft, ttft, tpot, 0.0, 0)
 
     t = calibrate.SEED_PULL
     assert calibrate.error(stats(t.ttft_mean_ms, t.tpot_mean_ms), t) == 0.0
@@ -44,7 +44,7 @@ def test_error_is_zero_on_target_and_symmetric_in_log() -> None:
 
 def test_a_tiny_fit_stays_inside_the_ranges_and_writes_both_files(tmp_path: Path) -> None:
     (tmp_path / f"{calibrate.APRIORI}.yaml").write_text(TEXT, encoding="utf-8")
-    plan = calibrate.Plan(n=12, seeds=(1,), coarse=2, fine=2, passes=1)
+    plan = calibrate.CalibrationPlan(n=12, seeds=(1,), coarse=2, fine=2, passes=1)
     data = calibrate.write_files(plan, tmp_path / "results", profile_dir=tmp_path)
     for knob in calibrate.KNOBS:
         v = data["fitted"][f"{knob.section}.{knob.key}"]

@@ -4,7 +4,17 @@ from typing import Any
 import pytest
 
 from loadtest.sim import costs
-from loadtest.sim.engine import Engine, Kind, PrefillDone, Req, StartPull, StartPush, State, Step, Token
+from loadtest.sim.engine import (
+    EngineModel,
+    LegKind,
+    PrefillDone,
+    Req,
+    ScheduledStep,
+    StartPull,
+    StartPush,
+    State,
+    Token,
+)
 from loadtest.sim.profile import Profile, load
 
 QWEN = load("qwen3-32b-h200")
@@ -15,7 +25,7 @@ def state_of(r: Req) -> State:
     return r.state
 
 
-def drain(e: Engine) -> tuple[float, list[Any]]:
+def drain(e: EngineModel) -> tuple[float, list[Any]]:
     """Run steps until idle; returns total time and every event."""
     t, events = 0.0, list[Any]()
     while (step := e.plan()) is not None:
@@ -24,7 +34,7 @@ def drain(e: Engine) -> tuple[float, list[Any]]:
     return t, events
 
 
-def one_step(e: Engine) -> tuple[Step, list[object]]:
+def one_step(e: EngineModel) -> tuple[ScheduledStep, list[object]]:
     step = e.plan()
     assert step is not None
     return step, list(e.complete(step))
@@ -32,8 +42,8 @@ def one_step(e: Engine) -> tuple[Step, list[object]]:
 
 def test_local_prompt_is_chunked_then_decoded() -> None:
     p = dataclasses.replace(QWEN, max_batched_tokens=8192)
-    e = Engine(p)
-    r = Req("a", Kind.LOCAL, prompt=20000, max_tokens=3)
+    e = EngineModel(p)
+    r = Req("a", LegKind.LOCAL, prompt=20000, max_tokens=3)
     e.add(r)
     sizes = []
     for _ in range(3):
@@ -49,13 +59,13 @@ def test_local_prompt_is_chunked_then_decoded() -> None:
 
 
 def test_decodes_batch_into_one_step_and_take_budget_from_prefill() -> None:
-    e = Engine(dataclasses.replace(QWEN, max_batched_tokens=100))
-    a, b = Req("a", Kind.LOCAL, 10, 5), Req("b", Kind.LOCAL, 10, 5)
+    e = EngineModel(dataclasses.replace(QWEN, max_batched_tokens=100))
+    a, b = Req("a", LegKind.LOCAL, 10, 5), Req("b", LegKind.LOCAL, 10, 5)
     e.add(a)
     e.add(b)
     step, _ = one_step(e)  # both prompts fit in one step
     assert [n for _, n in step.chunks] == [10, 10]
-    c = Req("c", Kind.LOCAL, 500, 2)
+    c = Req("c", LegKind.LOCAL, 500, 2)
     e.add(c)
     step, _ = one_step(e)
     assert step.decodes == (a, b) and step.chunks == ((c, 98),)
@@ -63,8 +73,8 @@ def test_decodes_batch_into_one_step_and_take_budget_from_prefill() -> None:
 
 
 def test_prefill_leg_holds_kv_until_released() -> None:
-    e = Engine(QWEN)
-    r = Req("p", Kind.PREFILL, 16384, 1)
+    e = EngineModel(QWEN)
+    r = Req("p", LegKind.PREFILL, 16384, 1)
     e.add(r)
     t, ev = drain(e)
     assert t == pytest.approx(costs.prefill_time(QWEN, 16384))
@@ -75,23 +85,23 @@ def test_prefill_leg_holds_kv_until_released() -> None:
 
 
 def test_pull_setup_stalls_the_admitting_step_push_does_not() -> None:
-    for kind, extra in ((Kind.PULL, costs.setup_time(QWEN, 16384)), (Kind.PUSH, 0.0)):
-        e = Engine(QWEN)
-        running = Req("run", Kind.LOCAL, 100, 50)
+    for kind, extra in ((LegKind.PULL, costs.setup_time(QWEN, 16384)), (LegKind.PUSH, 0.0)):
+        e = EngineModel(QWEN)
+        running = Req("run", LegKind.LOCAL, 100, 50)
         e.add(running)
         one_step(e)  # its prefill
         leg = Req("d", kind, 16384, 4)
         e.add(leg)
         step, ev = one_step(e)
         assert step.duration == pytest.approx(costs.step_time(QWEN, [], [101]) + extra)
-        assert ev[-1] == (StartPull(leg) if kind is Kind.PULL else StartPush(leg))
+        assert ev[-1] == (StartPull(leg) if kind is LegKind.PULL else StartPush(leg))
         assert leg.state is State.WAIT_KV
 
 
 def test_kv_landing_mid_step_counts_at_the_step_boundary() -> None:
-    e = Engine(QWEN)
-    other = Req("o", Kind.LOCAL, 100, 50)
-    leg = Req("d", Kind.PUSH, 1000, 2)
+    e = EngineModel(QWEN)
+    other = Req("o", LegKind.LOCAL, 100, 50)
+    leg = Req("d", LegKind.PUSH, 1000, 2)
     e.add(other)
     e.add(leg)
     one_step(e)
@@ -107,8 +117,8 @@ def test_kv_landing_mid_step_counts_at_the_step_boundary() -> None:
 
 def test_kv_capacity_queues_fifo_and_abort_frees() -> None:
     small: Profile = dataclasses.replace(QWEN, kv_capacity_tokens=150)
-    e = Engine(small)
-    a, b = Req("a", Kind.LOCAL, 100, 10), Req("b", Kind.LOCAL, 100, 10)
+    e = EngineModel(small)
+    a, b = Req("a", LegKind.LOCAL, 100, 10), Req("b", LegKind.LOCAL, 100, 10)
     e.add(a)
     e.add(b)
     one_step(e)
@@ -121,12 +131,12 @@ def test_kv_capacity_queues_fifo_and_abort_frees() -> None:
 
 def single_ttft(kind: str) -> float:
     """One request on idle P and D, stepped by hand; the transfer happens between D's steps."""
-    p_eng, d_eng = Engine(QWEN), Engine(QWEN)
+    p_eng, d_eng = EngineModel(QWEN), EngineModel(QWEN)
     prompt = 16384
-    leg = Req("p", Kind.PREFILL, prompt, 1)
+    leg = Req("p", LegKind.PREFILL, prompt, 1)
     p_eng.add(leg)
     prefill, _ = drain(p_eng)
-    d = Req("d", Kind.PULL if kind == "pull" else Kind.PUSH, prompt, 8)
+    d = Req("d", LegKind.PULL if kind == "pull" else LegKind.PUSH, prompt, 8)
     d_eng.add(d)
     admit, _ = one_step(d_eng)
     xfer = costs.transfer_time(QWEN, prompt)

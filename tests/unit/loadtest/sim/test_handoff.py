@@ -4,7 +4,7 @@ from typing import Any
 import pytest
 
 from loadtest.sim import costs
-from loadtest.sim.engine import Kind, Req
+from loadtest.sim.engine import LegKind, Req
 from loadtest.sim.handoff import HandoffDesk, HandoffError
 from loadtest.sim.link import Fifo
 from loadtest.sim.profile import load
@@ -37,7 +37,7 @@ def test_push_registration_waits_for_prefill_then_writes() -> None:
 
     async def go() -> float:
         d = desk(t, released)
-        req = Req("r", Kind.PREFILL, 4096, 1)
+        req = Req("r", LegKind.PREFILL, 4096, 1)
         reg = asyncio.ensure_future(d.push("k", "D1", wait_s=10))  # D registers before P's leg arrived
         await asyncio.sleep(0)
         d.on_leg("k", req)
@@ -66,7 +66,7 @@ def test_reads_pay_the_handshake_once_per_peer() -> None:
         d = desk(t, released)
         took = []
         for k in ("a", "b"):
-            d.on_leg(k, Req(k, Kind.PREFILL, 1024, 1))
+            d.on_leg(k, Req(k, LegKind.PREFILL, 1024, 1))
             d.on_prefilled(k)
             took.append(await d.read(k, "D1"))
         return took
@@ -83,7 +83,7 @@ def test_read_of_unknown_or_unfinished_kv_fails_at_once() -> None:
         d = desk(FakeTime(), [])
         with pytest.raises(HandoffError):
             await d.read("nobody", "D1")
-        d.on_leg("k", Req("k", Kind.PREFILL, 16, 1))
+        d.on_leg("k", Req("k", LegKind.PREFILL, 16, 1))
         with pytest.raises(HandoffError):
             await d.read("k", "D1")
 
@@ -113,7 +113,7 @@ def test_a_finished_handoff_leaves_no_lease_timer_behind() -> None:
         d = desk(t, released)
         for i, how in enumerate(("push", "read", "fail")):
             key = f"k{i}"
-            d.on_leg(key, Req(f"r{i}", Kind.PREFILL, 1024, 1))
+            d.on_leg(key, Req(f"r{i}", LegKind.PREFILL, 1024, 1))
             d.on_prefilled(key)
             if how == "push":
                 await d.push(key, "D1", wait_s=10)
@@ -133,7 +133,7 @@ def test_an_unclaimed_handoff_still_expires_after_its_lease() -> None:
 
     async def go() -> None:
         d = HandoffDesk(QWEN, released.append, t.clock, t.sleep, lease_s=5.0)
-        req = Req("r", Kind.PREFILL, 1024, 1)
+        req = Req("r", LegKind.PREFILL, 1024, 1)
         d.on_leg("k", req)
         d.on_prefilled("k")
         for _ in range(3):

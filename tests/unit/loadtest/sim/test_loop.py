@@ -5,7 +5,7 @@ from collections.abc import Sequence
 import pytest
 
 from loadtest.sim import costs
-from loadtest.sim.engine import Engine, Event, Kind, Req, Token
+from loadtest.sim.engine import EngineModel, Event, LegKind, Req, Token
 from loadtest.sim.loop import EngineLoop
 from loadtest.sim.profile import load
 
@@ -31,9 +31,9 @@ def test_back_to_back_steps_catch_up_the_time_spent_handling_events() -> None:
     finished = asyncio.Event()
 
     async def go() -> EngineLoop:
-        eng = Engine(dataclasses.replace(QWEN, step_overhead_s=0.010))
+        eng = EngineModel(dataclasses.replace(QWEN, step_overhead_s=0.010))
         loop = EngineLoop(eng, sleep, on_events, clock=lambda: now[0])
-        eng.add(Req("a", Kind.LOCAL, prompt=8, max_tokens=4))
+        eng.add(Req("a", LegKind.LOCAL, prompt=8, max_tokens=4))
         task = asyncio.ensure_future(loop.run())
         await finished.wait()
         task.cancel()

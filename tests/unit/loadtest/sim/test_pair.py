@@ -11,7 +11,7 @@ QWEN = load("qwen3-32b-h200")
 
 
 def one(mode: str, prompt: int = 16384) -> pair.RequestTimes:
-    p = pair.Pair(QWEN, mode, output_len=4)
+    p = pair.PairModel(QWEN, mode, output_len=4)
     p.arrive("a", 0.0, prompt)
     p.clock.run()
     return p.outcomes["a"]
@@ -44,11 +44,11 @@ def test_progressive_hides_the_first_chunks_transfer_behind_the_last_chunk() -> 
 
 def test_under_load_upstream_push_waits_a_whole_prefill_step() -> None:
     """Two prompts back to back on P: upstream's first WRITE leaves after the second prompt's first chunk."""
-    p = pair.Pair(QWEN, "upstream-push", output_len=2)
+    p = pair.PairModel(QWEN, "upstream-push", output_len=2)
     p.arrive("a", 0.0, 8192)
     p.arrive("b", 0.0, 8192)
     p.clock.run()
-    q = pair.Pair(QWEN, "kvpush-push", output_len=2)
+    q = pair.PairModel(QWEN, "kvpush-push", output_len=2)
     q.arrive("a", 0.0, 8192)
     q.arrive("b", 0.0, 8192)
     q.clock.run()
@@ -69,7 +69,7 @@ def test_run_scores_after_warmup_and_rejects_unknown_modes() -> None:
     s = pair.run(fast, "kvpush-push", [0.0, 1.0, 2.0, 3.0], 1024, 8, warmup=1)
     assert s.n == 3 and s.unfinished == 0 and s.ttft_mean_ms > 0 and s.tpot_mean_ms > 0
     with pytest.raises(ValueError):
-        pair.Pair(QWEN, "nope", 4)
+        pair.PairModel(QWEN, "nope", 4)
 
 
 def test_a_pull_only_serial_stage_queues_pull_and_leaves_push_alone() -> None:

@@ -4,19 +4,19 @@ from loadtest.client import StreamTracker
 from loadtest.promtext import by_label, parse
 from loadtest.records import RequestRecord
 from loadtest.sim import wire
-from loadtest.sim.engine import Kind
+from loadtest.sim.engine import LegKind
 
 
 def test_kind_follows_kv_transfer_params() -> None:
-    assert wire.kind_of({}) is Kind.LOCAL
-    assert wire.kind_of({"do_remote_decode": True}) is Kind.PREFILL
-    assert wire.kind_of({"do_remote_prefill": True, "remote_block_ids": [1, 2]}) is Kind.PULL
-    assert wire.kind_of({"do_remote_prefill": True, "transfer_id": "t"}) is Kind.PUSH
+    assert wire.kind_of({}) is LegKind.LOCAL
+    assert wire.kind_of({"do_remote_decode": True}) is LegKind.PREFILL
+    assert wire.kind_of({"do_remote_prefill": True, "remote_block_ids": [1, 2]}) is LegKind.PULL
+    assert wire.kind_of({"do_remote_prefill": True, "transfer_id": "t"}) is LegKind.PUSH
 
 
 def test_parse_counts_words_and_forces_one_token_on_prefill_legs() -> None:
     inc = wire.parse({"prompt": "1 2 3", "max_tokens": 9, "kv_transfer_params": {"do_remote_decode": True}}, False)
-    assert (inc.prompt_tokens, inc.max_tokens, inc.kind, inc.stream) == (3, 1, Kind.PREFILL, False)
+    assert (inc.prompt_tokens, inc.max_tokens, inc.kind, inc.stream) == (3, 1, LegKind.PREFILL, False)
     chat = wire.parse(
         {
             "messages": [{"role": "user", "content": "a b"}],

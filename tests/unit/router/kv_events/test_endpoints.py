@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from router.errors import ConfigError
-from router.kv_events.endpoints import Endpoint, endpoints_for, endpoints_near, offset_for_rank
+from router.kv_events.endpoints import RankPublisher, endpoints_for, endpoints_near, offset_for_rank
 
 
 @pytest.mark.parametrize(
@@ -33,15 +33,15 @@ def test_what_cannot_be_offset_is_a_config_error(endpoint: str, rank: int) -> No
 
 def test_every_rank_of_a_worker() -> None:
     assert endpoints_for("d0", "tcp://h:5557", "tcp://h:6557", "kv", dp_size=2) == [
-        Endpoint("d0", 0, "tcp://h:5557", "tcp://h:6557", "kv"),
-        Endpoint("d0", 1, "tcp://h:5558", "tcp://h:6558", "kv"),
+        RankPublisher("d0", 0, "tcp://h:5557", "tcp://h:6557", "kv"),
+        RankPublisher("d0", 1, "tcp://h:5558", "tcp://h:6558", "kv"),
     ]
     assert endpoints_for("d0", "tcp://h:5557")[0].replay is None
 
 
 def test_near_a_workers_url() -> None:
     assert endpoints_near("p0", "http://10.1.2.3:8100", 5557, 5558) == [
-        Endpoint("p0", 0, "tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558", "")
+        RankPublisher("p0", 0, "tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558", "")
     ]
     assert endpoints_near("p0", "http://[fd00::1]:8100", 5557)[0].publisher == "tcp://[fd00::1]:5557"
 

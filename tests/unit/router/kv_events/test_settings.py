@@ -12,7 +12,7 @@ from router.cli import load_serve_settings
 from router.config import build_settings
 from router.domain import Role
 from router.errors import ConfigError
-from router.kv_events.endpoints import Endpoint
+from router.kv_events.endpoints import RankPublisher
 from router.kv_events.settings import KvEventSettings, parse_kv_events
 
 
@@ -36,8 +36,8 @@ def test_a_full_block() -> None:
     )
     assert found == KvEventSettings(True, (Role.DECODE,), 6000, 6100, "kv", 2, 1000, 65536, 0.5, 8)
     assert found.endpoints("d0", "http://10.0.0.2:8200") == [
-        Endpoint("d0", 0, "tcp://10.0.0.2:6000", "tcp://10.0.0.2:6100", "kv"),
-        Endpoint("d0", 1, "tcp://10.0.0.2:6001", "tcp://10.0.0.2:6101", "kv"),
+        RankPublisher("d0", 0, "tcp://10.0.0.2:6000", "tcp://10.0.0.2:6100", "kv"),
+        RankPublisher("d0", 1, "tcp://10.0.0.2:6001", "tcp://10.0.0.2:6101", "kv"),
     ]
     limits = found.limits()
     assert (limits.stream.max_frame_bytes, limits.stream.replay_timeout_s, limits.stream.max_held) == (65536, 0.5, 8)
@@ -87,9 +87,9 @@ def test_ports_relative_to_each_workers_http_port() -> None:
     found = parse_kv_events({"port_offset": 1000, "replay_offset": 2000, "topic": "kv"})
     assert found.ports("http://h:8100") == (9100, 10100)
     assert found.endpoints("p0", "http://10.0.0.2:8100") == [
-        Endpoint("p0", 0, "tcp://10.0.0.2:9100", "tcp://10.0.0.2:10100", "kv")
+        RankPublisher("p0", 0, "tcp://10.0.0.2:9100", "tcp://10.0.0.2:10100", "kv")
     ]
-    assert found.endpoints("d", "http://h:8200", dp_size=2)[1] == Endpoint(
+    assert found.endpoints("d", "http://h:8200", dp_size=2)[1] == RankPublisher(
         "d", 1, "tcp://h:9201", "tcp://h:10201", "kv"
     )
     assert json.loads(found.engine_config("http://h:8200"))["endpoint"] == "tcp://*:9200"

@@ -7,7 +7,7 @@ from typing import Any
 
 import msgspec
 
-from router.kv_events.endpoints import Endpoint
+from router.kv_events.endpoints import RankPublisher
 from router.kv_events.index import KvIndex
 from router.kv_events.sequence import EndReplay, RequestReplay, SeqCounters
 from router.kv_events.stream import FrameCounters, Stream, StreamLimits, StreamStatus, status_of
@@ -50,7 +50,7 @@ def replayed(seq: int, *events: dict[str, Any]) -> list[bytes]:
 
 def make(replay: str | None = "tcp://h:2", rank: int = 0, max_frame_bytes: int = 1 << 16) -> tuple[Stream, KvIndex]:
     index = KvIndex(100)
-    endpoint = Endpoint("w", rank, "tcp://h:1", replay, "kv")
+    endpoint = RankPublisher("w", rank, "tcp://h:1", replay, "kv")
     limits = StreamLimits(max_frame_bytes=max_frame_bytes, replay_timeout_s=1.0, max_held=16)
     stream = Stream(endpoint, index.stream("w", rank), Clock(), limits, FrameCounters(), SeqCounters())
     return stream, index
@@ -138,7 +138,7 @@ def test_the_view_trusts_a_worker_when_every_rank_is_caught_up() -> None:
 
 def test_each_live_batchs_lag_and_events_are_counted() -> None:
     index = KvIndex(100)
-    endpoint = Endpoint("w", 0, "tcp://h:1", "tcp://h:2", "kv")
+    endpoint = RankPublisher("w", 0, "tcp://h:1", "tcp://h:2", "kv")
     wall = Clock(1.25)  # the frames are stamped ts=1.0
     frames = FrameCounters()
     stream = Stream(endpoint, index.stream("w", 0), Clock(), StreamLimits(), frames, SeqCounters(), wall=wall)
