@@ -295,8 +295,12 @@ class SessionAffinity:
 
     def record(self, turn: Turn, decision: Decision, outcome: Outcome, now: float) -> AnswerCheck | None:
         plan = decision.state
-        if not isinstance(plan, _Plan) or not outcome.ok:
-            return None  # a failed attempt tells nothing certain about what a cache holds
+        if not isinstance(plan, _Plan):
+            return None
+        if not outcome.ok:  # a failed attempt tells nothing certain about what a cache holds; but a client that
+            if _checkable(decision, outcome):  # left after decode's usage (client_gone) still shows its count
+                _log_bypass(turn, decision, plan, outcome)
+            return None
         chain = plan.key.chain
         if outcome.prompt_tokens is not None:
             self.ratio.learn(outcome.prompt_tokens, chain.chars)
@@ -541,12 +545,18 @@ class SessionAffinity:
         return True
 
 
+def _checkable(decision: Decision, outcome: Outcome) -> bool:
+    """A bypass whose usage reported decode's prompt and cached tokens."""
+    return decision.route is Route.BYPASS and outcome.cached_tokens is not None and outcome.prompt_tokens is not None
+
+
 def _log_bypass(turn: Turn, decision: Decision, plan: _Plan, outcome: Outcome) -> None:
     """One line per checked bypass (INFO): what was predicted and what decode reported, under the client's
     x-request-id, so "predicted uncached tokens equal decode's computed tokens" is checkable bypass by bypass."""
     prompt, cached = outcome.prompt_tokens or 0, outcome.cached_tokens or 0
     fields = {
         "request_id": turn.headers.get("x-request-id"),
+        "ok": outcome.ok,  # False: the client left after decode's usage (not counted in the bypass counters)
         "decode": outcome.decode,
         "exact": plan.exact,
         "predicted_cached_tokens": decision.predicted_cached_tokens,

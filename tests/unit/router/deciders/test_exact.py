@@ -168,3 +168,20 @@ def test_each_checked_bypass_is_logged_with_its_prediction_and_decodes_count(
     assert fields["request_id"] == "r-7" and fields["exact"] is True and fields["decode"] == "d1"
     assert fields["predicted_uncached_tokens"] == prompt - decision.predicted_cached_tokens
     assert fields["computed_tokens"] == fields["predicted_uncached_tokens"] + BLOCK  # a block evicted meanwhile
+
+
+def test_a_bypass_the_client_left_is_logged_but_not_counted(
+    tokens: PromptTokens, caplog: pytest.LogCaptureFixture
+) -> None:
+    engines = Engines()
+    history = [{"role": "user", "content": corpus(5, 120)}]
+    engines.store("d1", tokens.of(Endpoint.CHAT, {"messages": history}) or [], "s")
+    later = chat([*history, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and?"}], "s")
+    d = replica(engines, tokens)
+    decision = d.decide(later, DECODES, PREFILLS, 1.0)
+    prompt = len(tokens.of(Endpoint.CHAT, later.body) or [])
+    caplog.set_level("INFO", logger="kvpush.decider")
+    d.record(later, decision, Outcome(False, "d1", None, prompt, decision.predicted_cached_tokens, 5), 2.0)
+    (line,) = [r for r in caplog.records if r.getMessage().startswith("bypass checked")]
+    assert line.fields["ok"] is False  # type: ignore[attr-defined]
+    assert d.stats().checked_bypasses == 0
