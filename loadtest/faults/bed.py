@@ -17,7 +17,7 @@ import httpx
 import yaml
 
 from loadtest import promtext
-from stack.engines import EngineSpec
+from stack.engines import KV_EVENT_OFFSETS, EngineSpec
 from stack.link.fabric import Link
 from stack.procs import LOOPBACK, ManagedProcess, ProcessSpec, free_port
 from stack.routers import Router, router_spec
@@ -42,6 +42,8 @@ class BedShape:
     link: bool = False  # every engine in its own network namespace behind one shaped link (stack.link)
     prefill_deadline: float | None = None  # the router's prefill leg deadline on this bed (None: the matrix's)
     decode_args: tuple[str, ...] = ()  # the decode engine's own vLLM flags
+    kv_events: bool = False  # every engine publishes its KV events (stack.engines.KV_EVENT_OFFSETS)
+    router_config: Mapping[str, Any] = field(default_factory=dict)  # the bed's router settings over the matrix's
 
 
 # The preemption bed (issue 42 item 4): p1 advances 2 prompt tokens a step for each of up to two requests (a budget
@@ -261,6 +263,7 @@ def vllm_bed(
         n_prefill=2,
         prefill_args=shape.prefill_args,
         decode_args=shape.decode_args,
+        kv_events=KV_EVENT_OFFSETS if shape.kv_events else None,
         connector_extra={"kv_timeout_s": kv_timeout_s, **({} if lease_s is None else {"lease_s": lease_s})},
     )
     started: list[ManagedProcess] = []
@@ -277,7 +280,7 @@ def vllm_bed(
             d.router_arg = d.url
             routed = [w.router_arg for i, w in enumerate(p) if shape.routed is None or i in shape.routed]
             deadline = {} if shape.prefill_deadline is None else {"timeouts": {"prefill": shape.prefill_deadline}}
-            router = start_router(routed, [d.url], {**config, **deadline}, started)
+            router = start_router(routed, [d.url], {**config, **deadline, **shape.router_config}, started)
             yield Bed(router, p, [d], started, link)
         finally:
             for worker in (*p, d):

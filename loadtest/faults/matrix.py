@@ -31,6 +31,7 @@ from loadtest.faults.bed import (
     vllm_bed,
 )
 from loadtest.faults.dp import DP
+from loadtest.faults.events import EVENTS, EVENTS_SHAPE
 from loadtest.faults.link import LINK
 from loadtest.faults.ranks import RANKS
 from loadtest.faults.residual import RESIDUAL
@@ -54,6 +55,7 @@ VLLM_SHAPES: dict[str, BedShape] = {
     "vllm-tp": TP_SHAPE,
     "vllm-dp": DP_SHAPE,
     "vllm-dtp": DECODE_TP_SHAPE,
+    "vllm-events": EVENTS_SHAPE,
     "vllm-link": LINK_SHAPE,
 }
 
@@ -115,7 +117,7 @@ def observe(bed: Bed, timeout: float = SETTLE_S) -> After:
 def run_row(bed: Bed, row: FaultRow) -> RowResult:
     logger.info("fault row: %s", row.name)
     try:
-        outcome = {**SCENARIOS, **SUSTAINED, **RANKS, **DP, **RESIDUAL, **LINK}[row.fault](bed, row)
+        outcome = {**SCENARIOS, **SUSTAINED, **RANKS, **DP, **EVENTS, **RESIDUAL, **LINK}[row.fault](bed, row)
     except Exception as exc:  # a row that breaks is a result, and the rest still run
         logger.exception("fault row %s failed to run", row.name)
         outcome = FaultOutcome(f"row failed to run: {type(exc).__name__}: {exc}", False, float("inf"))

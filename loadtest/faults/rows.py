@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Bed = Literal["vllm", "vllm-preempt", "vllm-tp", "vllm-dp", "vllm-dtp", "vllm-link", "standin"]
+Bed = Literal["vllm", "vllm-preempt", "vllm-tp", "vllm-dp", "vllm-dtp", "vllm-events", "vllm-link", "standin"]
 Target = Literal["prefill", "decode", "client", "router"]
 
 
@@ -152,6 +152,16 @@ ROWS: tuple[FaultRow, ...] = (
         10.0,
         "SIGKILL on rank 1 of the only decode (TP=2) once it holds registered requests, steady load at 70 % of"
         " capacity",
+        short=False,
+    ),
+    FaultRow(
+        "KV events lost, publisher restarted",
+        "router",
+        "events-lost-restart",
+        "vllm-events",
+        60.0,  # the sessions' load (45 s) and a margin
+        "two router replicas following the engines' KV events, sessions alternating them: decode's events relay"
+        " drops a run of 20 messages, then restarts its publisher",
         short=False,
     ),
     FaultRow(
