@@ -111,6 +111,9 @@ def run(plan: MultiTurnPlan, run_dir: Path, summary: Path, progress: bool, run_i
                     if meter is not None:
                         kv = int(ran[front].sources.get("external_kv_transfer", 0.0)) * per_token
                         checked[front].update(meter.check(kv).record())
+            one, many = ran.get(replicas_mod.EVENTS), ran.get(replicas_mod.REPLICAS)
+            if one is not None and many is not None and one.modes is not None and many.modes is not None:
+                many.same_route = replicas_mod.same_route(one.modes, many.modes)
             baseline = ran[fronts[0]].turns if fronts[0] in ran else []
             for front in fronts:
                 if front in ran:
@@ -164,6 +167,7 @@ def _run_front(
     accuracy = grown(counted, readings.accuracy(bases)) if kvpush else None
     served = readings.summed_counts(readings.routes(base, prefix) for base in bases) if kvpush else None
     by_replica = [replicas_mod.replica_routes(base, prefix) for base in bases] if kvpush else None
+    modes = [replicas_mod.modes(base, prefix) for base in bases] if kvpush else None
     checks = None
     if logs := fronts_mod.decider_logs(name, routers):
         bypassed = set().union(*(checks_mod.bypass_ids(base, prefix) for base in bases))
@@ -177,4 +181,4 @@ def _run_front(
             events["reset_reflected"] = replicas_mod.reset_reflected(decodes[0].url, bases)
         if progress:
             print(f"multiturn {name}: {events}")
-    return FrontRun(name, turns, duration, sources, served, accuracy, len(bases), events, by_replica, checks)
+    return FrontRun(name, turns, duration, sources, served, accuracy, len(bases), events, by_replica, checks, modes)

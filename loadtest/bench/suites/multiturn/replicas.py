@@ -16,7 +16,8 @@ suite runs, side by side on the same sessions:
   both legs always (`vrouter_kv_argv`).
 
 Per replica: the turns it served and how many it bypassed, first turns apart (`replica_routes`: issue 40's
-bypass rate per replica against one router's on the same plan). Per front, summed over its replicas:
+bypass rate per replica against one router's on the same plan), and how many took the route one router took for
+the same turn (`same_route`). Per front, summed over its replicas:
 bypass-prediction accuracy and routes (as every kvpush front), the routers'
 CPU seconds (their process groups, /proc), and what their subscribers consumed (kvpush_kv_events_frames and
 _sequence: messages, events, lag of each live batch from the engine's stamp, batches later than 1 s, gaps,
@@ -154,6 +155,26 @@ def replica_routes(base: str, prefix: str) -> dict[str, int]:
         print(f"multiturn: no routes from {base}: {error}")
         return {}
     return count_routes(records, prefix)
+
+
+def modes(base: str, prefix: str) -> dict[str, str]:
+    """One router's route (mode) per request id starting with `prefix`, from its /debug/timings."""
+    try:
+        records = httpx.get(f"{base}/debug/timings", timeout=30).raise_for_status().json()["requests"]
+    except (httpx.HTTPError, KeyError, ValueError) as error:
+        print(f"multiturn: no modes from {base}: {error}")
+        return {}
+    return {
+        str(r["request_id"]): str(r.get("mode")) for r in records if str(r.get("request_id", "")).startswith(prefix)
+    }
+
+
+def same_route(reference: Sequence[Mapping[str, str]], replicas: Sequence[Mapping[str, str]]) -> list[dict[str, int]]:
+    """Per replica: its turns and how many of them took the route the reference front's routers (one router on
+    the same sessions) took for the same request id: the replicas decide as one router would, turn by turn,
+    whatever share of the pushed turns their place in the rotation gives them."""
+    ref = {rid: mode for one in reference for rid, mode in one.items()}
+    return [{"turns": len(m), "same": sum(1 for rid, mode in m.items() if ref.get(rid) == mode)} for m in replicas]
 
 
 def count_routes(records: Sequence[Mapping[str, Any]], prefix: str) -> dict[str, int]:

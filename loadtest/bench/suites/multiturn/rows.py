@@ -29,6 +29,8 @@ class FrontRun:
     events: dict[str, Any] | None = None  # kvpush fronts: router CPU and KV-event figures (replicas.py)
     by_replica: list[dict[str, int]] | None = None  # kvpush fronts: each replica's turns and bypasses
     bypass_checks: dict[str, Any] | None = None  # decider fronts: each bypass's prediction (checks.py)
+    modes: list[dict[str, str]] | None = None  # kvpush fronts: each router's route per request id
+    same_route: list[dict[str, int]] | None = None  # the replicas front: per replica, turns routed as one router
 
 
 def row(
@@ -70,6 +72,7 @@ def row(
         "bypass_by_replica": ran.by_replica,
         "bypass_accuracy": ran.accuracy,
         "bypass_checks": ran.bypass_checks,
+        "same_route_as_one_router": ran.same_route,
         **figures,
         **(ran.events or {}),
         **(more or {}),

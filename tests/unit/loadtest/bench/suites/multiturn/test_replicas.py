@@ -134,3 +134,9 @@ def test_after_a_reset_every_engine_is_stepped_and_the_views_awaited(monkeypatch
     assert stepped == ["http://p/v1/completions", "http://d/v1/completions"] and polls["n"] >= 4
     polls["n"] = -(10**9)
     assert replicas.settle_views(["http://p"], ["http://r0"], limit_s=0.0) is None
+
+
+def test_each_replica_is_judged_turn_by_turn_against_one_routers_route() -> None:
+    one = [{"mt-1-0000-t1": "push", "mt-1-0000-t2": "bypass", "mt-1-0001-t1": "push", "mt-1-0001-t2": "bypass"}]
+    many = [{"mt-1-0000-t1": "push", "mt-1-0001-t2": "bypass"}, {"mt-1-0000-t2": "push", "mt-1-0001-t1": "push"}]
+    assert replicas.same_route(one, many) == [{"turns": 2, "same": 2}, {"turns": 2, "same": 1}]
