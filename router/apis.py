@@ -28,6 +28,8 @@ class Api:
     cached_marker: bytes  # bytes every answer or event stating a cached count contains
     streams_usage: bool  # every stream carries usage (else only when the client asked: usage.wants_usage)
     held: Callable[[bytes], bool] | None = None  # first events that are not yet a sign of life
+    # decode given P's count (pull) states it only in some events (Messages: not in `message_start`)
+    restates_relayed: bool = False
 
     def wants_usage(self, body: Mapping[str, Any]) -> bool:
         return self.streams_usage or usage.wants_usage(body)
@@ -52,6 +54,7 @@ MESSAGES = Api(
     fixed_usage=messages.fixed_usage,
     cached_marker=b'"usage"',
     streams_usage=True,
+    restates_relayed=True,
 )
 RESPONSES = Api(
     error_body=lambda error: error.to_json(),

@@ -217,9 +217,10 @@ class Dispatcher:
             prefilled = await self._prefill(request, prefill, ids, legs.prefill)
             body = protocol.pull_decode_body(request.body, prefilled.params)
             answer = await self._decode(request, close, decode, body, ids, legs.decode)
-            if usage.relays_cached(prefilled.params):  # decode reports P's count itself
+            api = api_of(request.info.endpoint)
+            if usage.relays_cached(prefilled.params) and not api.restates_relayed:  # decode reports P's count
                 return answer
-            return await true_cached(answer, request.body, known(prefilled.cached), api_of(request.info.endpoint))
+            return await true_cached(answer, request.body, known(prefilled.cached), api)
         identity = prefill.ranks.identity(legs.prefill or 0)
         if identity is None:  # auto: learn the identity (this rank's) from a first, sequential prefill
             return await self._push_learning(request, close, prefill, decode, ids, legs)

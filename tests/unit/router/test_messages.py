@@ -108,9 +108,9 @@ def decode_anthropic() -> Handler:
         if not body.get("stream"):
             content = [{"type": "text", "text": "xy"}]
             return httpx.Response(200, json={"id": "msg-d", "type": "message", "content": content, "usage": use})
-        start = {
+        start = {  # vLLM's message_start states no cache read
             "type": "message_start",
-            "message": {"id": "msg-d", "content": [], "usage": {**use, "output_tokens": 0}},
+            "message": {"id": "msg-d", "content": [], "usage": {"input_tokens": 10, "output_tokens": 0}},
         }
         delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "xy"}}
         end = {"type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": use}
