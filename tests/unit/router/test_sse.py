@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from router.errors import UpstreamTimeout
-from router.sse import EventFramer, EventTooLarge, RelayCheck, error_event, error_of
+from router.sse import EventFramer, EventTooLarge, RelayCheck, error_event, error_of, payload_of
 
 DONE = b"data: [DONE]\n\n"
 
@@ -89,3 +89,23 @@ def test_the_relay_check_keeps_the_last_usage() -> None:
     assert check.usage() is None
     check.feed(b'data: {"choices": [], "usage": {"prompt_tokens": 3}}\n\ndata: [DONE]\n\n')
     assert check.usage() == {"prompt_tokens": 3}
+
+
+def test_an_event_led_event_has_its_data_lines_payload() -> None:
+    event = b'event: message_delta\ndata: {"type": "message_delta", "usage": {"output_tokens": 2}}\n\n'
+    assert payload_of(event) == {"type": "message_delta", "usage": {"output_tokens": 2}}
+    assert payload_of(b"event: ping\n\n") is None
+    assert error_of(event) is None
+
+
+@pytest.mark.parametrize(
+    ("event", "message"),
+    [
+        (b'event: error\ndata: {"type": "error", "error": {"type": "api_error", "message": "m1"}}\n\n', "m1"),
+        (b'event: error\ndata: {"type": "error", "code": "x", "message": "m2", "sequence_number": 3}\n\n', "m2"),
+        (b'data: {"error": {"message": "m3"}}\n\n', "m3"),
+    ],
+    ids=["anthropic", "responses", "openai"],
+)
+def test_error_of_reads_each_apis_in_band_error(event: bytes, message: str) -> None:
+    assert error_of(event) == message
