@@ -18,8 +18,17 @@ def kv_bytes(p: Profile, tokens: int) -> float:
     return p.kv_bytes_per_token * tokens
 
 
+def runs(p: Profile, num_blocks: int) -> int:
+    """The runs of blocks consecutive on both sides among `num_blocks` (the connector posts one descriptor per run
+    and region): `num_blocks / blocks_per_run` rounded up, at least one, at most one per block."""
+    if num_blocks <= 0:
+        return 0
+    return min(num_blocks, max(1, math.ceil(num_blocks / p.blocks_per_run)))
+
+
 def descriptors(p: Profile, tokens: int) -> int:
-    return blocks(p, tokens) * p.descriptors_per_block
+    """The descriptors a transfer of `tokens` tokens posts per rank: one per run of blocks and region."""
+    return runs(p, blocks(p, tokens)) * p.descriptors_per_run
 
 
 def prefill_flops(p: Profile, tokens: int, ctx_before: int) -> float:

@@ -30,7 +30,9 @@ class Profile:
     block_size: int  # tokens per KV block
     kv_capacity_tokens: int
     net_bytes_per_s: float  # effective network bandwidth P -> D
-    descriptors_per_block: int  # transfer descriptors per KV block per rank (ranks move their shards in parallel)
+    descriptors_per_run: (
+        int  # descriptors per run of blocks per rank: one per region (ranks move their shards in parallel)
+    )
     transfer_per_descriptor_s: float  # posting cost per descriptor, on the transfer path
     setup_per_descriptor_s: float  # preparing descriptors (pull: on D's engine loop; push: P's writer thread)
     handshake_s: float  # first contact between a P and a D engine
@@ -38,6 +40,9 @@ class Profile:
     api_fixed_s: float  # API server per request (HTTP parse, validation), off the engine loop
     api_per_token_s: float  # API server tokenization per prompt token
     rendezvous: bool = True  # False: a remote leg's KV "lands" at once, with no side-channel round trip to P
+    # the mean run of blocks consecutive on both P and D (connector/transfer/layout.block_runs: one descriptor per
+    # run and region, as NIXL posts merged lists); 1.0: no two blocks adjacent, one descriptor per block and region
+    blocks_per_run: float = 1.0
 
 
 def _f(x: Any) -> float:
@@ -58,8 +63,8 @@ def from_mapping(doc: dict[str, Any]) -> Profile:
     capacity = int(free / kv_per_token) if kv_per_token > 0 and math.isfinite(free) else 10**9
     tp = max(int(node.get("tp", gpus)), 1)
     kv_heads_per_rank = max(int(m["kv_heads"]) // tp, 1)
-    # vLLM's NIXL connector registers K and V of every layer separately, one region per block: 2 x layers
-    # descriptors per block per rank (per kv head group on that rank if heads are split across blocks).
+    # vLLM's NIXL connector registers K and V of every layer separately: 2 x layers regions, one descriptor per run
+    # of blocks and region per rank (per kv head group on that rank if heads are split across blocks).
     descs = int(2 * int(m["layers"]) * (kv_heads_per_rank if net.get("descriptor_per_head", False) else 1))
     return Profile(
         name=str(doc["name"]),
@@ -75,7 +80,7 @@ def from_mapping(doc: dict[str, Any]) -> Profile:
         block_size=int(eng["block_size"]),
         kv_capacity_tokens=capacity,
         net_bytes_per_s=_f(net["link_bits_per_s"]) / 8 * _f(net["efficiency"]),
-        descriptors_per_block=descs,
+        descriptors_per_run=descs,
         transfer_per_descriptor_s=_f(net["transfer_per_descriptor_s"]),
         setup_per_descriptor_s=_f(net["setup_per_descriptor_s"]),
         handshake_s=_f(net["handshake_s"]),
@@ -83,7 +88,15 @@ def from_mapping(doc: dict[str, Any]) -> Profile:
         api_fixed_s=_f(api["fixed_s"]),
         api_per_token_s=_f(api["per_prompt_token_s"]),
         rendezvous=bool(net.get("rendezvous", True)),
+        blocks_per_run=_blocks_per_run(net.get("blocks_per_run", 1.0)),
     )
+
+
+def _blocks_per_run(x: Any) -> float:
+    value = float(x)
+    if not value >= 1.0:  # NaN too
+        raise ValueError(f"network.blocks_per_run must be >= 1 (blocks in a run), got {x!r}")
+    return value
 
 
 def load(name_or_path: str) -> Profile:

@@ -4,8 +4,9 @@ The seed profiles describe an H200 pair from public numbers; a link-suite row in
 cost model needs: P's prefill time for the row's prompt (the link's calibration), the decode step (TPOT) and the
 link's rate. `measured_profile` turns those into a Profile with one linear step cost (a step of k new tokens
 takes a fixed overhead + k x a per-token cost: one prefill step is the measured prefill, a decode step the TPOT),
-the bench model's KV (4 KiB per token, 128-token blocks, 2 x 4 layers descriptors per block), no posting cost
-and the link's goodput as the network; `predict` runs the virtual-time pair (sim/pair.py) on it, so the
+the bench model's KV (4 KiB per token, 128-token blocks, 2 x 4 layers regions: one descriptor per run of blocks
+and region), P's write call per descriptor as the descriptor bench measured it on this box, and the link's goodput
+as the network; `predict` runs the virtual-time pair (sim/pair.py) on it, so the
 simulator's network and WRITE model can be compared with the measured handoff and TTFT row by row.
 """
 
@@ -20,6 +21,10 @@ from loadtest.sim.link import tcp_start_s
 from loadtest.sim.profile import Profile
 
 FRAME_EFFICIENCY = 1448 / 1514  # TCP payload per 1500-byte frame (the shaper counts frames)
+# P's write call per posted descriptor on this box (NIXL 1.5.1 DRAM agents, UCX over loopback: the handle and the
+# posting), from `python -m loadtest.micro.descriptors` (bench/ANALYSIS.md, "simulator: P's write call per
+# descriptor"). The writer thread pays it (sim/writes.stage), pull's READ on D's engine step.
+WRITE_PER_DESCRIPTOR_S = 1.8e-6
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,8 @@ class Measured:
     notify_s: float = 0.001  # a side-channel message between the hosts (TCP on the veth, ~1 ms with Python)
     rtt_s: float = 40e-6  # the veth's round trip (research turn3-netem.md 3: 30-39 us p50); the presets add none
     shared: bool = True  # overlapping transfers share the link (sim/link.FairShare); False: one at a time
+    write_per_descriptor_s: float = WRITE_PER_DESCRIPTOR_S
+    blocks_per_run: float = 1.0  # mean run of blocks consecutive on both sides (1: every block its own descriptor)
 
     @property
     def start_s(self) -> float:
@@ -66,13 +73,14 @@ def measured_profile(m: Measured, chunk_tokens: int | None = None) -> Profile:
         block_size=m.block_size,
         kv_capacity_tokens=10**9,
         net_bytes_per_s=net,
-        descriptors_per_block=2 * m.layers,
-        transfer_per_descriptor_s=0.0,
-        setup_per_descriptor_s=0.0,
+        descriptors_per_run=2 * m.layers,
+        transfer_per_descriptor_s=0.0,  # the write call posts (below); the link then moves the bytes
+        setup_per_descriptor_s=m.write_per_descriptor_s,
         handshake_s=0.0,
         notify_s=m.notify_s,
         api_fixed_s=0.0,
         api_per_token_s=0.0,
+        blocks_per_run=m.blocks_per_run,
     )
 
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from loadtest.sim import costs
-from loadtest.sim.scaled import Measured, measured_profile, poisson, predict, predict_at
+from loadtest.sim.scaled import WRITE_PER_DESCRIPTOR_S, Measured, measured_profile, poisson, predict, predict_at
 
 
 def test_the_profile_prefills_in_the_measured_time_and_decodes_at_the_measured_step() -> None:
@@ -57,3 +57,16 @@ def test_on_the_fair_share_link_two_pulls_at_once_each_take_two_wire_times() -> 
     # the second prefill ends 50 ms later, so the READs overlap for all but 50 ms of the first
     assert both.handoff_p50_ms > queued.handoff_p50_ms
     assert m.start_s == pytest.approx(40e-6) and Measured(0.1, 0.01, None, 8).start_s == 0.0
+
+
+def test_ps_write_call_costs_the_measured_time_per_descriptor_on_the_writer() -> None:
+    """1,024 tokens in 8 blocks of 128, 4 layers x K, V: 64 descriptors block by block, 8 when the blocks are one
+    run on both sides; the write call (the writer thread, before the link) costs the bench's figure each."""
+    m = Measured(prefill_s=0.3, step_s=0.009, rate_bit_s=1.2e8, prompt=1024)
+    p = measured_profile(m)
+    assert p.setup_per_descriptor_s == WRITE_PER_DESCRIPTOR_S and p.transfer_per_descriptor_s == 0.0
+    assert costs.setup_time(p, 1024) == pytest.approx(64 * WRITE_PER_DESCRIPTOR_S)
+    assert costs.descriptors(measured_profile(dataclasses.replace(m, blocks_per_run=math.inf)), 1024) == 8
+    free = dataclasses.replace(m, write_per_descriptor_s=0.0)
+    lone, unposted = predict_at(m, "kvpush-push", [0.0], 4), predict_at(free, "kvpush-push", [0.0], 4)
+    assert lone.handoff_p50_ms - unposted.handoff_p50_ms == pytest.approx(1000 * 64 * WRITE_PER_DESCRIPTOR_S, abs=1e-6)
