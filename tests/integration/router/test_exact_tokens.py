@@ -103,3 +103,16 @@ def test_a_conversation_grown_turn_by_turn_equals_the_engines_every_turn(engine:
         assert router_ids.of(Endpoint.CHAT, body) == _tokenize(engine, body)
         messages = [*messages, {"role": "assistant", "content": prompt_text(10 + turn)}]
     assert router_ids.memo_on
+
+
+def test_a_completions_conversation_grown_turn_by_turn_equals_the_engines_every_turn(engine: str) -> None:
+    """Each prompt extends the one before, cut mid-word, in spaces, after newlines, in digits and non-ASCII text:
+    the router resumes from the previous prompt's ids (issue 40 item 1) and still gives the engine's ids."""
+    router_ids = PromptTokens.load(str(tiny_model()))
+    text = "Transcript.\n\n" + prompt_text(80)
+    endings = ["User: hel", "lo there  ", "\n\nAssistant: 12", "345 é", "中文 ok", "\t\n  x", "'s fine", "!?\n"]
+    for turn, ending in enumerate(endings):
+        text += ending + prompt_text(5 + turn)[: 7 * turn]
+        assert router_ids.of(Endpoint.COMPLETIONS, {"prompt": text}) == _tokenize(engine, {"prompt": text})
+    assert router_ids.extended == len(endings) - 1
+    assert router_ids.memo_on and router_ids.extends_on
