@@ -12,22 +12,18 @@ deadline. A stream's end goes forward from its answer (router/feedback.py `Strea
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
-import httpx
-
-from router import legtasks, protocol, responses, upstream, usage
-from router.answer import JsonAnswer, StreamAnswer, known, read_first_events, true_cached
+from router import legtasks, protocol, responses, usage
+from router.answer import JsonAnswer, known, true_cached
 from router.apis import api_of
 from router.config import Settings
 from router.decider import Decider, Decision, NoDecider, Route, Turn
-from router.deciders.conversation import SESSION_HEADER, session_of
 from router.domain import Endpoint, Fallback, NixlIdentity, RequestInfo, Role, WorkerView
 from router.errors import (
     NoHealthyWorker,
@@ -35,40 +31,22 @@ from router.errors import (
     Unpairable,
     UpstreamError,
     UpstreamProtocolError,
-    UpstreamStatus,
-    UpstreamTimeout,
 )
 from router.feedback import Feedback, StreamClose
 from router.finish import Finisher
-from router.legs.base import LegResponse, LegTransport
-from router.legs.httpx import HttpxLegs
+from router.legcalls import Answer, LegCalls
+from router.legcalls import ClientRequest as ClientRequest
+from router.legs.base import LegTransport
 from router.metrics import Metrics
 from router.pairing import BlockSizes, block_size_mismatch, parallelism_mismatch
 from router.policy import Policy, make_policy
-from router.pool import Pool, Tracked, WorkerLost, WorkerState, unless_lost
-from router.ranks import RankPick, rank_headers, stated_rank
-from router.sse import EventFramer, RelayCheck, error_of
+from router.pool import Pool, WorkerState
+from router.ranks import RankPick
 from router.timings import RequestRecord, TimingLog
 from router.tracing import semconv
-from router.tracing.trace import LegSpan, RequestTrace
 
 logger = logging.getLogger("kvpush.dispatch")
-
-Answer = JsonAnswer | StreamAnswer
 LOAD_AWARE = frozenset({"least-loaded", "load-aware"})  # decode policies that read engine load: decode's rank too
-
-
-@dataclass
-class ClientRequest:
-    """One validated client request and its timing record."""
-
-    body: dict[str, Any]
-    info: RequestInfo
-    record: RequestRecord
-    headers: Mapping[str, str] = field(default_factory=dict)  # lower-case names, for the decider
-    prefill: str | None = None  # the prefill worker a gateway's EPP named (router/gateway.py), a pool member
-    owner: str | None = None  # the decode worker that alone can serve it (router/responses.py), a pool member
-    trace: RequestTrace | None = None  # its trace (router/tracing), None with tracing off
 
 
 class Dispatcher:
@@ -76,7 +54,7 @@ class Dispatcher:
         self,
         settings: Settings,
         pool: Pool,
-        legs: LegTransport | httpx.AsyncClient,
+        legs: LegTransport,
         metrics: Metrics,
         timings: TimingLog,
         clock: Callable[[], float] = time.monotonic,
@@ -85,7 +63,7 @@ class Dispatcher:
         self._settings = settings
         self._route = Route.of(settings.mode)  # both legs, as the mode says
         self._pool = pool
-        self._legs: LegTransport = HttpxLegs(legs) if isinstance(legs, httpx.AsyncClient) else legs
+        self._legs = legs
         self._metrics = metrics
         self._clock = clock
         self.feedback = Feedback(decider or NoDecider(), pool, self._legs, clock)
@@ -94,7 +72,7 @@ class Dispatcher:
             Role.PREFILL: make_policy(settings.prefill_policy, settings.prefill_policy_options),
             Role.DECODE: make_policy(settings.decode_policy, settings.decode_policy_options),
         }
-        self._json_headers = {"content-type": "application/json"}
+        self._calls = LegCalls(settings, pool, legs, metrics, self.feedback, clock)
         self._pin_decode = settings.decode_policy in LOAD_AWARE  # else a DP decode server picks its own rank
 
     def new_record(self, request_id: str, info: RequestInfo) -> RequestRecord:
@@ -191,7 +169,7 @@ class Dispatcher:
             _served_by(rec, route, ids, decode, None)
             if route is Route.FALLBACK:
                 logger.warning("request %s: no healthy prefill worker; decode-only fallback", rec.request_id)
-            return await self._decode(request, close, decode, request.body, ids, self._decode_rank(decode))
+            return await self._calls.decode(request, close, decode, request.body, ids, self._decode_rank(decode))
         prefill = self._select(Role.PREFILL, info, prefills, request.prefill or decision.prefill)
         _served_by(rec, route, ids, decode, prefill)
         self._check_pair(prefill, decode)
@@ -214,9 +192,9 @@ class Dispatcher:
     ) -> Answer:
         """The prompt computed on `prefill`, decoded on `decode`, as the route says (pull or push)."""
         if route is Route.PULL:
-            prefilled = await self._prefill(request, prefill, ids, legs.prefill)
+            prefilled = await self._calls.prefill(request, prefill, ids, legs.prefill)
             body = protocol.pull_decode_body(request.body, prefilled.params)
-            answer = await self._decode(request, close, decode, body, ids, legs.decode)
+            answer = await self._calls.decode(request, close, decode, body, ids, legs.decode)
             api = api_of(request.info.endpoint)
             if usage.relays_cached(prefilled.params) and not api.restates_relayed:  # decode reports P's count
                 return answer
@@ -244,7 +222,7 @@ class Dispatcher:
         first = replace(request, body=body, info=replace(request.info, stream=False))
         moved = await self._pair(first, close, route, prefill, decode, ids, legs)
         assert isinstance(moved, JsonAnswer)
-        answer = await self._decode(request, close, decode, request.body, ids, legs.decode)
+        answer = await self._calls.decode(request, close, decode, request.body, ids, legs.decode)
         return await true_cached(answer, request.body, known(usage.answered_cached(moved.content)))
 
     def _decode_rank(self, decode: WorkerState, *, pinned: bool = False) -> int | None:
@@ -279,13 +257,13 @@ class Dispatcher:
         legs: _Ranks,
     ) -> Answer:
         """A push to a prefill worker whose NIXL identity is not known yet: prefill first, then decode."""
-        prefilled = await self._prefill(request, prefill, ids, legs.prefill)
+        prefilled = await self._calls.prefill(request, prefill, ids, legs.prefill)
         identity = prefill.ranks.identity(legs.prefill or 0)
         if identity is None:
             raise UpstreamProtocolError("did not state its NIXL identity", leg=Role.PREFILL, worker=prefill.spec.id)
         _check_parallelism(identity, prefill, decode)
         body = protocol.push_decode_body(request.body, identity, ids)
-        answer = await self._decode(request, close, decode, body, ids, legs.decode)
+        answer = await self._calls.decode(request, close, decode, body, ids, legs.decode)
         return await true_cached(answer, request.body, known(prefilled.cached), api_of(request.info.endpoint))
 
     async def _push(
@@ -300,8 +278,8 @@ class Dispatcher:
     ) -> Answer:
         """Both legs at once; the answer is decode's, as soon as its first byte is in."""
         decode_body = protocol.push_decode_body(request.body, identity, ids)
-        prefill_leg = asyncio.create_task(self._prefill(request, prefill, ids, legs.prefill))
-        decode_leg = asyncio.create_task(self._decode(request, close, decode, decode_body, ids, legs.decode))
+        prefill_leg = asyncio.create_task(self._calls.prefill(request, prefill, ids, legs.prefill))
+        decode_leg = asyncio.create_task(self._calls.decode(request, close, decode, decode_body, ids, legs.decode))
         try:
             await asyncio.wait({prefill_leg, decode_leg}, return_when=asyncio.FIRST_COMPLETED)
             if legtasks.failed(prefill_leg) and not decode_leg.done():
@@ -315,223 +293,6 @@ class Dispatcher:
         self.finisher.detach(ids.request_id, prefill_leg)
         cached = functools.partial(legtasks.cached_of, prefill_leg)
         return await true_cached(answer, request.body, cached, api_of(request.info.endpoint))
-
-    async def _prefill(
-        self, request: ClientRequest, worker: WorkerState, ids: protocol.PairingIds, rank: int | None
-    ) -> legtasks.Prefilled:
-        """The prefill leg, pinned to `rank` (a server with data-parallel ranks), in its own span when the request
-        is traced (ended however the leg ends)."""
-        headers = {**self._headers(ids, request), **rank_headers(rank)}
-        trace = request.trace
-        if trace is None:
-            return await self._prefill_leg(request, worker, ids, headers, rank)
-        span = trace.leg(
-            semconv.PREFILL_SPAN, attempt=request.record.attempts, pairing_id=ids.request_id, worker=worker.spec.url
-        )
-        try:
-            prefilled = await self._prefill_leg(request, worker, ids, {**headers, **span.headers}, rank)
-        except BaseException as error:
-            _end_failed(span, error)
-            raise
-        span.end()
-        return prefilled
-
-    async def _prefill_leg(
-        self,
-        request: ClientRequest,
-        worker: WorkerState,
-        ids: protocol.PairingIds,
-        headers: dict[str, str],
-        rank: int | None,
-    ) -> legtasks.Prefilled:
-        """The prefill leg under its deadline; returns the kv_transfer_params it answered with and its cache hit."""
-        rec, wid, deadline = request.record, worker.spec.id, self._settings.timeouts.prefill
-        body = protocol.encode(protocol.prefill_body(request.body, request.info.endpoint, ids.transfer_id))
-        url = f"{worker.spec.url}{request.info.endpoint.path}"
-        rec.prefill_sent = self._clock()
-        with self._pool.track(wid, request.info.prompt_tokens, rank) as tracked:
-            try:
-                async with unless_lost(tracked, Role.PREFILL), asyncio.timeout(deadline):
-                    _, answer = await upstream.post_json(self._legs, url, body, headers, leg=Role.PREFILL, worker=wid)
-            except TimeoutError:
-                reason = f"no answer within the prefill deadline ({deadline:g} s)"
-                if rank is not None:  # a rank that does not answer is held out; the server's health is its probes'
-                    self._pool.report_rank(wid, rank, ok=False, reason=reason)
-                raise UpstreamTimeout(reason, leg=Role.PREFILL, worker=wid) from None
-            except UpstreamError as error:
-                self._passive_check(error, rank)
-                raise
-        rec.prefill_done = self._clock()
-        self._pool.report(wid, ok=True)
-        if rank is not None:
-            self._pool.report_rank(wid, rank, ok=True)
-        self._metrics.child(self._metrics.leg, "prefill", rec.mode).observe(rec.prefill_done - rec.prefill_sent)
-        return legtasks.Prefilled(self._check_prefill_answer(worker, answer, rank), usage.prefill_cached(answer))
-
-    def _check_prefill_answer(
-        self, worker: WorkerState, answer: dict[str, Any], rank: int | None
-    ) -> protocol.KvTransferParams:
-        wid, mode = worker.spec.id, self._settings.mode
-        params = protocol.kv_params_of(answer)
-        if params is None:
-            raise UpstreamProtocolError(
-                "answered without kv_transfer_params: is it started with a KV connector (kv_producer)?",
-                leg=Role.PREFILL,
-                worker=wid,
-            )
-        stated = params.get("transfer_mode")
-        if stated is not None and stated != str(mode):
-            raise UpstreamProtocolError(
-                f"runs a {stated}-mode connector but the router is in {mode} mode", leg=Role.PREFILL, worker=wid
-            )
-        identity = protocol.identity_from(params)
-        if identity is None:
-            return params
-        if worker.spec.dp_size > 1 and stated_rank(identity) != rank:
-            raise UpstreamProtocolError(
-                f"answered from data-parallel rank {stated_rank(identity)} a leg pinned to rank {rank}: does it honour "
-                "the X-data-parallel-rank header, and is its dp size configured right?",
-                leg=Role.PREFILL,
-                worker=wid,
-            )
-        if worker.spec.identity is None and (why := self._pool.learn_identity(wid, identity, rank)) is not None:
-            raise UpstreamProtocolError(why, leg=Role.PREFILL, worker=wid)
-        return params
-
-    async def _decode(
-        self,
-        request: ClientRequest,
-        close: StreamClose,
-        worker: WorkerState,
-        body: dict[str, Any],
-        ids: protocol.PairingIds,
-        rank: int | None,
-    ) -> Answer:
-        """Opens the decode leg (pinned to `rank` when given) and waits for its first event (stream) or its whole
-        answer (non-stream). Traced, the leg's span ends here on failure or with a JSON answer, else when the stream
-        closes (StreamClose)."""
-        rec, wid, trace = request.record, worker.spec.id, request.trace
-        span = (
-            None
-            if trace is None
-            else trace.leg(semconv.DECODE_SPAN, attempt=rec.attempts, pairing_id=ids.request_id, worker=worker.spec.url)
-        )
-        headers = {**self._headers(ids, request), **rank_headers(rank)}
-        if span is not None:
-            headers.update(span.headers)
-        leg = _DecodeLeg(wid, f"{worker.spec.url}{request.info.endpoint.path}", headers)
-        scrub = request.info.endpoint.openai_choices and self.feedback.asks_ids_for_us(request.body)
-        raw = protocol.encode(protocol.asking_token_ids(body) if scrub else body)
-        cleanup = contextlib.AsyncExitStack()
-        tracked = cleanup.enter_context(self._pool.track(wid, request.info.prompt_tokens, rank))
-        framer = EventFramer(self._settings.limits.max_event_bytes)
-        api = api_of(request.info.endpoint)
-        rec.decode_sent = self._clock()
-        try:
-            if not request.info.stream:
-                content = await self._decode_json(tracked, leg, raw)
-                await cleanup.aclose()
-            else:
-                response, first, rest = await self._open_decode_stream(tracked, leg, raw, framer, cleanup, api.held)
-        except BaseException as error:
-            if isinstance(error, UpstreamError):
-                self._passive_check(error, rank)
-            await cleanup.aclose()
-            if span is not None:
-                _end_failed(span, error)
-            raise
-        rec.decode_first_byte = self._clock()
-        self._observe_first_byte(rec, trace)
-        if span is not None:
-            span.first_byte(rec.handoff)
-            if not request.info.stream:
-                span.end()
-            else:
-                close = replace(close, decode_leg=span)
-        if not request.info.stream:
-            return JsonAnswer(200, content)
-        check = RelayCheck(self._settings.limits.max_event_bytes)
-        collect = self.feedback.collect(scrub)
-        return StreamAnswer(
-            response, first, rest, framer, check, worker=wid, cleanup=cleanup, on_close=close, collect=collect, api=api
-        )
-
-    async def _decode_json(self, tracked: Tracked, leg: _DecodeLeg, raw: bytes) -> bytes:
-        """A non-stream decode leg: its whole answer, within the decode deadline."""
-        deadline = self._settings.timeouts.decode_total
-        try:
-            async with unless_lost(tracked, Role.DECODE), asyncio.timeout(deadline):
-                content, _ = await upstream.post_json(
-                    self._legs, leg.url, raw, leg.headers, leg=Role.DECODE, worker=leg.worker
-                )
-        except TimeoutError:
-            raise UpstreamTimeout(
-                f"no answer within the decode deadline ({deadline:g} s)", leg=Role.DECODE, worker=leg.worker
-            ) from None
-        return content
-
-    async def _open_decode_stream(
-        self,
-        tracked: Tracked,
-        leg: _DecodeLeg,
-        raw: bytes,
-        framer: EventFramer,
-        cleanup: contextlib.AsyncExitStack,
-        held: Callable[[bytes], bool] | None = None,
-    ) -> tuple[LegResponse, list[bytes], AsyncGenerator[bytes, None]]:
-        """A stream decode leg, opened: the response and its first events (past the ones `held` holds back),
-        within the first-byte deadline. An error event before the first token is retryable: nothing reached the
-        client yet."""
-        deadline, wid = self._settings.timeouts.decode_first_byte, leg.worker
-        try:
-            async with unless_lost(tracked, Role.DECODE), asyncio.timeout(deadline):
-                response = await upstream.open_stream(
-                    self._legs, leg.url, raw, leg.headers, leg=Role.DECODE, worker=wid
-                )
-                cleanup.push_async_callback(response.aclose)
-                first, rest = await read_first_events(response, framer, worker=wid, held=held)
-                if (message := _first_error(first)) is not None:
-                    raise UpstreamError(f"failed before its first token: {message}", leg=Role.DECODE, worker=wid)
-        except TimeoutError:
-            raise UpstreamTimeout(
-                f"no first byte within {deadline:g} s (did the KV arrive?)", leg=Role.DECODE, worker=wid
-            ) from None
-        return response, first, rest
-
-    def _headers(self, ids: protocol.PairingIds, request: ClientRequest) -> dict[str, str]:
-        headers = {**self._json_headers, protocol.REQUEST_ID_HEADER: ids.request_id}
-        if self._settings.kv_events.enabled:  # the engines tag the blocks they store with it (KV events)
-            session = session_of(request.body, request.headers)
-            if session is not None and session.isascii() and session.isprintable():
-                headers[SESSION_HEADER] = session
-        return headers
-
-    def _observe_first_byte(self, rec: RequestRecord, trace: RequestTrace | None) -> None:
-        """TTFT and handoff observed; a sampled trace's id goes with them as the exemplar (OpenMetrics)."""
-        mode = rec.mode
-        exemplar = None if trace is None else trace.exemplar()
-        if rec.decode_worker is not None:
-            self._pool.report(rec.decode_worker, ok=True)
-        m = self._metrics
-        if rec.ttft is not None:
-            m.observe(m.child(m.ttft, rec.endpoint, mode), rec.ttft, exemplar)
-            m.observe(m.child(m.decode_ttft, mode, rec.decode_worker or ""), rec.ttft, exemplar)
-        if rec.handoff is not None:
-            m.observe(m.child(m.handoff, mode), max(0.0, rec.handoff), exemplar)
-
-    def _passive_check(self, error: UpstreamError, rank: int | None = None) -> None:
-        """Feeds a leg's failure to the worker's health, unless the client's request was at fault. A leg pinned to
-        a data-parallel rank that the server answered (or timed out on) counts against that rank alone; a refused
-        connection is the whole server's."""
-        if isinstance(error, UpstreamStatus) and error.client_fault:
-            return
-        if isinstance(error, WorkerLost):  # health already knows about a lost worker
-            return
-        if rank is not None and error.kind != "connect":
-            self._pool.report_rank(error.worker, rank, ok=False, reason=str(error))
-        else:
-            self._pool.report(error.worker, ok=False, hard=error.kind == "connect", reason=str(error))
-        # an ejection this causes reaches the decider through the pool's on_gone (router/service.py)
 
     def forget(self, worker_id: str) -> None:
         """A worker went down or left the pool (the pool's on_gone): the decider drops what it knew of it."""
@@ -566,28 +327,6 @@ class _Ranks:
 
     prefill: int | None
     decode: int | None
-
-
-@dataclass(frozen=True)
-class _DecodeLeg:
-    worker: str
-    url: str
-    headers: dict[str, str]
-
-
-def _end_failed(span: LegSpan, error: BaseException) -> None:
-    """Ends the span of a leg that raised: with the error kind (and the worker's status), or cancelled (the
-    client left, or the other leg failed first)."""
-    if isinstance(error, UpstreamStatus):
-        span.end(error.kind, status=error.upstream_status)
-    elif isinstance(error, RouterError):
-        span.end(error.kind)
-    else:
-        span.end(semconv.CANCELLED if isinstance(error, asyncio.CancelledError) else RouterError.kind)
-
-
-def _first_error(events: list[bytes]) -> str | None:
-    return next((message for event in events if (message := error_of(event)) is not None), None)
 
 
 def _usage(content: bytes) -> dict[str, Any] | None:

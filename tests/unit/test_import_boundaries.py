@@ -44,6 +44,7 @@ IO = {
     "router.service": "wires the running router",
     "router.dispatch": "sends both legs",
     "router.legtasks": "a push attempt's leg tasks (the answers they relay)",
+    "router.legcalls": "runs each leg to its worker (upstream HTTP calls)",
     "router.fanout": "a batched request's prompts sent at once (the dispatcher, their answers)",
     "router.passthrough": "vLLM's helper endpoints passed to a worker (upstream HTTP calls)",
     "router.feedback": "the decider's answer checks (upstream HTTP calls, router/retokenize.py)",

@@ -17,6 +17,7 @@ from router.decider import AnswerCheck, Decider, Decision, Outcome, Route, Turn
 from router.dispatch import ClientRequest, Dispatcher
 from router.domain import Endpoint, Role, WorkerView
 from router.errors import NoHealthyWorker, UpstreamError, UpstreamProtocolError, UpstreamStatus, UpstreamTimeout
+from router.legs.httpx import HttpxLegs
 from router.metrics import Metrics
 from router.pool import Loss, Pool, Tracked, unless_lost
 from router.protocol import parse_request
@@ -35,7 +36,7 @@ async def make(
     pool = Pool((*s.prefill, *s.decode), metrics)
     client = httpx.AsyncClient(transport=workers.transport())
     await pool.probe_all(client, 1.0)
-    return Dispatcher(s, pool, client, metrics, timings, decider=decider), pool, timings
+    return Dispatcher(s, pool, HttpxLegs(client), metrics, timings, decider=decider), pool, timings
 
 
 def call_of(
@@ -324,7 +325,7 @@ async def test_a_bypass_decision_sends_the_plain_body_to_the_preferred_decode_an
     pool = Pool((*s.prefill, *s.decode), metrics)
     client = httpx.AsyncClient(transport=workers.transport())
     await pool.probe_all(client, 1.0)
-    dispatcher = Dispatcher(s, pool, client, metrics, timings, decider=decider)
+    dispatcher = Dispatcher(s, pool, HttpxLegs(client), metrics, timings, decider=decider)
     answer = await dispatcher.handle(call_of(dispatcher, {**BODY, "stream": stream}))
     if stream:
         await relay(answer)
@@ -381,7 +382,7 @@ async def test_the_decode_policys_options_from_the_settings_steer_the_pick(
     # d1: one request running and no KV in use (score 1 either way)
     pool.set_load("http://d0:8200", EngineLoad(running=0, waiting=0, kv_usage=0.5))
     pool.set_load("http://d1:8200", EngineLoad(running=1, waiting=0, kv_usage=0.0))
-    dispatcher = Dispatcher(s, pool, client, metrics, timings)
+    dispatcher = Dispatcher(s, pool, HttpxLegs(client), metrics, timings)
     await relay(await dispatcher.handle(call_of(dispatcher)))
     assert [name for name in ("d0", "d1") if workers.legs(name)] == [expected]
 
@@ -524,7 +525,7 @@ async def checked_dispatch(
     pool = Pool((*s.prefill, *s.decode), Metrics())
     client = httpx.AsyncClient(transport=workers.transport())
     await pool.probe_all(client, 1.0)
-    dispatcher = Dispatcher(s, pool, client, Metrics(), TimingLog(10), decider=decider)
+    dispatcher = Dispatcher(s, pool, HttpxLegs(client), Metrics(), TimingLog(10), decider=decider)
     answer = await dispatcher.handle(call_of(dispatcher, body))
     got = b"".join(await relay(answer)) if isinstance(answer, StreamAnswer) else answer.content
     for _ in range(100):  # the check runs as its own task: let it finish

@@ -18,6 +18,7 @@ from router.dispatch import ClientRequest, Dispatcher
 from router.domain import Endpoint, EngineLoad, Role
 from router.errors import Unpairable, UpstreamProtocolError
 from router.health import HealthPolicy
+from router.legs.httpx import HttpxLegs
 from router.metrics import Metrics
 from router.pool import Pool
 from router.protocol import parse_request
@@ -63,7 +64,7 @@ async def make(workers: FakeWorkers, **settings: Any) -> tuple[Dispatcher, Pool,
     pool = Pool((*s.prefill, *s.decode), metrics, policy)
     client = httpx.AsyncClient(transport=workers.transport())
     await pool.probe_all(client, 1.0)
-    return Dispatcher(s, pool, client, metrics, timings), pool, timings
+    return Dispatcher(s, pool, HttpxLegs(client), metrics, timings), pool, timings
 
 
 def call_of(dispatcher: Dispatcher, prefill: str | None = None) -> ClientRequest:
@@ -223,7 +224,7 @@ async def test_the_gateway_s_named_prefill_is_used() -> None:
     pool = Pool((*s.prefill, *s.decode), Metrics())
     client = httpx.AsyncClient(transport=workers.transport())
     await pool.probe_all(client, 1.0)
-    dispatcher = Dispatcher(s, pool, client, Metrics(), TimingLog(10))
+    dispatcher = Dispatcher(s, pool, HttpxLegs(client), Metrics(), TimingLog(10))
     for _ in range(3):
         await relay(await dispatcher.handle(call_of(dispatcher, prefill="http://p1:8100")))
     assert len(workers.legs("p1")) == 3 and workers.legs("p0") == []

@@ -20,6 +20,7 @@ from router.decider import Decider, Decision, NoDecider, Route, Turn
 from router.dispatch import ClientRequest, Dispatcher
 from router.domain import Endpoint
 from router.errors import UpstreamStatus
+from router.legs.httpx import HttpxLegs
 from router.metrics import Metrics
 from router.pool import Pool
 from router.protocol import parse_request
@@ -43,7 +44,7 @@ async def make(workers: FakeWorkers, decider: Decider | None = None, **settings:
     pool = Pool((*s.prefill, *s.decode), metrics)
     client = httpx.AsyncClient(transport=workers.transport())
     await pool.probe_all(client, 1.0)
-    return Dispatcher(s, pool, client, metrics, timings, decider=decider)
+    return Dispatcher(s, pool, HttpxLegs(client), metrics, timings, decider=decider)
 
 
 def traced_call(
