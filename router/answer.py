@@ -25,7 +25,7 @@ from router.errors import RouterError, UpstreamError, UpstreamProtocolError, Ups
 from router.legs.base import LegResponse
 from router.sse import EventFramer, EventTooLarge, RelayCheck, payload_of
 from router.upstream import translate
-from router.usage import CachedFix
+from router.usage import CachedFix, fixed_usage
 
 logger = logging.getLogger("kvpush.answer")
 
@@ -224,8 +224,8 @@ class StreamAnswer:
                 collected = self._collect[0]
                 text, ids = collected.text(), tuple(collected.ids) if collected.saw_ids else None
             usage = self._check.usage()
-            if self._fix is not None and self._fix.resolved and usage is not None:
-                usage = self._api.fixed_usage(usage, self._fix.cached)
+            if self._fix is not None and self._fix.resolved:
+                usage = fixed_usage(usage, self._fix.cached)
             self._on_close(StreamEnd(self._outcome, usage, text, ids))
 
 

@@ -1,5 +1,7 @@
 """What differs between the APIs the hot path serves, in one table: the error shapes, how usage is stated and made
-true (router/usage.py's rule), and which first stream events are no sign of life. Pure.
+true (router/usage.py's rule), and which first stream events are no sign of life. Pure. The record, the trace and
+the decider take every API's usage as OpenAI's (`usage_of`: prompt_tokens, completion_tokens,
+prompt_tokens_details.cached_tokens).
 
 OpenAI's completions and chat are the reference (router/sse.py, router/usage.py); Anthropic's Messages is in
 router/messages.py, OpenAI's Responses in router/responses.py.
@@ -24,7 +26,7 @@ class Api:
     error_body: Callable[[RouterError], bytes]  # a refusal or failure before the 200
     error_event: Callable[[RouterError, bytes], bytes]  # in-band, after the 200 (and the last chunk relayed)
     with_cached: Callable[[bytes, int | None], bytes]  # whole answers or events, cached counts made `cached`
-    fixed_usage: Callable[[dict[str, Any], int | None], dict[str, Any] | None]  # a parsed usage, the same rule
+    usage_of: Callable[[Any], dict[str, Any] | None]  # an answer's or event's usage, as OpenAI's (the record's)
     cached_marker: bytes  # bytes every answer or event stating a cached count contains
     streams_usage: bool  # every stream carries usage (else only when the client asked: usage.wants_usage)
     held: Callable[[bytes], bool] | None = None  # first events that are not yet a sign of life
@@ -43,7 +45,7 @@ OPENAI = Api(
     error_body=lambda error: error.to_json(),
     error_event=_openai_error_event,
     with_cached=usage.with_cached,
-    fixed_usage=usage.fixed_usage,
+    usage_of=usage.usage_of,
     cached_marker=b'"cached_tokens"',
     streams_usage=False,
 )
@@ -51,7 +53,7 @@ MESSAGES = Api(
     error_body=messages.error_body,
     error_event=messages.error_event,
     with_cached=messages.with_cached,
-    fixed_usage=messages.fixed_usage,
+    usage_of=messages.openai_usage,
     cached_marker=b'"usage"',
     streams_usage=True,
     restates_relayed=True,
@@ -60,7 +62,7 @@ RESPONSES = Api(
     error_body=lambda error: error.to_json(),
     error_event=responses.error_event,
     with_cached=responses.with_cached,
-    fixed_usage=responses.fixed_usage,
+    usage_of=responses.openai_usage,
     cached_marker=b"cached_tokens",
     streams_usage=True,
     held=responses.held,

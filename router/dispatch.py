@@ -126,7 +126,7 @@ class Dispatcher:
         if isinstance(answer, JsonAnswer):
             self.feedback.tell_json(turn, decision, request.record, answer.content)
             trace = request.trace
-            usage = _usage(answer.content) if trace is not None and trace.recording else None
+            usage = _usage(answer.content, request.info.endpoint) if trace is not None and trace.recording else None
             self.finisher.finish(request.record, "ok", trace, status=answer.status, usage=usage)
             if self.feedback.asks_ids_for_us(request.body):
                 answer = JsonAnswer(answer.status, protocol.scrub_token_ids(answer.content))
@@ -329,9 +329,10 @@ class _Ranks:
     decode: int | None
 
 
-def _usage(content: bytes) -> dict[str, Any] | None:
-    """The usage object of a JSON answer (for a traced request's span), None when it has none or is not JSON."""
+def _usage(content: bytes, endpoint: Endpoint) -> dict[str, Any] | None:
+    """The usage of a JSON answer as OpenAI's (for a traced request's span), None when it has none or is not
+    JSON."""
     try:
-        return protocol.usage_of(protocol.decode_json(content))
+        return api_of(endpoint).usage_of(protocol.decode_json(content))
     except ValueError:
         return None

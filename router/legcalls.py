@@ -186,7 +186,7 @@ class LegCalls:
                 close = replace(close, decode_leg=span)
         if not info.stream:
             return JsonAnswer(200, content)
-        check = RelayCheck(self._settings.limits.max_event_bytes)
+        check = RelayCheck(self._settings.limits.max_event_bytes, api.usage_of)
         collect = self._feedback.collect(scrub)
         return StreamAnswer(
             response, first, rest, framer, check, worker=wid, cleanup=cleanup, on_close=close, collect=collect, api=api

@@ -112,6 +112,25 @@ def fixed_usage(usage: dict[str, Any], cached: int | None) -> dict[str, Any]:
     return out
 
 
+def openai_usage(payload: Any) -> dict[str, Any] | None:
+    """The usage of a Messages answer or event (`message_start` carries it in its message) as OpenAI states it."""
+    if not isinstance(payload, dict):
+        return None
+    usage = payload.get("usage")
+    if usage is None and isinstance(payload.get("message"), dict):
+        usage = payload["message"].get("usage")
+    if not isinstance(usage, dict) or not _count(usage.get("input_tokens")):
+        return None
+    read, created = usage.get(READ), usage.get(CREATED)
+    prompt = usage["input_tokens"] + (read if _count(read) else 0) + (created if _count(created) else 0)
+    output = usage.get("output_tokens")
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": output if _count(output) else 0,
+        "prompt_tokens_details": {"cached_tokens": read} if _count(read) else None,
+    }
+
+
 def prefill_cached(answer: dict[str, Any]) -> int | None:
     """What a prefill leg's Messages answer says P found in its prefix cache (its usage)."""
     usage = answer.get("usage")

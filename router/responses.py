@@ -172,13 +172,6 @@ def with_cached(data: bytes, cached: int | None) -> bytes:
     return _PER_TURN.sub(b'"cached_tokens_per_turn":\\g<1>[' + count + b"]", data)
 
 
-def fixed_usage(usage: dict[str, Any], cached: int | None) -> dict[str, Any]:
-    details = usage.get("input_tokens_details")
-    if not isinstance(details, dict):
-        return usage
-    return {**usage, "input_tokens_details": {**details, "cached_tokens": cached}}
-
-
 def usage_of(payload: Any) -> dict[str, Any] | None:
     """The usage of a Responses answer, or of the event (`response.completed`) that carries it."""
     if not isinstance(payload, dict):
@@ -186,3 +179,17 @@ def usage_of(payload: Any) -> dict[str, Any] | None:
     response = payload.get("response", payload)
     usage = response.get("usage") if isinstance(response, dict) else None
     return usage if isinstance(usage, dict) else None
+
+
+def openai_usage(payload: Any) -> dict[str, Any] | None:
+    """The usage of a Responses answer or event as OpenAI's completions state it."""
+    usage = usage_of(payload)
+    if usage is None:
+        return None
+    details = usage.get("input_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return {
+        "prompt_tokens": usage.get("input_tokens"),
+        "completion_tokens": usage.get("output_tokens"),
+        "prompt_tokens_details": None if cached is None else {"cached_tokens": cached},
+    }

@@ -7,6 +7,7 @@ bound one event to `max_event_bytes`: a stream that never ends an event fails in
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -90,8 +91,9 @@ class RelayCheck:
     Per chunk: three `rfind`s over that chunk and a look at the seam with the previous one.
     """
 
-    def __init__(self, max_event_bytes: int) -> None:
+    def __init__(self, max_event_bytes: int, usage_of: Callable[[Any], dict[str, Any] | None] | None = None) -> None:
         self._max = max_event_bytes
+        self._usage_of = usage_of or _top_level_usage  # an event's usage (its API's, router/apis.py)
         self._open = 0  # bytes since the last event separator
         self._seam = b""  # the last few bytes of the previous chunk
         self.usage_chunk: bytes | None = None  # the last chunk that carried a usage object
@@ -116,11 +118,15 @@ class RelayCheck:
             return None
         found: dict[str, Any] | None = None
         for event in EventFramer(self._max).feed(self.usage_chunk + b"\n\n"):
-            payload = payload_of(event)
-            usage = payload.get("usage") if isinstance(payload, dict) else None
-            if isinstance(usage, dict):
+            usage = self._usage_of(payload_of(event))
+            if usage is not None:
                 found = usage
         return found
+
+
+def _top_level_usage(payload: Any) -> dict[str, Any] | None:
+    usage = payload.get("usage") if isinstance(payload, dict) else None
+    return usage if isinstance(usage, dict) else None
 
 
 def payload_of(event: bytes) -> Any:

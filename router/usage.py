@@ -45,6 +45,12 @@ def prefill_cached(answer: Any) -> int | None:
     return stated if _count(stated) else None
 
 
+def usage_of(answer: Any) -> dict[str, Any] | None:
+    """The `usage` object of an OpenAI answer or stream chunk, if it has one."""
+    found = answer.get("usage") if isinstance(answer, dict) else None
+    return found if isinstance(found, dict) else None
+
+
 def answered_cached(content: bytes) -> int | None:
     """The cached count a whole JSON answer states (None: none, or not JSON)."""
     if b'"cached_tokens"' not in content:

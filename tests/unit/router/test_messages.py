@@ -13,11 +13,14 @@ from router import messages
 from router.answer import JsonAnswer, StreamAnswer
 from router.app import create_app
 from router.config import build_settings
+from router.dispatch import ClientRequest
 from router.domain import Endpoint
 from router.errors import BadRequest, NoHealthyWorker, Overloaded, UpstreamTimeout
 from router.protocol import parse_request, prefill_body
+from router.tracing import context as w3c
 from tests.unit.router.fake_workers import FakeWorkers, Handler, prefill_ok, status
 from tests.unit.router.test_dispatch import call_of, make, relay
+from tests.unit.router.tracing.support import in_memory
 
 BODY = {"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": "hello there"}]}
 STREAM = {**BODY, "stream": True}
@@ -195,3 +198,32 @@ async def test_a_messages_answer_is_served_through_the_router(router: tuple[http
     assert response.status_code == 200 and response.json()["content"] == [{"type": "text", "text": "xy"}]
     assert response.json()["usage"] == {"input_tokens": 10, "output_tokens": 2, "cache_read_input_tokens": 0}
     assert {s.worker for s in workers.seen} == {"p0", "d0"}
+
+
+def test_the_record_reads_anthropics_usage_as_openais() -> None:
+    answer = {"usage": {"input_tokens": 7, "output_tokens": 2, "cache_read_input_tokens": 3}}
+    start = {"type": "message_start", "message": {"usage": {"input_tokens": 10, "output_tokens": 0}}}
+    assert messages.openai_usage(answer) == {
+        "prompt_tokens": 10,
+        "completion_tokens": 2,
+        "prompt_tokens_details": {"cached_tokens": 3},
+    }
+    assert messages.openai_usage(start) == {"prompt_tokens": 10, "completion_tokens": 0, "prompt_tokens_details": None}
+    assert messages.openai_usage({"type": "ping"}) is None
+
+
+@pytest.mark.parametrize("body", [BODY, STREAM], ids=["json", "stream"])
+async def test_a_traced_message_ends_its_span_with_ps_counts(body: dict[str, Any]) -> None:
+    tracing, exporter = in_memory()
+    workers = FakeWorkers({"p0": prefill_anthropic(3), "d0": decode_anthropic()})
+    dispatcher, _, _ = await make(workers)
+    info = parse_request(Endpoint.MESSAGES, body)
+    trace = tracing.start(w3c.read([]), "chat tiny", {})
+    call = ClientRequest(body=body, info=info, record=dispatcher.new_record("client-1", info), trace=trace)
+    answer = await dispatcher.handle(call)
+    if isinstance(answer, StreamAnswer):
+        await relay(answer)
+    (server,) = [span for span in exporter.get_finished_spans() if span.name == "chat tiny"]
+    assert server.attributes is not None
+    assert server.attributes["gen_ai.usage.input_tokens"] == 10
+    assert server.attributes["gen_ai.usage.cache_read.input_tokens"] == 3

@@ -14,12 +14,15 @@ from router import responses
 from router.answer import JsonAnswer, StreamAnswer
 from router.app import create_app
 from router.config import build_settings
+from router.dispatch import ClientRequest
 from router.domain import Endpoint
 from router.errors import BadRequest, UpstreamTimeout
 from router.protocol import parse_request, prefill_body
 from router.sse import error_of, payload_of
+from router.tracing import context as w3c
 from tests.unit.router.fake_workers import FakeWorkers, Handler, prefill_ok
 from tests.unit.router.test_dispatch import call_of, make, relay
+from tests.unit.router.tracing.support import in_memory
 
 BODY = {"model": "tiny", "input": "hello there", "max_output_tokens": 5}
 STREAM = {**BODY, "stream": True}
@@ -238,3 +241,30 @@ async def test_background_is_refused_before_any_worker(router: tuple[httpx.Async
     response = await c.post("/v1/responses", json={**BODY, "background": True})
     assert response.status_code == 400 and response.json()["error"]["param"] == "background"
     assert workers.seen == []
+
+
+def test_the_record_reads_the_responses_usage_as_openais() -> None:
+    completed = {"type": "response.completed", "response": {"usage": {"input_tokens": 9, "output_tokens": 4}}}
+    assert responses.openai_usage(completed) == {
+        "prompt_tokens": 9,
+        "completion_tokens": 4,
+        "prompt_tokens_details": None,
+    }
+    details = {"input_tokens": 9, "output_tokens": 4, "input_tokens_details": {"cached_tokens": 2}}
+    assert (responses.openai_usage({"usage": details}) or {})["prompt_tokens_details"] == {"cached_tokens": 2}
+    assert responses.openai_usage({"type": "response.created", "response": {"usage": None}}) is None
+
+
+async def test_a_traced_stream_ends_its_span_with_ps_count() -> None:
+    tracing, exporter = in_memory()
+    workers = FakeWorkers({"p0": prefill_responses(3), "d0": decode_responses()})
+    dispatcher, _, _ = await make(workers)
+    info = parse_request(Endpoint.RESPONSES, STREAM)
+    trace = tracing.start(w3c.read([]), "responses tiny", {})
+    call = ClientRequest(body=STREAM, info=info, record=dispatcher.new_record("client-1", info), trace=trace)
+    await relay(await dispatcher.handle(call))
+    (server,) = [span for span in exporter.get_finished_spans() if span.name == "responses tiny"]
+    assert server.attributes is not None
+    assert server.attributes["gen_ai.usage.input_tokens"] == 10
+    assert server.attributes["gen_ai.usage.output_tokens"] == 2
+    assert server.attributes["gen_ai.usage.cache_read.input_tokens"] == 3
