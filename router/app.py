@@ -408,6 +408,7 @@ def _openai_routes(app: FastAPI, service: Service) -> None:
     app.add_api_route("/tokenize", helper, methods=["POST"])
     app.add_api_route("/detokenize", helper, methods=["POST"])
     app.add_api_route("/version", helper, methods=["GET"])
+    app.add_api_route("/v1/messages/count_tokens", helper, methods=["POST"])  # Anthropic's token count
 
     async def stored(request: Request, response_id: str) -> Response:  # a stored response, on its decode alone
         auth.check_client(request.headers.get("authorization"), keys)

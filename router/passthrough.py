@@ -1,4 +1,5 @@
-"""vLLM's helper endpoints (`POST /tokenize`, `POST /detokenize`, `GET /version`), passed to one healthy worker.
+"""vLLM's helper endpoints (`POST /tokenize`, `POST /detokenize`, `GET /version`, Anthropic's
+`POST /v1/messages/count_tokens`), passed to one healthy worker.
 
 Every worker serves the same model, so any of them answers the same: the healthy decode workers first, then the
 healthy prefill workers, each call under `timeouts.helper`. A worker's own answer (2xx, or a 4xx: the client's
@@ -21,7 +22,7 @@ from router.pool import Pool
 from router.upstream import translate
 
 logger = logging.getLogger("kvpush.passthrough")
-PATHS = ("/tokenize", "/detokenize", "/version")
+PATHS = ("/tokenize", "/detokenize", "/version", "/v1/messages/count_tokens")
 
 
 async def forward(

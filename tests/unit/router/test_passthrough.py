@@ -31,7 +31,7 @@ async def call(workers: FakeWorkers, method: str, path: str, **kwargs: Any) -> h
             return await client.request(method, path, **kwargs)
 
 
-@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize", "/v1/messages/count_tokens"])
 async def test_a_helper_call_goes_to_the_decode_worker_as_it_came(path: str) -> None:
     workers = FakeWorkers({"p0": helper("p0"), "d0": helper("d0")})
     response = await call(workers, "POST", path, json={"model": "tiny", "prompt": "hi"})
