@@ -2,34 +2,34 @@
 
 Threading model (guarantee G6):
 
-* **Owner thread** (``kvpush-transfer``, this module): the only caller of the ``TransferBackend``
-  and the only reader/writer of ``PrefillRendezvous`` / ``DecodeRendezvous``, ``_writes``,
-  ``_agents`` and ``_links``. Each turn it drains the inbox, polls notices (which also progresses
-  UCX, since NIXL runs without its progress thread), checks posted WRITEs, expires what is due and
-  performs the actions the machines return.
-* **When it runs** (guarantee G7): it sleeps on ``_wake`` until something needs it: a submission
-  (``submit``), a step hook (``kick``, once per engine step from ``get_transfer_results``), a
-  side-channel event, the next deadline of either machine (a heap: O(1) to look at), or, only
-  while a transfer is in flight on this side (P: a WRITE posted; D: a receive waiting for its
-  ``Done``, so a notice never waits for the idle tick; either: an order waiting for its step's
-  ``ReadyEvent``, G15 ``connector.transfer.ready``), a short backoff timer (``Polling.write_poll_min_s``
-  doubling up to ``write_poll_max_s``) that notices its completion. With nothing in flight it wakes
-  at most every ``Polling.idle_wait_s`` as a safety net (NIXL offers no wake-up on a notification).
-  Who moves UCX's bytes is the progress model (``connector.options``: ``poll`` or ``thread``).
-* **Worker thread** (vLLM's model runner, via ``connector.worker``): only calls ``submit``,
-  ``kick`` and ``collect_results`` (empties the outbox). It never waits on the owner thread, so
-  the forward loop never waits on NIXL.
-* **Side-channel threads** (``connector.wire.side_channel`` through the ``SideChannel`` seam, TCP unless a
-  test injects another; started by ``start``): put ``PeerReady`` / ``PeerLost`` / ``AddPeer`` in
-  the inbox. ``AddPeer`` carries an ``Event`` the server thread waits on, so the handshake reply is
-  sent only after the owner loaded the peer's agent. They read only ``_local_payload`` (cached bytes).
+* **Owner thread** (``kvpush-transfer``, this module): the only caller of the ``TransferBackend`` and the only
+  reader/writer of ``PrefillRendezvous`` / ``DecodeRendezvous``, ``_writes``, ``_agents`` and ``_links``. Each
+  turn it drains the inbox, polls notices (which also progresses UCX, since NIXL runs without its progress
+  thread), checks posted WRITEs, expires what is due and performs the actions the machines return.
+* **When it runs** (guarantee G7): it sleeps on ``_wake`` until something needs it: a submission (``submit``), a
+  step hook (``kick``, once per engine step from ``get_transfer_results``; a decode takes it only while
+  something is in flight, a prefill always: a registration may come any time; issue 41), a side-channel event,
+  the next deadline of either machine (a heap: O(1) to look at), or, only while a transfer is in flight on this
+  side (P: a WRITE posted; D: a receive waiting for its ``Done``, so a notice never waits for the idle tick;
+  either: an order waiting for its step's ``ReadyEvent``, G15 ``connector.transfer.ready``), a short backoff
+  timer (``Polling.write_poll_min_s`` doubling up to ``write_poll_max_s``; a new receive restarts it only if
+  none ran) that notices its completion. With nothing in flight it wakes at most every ``Polling.idle_wait_s``
+  as a safety net (NIXL offers no wake-up on a notification). Who moves UCX's bytes is the progress model
+  (``connector.options``: ``poll`` or ``thread``).
+* **Worker thread** (vLLM's model runner, via ``connector.worker``): only calls ``submit``, ``kick`` and
+  ``collect_results`` (empties the outbox). It never waits on the owner thread, so the forward loop never waits
+  on NIXL.
+* **Side-channel threads** (``connector.wire.side_channel`` through the ``SideChannel`` seam, TCP unless a test
+  injects another; started by ``start``): put ``PeerReady`` / ``PeerLost`` / ``AddPeer`` in the inbox.
+  ``AddPeer`` carries an ``Event`` the server thread waits on, so the handshake reply is sent only after the
+  owner loaded the peer's agent. They read only ``_local_payload`` (cached bytes).
 
-Peers (guarantee G8): agent names are unique per process incarnation (the worker adds a uuid);
-a handshake with changed metadata reloads the agent, a new agent for a known engine id retires
-the old one, and a retired or lost agent is removed once no WRITE to it is in flight.
+Peers (guarantee G8): agent names are unique per process incarnation (the worker adds a uuid); a handshake with
+changed metadata reloads the agent, a new agent for a known engine id retires the old one, and a retired or lost
+agent is removed once no WRITE to it is in flight.
 
-Stopping: ``close()`` sets ``_stop`` and ``_wake``, joins the owner thread, then closes the
-side channel and the backend from the calling thread (the owner is gone by then).
+Stopping: ``close()`` sets ``_stop`` and ``_wake``, joins the owner thread, then closes the side channel and the
+backend from the calling thread (the owner is gone by then).
 """
 
 from __future__ import annotations
@@ -120,14 +120,9 @@ class TransferThread:
         self._gated: deque[Gated] = deque()  # orders in submission order, the first maybe not ready yet
         self._layers = StepsByKey()  # P, layer-wise push: per pairing key, the step of its latest order
         self.engine_id = engine_id
-        self._backend = backend
-        self._layout = layout
-        self._compat_hash = compat_hash
-        self._metadata = backend.agent_metadata()
-        self._clock = clock
-        self._polling = options.polling
-        self._liveness = options.liveness
-        self._timeouts = options.timeouts
+        self._backend, self._layout, self._compat_hash = backend, layout, compat_hash
+        self._metadata, self._clock = backend.agent_metadata(), clock
+        self._polling, self._liveness, self._timeouts = options.polling, options.liveness, options.timeouts
         self._side_host, self._side_port = side_host, side_port
         self._prefill = PrefillFanOut(self._timeouts)  # P: legs per D rank (``connector.parallel.fanout``)
         self._d_ranks: dict[str, RankInfo] = {}  # P: each decode rank's RankInfo from its handshake
@@ -142,12 +137,12 @@ class TransferThread:
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue[Results] = queue.SimpleQueue()
         self._pending = Results()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
+        self._wake, self._stop = threading.Event(), threading.Event()
         self._server: Server | None = None
         self._thread = threading.Thread(target=self._run, name="kvpush-transfer", daemon=True)
         self.side_port = side_port
         self.wakes = 0  # owner-thread turns so far (for tests and stats)
+        self._dialled, self._kick_wakes = False, True  # a decode dialled us (P); kicks wake us (``_wants_kicks``)
 
     def start(self) -> None:
         """Open the side channel and start the owner thread."""
@@ -184,8 +179,9 @@ class TransferThread:
         return settled and not order.timed_out
 
     def kick(self) -> None:
-        """A step hook: let the owner poll notices and WRITEs now (one ``Event.set``)."""
-        self._wake.set()
+        """A step hook: let the owner poll notices and WRITEs now (one ``Event.set``), if it wants kicks (G7)."""
+        if self._kick_wakes:
+            self._wake.set()
 
     def collect_results(self) -> Results:
         merged = Results()
@@ -249,7 +245,12 @@ class TransferThread:
                 logger.exception("kvpush transfer thread turn failed")
                 self._pending.counters[Tally.THREAD_ERRORS] += 1
             self._publish()
+            self._kick_wakes = self._wants_kicks()
             self._wake.wait(self._sleep_s(self._clock()))
+
+    def _wants_kicks(self) -> bool:  # G7: a prefill always (a registration may come any time), else if in flight
+        in_flight = self._writes or self._gated or self._decode.live or self._quiescing
+        return self._dialled or bool(in_flight) or not self._inbox.empty()
 
     def _sleep_s(self, now: float) -> float:
         """Until the next deadline, the next WRITE check (only with WRITEs in flight) or the safety net."""
@@ -307,7 +308,8 @@ class TransferThread:
     def _handle(self, cmd: Order | PeerReady | PeerLost | AddPeer | Quiesce, now: float) -> None:
         match cmd:
             case RegisterOrder():
-                self._write_backoff = self._polling.write_poll_min_s  # a receive in flight: poll (G7)
+                if not (self._decode.live or self._writes):  # poll from now (G7); a running poll keeps its pace
+                    self._write_backoff = self._polling.write_poll_min_s
                 self._register(cmd, now)
             case CancelOrder():
                 if cmd.request_id in self._fanin.requests:
@@ -339,6 +341,7 @@ class TransferThread:
                 self._quiescing.append(cmd)
                 self._settle_quiesces(now)
             case AddPeer():
+                self._dialled = True
                 try:
                     self._load_peer(cmd.payload, writes_to=True)  # a decode dialled us: we WRITE to it
                 except TransferError as exc:

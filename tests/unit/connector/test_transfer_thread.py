@@ -350,14 +350,62 @@ def test_the_owner_thread_does_not_spin_while_blocks_wait_for_a_registration(pai
     assert idle_wakes <= 0.5 / OPTIONS.polling.idle_wait_s + 3, idle_wakes
 
 
-def test_a_kick_wakes_the_owner_thread(pair: tuple[Side, Side]) -> None:
-    p, _ = pair
+def test_a_kick_wakes_a_prefill_once_a_decode_dialled_it(pair: tuple[Side, Side]) -> None:
+    """G7: a registration may reach a prefill in any notice, so every step hook wakes it, in flight or not."""
+    p, d = pair
+    register(p, d)
+    wait_for(lambda: p.thread._prefill.live == 1)  # D dialled P, its registration arrived
     time.sleep(0.05)
     before = p.thread.wakes
     for _ in range(5):
         p.thread.kick()
         time.sleep(0.01)
     assert p.thread.wakes - before >= 3
+
+
+def test_an_idle_decode_ignores_the_step_hooks_kicks(pair: tuple[Side, Side]) -> None:
+    """G7, issue 41: with nothing in flight a decode expects no notice, so the engine's kicks (one per step) do
+    not wake its owner thread (each wake-up a context switch and a GIL hand-off taken from the step); a receive
+    in flight makes it poll again."""
+    p, d = pair
+    register(p, d)
+    p.thread.submit(PrefillFinished("p1", "t:1", (1, 2)))
+    wait_for(lambda: "d1" in d.collect().received and d.thread._decode.live == 0)
+    time.sleep(0.05)  # a turn after the last one that had something in flight
+    before = d.thread.wakes
+    for _ in range(20):
+        d.thread.kick()
+        time.sleep(0.002)
+    assert d.thread.wakes - before <= 2, "at most the idle tick (0.1 s) and a deadline, not one wake per kick"
+    register(p, d, req="d2", key="t:2", blocks=(3, 4))  # in flight again: its Done is still taken at once
+    p.thread.submit(PrefillFinished("p2", "t:2", (3, 4)))
+    wait_for(lambda: "d2" in d.collect().received)
+
+
+def test_a_new_receive_keeps_the_pace_of_a_poll_already_running() -> None:
+    """G7, issue 41: a receive in flight starts decode's poll at write_poll_min_s; another one registered while
+    it runs does not restart it (its Done comes after its prefill, so the restart's burst of wake-ups, each taken
+    from the engine's step, found nothing)."""
+    slow = Options(
+        timeouts=FAST,
+        polling=Polling(write_poll_min_s=0.02, write_poll_max_s=0.2, idle_wait_s=1.0),
+        liveness=OPTIONS.liveness,
+    )
+    fabric = MemoryFabric()
+    p, d = make_side(fabric, "P", seed=1, options=slow), make_side(fabric, "D", seed=None, options=slow)
+    try:
+        register(p, d)
+        wait_for(lambda: d.thread._decode.live == 1)
+        time.sleep(0.5)  # the poll reached its slowest pace (0.2 s)
+        before = d.thread.wakes
+        register(p, d, req="d2", key="t:2", blocks=(3, 4))
+        time.sleep(0.15)
+        assert d.thread._decode.live == 2
+        # a restart wakes at +0, 0.02, 0.06 and 0.14 s; the running pace at +0 and at most one timer
+        assert d.thread.wakes - before <= 2
+    finally:
+        d.thread.close()
+        p.thread.close()
 
 
 @pytest.mark.parametrize(
