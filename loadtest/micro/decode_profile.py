@@ -18,7 +18,8 @@ by thread.
 
 Needs py-spy in the venv (``.venv/bin/pip install py-spy``; ptrace allowed). Run under the machine's lock:
 ``flock /tmp/kvpush-vllm.lock timeout 1200 .venv/bin/python -m loadtest.micro.decode_profile --qps 1.5,8``.
-Writes ``decode_profile.json`` (one object per point) and the points' rows (summary.json) under ``--out``.
+Writes ``decode_profile.json`` (one object per point) and the points' rows (summary.json) under ``--out`` and
+prints a Markdown table of it (``--table FILE`` prints that of an earlier run).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from loadtest.bench.point import measure, scrape
 from loadtest.bench.procs import vllm_lock
 from loadtest.bench.suites.cpu import FAMILIES, MODEL_SIZE, Family, engine_point, front_labels, start_fronts
 from loadtest.job import REPO
-from loadtest.micro.decode_profile_fold import fold, parse_raw, thread_cpu
+from loadtest.micro.decode_profile_fold import fold, parse_raw, table, thread_cpu
 from stack.engines import Engine, Fleet
 from stack.family import pd_family, start_family
 from stack.local import StackOptions, ensure_model
@@ -246,8 +247,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--pyspy", default=str(Path(sys.executable).parent / "py-spy"))
     ap.add_argument("--out", default=str(REPO / "bench" / "runs" / "decode-profile"))
+    ap.add_argument("--table", help="only print the Markdown table of this decode_profile.json")
     args = ap.parse_args(argv)
-    run(args)
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text(encoding="utf-8"))), end="")
+        return 0
+    print(table(run(args)), end="")
     return 0
 
 

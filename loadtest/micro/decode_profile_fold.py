@@ -129,3 +129,58 @@ def fold(
         },
         "cpu_ms_per_request_total": 1000.0 * sum(cpu_by_thread.values()) / n,
     }
+
+
+def _median(xs: Sequence[float]) -> float | None:
+    xs = sorted(xs)
+    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
+
+
+def _connector_ms(r: Mapping[str, Any], process: str) -> float:
+    return float(sum(v for k, v in r["ms_per_step"].items() if k.startswith(f"{process} connector: ")))
+
+
+def _threads_ms(r: Mapping[str, Any], names: tuple[str, ...]) -> float:
+    """CPU ms per request of the worker's connector threads (ours: the owner and side-channel threads; upstream:
+    its NIXL threads)."""
+    return float(sum(v for k, v in r["cpu_ms_per_request"].items() if any(n in k for n in names)))
+
+
+CONNECTOR_THREADS = ("kvpush", "nixl", "handshake")
+
+
+def table(results: Sequence[Mapping[str, Any]]) -> str:
+    """Markdown: per pair and QPS, medians over repeats. TPOT, TTFT and CPU from the plain points (sampled ones
+    where a run has none), the per-step split from the sampled ones."""
+    head = (
+        "| pair | QPS | TPOT ms | TTFT ms | decode CPU ms/req | connector threads CPU ms/req | worker: forward"
+        " ms/step | worker: connector hooks ms/step | core: scheduler ms/step | core: connector hooks ms/step |"
+        " steps |\n|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    keys = sorted({(str(r["pair"]), float(r["qps"])) for r in results}, key=lambda k: (k[1], k[0]))
+    for pair, qps in keys:
+        mine = [r for r in results if r["pair"] == pair and r["qps"] == qps]
+        plain = [r for r in mine if not r.get("sampled")] or mine
+        sampled = [r for r in mine if r.get("sampled")] or mine
+
+        def fmt(x: float | None, digits: int = 1) -> str:
+            return "-" if x is None else f"{x:.{digits}f}"
+
+        cells = [
+            fmt(_median([r["tpot_ms_mean"] for r in plain if r.get("tpot_ms_mean") is not None]), 2),
+            fmt(_median([r["ttft_ms_mean"] for r in plain if r.get("ttft_ms_mean") is not None]), 0),
+            fmt(
+                _median(
+                    [r["decode_group_cpu_ms_per_request"] for r in plain if r.get("decode_group_cpu_ms_per_request")]
+                )
+            ),
+            fmt(_median([_threads_ms(r, CONNECTOR_THREADS) for r in plain])),
+            fmt(_median([r["ms_per_step"].get("worker model forward", 0.0) for r in sampled]), 2),
+            fmt(_median([_connector_ms(r, "worker") for r in sampled]), 3),
+            fmt(_median([r["ms_per_step"].get("core scheduler", 0.0) for r in sampled]), 3),
+            fmt(_median([_connector_ms(r, "core") for r in sampled]), 3),
+            fmt(_median([r["steps"] for r in plain]), 0),
+        ]
+        lines.append(f"| {pair} | {qps:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.micro.decode_profile_fold import Stack, fold, main_part, parse_raw, parts, thread_cpu, thread_label
+from loadtest.micro.decode_profile_fold import Stack, fold, main_part, parse_raw, parts, table, thread_cpu, thread_label
 
 VLLM = "/venv/lib/python3.11/site-packages/vllm"
 LOOP = f"EngineCoreProc.run_busy_loop ({VLLM}/v1/engine/core.py:1555)"
@@ -122,3 +122,22 @@ def test_fold_gives_busy_ms_per_step_per_process_and_cpu_ms_per_request() -> Non
     assert out["cpu_ms_per_request"] == {"worker MainThread": 500.0}
     assert out["cpu_ms_per_request_total"] == 500.0
     assert out["samples"] == 115
+
+
+def test_the_table_takes_tpot_and_cpu_from_plain_points_and_the_split_from_sampled_ones() -> None:
+    def point(sampled: bool, tpot: float, forward: float) -> dict[str, object]:
+        return {
+            "pair": "kvpush-push",
+            "qps": 1.5,
+            "sampled": sampled,
+            "tpot_ms_mean": tpot,
+            "ttft_ms_mean": 150.0,
+            "decode_group_cpu_ms_per_request": 300.0,
+            "cpu_ms_per_request": {"worker kvpush-transfer": 6.0, "worker MainThread": 200.0},
+            "ms_per_step": {"worker model forward": forward, "worker connector: get_finished": 0.25},
+            "steps": 100.0,
+        }
+
+    text = table([point(True, 9.0, 5.0), point(False, 7.5, 99.0)])
+    row = text.splitlines()[2]
+    assert row == "| kvpush-push | 1.5 | 7.50 | 150 | 300.0 | 6.0 | 5.00 | 0.250 | 0.000 | 0.000 | 100 |"
