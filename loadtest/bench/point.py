@@ -14,6 +14,7 @@ import httpx
 from loadtest import promtext
 from loadtest.arrivals import ArrivalSpec
 from loadtest.bench import procs
+from loadtest.bench.block_runs import block_runs
 from loadtest.job import REPO, Job, execute, execute_together
 from loadtest.results import RowLabels, append_rows, build_row, git_commit
 from loadtest.runner import LoadConfig, RunResult
@@ -66,6 +67,7 @@ class Point:
     router_timings: bool = False
     decode_url: str | None = None  # scrape its /metrics before and after (KV arrived by transfer?)
     prefill_url: str | None = None  # a simulated P: scrape its loop fidelity too
+    writer_url: str | None = None  # our connector's P: scrape how its WRITEs' block ids ran (block_runs)
     timeout_s: float = 300.0
     extra: Mapping[str, Any] = field(default_factory=dict)
     legs_of: tuple[str, str] | None = None  # simulated (P, D) URLs: record how the front door sent the legs
@@ -127,6 +129,7 @@ def measure(
     asks the router anything (its GET /debug/timings, a few ms of the router's CPU, is no request's cost)."""
     before = scrape(point.decode_url) if point.decode_url else None
     p_before = scrape(point.prefill_url) if point.prefill_url else None
+    w_before = scrape(point.writer_url) if point.writer_url else None
     cpu: list[float] = []  # the front's CPU seconds before the load and once it is done
     job = _job(point, run_dir, progress)
     if cpu_pid:
@@ -150,6 +153,8 @@ def measure(
         extra["sim_prefill_fidelity"] = sim_fidelity(p_before, scrape(point.prefill_url))
     if before is not None and point.decode_url:
         extra.update(_decode_extra(before, scrape(point.decode_url)))
+    if w_before is not None and point.writer_url and (runs := block_runs(w_before, scrape(point.writer_url))):
+        extra["block_runs"] = runs
     if point.legs_of is not None:
         extra.update(wire_order_or_note(point.legs_of, since))
     if finish is not None:

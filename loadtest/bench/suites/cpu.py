@@ -183,6 +183,7 @@ def engine_point(
         tokenizer_url=front.p_url,
         router_timings=front.router == "kvpush",
         decode_url=front.d_url,
+        writer_url=front.p_url if front.connector.startswith("kvpush") else None,
         timeout_s=120.0,
         extra=extra,
         **more,
