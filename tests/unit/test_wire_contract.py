@@ -42,7 +42,8 @@ def test_the_routers_prefill_leg_parses_as_a_prefill_leg(endpoint: Endpoint) -> 
     leg = PrefillLeg.parse(body["kv_transfer_params"])
     assert leg == PrefillLeg(transfer_id="xfer-4567")
     assert DecodeLeg.parse(body["kv_transfer_params"]) is None, "a prefill leg is never a decode leg"
-    assert body["max_tokens"] == 1, "one-token legs get the WRITE in their completing step (G10)"
+    limit = "max_output_tokens" if endpoint is Endpoint.RESPONSES else "max_tokens"  # each API's own output cap
+    assert body[limit] == 1, "one-token legs get the WRITE in their completing step (G10)"
 
 
 def test_the_routers_push_decode_leg_parses_as_a_decode_leg_and_pairs_with_its_prefill() -> None:
