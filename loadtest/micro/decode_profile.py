@@ -138,6 +138,7 @@ class Sampler:
 
 
 def profile_point(
+    label: str,
     front: Front,
     d: Engine,
     args: argparse.Namespace,
@@ -153,11 +154,11 @@ def profile_point(
     qps, index, rep = at
     procs = decode_processes(d.pid)
     labels = front_labels("decode-profile", front, qps, args.input_len, args.output_len)
-    extra = {"repeat": rep, "run_id": run_dir.name, "sampled": sampled}
+    extra = {"repeat": rep, "run_id": run_dir.name, "sampled": sampled, "pair": label}
     point = engine_point(front, labels, max(10, math.ceil(qps * args.point_s)), 3000 + index, 2, extra)
     steps0 = promtext.total(scrape(d.url), STEPS)
     cpu0 = {name: threads_cpu_s(pid)[0] for name, pid in procs.items()}
-    tag = f"{front.connector}-q{qps}-r{rep}"
+    tag = f"{label}-q{qps}-r{rep}"
     samplers = {
         name: Sampler(args.pyspy, pid, args.rate, run_dir / f"{tag}-{name}.raw", 0)
         for name, pid in procs.items()
@@ -177,7 +178,7 @@ def profile_point(
         cpu |= {f"{name} {k}": v for k, v in thread_cpu(cpu0[name], after, names, comms).items()}
     out = fold(stacks, float(args.rate), steps, int(row["n"]) + 2, cpu)
     out |= {
-        "pair": front.connector,
+        "pair": label,
         "qps": qps,
         "repeat": rep,
         "sampled": sampled,
@@ -198,21 +199,22 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     pairs = pairs_for(args.pairs.split(","), args.variant)
     results: list[dict[str, Any]] = []
     with vllm_lock(), Fleet(run_dir / "logs") as fleet:
-        beds: list[tuple[Front, Engine]] = []
+        beds: list[tuple[str, Front, Engine]] = []
         for pair in pairs:  # one pair at a time (ports: see the cpu-vllm suite)
             family = pd_family(
                 f"vllm-{pair.label}", model, pair.connector, module=pair.module, connector_extra=pair.extra
             )
             engines = start_family(fleet, family, timeout=600.0)
             p, d = engines.prefills[0], engines.decode
-            fam = Family(pair.label, pair.mode, pair.connector, pair.module)
-            beds.append((start_fronts(fleet, fam, p, d, run_dir / "logs", vrouter=False)[0], d))
+            base = "kvpush-push" if pair.extra else pair.label  # a row's connector is one the report knows
+            fam = Family(base, pair.mode, pair.connector, pair.module)
+            beds.append((pair.label, start_fronts(fleet, fam, p, d, run_dir / "logs", vrouter=False)[0], d))
         names: dict[int, str] = {}
         for rep in range(args.repeats):
             for i, qps in enumerate(args.qps):
-                for front, d in beds if rep % 2 == 0 else beds[::-1]:
+                for label, front, d in beds if rep % 2 == 0 else beds[::-1]:
                     for sampled in (True, False) if args.plain else (True,):
-                        result = profile_point(front, d, args, (qps, i, rep), run_dir, names, sampled)
+                        result = profile_point(label, front, d, args, (qps, i, rep), run_dir, names, sampled)
                         results.append(result)
                         print(summary_line(result), flush=True)
                         (run_dir / "decode_profile.json").write_text(json.dumps(results, indent=1) + "\n")
