@@ -106,6 +106,11 @@ def ask(base_url: str, body: dict[str, Any]) -> Said:
         return Said(200, done, events, response.headers)
 
 
+def kinds(events: list[dict[str, Any]]) -> list[str]:
+    """The event types in order, a run of one type counted once."""
+    return [e["type"] for i, e in enumerate(events) if i == 0 or events[i - 1]["type"] != e["type"]]
+
+
 def turn(text: str, stream: bool = False, **extra: Any) -> dict[str, Any]:
     return {"model": "tiny", "input": text, "max_output_tokens": 8, "temperature": 0, "stream": stream, **extra}
 
@@ -128,7 +133,7 @@ def test_a_first_turn_equals_the_decode_alone_and_moves_the_prompt_once(bed: Bed
         assert [e["sequence_number"] for e in got.events] == list(range(len(got.events)))
         assert [e["type"] for e in got.events][:2] == ["response.created", "response.in_progress"]
         assert got.events[-1]["type"] == "response.completed"
-        assert [e["type"] for e in got.events] == [e["type"] for e in ask(bed.decode_url, body).events]
+        assert kinds(got.events) == kinds(ask(bed.decode_url, body).events)  # how many deltas: the engine's steps
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "json"])
