@@ -1,4 +1,4 @@
-"""Streaming OpenAI client for one request: builds the body, reads SSE, times chunks into a RequestRecord."""
+"""Streaming OpenAI client for one request: builds the body, reads SSE, times chunks into a ClientRecord."""
 
 import asyncio
 import json
@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.records import RequestRecord
+from loadtest.records import ClientRecord
 
 Clock = Callable[[], float]
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -53,7 +53,7 @@ def chunk_text(choice: dict[str, Any]) -> str:
 class StreamTracker:
     """Pure SSE bookkeeping: feed it each line with the time it arrived; it fills the record."""
 
-    def __init__(self, rec: RequestRecord, t_send: float):
+    def __init__(self, rec: ClientRecord, t_send: float):
         self.rec = rec
         self._t0 = t_send
         self._last: float | None = None
@@ -87,7 +87,7 @@ class StreamTracker:
         self._last = now
         rec.e2e_s = now - self._t0
 
-    def finish(self, expect_output: int | None) -> RequestRecord:
+    def finish(self, expect_output: int | None) -> ClientRecord:
         rec = self.rec
         if rec.error is not None:
             rec.ok = False
@@ -106,14 +106,14 @@ async def send(
     client: httpx.AsyncClient,
     url: str,
     body: dict[str, Any],
-    rec: RequestRecord,
+    rec: ClientRecord,
     clock: Clock,
     timeout_s: float,
     expect_output: int | None = None,
     *,
     headers: Mapping[str, str] | None = None,
     listen: Callable[[str], None] | None = None,
-) -> RequestRecord:
+) -> ClientRecord:
     """POST one streamed request; never raises for request failures, they land in `rec.error`.
 
     `headers` go with x-request-id (theirs wins); `listen` also reads every SSE line (the caller's own fields:

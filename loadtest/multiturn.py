@@ -32,7 +32,7 @@ import httpx
 
 from loadtest.arrivals import ArrivalSpec, schedule
 from loadtest.client import Clock, send
-from loadtest.records import RequestRecord
+from loadtest.records import ClientRecord
 from loadtest.stats import dist_ms
 
 SESSION_HEADER = "X-Session-ID"
@@ -130,7 +130,7 @@ class TurnRecord:
 
     session: str
     turn: int  # 1-based
-    rec: RequestRecord
+    rec: ClientRecord
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when the engine reports it
     answer: str = ""
 
@@ -164,11 +164,11 @@ async def send_turn(
     url: str,
     body: dict[str, Any],
     headers: Mapping[str, str],
-    rec: RequestRecord,
+    rec: ClientRecord,
     clock: Clock,
     timeout_s: float,
     expect_output: int,
-) -> tuple[RequestRecord, str, int | None]:
+) -> tuple[ClientRecord, str, int | None]:
     """POST one streamed chat turn (client.send, reading the answer too); failures land in `rec.error`."""
     got = _Answer()
     rec = await send(client, url, body, rec, clock, timeout_s, expect_output, headers=headers, listen=got.feed)
@@ -222,7 +222,7 @@ async def _session(
         path, body = turn_request(session.api, target.model, messages, spec.answer_tokens)
         where = turn_target(targets, index, n)
         url = where.base_url.rstrip("/") + path
-        rec = RequestRecord(index=len(out), request_id=f"{session.id}-t{n}", sent=clock() - t0)
+        rec = ClientRecord(index=len(out), request_id=f"{session.id}-t{n}", sent=clock() - t0)
         headers = {SESSION_HEADER: session.id, "x-request-id": rec.request_id}
         rec, answer, cached = await send_turn(
             client, url, body, headers, rec, clock, where.timeout_s, spec.answer_tokens

@@ -8,7 +8,7 @@ from typing import Any
 
 
 @dataclass
-class RequestRecord:
+class ClientRecord:
     """Times are seconds on the client's clock; `sent` is relative to the start of the run.
 
     ttft_s: first SSE chunk carrying a choice (as `vllm bench serve`); ttft_text_s: first chunk with non-empty
@@ -49,18 +49,18 @@ class RequestRecord:
         return out
 
 
-def write_jsonl(path: Path, records: Iterable[RequestRecord]) -> None:
+def write_jsonl(path: Path, records: Iterable[ClientRecord]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as fh:
         for rec in records:
             fh.write(json.dumps(rec.to_json(), separators=(",", ":")) + "\n")
 
 
-def read_jsonl(path: Path) -> list[RequestRecord]:
-    out: list[RequestRecord] = []
+def read_jsonl(path: Path) -> list[ClientRecord]:
+    out: list[ClientRecord] = []
     for line in path.read_text(encoding="utf-8").splitlines():
         if line.strip():
             raw = json.loads(line)
             raw.pop("tpot_s", None)
-            out.append(RequestRecord(**raw))
+            out.append(ClientRecord(**raw))
     return out

@@ -12,7 +12,7 @@ from loadtest.arrivals import ArrivalSpec, schedule
 from loadtest.client import ENDPOINTS, RequestSpec, payload, send
 from loadtest.progress import Progress
 from loadtest.prompts import Prompt
-from loadtest.records import RequestRecord
+from loadtest.records import ClientRecord
 
 Clock = Callable[[], float]
 Sleep = Callable[[float], Awaitable[None]]
@@ -43,9 +43,9 @@ class LoadConfig:
 
 @dataclass
 class RunResult:
-    records: list[RequestRecord]
+    records: list[ClientRecord]
     duration_s: float
-    warmup: list[RequestRecord]
+    warmup: list[ClientRecord]
     started_unix: float = 0.0  # wall clock when the load began (set by job; tells loads run together apart)
 
 
@@ -57,8 +57,8 @@ def make_client(cfg: LoadConfig) -> httpx.AsyncClient:
 
 
 async def _one(
-    cfg: LoadConfig, client: httpx.AsyncClient, prompt: Prompt, rec: RequestRecord, clock: Clock
-) -> RequestRecord:
+    cfg: LoadConfig, client: httpx.AsyncClient, prompt: Prompt, rec: ClientRecord, clock: Clock
+) -> ClientRecord:
     body = payload(RequestSpec(cfg.endpoint, cfg.model, prompt.text, cfg.output_len))
     expect = cfg.output_len if cfg.check_output_len else None
     return await send(client, cfg.url, body, rec, clock, cfg.timeout_s, expect)
@@ -66,13 +66,13 @@ async def _one(
 
 async def warm_up(
     cfg: LoadConfig, client: httpx.AsyncClient, prompts: Sequence[Prompt], clock: Clock
-) -> list[RequestRecord]:
+) -> list[ClientRecord]:
     """Warm-up requests, at most `concurrency` at a time; their results are returned apart and never scored."""
     sem = asyncio.Semaphore(cfg.concurrency or max(len(prompts), 1))
 
-    async def go(i: int, p: Prompt) -> RequestRecord:
+    async def go(i: int, p: Prompt) -> ClientRecord:
         async with sem:
-            rec = RequestRecord(index=-1 - i, request_id=f"{cfg.request_id_prefix}-warm-{i}")
+            rec = ClientRecord(index=-1 - i, request_id=f"{cfg.request_id_prefix}-warm-{i}")
             return await _one(cfg, client, p, rec, clock)
 
     return list(await asyncio.gather(*(go(i, p) for i, p in enumerate(prompts))))
@@ -93,7 +93,7 @@ async def run_load(
     sem = asyncio.Semaphore(cfg.concurrency) if cfg.concurrency else None
     start = clock()
 
-    async def go(i: int, rec: RequestRecord) -> RequestRecord:
+    async def go(i: int, rec: ClientRecord) -> ClientRecord:
         try:
             return await _one(cfg, client, main[i], rec, clock)
         finally:
@@ -102,7 +102,7 @@ async def run_load(
             if progress is not None:
                 progress.update(rec.ok)
 
-    tasks: list[asyncio.Task[RequestRecord]] = []
+    tasks: list[asyncio.Task[ClientRecord]] = []
     for i, offset in enumerate(times):
         delay = start + offset - clock()
         if delay > 0:
@@ -113,7 +113,7 @@ async def run_load(
             if sem is not None:
                 sem.release()
             break
-        rec = RequestRecord(index=i, request_id=f"{cfg.request_id_prefix}-{i}", sent=clock() - start)
+        rec = ClientRecord(index=i, request_id=f"{cfg.request_id_prefix}-{i}", sent=clock() - start)
         tasks.append(asyncio.create_task(go(i, rec)))
     try:
         records = list(await asyncio.gather(*tasks))

@@ -4,7 +4,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from loadtest.records import RequestRecord
+from loadtest.records import ClientRecord
 
 SLO_KEYS = ("ttft", "tpot", "e2el")
 
@@ -46,7 +46,7 @@ def parse_goodput(specs: Sequence[str]) -> dict[str, float]:
     return out
 
 
-def meets_slos(rec: RequestRecord, slos_ms: Mapping[str, float]) -> bool:
+def meets_slos(rec: ClientRecord, slos_ms: Mapping[str, float]) -> bool:
     """A successful request whose TTFT, TPOT and E2E are all within the given SLOs (DistServe goodput)."""
     if not rec.ok:
         return False
@@ -80,7 +80,7 @@ class Summary:
 
 
 def summarize(
-    records: Sequence[RequestRecord], duration_s: float, slos_ms: Mapping[str, float] | None = None
+    records: Sequence[ClientRecord], duration_s: float, slos_ms: Mapping[str, float] | None = None
 ) -> Summary:
     """Aggregate a run. Failed requests count in `failed` and in nothing else (as vllm bench serve)."""
     ok = [r for r in records if r.ok]
@@ -107,7 +107,7 @@ def summarize(
     )
 
 
-def paired_ttft(mine: Sequence[RequestRecord], other: Sequence[RequestRecord]) -> dict[str, float] | None:
+def paired_ttft(mine: Sequence[ClientRecord], other: Sequence[ClientRecord]) -> dict[str, float] | None:
     """Two loads that took one arrival stream in turn: request j of each came from the same block of
     consecutive arrivals, so they met the same engines. Over the pairs where both succeeded: the median of
     mine - other's TTFT (ms) and the share of pairs where mine was faster. None when no pair succeeded."""

@@ -5,7 +5,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.records import RequestRecord
+from loadtest.records import ClientRecord
 
 PER_ID_LIMIT = 2000  # at most this many single-id look-ups when the ring buffer has lost older ones
 
@@ -34,7 +34,7 @@ def _collect(found: dict[str, dict[str, Any]], rows: Iterable[Any], wanted: set[
             found[str(row["request_id"])] = row  # newest wins: the buffer is oldest first
 
 
-def join(records: Iterable[RequestRecord], timings: Mapping[str, Mapping[str, Any]]) -> int:
+def join(records: Iterable[ClientRecord], timings: Mapping[str, Mapping[str, Any]]) -> int:
     """Copy handoff/ttft/decode-wait onto each record from the router's row; returns how many matched."""
     matched = 0
     for rec in records:

@@ -44,7 +44,7 @@ class Stats:
 
 
 @dataclass(frozen=True)
-class Options:
+class HostileOptions:
     behaviour: str
     engine_id: str
     kv_dir: Path | None
@@ -60,8 +60,8 @@ class PeerGone(Exception):
     """The router closed the connection while a request ran."""
 
 
-class Worker:
-    def __init__(self, options: Options) -> None:
+class HostileWorker:
+    def __init__(self, options: HostileOptions) -> None:
         self.o = options
         self.stats = Stats()
 
@@ -221,8 +221,8 @@ async def _start_chunked(w: asyncio.StreamWriter, content_type: bytes) -> None:
     await w.drain()
 
 
-async def serve(host: str, port: int, options: Options) -> None:
-    worker = Worker(options)
+async def serve(host: str, port: int, options: HostileOptions) -> None:
+    worker = HostileWorker(options)
     server = await asyncio.start_server(worker.connection, host, port, limit=2**16)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -250,7 +250,7 @@ def main() -> None:
     p.add_argument("--event-pad", type=int, default=0)
     p.add_argument("--event-bytes", type=int, default=2**20)
     a = p.parse_args()
-    options = Options(
+    options = HostileOptions(
         behaviour=a.behaviour,
         engine_id=a.engine_id,
         kv_dir=a.kv_dir,

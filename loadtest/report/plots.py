@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.job import REPO
-from loadtest.records import RequestRecord, read_jsonl
+from loadtest.records import ClientRecord, read_jsonl
 from loadtest.results import Row
 
 
@@ -69,7 +69,7 @@ def vs_load(rows: Sequence[Row], x: str, panels: Sequence[tuple[str, Sequence[st
     return path
 
 
-def _records(row: Row) -> list[RequestRecord]:
+def _records(row: Row) -> list[ClientRecord]:
     rel = row.get("records")
     if not rel:
         return []
@@ -78,7 +78,7 @@ def _records(row: Row) -> list[RequestRecord]:
 
 
 def cdfs(
-    rows: Sequence[Row], value: Callable[[RequestRecord], float | None], label: str, path: Path, title: str
+    rows: Sequence[Row], value: Callable[[ClientRecord], float | None], label: str, path: Path, title: str
 ) -> Path:
     """Empirical CDF of one per-request value, one line per row (series + load point)."""
     plt = _pyplot()
@@ -112,11 +112,11 @@ def cdfs(
     return path
 
 
-def ttft_ms(r: RequestRecord) -> float | None:
+def ttft_ms(r: ClientRecord) -> float | None:
     return None if r.ttft_s is None else r.ttft_s * 1000
 
 
-def handoff_ms(r: RequestRecord) -> float | None:
+def handoff_ms(r: ClientRecord) -> float | None:
     return r.handoff_ms
 
 

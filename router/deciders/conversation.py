@@ -50,7 +50,7 @@ PROMPT_SHAPING = (
 
 
 @dataclass(frozen=True)
-class Link:
+class ChainLink:
     digest: bytes
     chars: int  # the prompt's characters up to and including this link (chat: with an overhead per message)
 
@@ -60,7 +60,7 @@ class Chain:
     """The links of one prompt, in order. Empty when the prompt has no text form (token ids)."""
 
     endpoint: Endpoint
-    links: tuple[Link, ...]
+    links: tuple[ChainLink, ...]
     chunk_chars: int = DEFAULT_CHUNK_CHARS
     tail: str = ""  # completions: the prompt's characters after the last whole chunk
 
@@ -115,24 +115,26 @@ def chain_of(endpoint: Endpoint, body: Mapping[str, Any], chunk_chars: int = DEF
     return _text_chain(endpoint, (head,), prompt, chunk_chars)
 
 
-def _head(endpoint: Endpoint, body: Mapping[str, Any]) -> Link:
+def _head(endpoint: Endpoint, body: Mapping[str, Any]) -> ChainLink:
     shaping = {name: body[name] for name in PROMPT_SHAPING if body.get(name) is not None}
     shaping["endpoint"] = str(endpoint)
     text = _canonical(shaping)
     tool_chars = len(_canonical(body["tools"])) if body.get("tools") else 0  # tools are rendered into the prompt
-    return Link(_digest(b"kvpush-conversation-v1", text), tool_chars)
+    return ChainLink(_digest(b"kvpush-conversation-v1", text), tool_chars)
 
 
-def _message_link(previous: Link, message: Any) -> Link:
-    return Link(_digest(previous.digest, _canonical(_normalised(message))), previous.chars + _message_chars(message))
+def _message_link(previous: ChainLink, message: Any) -> ChainLink:
+    return ChainLink(
+        _digest(previous.digest, _canonical(_normalised(message))), previous.chars + _message_chars(message)
+    )
 
 
-def _text_chain(endpoint: Endpoint, links: Sequence[Link], text: str, chunk_chars: int) -> Chain:
+def _text_chain(endpoint: Endpoint, links: Sequence[ChainLink], text: str, chunk_chars: int) -> Chain:
     out = list(links)
     whole = len(text) - len(text) % chunk_chars
     for start in range(0, whole, chunk_chars):
         piece = text[start : start + chunk_chars]
-        out.append(Link(_digest(out[-1].digest, piece), out[-1].chars + len(piece)))
+        out.append(ChainLink(_digest(out[-1].digest, piece), out[-1].chars + len(piece)))
     return Chain(endpoint, tuple(out), chunk_chars, text[whole:])
 
 

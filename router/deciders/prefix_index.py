@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from router.deciders.conversation import Chain, Link
+from router.deciders.conversation import Chain, ChainLink
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class PrefixIndex:
         return len(self._held.get(worker, ()))
 
     def record(
-        self, worker: str, links: Sequence[Link], tokens: Sequence[int], now: float, reusable: int | None = None
+        self, worker: str, links: Sequence[ChainLink], tokens: Sequence[int], now: float, reusable: int | None = None
     ) -> None:
         """`worker` now holds every link of `links` (a chain's leading links), `tokens[i]` tokens up to link i, of
         which its cache can match at most `reusable` (None: all of them)."""
@@ -79,7 +79,7 @@ class PrefixIndex:
             self.evictions.capacity += 1
 
     def refine(
-        self, worker: str, links: Sequence[Link], recorded_at: float, reusable: int, tokens: Sequence[int]
+        self, worker: str, links: Sequence[ChainLink], recorded_at: float, reusable: int, tokens: Sequence[int]
     ) -> None:
         """What `worker` holds through `links`, as recorded at `recorded_at`, is now known: `tokens[i]` tokens up
         to link i in a prompt that sends them back, of which its cache can match `reusable` (an answer checked
@@ -207,7 +207,7 @@ def reusable_answer_tokens(answer: str, completion_tokens: int) -> int:
     return min(completion_tokens - 1, completion_tokens * stop // len(answer))
 
 
-def prorated(links: Iterable[Link], total_chars: int, total_tokens: int) -> list[int]:
+def prorated(links: Iterable[ChainLink], total_chars: int, total_tokens: int) -> list[int]:
     """Token counts up to each link, the request's own tokens spread over its characters (the last link of a
     whole prompt gets exactly `total_tokens` when its chars are the total)."""
     if total_chars <= 0:

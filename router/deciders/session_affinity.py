@@ -50,7 +50,7 @@ from typing import Any, ClassVar
 from router import values
 from router.decider import AnswerCheck, DeciderStats, Decision, Outcome, Route, Turn
 from router.deciders.answer_align import align, assistant_text
-from router.deciders.conversation import Chain, ConversationKey, Link, conversation_key, session_of
+from router.deciders.conversation import Chain, ChainLink, ConversationKey, conversation_key, session_of
 from router.deciders.exact import ExactPick, exact_pick
 from router.deciders.prefix_index import Match, PrefixIndex, SessionTable, TokenRatio, prorated, reusable_answer_tokens
 from router.deciders.prompt_tokens import PromptTokens
@@ -336,7 +336,7 @@ class SessionAffinity:
     def _answer_check(
         self,
         outcome: Outcome,
-        links: Sequence[Link],
+        links: Sequence[ChainLink],
         counts: Sequence[int],
         prompt_tokens: int,
         credited: int,

@@ -27,35 +27,9 @@ SHARED: dict[str, tuple[frozenset[str], str]] = {
         "one concept (a process's `timeouts:` settings group) in two processes that share only JSON",
     ),
     "Link": (
-        frozenset({"stack/link/fabric.py", "router/deciders/conversation.py", "connector/wire/side_channel.py"}),
-        "pending: stack's is the emulated network (the house's 'link'); conversation.py's is one chunk of a"
-        " prompt's chain (rename ChainLink); side_channel.py's Protocol is a peer link's handle (rename PeerHandle)",
-    ),
-    "Options": (
-        frozenset({"connector/options.py", "loadtest/faults/hostile_workers.py"}),
-        "pending: the connector's are its settings; hostile_workers.py's are one stand-in's behaviour (rename"
-        " HostileOptions)",
-    ),
-    "Worker": (
-        frozenset({"loadtest/faults/bed.py", "loadtest/faults/hostile_workers.py"}),
-        "pending: hostile_workers.py's is the stand-in's server (rename HostileWorker)",
-    ),
-    "RequestRecord": (
-        frozenset({"router/timings.py", "loadtest/records.py"}),
-        "pending: the router's is its own view of a request; loadtest/records.py's is the client's (rename"
-        " ClientRecord)",
-    ),
-    "Outcome": (
-        frozenset({"router/decider.py", "loadtest/faults/soak/traffic.py"}),
-        "pending: the router's is how an attempt ended; the soak's is one request's result (rename SoakOutcome)",
-    ),
-    "Tally": (
-        frozenset({"connector/rendezvous/actions.py", "loadtest/faults/soak/traffic.py"}),
-        "pending: the connector's is its event counters; the soak's is its outcomes so far (rename Outcomes)",
-    ),
-    "Verdict": (
-        frozenset({"loadtest/report/kit.py", "loadtest/faults/soak/judge.py"}),
-        "pending: report/kit.py's is one target at one point; the soak's is the run's (rename SoakVerdict)",
+        frozenset({"stack/link/fabric.py", "connector/wire/side_channel.py"}),
+        "pending: stack's is the emulated network (the house's 'link'); side_channel.py's Protocol is a peer link's"
+        " handle (rename PeerHandle)",
     ),
 }
 

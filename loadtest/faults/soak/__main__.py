@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.info(
             "capacity %.2f jobs/s with %d clients; soak at %.2f jobs/s for %g s", capacity, a.clients, rate, a.duration
         )
-        tally, samples, shapes = traffic.Tally(), [], []
+        tally, samples, shapes = traffic.Outcomes(), [], []
         t0 = time.monotonic()
         arrivals: list[int] = []
         load = threading.Thread(

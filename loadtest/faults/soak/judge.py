@@ -79,7 +79,7 @@ class Leftover:
 
 
 @dataclass
-class Verdict:
+class SoakVerdict:
     trends: list[Trend] = field(default_factory=list)
     left: list[str] = field(default_factory=list)
     unexpected: dict[str, int] = field(default_factory=dict)  # kind of request -> its unexpected outcomes
@@ -102,8 +102,8 @@ def judge(
     warmup: int,
     leftover: Leftover,
     unexpected: Mapping[str, int],
-) -> Verdict:
+) -> SoakVerdict:
     """`series`: name -> (kind, values in sample order). Fails on any growing series, anything left, any
     unexpected outcome; and when no series has enough samples after warm-up to be judged at all."""
     trends = [t for name, (kind, values) in series.items() if (t := trend(name, kind, values, warmup)) is not None]
-    return Verdict(trends, leftover.left(), {k: n for k, n in unexpected.items() if n}, judged=bool(trends))
+    return SoakVerdict(trends, leftover.left(), {k: n for k, n in unexpected.items() if n}, judged=bool(trends))

@@ -39,7 +39,7 @@ SYSTEMS = tuple(f"You are assistant {i}. " + " ".join(f"rule {j}: be brief." for
 
 
 @dataclass(frozen=True)
-class Outcome:
+class SoakOutcome:
     kind: str
     label: str  # "200", "200 cut", "400", "left", "no answer", ...
     expected: bool
@@ -164,7 +164,7 @@ def expected(kind: str, label: str) -> bool:
     return label == "200"
 
 
-def run_one(kind: str, url: str, rng: random.Random) -> Outcome:
+def run_one(kind: str, url: str, rng: random.Random) -> SoakOutcome:
     t0 = time.monotonic()
     with httpx.Client(timeout=GUARD) as http:
         jobs: dict[str, Callable[[], str]] = {
@@ -177,17 +177,17 @@ def run_one(kind: str, url: str, rng: random.Random) -> Outcome:
             "bad": lambda: bad(http, url, rng),
         }
         label = jobs[kind]()
-    return Outcome(kind, label, expected(kind, label), time.monotonic() - t0)
+    return SoakOutcome(kind, label, expected(kind, label), time.monotonic() - t0)
 
 
 @dataclass
-class Tally:
+class Outcomes:
     """Every outcome so far (thread-safe)."""
 
-    outcomes: list[Outcome] = field(default_factory=list)
+    outcomes: list[SoakOutcome] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, outcome: Outcome) -> None:
+    def add(self, outcome: SoakOutcome) -> None:
         with self.lock:
             self.outcomes.append(outcome)
 
@@ -204,7 +204,7 @@ class Tally:
             return dict(Counter(o.kind for o in self.outcomes if not o.expected))
 
 
-def _record(tally: Tally, kind: str, url: str, rng: random.Random) -> None:
+def _record(tally: Outcomes, kind: str, url: str, rng: random.Random) -> None:
     tally.add(run_one(kind, url, rng))
 
 
@@ -226,7 +226,7 @@ def closed_loop(url: str, clients: int, seconds: float, seed: int) -> float:
     return done / (time.monotonic() - t0)
 
 
-def open_loop(url: str, rate: float, until: float, seed: int, tally: Tally, max_threads: int = 64) -> int:
+def open_loop(url: str, rate: float, until: float, seed: int, tally: Outcomes, max_threads: int = 64) -> int:
     """Poisson arrivals of the mix at `rate` jobs/s until `until` (monotonic); returns the arrivals. Waits for
     every job to finish."""
     rng = random.Random(seed)

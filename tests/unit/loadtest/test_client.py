@@ -5,7 +5,7 @@ from collections.abc import Callable, Iterator
 import httpx
 
 from loadtest.client import RequestSpec, StreamTracker, payload, send
-from loadtest.records import RequestRecord
+from loadtest.records import ClientRecord
 
 
 def sse(*events: object) -> list[str]:
@@ -31,7 +31,7 @@ def test_payload_shapes() -> None:
 
 
 def test_tracker_times_first_chunk_gaps_and_usage() -> None:
-    t = StreamTracker(RequestRecord(0, "r"), t_send=10.0)
+    t = StreamTracker(ClientRecord(0, "r"), t_send=10.0)
     times = iter([10.2, 10.2, 10.5, 10.5, 10.6, 10.6, 10.9, 10.9, 11.0, 11.0])
     for line in sse(comp(""), comp("a"), comp("b"), USAGE, "[DONE]"):
         t.feed(line, next(times))
@@ -44,29 +44,29 @@ def test_tracker_times_first_chunk_gaps_and_usage() -> None:
 
 
 def test_tracker_chat_deltas_and_failures() -> None:
-    t = StreamTracker(RequestRecord(0, "r"), t_send=0.0)
+    t = StreamTracker(ClientRecord(0, "r"), t_send=0.0)
     for i, line in enumerate(
         sse({"choices": [{"delta": {"role": "assistant", "content": ""}}]}, {"choices": [{"delta": {"content": "x"}}]})
     ):
         t.feed(line, float(i))
     assert t.rec.ttft_s == 0.0 and t.rec.ttft_text_s == 2.0
     assert t.finish(expect_output=2).error == "no usage chunk"
-    wrong = StreamTracker(RequestRecord(1, "r"), 0.0)
+    wrong = StreamTracker(ClientRecord(1, "r"), 0.0)
     for line in sse(comp("a"), USAGE):
         wrong.feed(line, 1.0)
     assert not wrong.finish(expect_output=4).ok
 
 
-def run_send(handler: httpx.MockTransport) -> RequestRecord:
+def run_send(handler: httpx.MockTransport) -> ClientRecord:
     clock: Iterator[float] = iter(float(i) for i in range(1000))
 
-    async def go() -> RequestRecord:
+    async def go() -> ClientRecord:
         async with httpx.AsyncClient(transport=handler) as client:
             return await send(
                 client,
                 "http://t/v1/completions",
                 {"prompt": "p"},
-                RequestRecord(0, "mine"),
+                ClientRecord(0, "mine"),
                 lambda: next(clock),
                 timeout_s=5.0,
                 expect_output=3,
@@ -105,9 +105,9 @@ def test_send_adds_the_caller_s_headers_and_lets_it_read_every_line_and_fail_on_
         assert req.headers["x-session-id"] == "s1" and req.headers["x-request-id"] == "mine"
         return httpx.Response(200, content=body)
 
-    async def go(listen: Callable[[str], None]) -> RequestRecord:
+    async def go(listen: Callable[[str], None]) -> ClientRecord:
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            rec = RequestRecord(0, "mine")
+            rec = ClientRecord(0, "mine")
             clock = iter(range(100))
             return await send(
                 client,

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from loadtest import multiturn
-from loadtest.records import RequestRecord
+from loadtest.records import ClientRecord
 
 SHAPE = multiturn.SessionShape(sessions=20, session_rate=0.5, seed=4)
 
@@ -41,7 +41,7 @@ def test_message_text_has_the_asked_number_of_words_and_a_unique_head() -> None:
 
 
 def turn(session: str, n: int, *, ok: bool = True, prompt: int = 100, out: int = 10, ttft: float = 0.1) -> Any:
-    rec = RequestRecord(index=n, request_id=f"{session}-{n}", ok=ok, prompt_tokens=prompt, output_tokens=out)
+    rec = ClientRecord(index=n, request_id=f"{session}-{n}", ok=ok, prompt_tokens=prompt, output_tokens=out)
     rec.ttft_s = ttft
     return multiturn.TurnRecord(session, n, rec, answer=f"{session}{n}")
 
@@ -82,9 +82,9 @@ def test_send_turn_collects_text_usage_and_cached_tokens() -> None:
         usage = {"prompt_tokens": 40, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 32}}
         return httpx.Response(200, content=sse(*chunks, {"choices": [], "usage": usage}))
 
-    async def go() -> tuple[RequestRecord, str, int | None]:
+    async def go() -> tuple[ClientRecord, str, int | None]:
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            rec = RequestRecord(index=0, request_id="s-t1")
+            rec = ClientRecord(index=0, request_id="s-t1")
             ticks = iter(range(100))
             return await multiturn.send_turn(
                 client, "http://x/v1/chat/completions", {}, {"X-Session-ID": "s"}, rec, lambda: next(ticks), 5.0, 2
@@ -96,10 +96,10 @@ def test_send_turn_collects_text_usage_and_cached_tokens() -> None:
 
 
 def test_send_turn_records_an_http_error() -> None:
-    async def go() -> RequestRecord:
+    async def go() -> ClientRecord:
         transport = httpx.MockTransport(lambda _: httpx.Response(503, content=b"busy"))
         async with httpx.AsyncClient(transport=transport) as client:
-            rec = RequestRecord(index=0, request_id="s-t1")
+            rec = ClientRecord(index=0, request_id="s-t1")
             got, _, _ = await multiturn.send_turn(client, "http://x/", {}, {}, rec, lambda: 0.0, 5.0, 2)
             return got
 

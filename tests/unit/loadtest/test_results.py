@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from loadtest import machine
-from loadtest.records import RequestRecord
+from loadtest.records import ClientRecord
 from loadtest.results import REQUIRED, RowLabels, append_rows, build_row, load_rows
 from loadtest.stats import summarize
 
@@ -26,7 +26,7 @@ def labels(**kw: object) -> RowLabels:
 
 
 def test_row_has_every_required_field_and_is_valid_json(tmp_path: Path) -> None:
-    recs = [RequestRecord(0, "a", ok=True, ttft_s=0.1, e2e_s=0.4, output_tokens=4, handoff_ms=12.0)]
+    recs = [ClientRecord(0, "a", ok=True, ttft_s=0.1, e2e_s=0.4, output_tokens=4, handoff_ms=12.0)]
     row = build_row(
         summarize(recs, 1.0), labels(extra={"profile": "zero"}), "abc", now=dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
     )
@@ -41,7 +41,7 @@ def test_row_has_every_required_field_and_is_valid_json(tmp_path: Path) -> None:
 
 
 def test_empty_run_turns_nan_into_null() -> None:
-    row = build_row(summarize([RequestRecord(0, "a", error="x")], 0.0), labels(qps=float("inf")), "c")
+    row = build_row(summarize([ClientRecord(0, "a", error="x")], 0.0), labels(qps=float("inf")), "c")
     assert row["failed"] == 1 and row["ttft_ms"] is None and row["req_per_s"] is None and row["qps"] is None
     json.dumps(row, allow_nan=False)
 

@@ -2,14 +2,12 @@ import math
 
 import pytest
 
-from loadtest.records import RequestRecord
+from loadtest.records import ClientRecord
 from loadtest.stats import dist_ms, meets_slos, paired_ttft, parse_goodput, percentile, summarize
 
 
-def rec(
-    i: int, ttft: float, e2e: float, out: int = 5, ok: bool = True, itl: list[float] | None = None
-) -> RequestRecord:
-    return RequestRecord(
+def rec(i: int, ttft: float, e2e: float, out: int = 5, ok: bool = True, itl: list[float] | None = None) -> ClientRecord:
+    return ClientRecord(
         index=i, request_id=str(i), ok=ok, ttft_s=ttft, e2e_s=e2e, output_tokens=out, prompt_tokens=10, itl_s=itl or []
     )
 

@@ -2,7 +2,7 @@ import asyncio
 
 import httpx
 
-from loadtest.records import RequestRecord
+from loadtest.records import ClientRecord
 from loadtest.timings import fetch, join
 
 
@@ -29,7 +29,7 @@ def test_fetch_reads_bulk_then_asks_for_what_the_ring_dropped() -> None:
 
 
 def test_join_copies_router_fields() -> None:
-    recs = [RequestRecord(0, "a"), RequestRecord(1, "b")]
+    recs = [ClientRecord(0, "a"), ClientRecord(1, "b")]
     assert join(recs, {"a": row("a", 3.0)}) == 1
     assert recs[0].handoff_ms == 3.0 and recs[0].pairing_id == "p-a" and recs[0].decode_wait_ms == 1.5
     assert recs[1].handoff_ms is None

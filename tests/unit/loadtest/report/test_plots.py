@@ -2,7 +2,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from loadtest.records import RequestRecord, write_jsonl
+from loadtest.records import ClientRecord, write_jsonl
 from loadtest.report.plots import suite_plots
 
 
@@ -24,7 +24,7 @@ def row(mode: str, qps: float, records: Path) -> dict[str, Any]:
 
 def test_seed_plots_are_written(tmp_path: Path) -> None:
     recs = tmp_path / "requests.jsonl"
-    write_jsonl(recs, [RequestRecord(i, str(i), ok=True, ttft_s=0.01 * (i + 1), handoff_ms=2.0 + i) for i in range(5)])
+    write_jsonl(recs, [ClientRecord(i, str(i), ok=True, ttft_s=0.01 * (i + 1), handoff_ms=2.0 + i) for i in range(5)])
     rows = [row(m, q, recs) for m in ("push", "pull") for q in (1.0, 2.0)]
     files = suite_plots("seed-sim", rows, tmp_path)
     assert [f.name for f in files] == ["seed-sim.png", "seed-sim-ttft-cdf.png", "seed-sim-handoff-cdf.png"]
@@ -35,7 +35,7 @@ def test_seed_plots_are_written(tmp_path: Path) -> None:
 
 def test_the_link_suite_draws_bars_per_preset_and_a_ttft_cdf(tmp_path: Path) -> None:
     recs = tmp_path / "requests.jsonl"
-    write_jsonl(recs, [RequestRecord(i, str(i), ok=True, ttft_s=0.1 * (i + 1)) for i in range(5)])
+    write_jsonl(recs, [ClientRecord(i, str(i), ok=True, ttft_s=0.1 * (i + 1)) for i in range(5)])
     rows = []
     for conn, router in (
         ("upstream-pull", "kvpush"),

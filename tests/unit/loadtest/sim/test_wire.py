@@ -2,7 +2,7 @@ import pytest
 
 from loadtest.client import StreamTracker
 from loadtest.promtext import by_label, parse
-from loadtest.records import RequestRecord
+from loadtest.records import ClientRecord
 from loadtest.sim import wire
 from loadtest.sim.engine import LegKind
 
@@ -50,7 +50,7 @@ def test_prefill_params_state_the_connector_mode(mode: str) -> None:
 def test_stream_is_what_our_client_reads(chat: bool) -> None:
     body = b"".join(wire.chunk("r", "m", chat, first=i == 0, final=i == 2) for i in range(3))
     body += wire.usage_chunk("r", "m", chat, 7, 3) + wire.DONE
-    t = StreamTracker(RequestRecord(0, "r"), 0.0)
+    t = StreamTracker(ClientRecord(0, "r"), 0.0)
     for i, line in enumerate(body.decode().split("\n")):
         t.feed(line, float(i))
     rec = t.finish(expect_output=3)
