@@ -9,7 +9,11 @@ A probe that fails outright (refused, reset, a non-2xx answer) takes an UP worke
 times out takes it down only at the `probe_timeouts`-th timeout in a row (the pool sends the confirming probe at
 once): vLLM answers /health from its API process without asking the engine, so a busy engine answers in
 milliseconds and two timeouts in a row mean a hung process (SIGSTOP, a wedged event loop), while one slow answer
-from a starved API process does not cost the legs in flight on that worker.
+from a starved API process does not cost the legs in flight on that worker. Nor does a timeout while the worker
+answers legs: one answered within `alive_window` proves the engine alive, so the timeout is not counted (a
+starved box, where the API process answers /health late while it serves; the soak of Dec 7 lost its only decode
+to two such timeouts and answered 22 clients 503). A hung worker answers nothing, so its timeouts count once its
+last answer is `alive_window` old.
 
 A hard request failure (the worker refused or dropped the connection) ejects at once; soft ones (a 5xx answer,
 a deadline) eject after `eject_after` in a row. Each ejection doubles the hold (`base_backoff` up to
@@ -43,6 +47,7 @@ class HealthPolicy:
     base_backoff: float = 1.0  # seconds the first ejection holds a worker out
     max_backoff: float = 30.0
     probe_timeouts: int = 2  # probe timeouts in a row that take an UP worker down
+    alive_window: float = 2.0  # a leg answered this recently proves the worker alive: a probe timeout is not counted
     stall_base: float = 5.0  # seconds a prefill leg may wait without any answer from its worker, plus:
     stall_per_token: float = 0.001  # per prompt token of the leg (a 1000 tokens/s floor on prefill speed)
 
@@ -69,6 +74,7 @@ class WorkerHealth:
         self.ejections = 0  # ejections in a row (sets the backoff)
         self.held_until = 0.0
         self.probe_timeouts = 0  # probe timeouts in a row
+        self.last_ok = float("-inf")  # when a leg to it last succeeded
 
     @property
     def usable(self) -> bool:
@@ -88,6 +94,9 @@ class WorkerHealth:
         took the worker out."""
         self.probe_timeouts = self.probe_timeouts + 1 if timed_out else 0
         was_up = self.state is Health.UP
+        if was_up and timed_out and now - self.last_ok < self._policy.alive_window:
+            self.probe_timeouts = 0
+            return False  # it answers legs: a late /health is a starved API process, not a hung worker
         if was_up and timed_out and self.probe_timeouts < self._policy.probe_timeouts:
             return False  # one slow answer: the pool confirms with another probe at once
         self.probe_timeouts = 0
@@ -100,6 +109,7 @@ class WorkerHealth:
         return self.state is Health.UP and self.probe_timeouts > 0
 
     def on_request_ok(self, now: float) -> None:
+        self.last_ok = now
         self.failures = 0
         self.ejections = 0
 

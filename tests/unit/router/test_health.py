@@ -113,6 +113,30 @@ def test_one_probe_timeout_takes_a_worker_down_when_the_policy_says_so() -> None
     assert h.on_probe_failed(1.0, timed_out=True) and h.state is Health.DOWN
 
 
+def test_probe_timeouts_do_not_count_while_the_worker_answers_legs() -> None:
+    """A starved box: /health answers late while legs are answered (the Dec 7 soak lost its only decode so)."""
+    h = at(Health.UP)
+    for now in (1.0, 2.0, 3.0, 4.0):
+        h.on_request_ok(now - 0.5)
+        assert not h.on_probe_failed(now, timed_out=True) and not h.confirming
+        assert not h.on_probe_failed(now + 0.1, timed_out=True)
+    assert h.state is Health.UP
+
+
+def test_a_hung_worker_goes_down_once_its_last_answer_is_older_than_the_window() -> None:
+    h = at(Health.UP)
+    h.on_request_ok(1.0)  # then it hangs: nothing more is answered
+    assert not h.on_probe_failed(2.5, timed_out=True) and not h.confirming  # answered 1.5 s ago: alive
+    assert not h.on_probe_failed(3.5, timed_out=True) and h.confirming  # 2.5 s of silence: this one counts
+    assert h.on_probe_failed(3.6, timed_out=True) and h.state is Health.DOWN
+
+
+def test_a_refused_probe_takes_a_worker_down_even_while_it_answers_legs() -> None:
+    h = at(Health.UP)
+    h.on_request_ok(1.0)
+    assert h.on_probe_failed(1.1) and h.state is Health.DOWN
+
+
 # ------------------------------------------------------------------------------------------------ the stall rule
 
 STALL = HealthPolicy(stall_base=5.0, stall_per_token=0.01)
