@@ -18,7 +18,7 @@ from connector.wire.plan import (
     PrefillRestarted,
     RegisterOrder,
 )
-from connector.wire.side_channel import Link
+from connector.wire.side_channel import PeerHandle
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class PeerReady:
 @dataclass(frozen=True)
 class PeerLost:
     engine_id: str
-    link: Link | None = None  # the link that ended (a stale one is ignored), None: the server's
+    link: PeerHandle | None = None  # the link that ended (a stale one is ignored), None: the server's
 
 
 @dataclass

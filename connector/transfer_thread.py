@@ -90,7 +90,7 @@ from connector.wire.plan import (
     PrefillRestarted,
     RegisterOrder,
 )
-from connector.wire.side_channel import Link, Server, SideChannel, TcpSideChannel
+from connector.wire.side_channel import PeerHandle, Server, SideChannel, TcpSideChannel
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class TransferThread:
         self._write_backoff = self._polling.write_poll_min_s
         self._agents: dict[str, str] = {}  # peer key (engine, rank: ``metadata.peer_key``) -> agent name
         self._retired: set[str] = set()  # agent names to remove once no WRITE to them is in flight
-        self._links: dict[str, Link] = {}
+        self._links: dict[str, PeerHandle] = {}
         self._side_channel: SideChannel = side_channel or TcpSideChannel()
         self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue[Results] = queue.SimpleQueue()
@@ -394,7 +394,7 @@ class TransferThread:
         self._peer_ranks[cmd.payload.peer_key] = cmd.payload.rank
         self._perform(self._decode.on_peer_ready(cmd.payload.peer_key, cmd.clock_offset, now), now)
 
-    def _on_peer_lost(self, engine_id: str, now: float, ended: Link | None = None) -> None:
+    def _on_peer_lost(self, engine_id: str, now: float, ended: PeerHandle | None = None) -> None:
         if ended is not None and self._links.get(engine_id) is not ended:
             return  # an older link of that engine ended after a newer one was opened
         link = self._links.pop(engine_id, None)

@@ -302,7 +302,7 @@ class Server(Protocol):
     def close(self) -> None: ...
 
 
-class Link(Protocol):
+class PeerHandle(Protocol):
     def start(self) -> None: ...
     def close(self) -> None: ...
 
@@ -333,7 +333,7 @@ class SideChannel(Protocol):
         timeout_s: float,
         liveness: Liveness,
         clock: Callable[[], float],
-    ) -> Link: ...
+    ) -> PeerHandle: ...
 
 
 class TcpSideChannel:
@@ -362,5 +362,5 @@ class TcpSideChannel:
         timeout_s: float,
         liveness: Liveness,
         clock: Callable[[], float],
-    ) -> Link:
+    ) -> PeerHandle:
         return PeerLink(peer, local_payload, on_ready, on_lost, expect_hash, timeout_s, liveness, clock)

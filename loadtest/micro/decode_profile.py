@@ -55,7 +55,7 @@ STEPS = "vllm:iteration_tokens_total_count"
 
 
 @dataclass(frozen=True)
-class Pair:
+class ProfiledPair:
     """One P/D pair to profile: the rows' `connector` label, its router mode, vLLM connector and extra config."""
 
     label: str
@@ -65,13 +65,13 @@ class Pair:
     extra: Mapping[str, Any] = field(default_factory=dict)
 
 
-def pairs_for(names: Sequence[str], variants: Sequence[str]) -> list[Pair]:
+def pairs_for(names: Sequence[str], variants: Sequence[str]) -> list[ProfiledPair]:
     """The cpu-vllm families named, then one of ours per ``LABEL=JSON`` variant (label ``kvpush-push-LABEL``)."""
     known = {f.label: f for f in FAMILIES}
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"unknown pairs {unknown} (known: {sorted(known)})")
-    out = [Pair(f.label, f.mode, f.connector, f.module) for f in (known[n] for n in names)]
+    out = [ProfiledPair(f.label, f.mode, f.connector, f.module) for f in (known[n] for n in names)]
     for item in variants:
         label, sep, text = item.partition("=")
         if not sep or not label:
@@ -79,7 +79,7 @@ def pairs_for(names: Sequence[str], variants: Sequence[str]) -> list[Pair]:
         extra = json.loads(text)
         if not isinstance(extra, dict):
             raise ValueError(f"--variant {item!r}: the JSON must be an object")
-        out.append(Pair(f"kvpush-push-{label}", "push", "KvpushConnector", "connector.plugin", extra))
+        out.append(ProfiledPair(f"kvpush-push-{label}", "push", "KvpushConnector", "connector.plugin", extra))
     return out
 
 

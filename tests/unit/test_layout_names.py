@@ -26,11 +26,6 @@ SHARED: dict[str, tuple[frozenset[str], str]] = {
         frozenset({"router/config.py", "connector/rendezvous/actions.py"}),
         "one concept (a process's `timeouts:` settings group) in two processes that share only JSON",
     ),
-    "Link": (
-        frozenset({"stack/link/fabric.py", "connector/wire/side_channel.py"}),
-        "pending: stack's is the emulated network (the house's 'link'); side_channel.py's Protocol is a peer link's"
-        " handle (rename PeerHandle)",
-    ),
 }
 
 
