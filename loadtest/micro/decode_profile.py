@@ -16,7 +16,7 @@ busy ms per decode step by process and part (model forward, sampling, scheduler,
 name; other threads whole: our owner thread ``kvpush-transfer``, upstream's NIXL threads) and CPU ms per request
 by thread.
 
-Needs py-spy in the venv (``.venv/bin/pip install py-spy``; ptrace allowed). Run under the machine's lock:
+Needs py-spy (a dev dependency: ``make venv`` installs it; ptrace allowed). Run under the machine's lock:
 ``flock /tmp/kvpush-vllm.lock timeout 1200 .venv/bin/python -m loadtest.micro.decode_profile --qps 1.5,8``.
 Writes ``decode_profile.json`` (one object per point) and the points' rows (summary.json) under ``--out`` and
 prints a Markdown table of it (``--table FILE`` prints that of an earlier run).
