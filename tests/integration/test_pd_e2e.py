@@ -416,6 +416,7 @@ def test_sixteen_concurrent_pushes(ours: Stack) -> None:
     stack = ours
     before = kv_sources(stack.decode_url)
     xfers = metric(stack.p0_url, "vllm:kvpush_xfer_time_seconds_count")
+    runs = {s: _run_blocks(stack.p0_url, s) for s in ("prefill", "decode", "both")}
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(lambda _: push(stack.engines, plain_body(40, 8)), range(16)))
     assert all(r.status_code == 200 for legs in results for r in legs), [r.text for legs in results for r in legs]
@@ -423,6 +424,20 @@ def test_sixteen_concurrent_pushes(ours: Stack) -> None:
     wait_for(lambda: transferred_since(stack, before) >= sent, "decode counted every prompt")
     assert transferred_since(stack, before) == sent
     wait_for(lambda: metric(stack.p0_url, "vllm:kvpush_xfer_time_seconds_count") - xfers >= 16, "p0 wrote 16 times")
+    # issue 44: every WRITE's block ids reach P's run histograms; the same blocks on each side, and runs on both
+    # sides at once are at least as many as on either side alone (a pair breaks a run when either side does)
+    now = {s: _run_blocks(stack.p0_url, s) for s in ("prefill", "decode", "both")}
+    (blocks_p, runs_p), (blocks_d, runs_d), (blocks_b, runs_b) = (
+        (now[s][0] - runs[s][0], now[s][1] - runs[s][1]) for s in ("prefill", "decode", "both")
+    )
+    assert blocks_p == blocks_d == blocks_b >= 16, now
+    assert runs_b >= max(runs_p, runs_d) >= 16, now
+
+
+def _run_blocks(url: str, side: str) -> tuple[float, float]:
+    """(blocks, runs) written so far per P's vllm:kvpush_run_blocks_<side> histogram."""
+    name = f"vllm:kvpush_run_blocks_{side}"
+    return metric(url, f"{name}_sum"), metric(url, f"{name}_count")
 
 
 def test_a_chunked_prefill_is_pushed_step_by_step_and_decode_answers_as_one_instance(ours: Stack) -> None:
