@@ -10,49 +10,14 @@ metrics), which may reach every room.
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
+from tests.unit.loadtest import test_layout
 from tests.unit.loadtest.test_layout import cycles
 
 ROOT = Path(__file__).resolve().parents[3] / "connector"
 FLOORS = ("wire", "rendezvous", "parallel", "transfer", "top")
 MAX_TOP = 12  # modules at the top, __init__ included
-
-
-def modules() -> dict[str, Path]:
-    found = {}
-    for path in sorted(ROOT.rglob("*.py")):
-        parts = path.relative_to(ROOT.parent).with_suffix("").parts
-        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
-    return found
-
-
-def _imported(node: ast.AST, package: str, known: set[str]) -> set[str]:
-    if isinstance(node, ast.Import):
-        names = [a.name for a in node.names]
-    elif isinstance(node, ast.ImportFrom):
-        base = node.module or ""
-        if node.level:
-            up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-            base = ".".join([*up, base] if base else up)
-        names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
-    else:
-        return set()
-    return {n for n in names if n in known}
-
-
-def graph() -> dict[str, set[str]]:
-    """Every import of a connector module by a connector module, wherever it is written (lazy, TYPE_CHECKING)."""
-    mods = modules()
-    out: dict[str, set[str]] = {}
-    for name, path in mods.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        edges: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            edges |= _imported(node, package, set(mods))
-        out[name] = edges - {name}
-    return out
 
 
 def floor(module: str) -> int:
@@ -68,13 +33,13 @@ def test_every_module_lives_in_a_known_room() -> None:
 
 
 def test_the_connector_has_no_import_cycle() -> None:
-    assert cycles(graph()) == []
+    assert cycles(test_layout.graph(ROOT)) == []
 
 
 def test_no_arrow_points_from_a_lower_room_to_a_higher_one() -> None:
     up = sorted(
         f"{src} -> {dst}"
-        for src, dsts in graph().items()
+        for src, dsts in test_layout.graph(ROOT).items()
         for dst in dsts
         if floor(dst) > floor(src) and dst != "connector"
     )
@@ -83,7 +48,7 @@ def test_no_arrow_points_from_a_lower_room_to_a_higher_one() -> None:
 
 def test_the_floors_see_real_arrows() -> None:
     """The checks above are not vacuous: the graph holds arrows between rooms in the expected direction."""
-    g = graph()
+    g = test_layout.graph(ROOT)
     assert "connector.wire.metadata" in g["connector.rendezvous.prefill"]
     assert "connector.rendezvous.prefill" in g["connector.parallel.fanout"]
     assert "connector.parallel.topology" in g["connector.transfer.nixl"]

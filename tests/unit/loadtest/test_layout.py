@@ -17,10 +17,11 @@ FLOORS = ("generator", "sim", "report", "bench", "micro", "faults", "door")
 DOOR = {"loadtest.cli", "loadtest.__main__"}
 
 
-def modules() -> dict[str, Path]:
+def modules(root: Path = ROOT) -> dict[str, Path]:
+    """The package's modules by dotted name (``root``: the package's folder; connector's rooms test uses it too)."""
     found = {}
-    for path in sorted(ROOT.rglob("*.py")):
-        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
         found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
@@ -39,9 +40,9 @@ def _targets(node: ast.AST, package: str, known: set[str]) -> set[str]:
     return {n for n in names if n in known}
 
 
-def graph() -> dict[str, set[str]]:
+def graph(root: Path = ROOT) -> dict[str, set[str]]:
     """Every import of a loadtest module by a loadtest module, wherever it is written (top, function, TYPE_CHECKING)."""
-    mods = modules()
+    mods = modules(root)
     out: dict[str, set[str]] = {}
     for name, path in mods.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
