@@ -2,7 +2,7 @@
 `with_environment`, which resolves what only the running process knows (Kubernetes in-cluster defaults).
 
 Where things live: the value checks (one rule per kind of value) in router/values.py, the worker specs (SPEC
-strings, typed fields) in router/specs.py, the `discovery:` block in router/discovery/settings.py, each policy's
+strings, typed fields) in router/workers/specs.py, the `discovery:` block in router/discovery/settings.py, each policy's
 and decider's options in its own factory (router/policy.py, router/deciders/registry.py)."""
 
 from __future__ import annotations
@@ -19,11 +19,17 @@ from router.errors import ConfigError
 from router.gateway import GatewaySettings, parse_gateway
 from router.kv_events.settings import KvEventSettings, parse_kv_events
 from router.policy import make_policy
-from router.specs import decode_from_mapping, parse_decode_url, parse_prefill_spec, prefill_from_mapping, workers
 from router.tracing.settings import TracingSettings, parse_tracing
 from router.tracing.settings import merge as merge_tracing
+from router.workers.specs import (
+    decode_from_mapping,
+    parse_decode_url,
+    parse_prefill_spec,
+    prefill_from_mapping,
+    workers,
+)
 
-__all__ = [  # the worker builders live in router.specs; config is where callers find every setting
+__all__ = [  # the worker builders live in router.workers.specs; config is where callers find every setting
     "Limits",
     "Settings",
     "Timeouts",

@@ -5,7 +5,7 @@ policies, I/O from `upstream`, what the decider is told from `feedback`, a reque
 attempt = one pair of fresh ids. An attempt that fails before anything reached the client is retried (once, by
 default) with fresh ids on another worker of the failing leg's role, unless the failure was the client's own
 request (a worker's 4xx). Every leg runs under its own deadline and is raced against its worker being lost
-(ejected, drained, removed: router/pool.py `unless_lost`): a hung worker costs the client seconds, not the
+(ejected, drained, removed: router/workers/pool.py `unless_lost`): a hung worker costs the client seconds, not the
 deadline. A stream's end goes forward from its answer (router/feedback.py `StreamClose`), never back here.
 """
 
@@ -38,12 +38,12 @@ from router.legcalls import Answer, LegCalls
 from router.legcalls import ClientRequest as ClientRequest
 from router.legs.base import LegTransport
 from router.metrics import Metrics
-from router.pairing import BlockSizes, block_size_mismatch, parallelism_mismatch
 from router.policy import Policy, make_policy
-from router.pool import Pool, WorkerState
-from router.ranks import RankPick
 from router.timings import RequestRecord, TimingLog
 from router.tracing import semconv
+from router.workers.pairing import BlockSizes, block_size_mismatch, parallelism_mismatch
+from router.workers.pool import Pool, WorkerState
+from router.workers.ranks import RankPick
 
 logger = logging.getLogger("kvpush.dispatch")
 LOAD_AWARE = frozenset({"least-loaded", "load-aware"})  # decode policies that read engine load: decode's rank too

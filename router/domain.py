@@ -78,7 +78,8 @@ class NixlIdentity:
 class WorkerSpec:
     """A configured worker. For prefill workers `identity` is None when it is learned ("auto"). `dp_size`: the
     server's data-parallel ranks (`--data-parallel-size`); with more than one, `identity` is the server's base
-    identity (the engine id and side port vLLM was started with) and each rank's is derived (router/ranks.py)."""
+    identity (the engine id and side port vLLM was started with) and each rank's is derived
+    (router/workers/ranks.py)."""
 
     url: str
     role: Role

@@ -25,10 +25,10 @@ from router.domain import RequestInfo, Role
 from router.finish import Finisher
 from router.legs.base import LegTransport
 from router.policy import LeastInFlight
-from router.pool import Pool
 from router.retokenize import Retokenizer
 from router.timings import RequestRecord
 from router.tracing.trace import LegSpan, RequestTrace
+from router.workers.pool import Pool
 
 logger = logging.getLogger("kvpush.dispatch")  # the dispatcher's logger: the log lines are API
 

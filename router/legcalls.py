@@ -3,7 +3,7 @@
 The dispatcher (router/dispatch.py) sequences legs; `LegCalls` runs each one. `prefill` answers with what P
 returned (its params, its cache hit); `decode` with decode's whole JSON answer or its primed stream
 (router/answer.py), which then owns what the leg still holds. Each leg runs under its own deadline, raced against
-its worker being lost (router/pool.py `unless_lost`). Tracing is one hook, `leg_span`: the leg's span is opened
+its worker being lost (router/workers/pool.py `unless_lost`). Tracing is one hook, `leg_span`: the leg's span is opened
 around the leg and ended with the error's kind however the leg fails; the dispatcher never sees it.
 """
 
@@ -26,12 +26,12 @@ from router.errors import RouterError, UpstreamError, UpstreamProtocolError, Ups
 from router.feedback import Feedback, StreamClose
 from router.legs.base import LegResponse, LegTransport
 from router.metrics import Metrics
-from router.pool import Pool, Tracked, WorkerLost, WorkerState, unless_lost
-from router.ranks import rank_headers, stated_rank
 from router.sse import EventFramer, RelayCheck, error_of
 from router.timings import RequestRecord
 from router.tracing import semconv
 from router.tracing.trace import LegSpan, RequestTrace
+from router.workers.pool import Pool, Tracked, WorkerLost, WorkerState, unless_lost
+from router.workers.ranks import rank_headers, stated_rank
 
 Answer = JsonAnswer | StreamAnswer
 

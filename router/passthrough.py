@@ -18,8 +18,8 @@ import httpx
 
 from router.domain import Role
 from router.errors import NoHealthyWorker, UpstreamStatus
-from router.pool import Pool
 from router.upstream import translate
+from router.workers.pool import Pool
 
 logger = logging.getLogger("kvpush.passthrough")
 PATHS = ("/tokenize", "/detokenize", "/version", "/v1/messages/count_tokens")

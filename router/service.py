@@ -23,7 +23,6 @@ from router.dispatch import Dispatcher
 from router.domain import Fallback, RequestInfo, Role, WorkerSpec
 from router.errors import BadRequest, ConfigError, NoHealthyWorker
 from router.gateway import GatewayPick, PrefillHeader, read_gateway_headers
-from router.health import HealthPolicy
 from router.kv_events import membership
 from router.kv_events.index import KvIndex
 from router.kv_events.subscriber import KvEventSubscriber
@@ -32,11 +31,12 @@ from router.legs.base import LegTransport
 from router.legs.httpx import HttpxLegs
 from router.loops import Supervisor
 from router.metrics import Metrics
-from router.pool import Pool
-from router.scrape import Scraper
 from router.timings import RequestRecord, TimingLog
 from router.tracing.provider import Tracing
 from router.upstream import make_client, make_legs, translate
+from router.workers.health import HealthPolicy
+from router.workers.pool import Pool
+from router.workers.scrape import Scraper
 
 logger = logging.getLogger("kvpush.service")
 

@@ -35,7 +35,7 @@ BY_FILE: tuple[tuple[str, tuple[str, ...]], ...] = (
         "dispatch, pool, admission, policy",
         (
             "router/dispatch.py",
-            "router/pool.py",
+            "router/workers/pool.py",
             "router/admission.py",
             "router/policy.py",
             "router/decider",

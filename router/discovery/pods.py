@@ -9,7 +9,7 @@ from typing import Any
 
 from router.discovery.base import worker_url
 from router.domain import NixlIdentity, Role, WorkerSpec
-from router.ranks import MAX_DP_SIZE
+from router.workers.ranks import MAX_DP_SIZE
 
 ANNOTATION_PORT = "kvpush.io/port"
 ANNOTATION_ENGINE_ID = "kvpush.io/engine-id"

@@ -16,7 +16,7 @@ from router import values
 from router.discovery.base import host_for_url
 from router.domain import Role, WorkerSpec
 from router.errors import ConfigError
-from router.specs import workers
+from router.workers.specs import workers
 
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 

@@ -56,8 +56,8 @@ IO = {
     "router.legs.httpx": "legs over an httpx client",
     "router.legs.http1": "the legs' HTTP/1.1 client (sockets, httptools, httpx errors)",
     "router.legs.http1_pool": "the legs' connection pool: opens sockets",
-    "router.scrape": "reads the workers' /metrics",
-    "router.pool": "health probes and gauges",
+    "router.workers.scrape": "reads the workers' /metrics",
+    "router.workers.pool": "health probes and gauges",
     "router.admission": "the admission gauges",
     "router.metrics": "prometheus_client",
     "router.tracing.provider": "the OpenTelemetry SDK's exporter thread; builds the OTLP exporters",
@@ -110,7 +110,7 @@ def loaded_after_import(module: str) -> frozenset[str]:
 
 
 def test_the_lists_name_real_modules() -> None:
-    assert {"router.health", "router.auth", "router.decider"} <= set(PURE)
+    assert {"router.workers.health", "router.auth", "router.decider"} <= set(PURE)
     assert {"connector.wire.metadata", "connector.transfer.layout"} <= set(PURE)
     assert {"router.policy", "router.config", "router.discovery.settings", "router.discovery.pods"} <= set(PURE)
     assert {"router.legs.base", "router.deciders.registry", "router.deciders.session_affinity"} <= set(PURE)

@@ -12,7 +12,7 @@ still carry `leg_client`/`server`, and the report labels them (`kvpush (aiohttp 
 
 The routers here probe their workers with a 10 s deadline (`--timeout health=10`, not the router's 1 s default):
 at concurrency 256 on 2 cores the zero-cost simulated prefill, CPU-starved but alive, missed two 1 s probes in
-a row and was taken down mid-run. Two timeouts in a row still take a worker down (router/health.py
+a row and was taken down mid-run. Two timeouts in a row still take a worker down (router/workers/health.py
 `probe_timeouts`, not a setting), so a live but starved simulator now has 2 x 10 s to answer.
 
 `tracings` (e.g. `--set tracings=off,control,1,0.01`) runs one kvpush push front per tracing setting: `off`, a

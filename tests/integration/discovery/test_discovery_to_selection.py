@@ -16,8 +16,8 @@ from router.discovery.dns import DnspythonResolver, DnsSource
 from router.domain import Endpoint, RequestInfo, Role
 from router.metrics import Metrics
 from router.policy import LoadAware
-from router.pool import Pool
-from router.scrape import Scraper
+from router.workers.pool import Pool
+from router.workers.scrape import Scraper
 from tests.integration.discovery.dnsmasq import DOMAIN, Dnsmasq
 from tests.integration.discovery.recording import until
 

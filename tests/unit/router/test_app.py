@@ -13,7 +13,7 @@ import pytest
 
 from router.app import create_app
 from router.config import build_settings
-from router.pool import Pool
+from router.workers.pool import Pool
 from tests.unit.router.fake_workers import FakeWorkers, decode_ok, hang, prefill_ok
 
 SETTINGS = {"prefill": ["http://p0:8100,engine_id=p0,side_port=5600"], "decode": ["http://d0:8200"]}

@@ -304,7 +304,7 @@ def test_the_deleted_leg_client_and_server_flags_are_refused() -> None:
 
 
 def test_dp_declares_a_server_s_data_parallel_ranks() -> None:
-    from router.specs import parse_decode_url, parse_prefill_spec
+    from router.workers.specs import parse_decode_url, parse_prefill_spec
 
     spec = parse_prefill_spec("http://p:8100,engine_id=p0,side_port=5600,dp=2")
     assert spec.dp_size == 2 and spec.identity is not None and spec.identity.engine_id == "p0"

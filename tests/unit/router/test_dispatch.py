@@ -19,9 +19,9 @@ from router.domain import Endpoint, Role, WorkerView
 from router.errors import NoHealthyWorker, UpstreamError, UpstreamProtocolError, UpstreamStatus, UpstreamTimeout
 from router.legs.httpx import HttpxLegs
 from router.metrics import Metrics
-from router.pool import Loss, Pool, Tracked, unless_lost
 from router.protocol import parse_request
 from router.timings import TimingLog
+from router.workers.pool import Loss, Pool, Tracked, unless_lost
 from tests.unit.router.fake_workers import FakeWorkers, decode_error_event, decode_ok, hang, prefill_ok, status
 
 P0 = "http://p0:8100,engine_id=p0,side_host=127.0.0.9,side_port=5600"

@@ -17,13 +17,13 @@ from router.config import build_settings
 from router.dispatch import ClientRequest, Dispatcher
 from router.domain import Endpoint, EngineLoad, Role
 from router.errors import Unpairable, UpstreamProtocolError
-from router.health import HealthPolicy
 from router.legs.httpx import HttpxLegs
 from router.metrics import Metrics
-from router.pool import Pool
 from router.protocol import parse_request
-from router.ranks import RANK_HEADER
 from router.timings import TimingLog
+from router.workers.health import HealthPolicy
+from router.workers.pool import Pool
+from router.workers.ranks import RANK_HEADER
 from tests.unit.router.fake_workers import FakeWorkers, Handler, decode_ok, prefill_ok
 
 BODY = {"model": "tiny", "prompt": "hello", "max_tokens": 3, "stream": True}

@@ -14,8 +14,8 @@ from router.feedback import Feedback, StreamClose
 from router.finish import Finisher
 from router.legs.httpx import HttpxLegs
 from router.metrics import Metrics
-from router.pool import Pool
 from router.timings import RequestRecord, TimingLog
+from router.workers.pool import Pool
 
 TURN = Turn(RequestInfo(Endpoint.COMPLETIONS, stream=True, prompt_tokens=3), {}, {}, Mode.PUSH)
 

@@ -11,7 +11,7 @@ from router.discovery.dns import DnsSource, LookupFailed
 from router.discovery.settings import DnsConfig
 from router.domain import Role, WorkerSpec
 from router.metrics import Metrics
-from router.pool import Pool
+from router.workers.pool import Pool
 from tests.unit.router.discovery.support import ScriptedResolver, Sink, Sleeps, Stop
 
 

@@ -22,12 +22,12 @@ from router.domain import Endpoint
 from router.errors import UpstreamStatus
 from router.legs.httpx import HttpxLegs
 from router.metrics import Metrics
-from router.pool import Pool
 from router.protocol import parse_request
 from router.timings import TimingLog
 from router.tracing import context as w3c
 from router.tracing import semconv
 from router.tracing.provider import Tracing
+from router.workers.pool import Pool
 from tests.unit.router.fake_workers import FakeWorkers, decode_ok, hang, prefill_ok, status
 from tests.unit.router.tracing.support import by_name, in_memory
 

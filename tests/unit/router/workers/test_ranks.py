@@ -1,4 +1,4 @@
-"""router/ranks.py: rank identities (`<engine_id>_dp<r>`, side port base + r), the rank chooser (even under
+"""router/workers/ranks.py: rank identities (`<engine_id>_dp<r>`, side port base + r), the rank chooser (even under
 uniform load, least-loaded by legs and scraped load), learned identities per rank, and per-rank ejection."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 
 from router.domain import ConnectorKind, EngineLoad, NixlIdentity
-from router.health import HealthPolicy
-from router.ranks import (
+from router.workers.health import HealthPolicy
+from router.workers.ranks import (
     RANK_HEADER,
     NoUsableRank,
     RankHealth,

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from router.health import Health, HealthPolicy, WorkerHealth, stalled
+from router.workers.health import Health, HealthPolicy, WorkerHealth, stalled
 
 POLICY = HealthPolicy(eject_after=3, base_backoff=1.0, max_backoff=4.0)
 

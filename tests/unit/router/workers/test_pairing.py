@@ -1,4 +1,4 @@
-"""router/pairing.py and the worker specs it relies on: which prefill/decode parallelism the router refuses
+"""router/workers/pairing.py and the worker specs it relies on: which prefill/decode parallelism the router refuses
 before the decode leg leaves (TP sizes that do not divide, a prefill TP never stated while decode runs TP > 1,
 PP on decode), and what it leaves to the engines (decode's TP unknown)."""
 
@@ -8,9 +8,9 @@ import pytest
 
 from router.domain import ConnectorKind, NixlIdentity
 from router.errors import ConfigError
-from router.pairing import parallelism_mismatch
 from router.protocol import identity_from
-from router.specs import parse_decode_url, parse_prefill_spec
+from router.workers.pairing import parallelism_mismatch
+from router.workers.specs import parse_decode_url, parse_prefill_spec
 
 
 def ident(tp: int = 1, known: bool = True) -> NixlIdentity:

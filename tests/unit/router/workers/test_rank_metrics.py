@@ -1,13 +1,13 @@
-"""router/rank_metrics.py and router/pairing.py: per-rank load (the `engine` label) and the block size from a vLLM
-/metrics page, and the block-size refusal of a push pair."""
+"""router/workers/rank_metrics.py and router/workers/pairing.py: per-rank load (the `engine` label) and the block
+size from a vLLM /metrics page, and the block-size refusal of a push pair."""
 
 from __future__ import annotations
 
 import pytest
 
 from router.domain import EngineLoad
-from router.pairing import BlockSizes, block_size_mismatch
-from router.rank_metrics import MetricsPageError, block_size, labelled_samples, rank_loads
+from router.workers.pairing import BlockSizes, block_size_mismatch
+from router.workers.rank_metrics import MetricsPageError, block_size, labelled_samples, rank_loads
 
 DP2_PAGE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

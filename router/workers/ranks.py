@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from router.domain import ConnectorKind, EngineLoad, NixlIdentity
-from router.health import HealthPolicy
+from router.workers.health import HealthPolicy
 
 __all__ = [
     "MAX_DP_SIZE",

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 from router import values
 from router.domain import ConnectorKind, NixlIdentity, Role, WorkerSpec
 from router.errors import ConfigError
-from router.ranks import MAX_DP_SIZE, split_rank
+from router.workers.ranks import MAX_DP_SIZE, split_rank
 
 
 def parse_prefill_spec(spec: str) -> WorkerSpec:

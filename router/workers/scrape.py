@@ -1,5 +1,5 @@
 """Engine load scraping: each worker's vLLM /metrics read on an interval, parsed into an EngineLoad (plus each
-data-parallel rank's and the KV block size: router/rank_metrics.py), sunk."""
+data-parallel rank's and the KV block size: router/workers/rank_metrics.py), sunk."""
 
 from __future__ import annotations
 
@@ -14,7 +14,15 @@ from typing import Protocol
 import httpx
 
 from router.domain import EngineLoad, Sleep, WorkerSpec
-from router.rank_metrics import KV_USAGE, RUNNING, WAITING, MetricsPageError, block_size, closing_brace, rank_loads
+from router.workers.rank_metrics import (
+    KV_USAGE,
+    RUNNING,
+    WAITING,
+    MetricsPageError,
+    block_size,
+    closing_brace,
+    rank_loads,
+)
 
 __all__ = ["EngineLoad", "LoadSink", "ScrapeError", "Scraper", "parse_engine_load", "samples"]
 

@@ -18,7 +18,7 @@ from router.domain import EngineLoad
 
 __all__ = ["CACHE_INFO", "MetricsPageError", "block_size", "closing_brace", "labelled_samples", "rank_loads"]
 
-# vLLM's names; router/scrape.py (which imports httpx) reads them from here.
+# vLLM's names; router/workers/scrape.py (which imports httpx) reads them from here.
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # the second is the pre-0.10 name

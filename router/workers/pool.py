@@ -1,6 +1,6 @@
 """Worker membership and health per role: load counters, legs in flight, learned prefill identities, probes.
 
-A server with data-parallel ranks (`WorkerSpec.dp_size` > 1) is one worker with a `RankSet` (router/ranks.py):
+A server with data-parallel ranks (`WorkerSpec.dp_size` > 1) is one worker with a `RankSet` (router/workers/ranks.py):
 identities, legs in flight, load and ejection per rank. A rank that fails is held out alone; the worker stays a
 candidate while one of its ranks is usable."""
 
@@ -19,9 +19,9 @@ import httpx
 
 from router.domain import EngineLoad, NixlIdentity, Role, Sleep, WorkerSpec, WorkerView
 from router.errors import UpstreamError
-from router.health import HealthPolicy, WorkerHealth, stalled
 from router.metrics import Metrics
-from router.ranks import RankPick, RankSet
+from router.workers.health import HealthPolicy, WorkerHealth, stalled
+from router.workers.ranks import RankPick, RankSet
 
 logger = logging.getLogger("kvpush.pool")
 
@@ -294,7 +294,7 @@ class Pool:
 
     def learn_identity(self, worker_id: str, identity: NixlIdentity, rank: int | None = None) -> str | None:
         """A prefill answer stated `identity` for a leg pinned to `rank`: kept as that rank's (or the server's)
-        identity. Returns why it cannot be kept (router/ranks.py `RankSet.learn`), or None."""
+        identity. Returns why it cannot be kept (router/workers/ranks.py `RankSet.learn`), or None."""
         state = self._workers.get(worker_id)
         if state is None:
             return None

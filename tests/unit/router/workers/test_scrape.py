@@ -10,8 +10,8 @@ import pytest
 
 from router.domain import Role, WorkerSpec
 from router.metrics import Metrics
-from router.pool import Pool
-from router.scrape import EngineLoad, ScrapeError, Scraper, parse_engine_load, samples
+from router.workers.pool import Pool
+from router.workers.scrape import EngineLoad, ScrapeError, Scraper, parse_engine_load, samples
 
 PAGE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

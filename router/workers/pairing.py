@@ -11,7 +11,7 @@ Parallelism (`parallelism_mismatch`): the decode leg carries the chosen prefill'
 (configured, or as its answer stated them). When decode's TP is configured (`tp=N` on the decode worker), the
 router refuses a pair whose TP sizes neither divides the other (neither connector splits heads across such a
 pair), and a prefill that never stated its TP (the decode leg would tell decode "tp 1" on a guess) while decode
-runs TP > 1. A pipeline-parallel decode is refused when the worker is configured (`router.specs`); a
+runs TP > 1. A pipeline-parallel decode is refused when the worker is configured (`router.workers.specs`); a
 pipeline-parallel prefill is fine (each stage writes its layers; decode is told `pp_size`). Unknown TP on
 decode is not refused: the engines check
 (kvpush's connector refuses a pair it cannot split per request, at once).

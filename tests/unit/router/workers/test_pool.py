@@ -10,9 +10,9 @@ import pytest
 
 from router.config import Settings
 from router.domain import Role, WorkerSpec
-from router.health import HealthPolicy
 from router.metrics import Metrics
-from router.pool import Loss, Pool
+from router.workers.health import HealthPolicy
+from router.workers.pool import Loss, Pool
 
 P0, P1 = WorkerSpec("http://p0:1", Role.PREFILL), WorkerSpec("http://p1:1", Role.PREFILL)
 D0 = WorkerSpec("http://d0:1", Role.DECODE)
