@@ -92,12 +92,9 @@ class Connector:
         if self.id == "upstream-push":
             return UPSTREAM_PUSH
         extra = pairs(self.extra)
-        # ours keeps Responses state (vLLM drops `store: true` without it): test_responses' stateful bed is this family
-        env = (RESPONSES_STORE,) if self.ours else ()
-        return FamilySpec(self.id, self.name, self.module, 2, ((), self.p1_args), connector_extra=extra, env=env)
+        return FamilySpec(self.id, self.name, self.module, 2, ((), self.p1_args), connector_extra=extra)
 
 
-RESPONSES_STORE = ("VLLM_ENABLE_RESPONSES_API_STORE", "1")
 CONNECTORS = (
     Connector("upstream-push", "NixlPushConnector", "push"),
     Connector("kvpush-push", CONNECTOR, "push", MODULE, CONNECTOR_EXTRA, CHUNKED + SMALL_CACHE),

@@ -37,8 +37,8 @@ STORE = ("VLLM_ENABLE_RESPONSES_API_STORE", "1")
 
 def family_of(c: Connector) -> FamilySpec:
     """Push beds keep state (the store's variable added); the pull bed is the shared family as it is."""
-    base = c.family  # ours already keeps state (test_pd_e2e.RESPONSES_STORE): the shared family, no extra start
-    return dataclasses.replace(base, env=(*base.env, STORE)) if c.mode == "push" and STORE not in base.env else base
+    base = c.family
+    return dataclasses.replace(base, env=(*base.env, STORE)) if c.mode == "push" else base
 
 
 PARAMS = [pytest.param(c, id=c.id, marks=pytest.mark.family(family_of(c))) for c in SHAPED]
