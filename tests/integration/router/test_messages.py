@@ -18,27 +18,12 @@ import httpx
 import pytest
 
 from tests.integration.families import FamilyPool
-from tests.integration.router.test_shapes import PARAMS, SUFFIX, prompt_seen
+from tests.integration.router.test_shapes import PARAMS, SUFFIX, Bed, prompt_seen
 from tests.integration.support import VLLM
 from tests.integration.test_pd_e2e import Connector
-from tests.integration.vllm_support import Engines, kv_sources, prompt_text, router, timing
+from tests.integration.vllm_support import kv_sources, prompt_text, router, timing
 
 pytestmark = VLLM
-
-
-@dataclass
-class Bed:
-    connector: Connector
-    engines: Engines
-    router_url: str
-
-    @property
-    def p0_url(self) -> str:
-        return self.engines.prefills[0].url
-
-    @property
-    def decode_url(self) -> str:
-        return self.engines.decode.url
 
 
 @pytest.fixture(scope="module", params=PARAMS)

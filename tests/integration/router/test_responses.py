@@ -27,9 +27,10 @@ import pytest
 
 from tests.integration.families import FamilyPool, FamilySpec
 from tests.integration.router.test_shapes import SHAPED, SUFFIX, prompt_seen
+from tests.integration.router.test_shapes import Bed as ShapesBed
 from tests.integration.support import VLLM
 from tests.integration.test_pd_e2e import Connector
-from tests.integration.vllm_support import Engines, kv_sources, prompt_text, router, timing
+from tests.integration.vllm_support import kv_sources, prompt_text, router, timing
 
 pytestmark = VLLM
 STORE = ("VLLM_ENABLE_RESPONSES_API_STORE", "1")
@@ -44,19 +45,8 @@ def family_of(c: Connector) -> FamilySpec:
 PARAMS = [pytest.param(c, id=c.id, marks=pytest.mark.family(family_of(c))) for c in SHAPED]
 
 
-@dataclass
-class Bed:
-    connector: Connector
-    engines: Engines
-    router_url: str
-
-    @property
-    def p0_url(self) -> str:
-        return self.engines.prefills[0].url
-
-    @property
-    def decode_url(self) -> str:
-        return self.engines.decode.url
+class Bed(ShapesBed):
+    """The shapes' bed, and whether its engines keep Responses state."""
 
     @property
     def stores(self) -> bool:

@@ -39,11 +39,13 @@ SUFFIX = "\ndef tail(y): return y + 1\n"
 
 
 @dataclass
-class Shapes:
+class Bed:
+    """A family's engines and a router in the connector's mode over p0 and the decode (this module's, Messages' and
+    Responses' beds)."""
+
     connector: Connector
     engines: Engines
-    router_url: str  # the mode's legs over p0 and the decode
-    sticky_url: str  # the same, with the session-affinity decider (bypasses to the decode that holds a prefix)
+    router_url: str
 
     @property
     def p0_url(self) -> str:
@@ -52,6 +54,11 @@ class Shapes:
     @property
     def decode_url(self) -> str:
         return self.engines.decode.url
+
+
+@dataclass
+class Shapes(Bed):
+    sticky_url: str  # the router_url's legs with the session-affinity decider (bypasses to the decode holding a prefix)
 
 
 @pytest.fixture(scope="module", params=PARAMS)
