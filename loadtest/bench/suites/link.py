@@ -8,8 +8,9 @@ blocks are written at the end of its step, overlapping the rest of the prefill);
 `p2`, pushes layer by layer in one step (`kvpush-layer`: `push_granularity: layer`, connector/transfer/layered.py: each
 layer's blocks are written as soon as the layer is computed). A fourth, layer by layer in chunks
 (`kvpush-layer-chunked`), was the worst of the three overlaps and was deleted (bench/ANALYSIS.md, "Options
-deleted"); the report still shows its old rows. Our engines run the connector's event-driven progress thread
-(`progress: thread`), so decode moves the bytes as they arrive instead of on its idle ticks. Fronts: kvpush on
+deleted"); the report still shows its old rows. Our engines run the connector's product default progress model
+unless the plan's `progress` names one (`--set progress=poll` or `thread`, rows record it), so the runs of
+record measure what users get and a candidate runs against the same pull in its own run. Fronts: kvpush on
 every pair, vllm-router 0.1.17 on upstream push.
 
 For every step (linkrows.steps: a prompt length and a preset) the suite measures P's prefill (calibrate), sets
@@ -31,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from connector.options import PROGRESS_MODELS, Options
 from loadtest import promtext
 from loadtest.bench import linkrows
 from loadtest.bench.fronts import Front
@@ -48,7 +50,6 @@ from stack.tiny_model import resolve_size
 
 MODEL_SIZE = "bench"
 SUITE = "link"
-THREAD = {"progress": "thread"}  # our connector on a link: NIXL's event-driven progress thread (connector/options.py)
 LAYER = {"push_granularity": "layer"}  # p2: each layer's blocks written once computed (connector/transfer/layered.py)
 CHECK_PROMPTS = ("def f0(x): return x * 0\ndef f1(x):", "The link between prefill and decode carries")
 
@@ -71,6 +72,21 @@ class LinkBenchPlan:
     one_step: bool = True  # kvpush-push (our step-wise push of a one-step prefill)
     vrouter: bool = True
     model: str = MODEL_SIZE  # stack/tiny_model.py SIZES: "bench" (4 layers), "bench-deep" (16 thin layers)
+    progress: str = ""  # our engines' `progress` (connector/options.py): "" = the product default, else a candidate
+
+    def __post_init__(self) -> None:
+        if self.progress not in ("", *PROGRESS_MODELS):
+            raise ValueError(f"link progress: {self.progress!r} is not one of {list(PROGRESS_MODELS)} (or empty)")
+
+    @property
+    def ours_extra(self) -> dict[str, str]:
+        """kv_connector_extra_config of our engines: nothing (the product default) or the candidate progress model."""
+        return {"progress": self.progress} if self.progress else {}
+
+    @property
+    def progress_model(self) -> str:
+        """The progress model our engines run, recorded in every row."""
+        return self.progress or Options.progress
 
     def steps(self) -> list[linkrows.Step]:
         return linkrows.steps(self.input_lens, self.presets, self.qps, self.repeats, self.side_qps, self.side_repeats)
@@ -117,12 +133,12 @@ def families(plan: LinkBenchPlan, model: Path) -> list[PdFamily]:
         module="connector.plugin",
         n_prefill=len(prefill_args),
         prefill_args=prefill_args,
-        connector_extra=THREAD,
+        connector_extra=plan.ours_extra,
         **common,
     )
     # p2: the same connector on the same decode, pushing layer by layer (a prefill-side option)
     layered = tuple(
-        dataclasses.replace(spec, connector_extra={**THREAD, **LAYER}) if i >= 2 else spec
+        dataclasses.replace(spec, connector_extra={**plan.ours_extra, **LAYER}) if i >= 2 else spec
         for i, spec in enumerate(ours.prefills)
     )
     return [
@@ -257,6 +273,7 @@ class _Ctx:
             "qps_asked": asked,
             "seed": seed,
             "chunk_tokens": self.plan.chunk_tokens,
+            "progress": self.plan.progress_model if self.pair.front.connector.startswith("kvpush") else None,
             "warmup": self.plan.warmup,
             "outputs_equal_single": agreed,
             **self.cal.record(),

@@ -32,7 +32,7 @@ import httpx
 import stack.link
 from loadtest.bench import linkrows
 from loadtest.bench.procs import router_proc, url, vllm_lock
-from loadtest.bench.suites.link import THREAD, xfer_counters
+from loadtest.bench.suites.link import xfer_counters
 from loadtest.job import REPO
 from loadtest.results import append_rows, git_commit
 from stack.engines import Engine, Fleet, vllm_env
@@ -49,6 +49,8 @@ MODEL_SIZE = "bench"
 PEER = Path(stack.link.__file__).with_name("nixl_peer.py")
 PEER_PORT = 7100
 OURS_METRIC = "vllm:kvpush_xfer_time_seconds"
+
+THREAD = {"progress": "thread"}  # like the bare NIXL peer: both wire sides on an event-driven progress thread
 
 
 @dataclass(frozen=True)
