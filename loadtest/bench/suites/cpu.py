@@ -9,7 +9,9 @@ neighbour either by connector (same front) or by front (same pair).
 
 Every QPS point runs `repeats` times; even repeats take the fronts in one order, odd repeats in the reverse
 order, so drift on these shared cores shows up as spread between repeats, not as a difference between fronts.
-`pairs` picks which pairs boot (all three by default; `--set pairs=kvpush-push` runs one).
+`pairs` picks which pairs boot (all three by default; `--set pairs=kvpush-push` runs one). Candidates for our
+connector's defaults boot only when named: `kvpush-layer` (`push_granularity: layer`) and `kvpush-thread`
+(`progress: thread`), each our connector on its own pair, so they run beside the product default in one run.
 Holds the machine's vLLM lock throughout (procs.vllm_lock). Every row records decode's prompt tokens by
 source, to show the KV arrived by transfer.
 """
@@ -40,6 +42,7 @@ class Family:
     mode: str
     connector: str
     module: str | None = None
+    extra: tuple[tuple[str, str], ...] = ()  # kv_connector_extra_config beyond the product default (a candidate)
 
 
 FAMILIES = (
@@ -47,6 +50,12 @@ FAMILIES = (
     Family("upstream-push", "push", "NixlPushConnector"),
     Family("kvpush-push", "push", "KvpushConnector", "connector.plugin"),
 )
+# Candidates for our connector's defaults (issue 43 item 4): off unless `pairs` names them, each its own pair.
+CANDIDATES = (
+    Family("kvpush-layer", "push", "KvpushConnector", "connector.plugin", (("push_granularity", "layer"),)),
+    Family("kvpush-thread", "push", "KvpushConnector", "connector.plugin", (("progress", "thread"),)),
+)
+DEFAULT_PAIRS = tuple(f.label for f in FAMILIES)
 
 
 @dataclass(frozen=True)
@@ -60,10 +69,10 @@ class CpuPlan:
     vrouter: bool = True  # vllm-router fronts, when its binary is found
     probe_tokens: int = 1500  # the concurrency probe's prompt (< the engines' 2048-token context)
     max_point_s: float = 0.0  # > 0: at most qps x this many requests at a point (keeps light points short)
-    pairs: tuple[str, ...] = tuple(f.label for f in FAMILIES)  # which pairs boot (`--set pairs=kvpush-push`)
+    pairs: tuple[str, ...] = DEFAULT_PAIRS  # which pairs boot (`--set pairs=kvpush-push`; candidates by name)
 
     def __post_init__(self) -> None:
-        known = [f.label for f in FAMILIES]
+        known = [f.label for f in (*FAMILIES, *CANDIDATES)]
         unknown = [p for p in self.pairs if p not in known]
         if unknown:
             raise ValueError(f"cpu-vllm pairs: unknown {', '.join(unknown)} (known: {', '.join(known)})")
@@ -72,8 +81,8 @@ class CpuPlan:
 
     @property
     def families(self) -> tuple[Family, ...]:
-        """The plan's pairs, in FAMILIES order."""
-        return tuple(f for f in FAMILIES if f.label in self.pairs)
+        """The plan's pairs, in FAMILIES order, then the candidates it names."""
+        return tuple(f for f in (*FAMILIES, *CANDIDATES) if f.label in self.pairs)
 
     def n_for(self, qps: float) -> int:
         if self.max_point_s <= 0:
@@ -90,7 +99,8 @@ SMOKE = CpuPlan(256, 8, (1.0,), requests=3, warmup=0)
 
 def pair_family(family: Family, model: Path) -> PdFamily:
     """One prefill (core 0, engine id `vllm-{label}-p0`) and one decode (core 1) on the family's connector."""
-    return pd_family(f"vllm-{family.label}", model, family.connector, module=family.module)
+    extra = dict(family.extra) or None
+    return pd_family(f"vllm-{family.label}", model, family.connector, module=family.module, connector_extra=extra)
 
 
 def start_fronts(fleet: Fleet, family: Family, p: Engine, d: Engine, logs: Path, vrouter: bool) -> list[Front]:

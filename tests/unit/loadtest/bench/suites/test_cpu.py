@@ -1,5 +1,7 @@
 """The cpu-vllm plan's `pairs`: all three by default, one or several through `--set`, unknown labels refused."""
 
+from pathlib import Path
+
 import pytest
 
 from loadtest.bench import run as bench
@@ -25,3 +27,17 @@ def test_unknown_or_no_pairs_are_refused_naming_the_known_ones(value: str, says:
     with pytest.raises(ValueError, match=says) as error:
         bench.with_overrides(suite_cpu.SMOKE, [f"pairs={value}"])
     assert "known: upstream-pull, upstream-push, kvpush-push" in str(error.value)
+
+
+def test_the_default_candidates_boot_only_when_named_each_on_its_own_pair() -> None:
+    plan = bench.with_overrides(suite_cpu.FULL, ["pairs=upstream-pull,kvpush-push,kvpush-layer,kvpush-thread"])
+    assert [f.label for f in plan.families] == ["upstream-pull", "kvpush-push", "kvpush-layer", "kvpush-thread"]
+    extras = {f.label: suite_cpu.pair_family(f, Path("/m")).specs[0].connector_extra for f in plan.families}
+    assert extras == {
+        "upstream-pull": {},
+        "kvpush-push": {},
+        "kvpush-layer": {"push_granularity": "layer"},
+        "kvpush-thread": {"progress": "thread"},
+    }
+    decode = suite_cpu.pair_family(suite_cpu.CANDIDATES[1], Path("/m")).decodes[0]
+    assert decode.connector_extra == {"progress": "thread"}, "thread progress runs on both sides"

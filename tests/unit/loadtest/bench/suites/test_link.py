@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from connector.options import Options
 from loadtest.bench.run import with_overrides
 from loadtest.bench.suites import link, multiturn
 from loadtest.results import RowLabels
@@ -23,15 +24,30 @@ def test_the_full_plan_puts_the_targets_preset_first_and_repeats_it_three_times(
     assert len(link.SMOKE.steps()) == 1
 
 
-def test_ours_runs_the_progress_thread_and_its_second_prefill_prefills_in_chunks() -> None:
+def test_ours_runs_the_product_default_and_its_second_prefill_prefills_in_chunks() -> None:
     pull, upush, ours = link.families(link.FULL, Path("/m"))
     assert [s.connector for s in (*pull.specs, *upush.specs)] == ["NixlConnector"] * 2 + ["NixlPushConnector"] * 2
-    assert all(s.connector_extra["progress"] == "thread" for s in ours.specs)
+    assert all("progress" not in s.connector_extra for s in ours.specs), "the product default: no override"
+    assert link.FULL.progress_model == Options.progress
     assert not pull.specs[0].connector_extra
     p0, p1, *_ = ours.prefills
     assert p0.extra_args[-2:] == ("--max-num-batched-tokens", str(link.FULL.max_model_len))
     assert p1.extra_args[-2:] == ("--max-num-batched-tokens", "256")
     assert len(ours.decodes) == 1
+
+
+@pytest.mark.parametrize("model", ["poll", "thread"])
+def test_a_candidate_progress_model_runs_on_every_engine_of_ours_and_nowhere_else(model: str) -> None:
+    plan = with_overrides(link.FULL, [f"progress={model}"])
+    pull, upush, ours = link.families(plan, Path("/m"))
+    assert [s.connector_extra["progress"] for s in ours.specs] == [model] * 4
+    assert not any(s.connector_extra for s in (*pull.specs, *upush.specs))
+    assert plan.progress_model == model
+
+
+def test_an_unknown_progress_model_is_refused_naming_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="'spin' is not one of \\['poll', 'thread'\\]"):
+        with_overrides(link.FULL, ["progress=spin"])
 
 
 def test_the_layer_wise_prefill_pushes_by_layer_in_one_step_and_the_chunked_one_is_gone() -> None:
