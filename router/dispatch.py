@@ -276,19 +276,26 @@ class Dispatcher:
         ids: protocol.PairingIds,
         legs: _Ranks,
     ) -> Answer:
-        """Both legs at once; the answer is decode's, as soon as its first byte is in."""
+        """Both legs at once; the answer is decode's, as soon as its first byte is in. A decode that fails while
+        the prefill leg runs is blamed only once the prefill leg answered: when P dies, D's error (its KV never
+        came) can reach us before P's own reset, and P's failure is then the root cause to retry around."""
         decode_body = protocol.push_decode_body(request.body, identity, ids)
         prefill_leg = asyncio.create_task(self._calls.prefill(request, prefill, ids, legs.prefill))
-        decode_leg = asyncio.create_task(self._calls.decode(request, close, decode, decode_body, ids, legs.decode))
+        decode_call = self._calls.decode(request, close, decode, decode_body, ids, legs.decode, report=False)
+        decode_leg = asyncio.create_task(decode_call)
         try:
             await asyncio.wait({prefill_leg, decode_leg}, return_when=asyncio.FIRST_COMPLETED)
             if legtasks.failed(prefill_leg) and not decode_leg.done():
                 decode_leg.cancel()  # decode would wait for KV that never comes
                 await asyncio.wait({decode_leg})
                 prefill_leg.result()  # raises the prefill error
+            if legtasks.may_be_the_prefills_fault(decode_leg):
+                await asyncio.wait({prefill_leg})  # within the prefill deadline; raised below if it failed
             answer = await decode_leg
-        except BaseException:
-            await legtasks.give_up(prefill_leg, decode_leg)
+        except BaseException as error:
+            await legtasks.give_up(prefill_leg, decode_leg)  # raises the prefill leg's error when it failed
+            if isinstance(error, UpstreamError) and error.leg is Role.DECODE:
+                self._calls.passive_check(error, legs.decode)  # the prefill leg answered: decode's own failure
             raise
         self.finisher.detach(ids.request_id, prefill_leg)
         cached = functools.partial(legtasks.cached_of, prefill_leg)

@@ -150,10 +150,13 @@ class LegCalls:
         body: dict[str, Any],
         ids: protocol.PairingIds,
         rank: int | None,
+        *,
+        report: bool = True,
     ) -> Answer:
         """Opens the decode leg (pinned to `rank` when given) and waits for its first event (stream) or its whole
         answer (non-stream). Traced, the leg's span ends here on failure or with a JSON answer, else when the stream
-        closes (its StreamClose)."""
+        closes (its StreamClose). With `report` false a failure is not fed to decode's health: the caller does,
+        once it knows the prefill leg did not cause it (a push's concurrent legs)."""
         rec, wid, info = request.record, worker.spec.id, request.info
         api = api_of(info.endpoint)
         scrub = info.endpoint.openai_choices and self._feedback.asks_ids_for_us(request.body)
@@ -172,7 +175,7 @@ class LegCalls:
                 else:
                     response, first, rest = await self._open_decode_stream(tracked, leg, raw, framer, cleanup, api.held)
             except BaseException as error:
-                if isinstance(error, UpstreamError):
+                if report and isinstance(error, UpstreamError):
                     self.passive_check(error, rank)
                 await cleanup.aclose()
                 raise

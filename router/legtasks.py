@@ -9,6 +9,7 @@ from typing import Any
 
 from router import protocol
 from router.answer import StreamAnswer
+from router.errors import UpstreamConnectError, UpstreamError, UpstreamStatus, UpstreamTimeout
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,17 @@ async def cached_of(prefill_leg: asyncio.Task[Prefilled]) -> int | None:
     if prefill_leg.cancelled() or prefill_leg.exception() is not None:
         return None
     return prefill_leg.result().cached
+
+
+def may_be_the_prefills_fault(decode_leg: asyncio.Task[Any]) -> bool:
+    """Whether a failed decode leg may have failed because its prefill did: an error answer (a 5xx, an error
+    event: its KV never came) may; a refused connection, a deadline or a client error is decode's own."""
+    if not failed(decode_leg) or decode_leg.cancelled():
+        return False
+    error = decode_leg.exception()
+    if isinstance(error, (UpstreamConnectError, UpstreamTimeout)):
+        return False
+    return isinstance(error, UpstreamError) and not (isinstance(error, UpstreamStatus) and error.client_fault)
 
 
 def failed(task: asyncio.Task[Any]) -> bool:

@@ -594,3 +594,71 @@ async def test_without_a_healthy_prefill_the_decode_worker_checks_its_answer() -
     workers, decider, _ = await checked_dispatch(BODY, [5, 6], prefill_up=False)
     assert [seen.path for seen in workers.legs("d1")] == ["/v1/completions", "/tokenize"]
     assert decider.settled == [1]
+
+
+async def test_a_decode_error_that_beats_the_dying_prefills_reset_blames_the_prefill(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """P dies: D's error (its KV never came) reaches the router before P's connection reset. The prefill is the
+    root cause: the attempt is retried on another prefill and the decode is not reported to its health."""
+    decode_failed = asyncio.Event()
+    kv = asyncio.Event()
+    answers = 0
+
+    async def dying(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        await decode_failed.wait()  # the router has read decode's error; only now does P's reset arrive
+        raise httpx.ReadError("connection reset by peer", request=request)
+
+    async def decode(request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        nonlocal answers
+        answers += 1
+        if answers > 1:
+            return await decode_ok(kv=kv)(request, body)
+        event = json.dumps({"error": {"message": "KV never came", "type": "InternalServerError", "code": 500}})
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                yield f"data: {event}\n\n".encode()
+            finally:
+                decode_failed.set()
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events())
+
+    workers = FakeWorkers({"p0": dying, "p1": prefill_ok("p1", done=kv), "d0": decode})
+    dispatcher, pool, timings = await make(
+        workers, prefill=[P0, "http://p1:8100,engine_id=p1,side_port=5601"], prefill_policy="round-robin"
+    )
+    reports: list[tuple[str, bool]] = []
+    report = pool.report
+
+    def spy(wid: str, **kw: Any) -> None:
+        reports.append((wid, kw["ok"]))
+        report(wid, **kw)
+
+    monkeypatch.setattr(pool, "report", spy)
+    async with asyncio.timeout(10):  # hang guard
+        events = await relay(await dispatcher.handle(call_of(dispatcher)))
+    assert events[-1] == b"data: [DONE]\n\n"
+    assert timings.query()[0]["attempts"] == 2 and timings.query()[0]["outcome"] == "ok"
+    assert ("http://d0:8200", False) not in reports, "decode was blamed for the prefill's death"
+    assert ("http://p0:8100", False) in reports
+
+
+async def test_a_decode_error_with_a_prefill_that_answered_is_decodes_own_and_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    workers = FakeWorkers({"p0": prefill_ok(), "d0": decode_error_event("engine bug"), "d1": decode_ok()})
+    dispatcher, pool, timings = await make(
+        workers, decode=["http://d0:8200", "http://d1:8200"], decode_policy="round-robin"
+    )
+    reports: list[tuple[str, bool]] = []
+    report = pool.report
+
+    def spy(wid: str, **kw: Any) -> None:
+        reports.append((wid, kw["ok"]))
+        report(wid, **kw)
+
+    monkeypatch.setattr(pool, "report", spy)
+    await relay(await dispatcher.handle(call_of(dispatcher)))
+    assert ("http://d0:8200", False) in reports and ("http://p0:8100", False) not in reports
+    assert timings.query()[0]["attempts"] == 2
