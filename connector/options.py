@@ -5,7 +5,10 @@
 The progress model (``progress``): who moves UCX's bytes and notices (over TCP a WRITE is a byte stream
 the *target* must progress too, not one-sided as on RDMA):
 
-* ``"poll"`` (default): no NIXL progress thread; the owner thread progresses UCX when it polls, on a
+* ``"auto"`` (default): ``"poll"`` when the side channel listens on a loopback address (every peer is on this
+  machine), else ``"thread"``: the thread moved KV at the link's pace a little sooner on a link and cost
+  CPU on a loaded two-core loopback box (connector/README.md, "Defaults decided by measurement").
+* ``"poll"``: no NIXL progress thread; the owner thread progresses UCX when it polls, on a
   timer that runs only while something is in flight on this side (P: a WRITE posted; D: a registration
   waiting for its KV, or an order waiting for its ``ReadyEvent``), 0.2 ms doubling to
   ``write_poll_max_s``; idle, it sleeps (``idle_wait_s`` safety net). Costs up to one poll interval per
@@ -15,13 +18,16 @@ the *target* must progress too, not one-sided as on RDMA):
   a core per agent), so bytes move at the link's speed whatever the owner thread does (about 2 % of a
   core idle, research turn3-netem 4.3); the owner thread still reads notices on the same timer.
 
-When P's WRITEs leave (``push_granularity``): ``"step"`` (default), a step's blocks in one WRITE once the step's
-forward is over; ``"layer"``, one part per run of layers whose KV is in the cache, while the forward still
-computes the later layers (``connector.transfer.layered``).
+When P's WRITEs leave (``push_granularity``): ``"layer"`` (default), one part per run of layers whose KV is in
+the cache, while the forward still computes the later layers (``connector.transfer.layered``); ``"step"``, a
+step's blocks in one WRITE once the step's forward is over. Layer-wise is the default since it won on a link
+and tied on loopback (connector/README.md, "Defaults decided by measurement"); a layer vLLM never reports
+(a full CUDA graph replay) is written at the step's end, as with ``"step"``.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -53,9 +59,9 @@ class Options:
     backends: tuple[str, ...] = ("UCX",)
     early_write: bool = True  # P: order the WRITE in the step that computes the prompt's last token (G10)
     progressive: bool = True  # P: WRITE each step's full blocks of a chunked prefill at its end (G14)
-    progress: str = "poll"  # "poll" | "thread": who progresses UCX (module docstring)
+    progress: str = "auto"  # "auto" | "poll" | "thread": who progresses UCX (module docstring)
     progress_delay_us: int = 1000  # "thread": the progress thread's longest sleep in poll()
-    push_granularity: str = "step"  # P: "step" | "layer": WRITE a step's blocks at its end, or layer by layer
+    push_granularity: str = "layer"  # P: "layer" | "step": WRITE layer by layer as computed, or a step's at its end
 
     def __post_init__(self) -> None:
         if self.progressive and not self.early_write:
@@ -67,10 +73,15 @@ class Options:
         if self.progress_delay_us < 1:
             raise ValueError("progress_delay_us must be >= 1 (0 makes NIXL's progress thread spin)")
 
-    @property
-    def progress_thread_delay_us(self) -> int | None:
+    def progress_model(self, side_host: str) -> str:
+        """``"poll"`` or ``"thread"``: ``progress`` with ``"auto"`` decided by the side channel's address."""
+        if self.progress != "auto":
+            return self.progress
+        return "poll" if is_loopback(side_host) else "thread"
+
+    def progress_thread_delay_us(self, side_host: str) -> int | None:
         """The NIXL progress thread's poll() timeout, or None: no progress thread (``"poll"``)."""
-        return self.progress_delay_us if self.progress == "thread" else None
+        return self.progress_delay_us if self.progress_model(side_host) == "thread" else None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> Options:
@@ -117,5 +128,15 @@ class Options:
 
 _SWITCHES = ("early_write", "progressive")  # boolean keys of kv_connector_extra_config
 _VALUES = ("backends", "progress", "progress_delay_us", "push_granularity")  # the other keys outside the groups
-PROGRESS_MODELS = ("poll", "thread")
+PROGRESS_MODELS = ("auto", "poll", "thread")
 GRANULARITIES = ("step", "layer")  # push_granularity: after the step, or per layer (transfer/layered.py)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or a name) is this machine's loopback: every peer of such a side channel is local."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost: a reachable interface
+        return False

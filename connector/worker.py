@@ -99,7 +99,7 @@ class WorkerHalf:
             layout,
             self._options.backends,
             registrations=caches.registrations(),
-            progress_thread_delay_us=self._options.progress_thread_delay_us,
+            progress_thread_delay_us=self._options.progress_thread_delay_us(self._side_host),
         )
         self._fence = fence_for(caches.mem_type, caches.device_id)  # CUDA event + device for VRAM
         if self._options.push_granularity == "layer":

@@ -21,6 +21,7 @@ CONNECTORS = (
     "kvpush-push",
     "kvpush-progressive",
     "kvpush-layer",
+    "kvpush-step",
     "kvpush-thread",
     "sim",
 )  # a new row's connector; older rows may also name "kvpush-layer-chunked" (deleted: bench/ANALYSIS.md)

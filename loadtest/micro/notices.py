@@ -39,7 +39,8 @@ def side(engine: str, options: Options, blocks: int, block_len: int, seed: int |
     ]
     layout = KVLayout("DRAM", 0, 16, tuple(Region(a.ctypes.data, block_len, blocks) for a in kv))
     name = f"bench-{engine}-{uuid.uuid4().hex[:6]}"
-    backend = NixlBackend(name, layout, options.backends, progress_thread_delay_us=options.progress_thread_delay_us)
+    delay = options.progress_thread_delay_us("127.0.0.1")  # this process: both agents on loopback
+    backend = NixlBackend(name, layout, options.backends, progress_thread_delay_us=delay)
     thread = TransferThread(
         backend,
         engine_id=engine,

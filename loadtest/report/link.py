@@ -17,9 +17,16 @@ EFA = "efa-like"
 UNSHAPED = "unshaped"  # stack/link/plan.py: the same namespaces and TCP, no rate limit (the efa check's in-run control)
 MT_LINK = "ethernet-25g-like"
 PROG, OURS, UP, PULL = "kvpush-progressive", "kvpush-push", "upstream-push", "upstream-pull"
-LAYER = "kvpush-layer"  # push_granularity: layer (connector/transfer/layered.py)
+LAYER = "kvpush-layer"  # push_granularity: layer, a candidate until 2026-12-07 (now the default: kvpush-push is)
+STEP = "kvpush-step"  # push_granularity: step, the default until 2026-12-07 (a candidate since)
 LAYERC = "kvpush-layer-chunked"  # layer-wise in chunks: deleted, worst of the three; older runs' rows still show
-OVERLAPS = {PROG: "progressive", LAYER: "layer-wise", LAYERC: "layer-wise chunked"}  # judged against the targets
+OVERLAPS = {
+    OURS: "ours (product default)",
+    PROG: "progressive",
+    LAYER: "layer-wise",
+    LAYERC: "layer-wise chunked",
+    STEP: "step-wise",
+}  # judged against the targets
 FRONT_ORDER = (
     ("kvpush", PULL),
     ("kvpush", UP),
@@ -28,6 +35,7 @@ FRONT_ORDER = (
     ("kvpush", PROG),
     ("kvpush", LAYER),
     ("kvpush", LAYERC),
+    ("kvpush", STEP),
 )
 
 
@@ -280,12 +288,13 @@ def section(
     out = [
         "Every engine in its own network namespace behind a token-bucket-shaped veth (stack/link); KV over UCX's "
         "TCP transport across it. Pairs: upstream pull, upstream push, ours with two prefills on one decode "
-        f"(`kvpush-push`: one-step prefill; `kvpush-progressive`: chunks of {chunk_tokens} tokens, each chunk's "
-        "blocks written at its step's end), and, where the run had it, a prefill that pushes layer by layer "
-        "(`kvpush-layer`, `push_granularity: layer`: each layer's blocks written as soon as the layer is computed, "
-        "connector/transfer/layered.py); runs up to 20261207T014140Z also had `kvpush-layer-chunked`, layer by "
-        'layer in chunks, deleted since as the worst of the three overlaps (bench/ANALYSIS.md, "Options deleted"); '
-        "our engines run the connector's event-driven progress thread. "
+        f"(`kvpush-push`: one-step prefill; `kvpush-progressive`: chunks of {chunk_tokens} tokens), on the "
+        "product default: since 2026-12-07 layer-wise push (each layer's blocks written as soon as it is computed, "
+        "connector/transfer/layered.py), and a third prefill with the step-wise candidate (`kvpush-step`: one "
+        "WRITE at the step's end). Runs before had `kvpush-push` and `kvpush-progressive` step-wise (each chunk's "
+        "blocks at its step's end) and a layer-wise prefill (`kvpush-layer`); runs up to 20261207T014140Z also "
+        '`kvpush-layer-chunked` (bench/ANALYSIS.md, "Options deleted"). Rows since 20261207T185653Z record the '
+        "progress model (`progress`); runs before ran the event-driven progress thread. "
         "The rate is set per step from P's prefill measured in the run (the preset's transfer/prefill share). "
         "`transfer measured` = the connectors' own mean WRITE/READ time (their xfer-time histograms; the wire "
         "time of one prompt is in each step's line); `P's NIC / KV bytes` must be >= 1 (else the KV bypassed the "

@@ -10,8 +10,10 @@ neighbour either by connector (same front) or by front (same pair).
 Every QPS point runs `repeats` times; even repeats take the fronts in one order, odd repeats in the reverse
 order, so drift on these shared cores shows up as spread between repeats, not as a difference between fronts.
 `pairs` picks which pairs boot (all three by default; `--set pairs=kvpush-push` runs one). Candidates for our
-connector's defaults boot only when named: `kvpush-layer` (`push_granularity: layer`) and `kvpush-thread`
-(`progress: thread`), each our connector on its own pair, so they run beside the product default in one run.
+connector's defaults boot only when named: `kvpush-step` (`push_granularity: step`, the default until
+2026-12-07, when layer-wise won: connector/README.md) and `kvpush-thread` (`progress: thread`), each our
+connector on its own pair, so they run beside the product default in one run. Run 20261207T191606Z's
+`kvpush-layer` rows were the layer-wise candidate, when `kvpush-push` was step-wise.
 Holds the machine's vLLM lock throughout (procs.vllm_lock). Every row records decode's prompt tokens by
 source, to show the KV arrived by transfer.
 """
@@ -52,7 +54,7 @@ FAMILIES = (
 )
 # Candidates for our connector's defaults (issue 43 item 4): off unless `pairs` names them, each its own pair.
 CANDIDATES = (
-    Family("kvpush-layer", "push", "KvpushConnector", "connector.plugin", (("push_granularity", "layer"),)),
+    Family("kvpush-step", "push", "KvpushConnector", "connector.plugin", (("push_granularity", "step"),)),
     Family("kvpush-thread", "push", "KvpushConnector", "connector.plugin", (("progress", "thread"),)),
 )
 DEFAULT_PAIRS = tuple(f.label for f in FAMILIES)

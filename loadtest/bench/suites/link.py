@@ -2,15 +2,17 @@
 
 Every engine runs in its own network namespace behind a token-bucket-shaped veth (stack.link.fabric.Link); the
 KV goes over UCX's TCP transport across it. Pairs (P on core 0, D on core 1): upstream pull (NixlConnector),
-upstream push (NixlPushConnector) and ours (KvpushConnector) with its prefills on one decode: `p0` prefills a
-prompt in one step (`kvpush-push`), `p1` in chunks of `chunk_tokens` (`kvpush-progressive`: each chunk's full
-blocks are written at the end of its step, overlapping the rest of the prefill); with `layer` a third prefill,
-`p2`, pushes layer by layer in one step (`kvpush-layer`: `push_granularity: layer`, connector/transfer/layered.py: each
-layer's blocks are written as soon as the layer is computed). A fourth, layer by layer in chunks
-(`kvpush-layer-chunked`), was the worst of the three overlaps and was deleted (bench/ANALYSIS.md, "Options
-deleted"); the report still shows its old rows. Our engines run the connector's product default progress model
-unless the plan's `progress` names one (`--set progress=poll` or `thread`, rows record it), so the runs of
-record measure what users get and a candidate runs against the same pull in its own run. Fronts: kvpush on
+upstream push (NixlPushConnector) and ours (KvpushConnector) with its prefills on one decode, on the product
+default (since 2026-12-07 layer-wise push: each layer's blocks written as soon as it is computed,
+connector/transfer/layered.py): `p0` prefills a prompt in one step (`kvpush-push`), `p1` in chunks of
+`chunk_tokens` (`kvpush-progressive`: each chunk's WRITE leaves during its step, overlapping the rest of the
+prefill); with `step` a third prefill, `p2`, is the candidate the default replaced: one WRITE at the end of the
+one step (`kvpush-step`, `push_granularity: step`). Runs before that default had `kvpush-push` step-wise and a
+layer-wise `p2` (`kvpush-layer`); a layer-wise prefill in chunks (`kvpush-layer-chunked`) was deleted as a front
+(bench/ANALYSIS.md, "Options deleted") and is what `kvpush-progressive` does now. The report shows old rows
+under their names. Our engines run the connector's product default progress model unless the plan's `progress`
+names one (`--set progress=poll` or `thread`), so the runs of record measure what users get and a candidate runs
+against the same pull in its own run; rows record `push_granularity` and `progress`. Fronts: kvpush on
 every pair, vllm-router 0.1.17 on upstream push.
 
 For every step (linkrows.steps: a prompt length and a preset) the suite measures P's prefill (calibrate), sets
@@ -43,14 +45,14 @@ from stack.engines import Engine, Fleet
 from stack.family import PdEngines, PdFamily, pd_family, start_family
 from stack.link.calibrate import Calibration, calibrate
 from stack.link.fabric import Link
-from stack.link.plan import Shaping, nominal_prefill_s, preset, resolve
+from stack.link.plan import BASE_NETWORK, Shaping, nominal_prefill_s, preset, resolve
 from stack.local import StackOptions, ensure_model
 from stack.procs import free_port
 from stack.tiny_model import resolve_size
 
 MODEL_SIZE = "bench"
 SUITE = "link"
-LAYER = {"push_granularity": "layer"}  # p2: each layer's blocks written once computed (connector/transfer/layered.py)
+STEP = {"push_granularity": "step"}  # p2: a step's blocks in one WRITE at its end, the default until 2026-12-07
 CHECK_PROMPTS = ("def f0(x): return x * 0\ndef f1(x):", "The link between prefill and decode carries")
 
 
@@ -68,7 +70,7 @@ class LinkBenchPlan:
     max_point_s: float = 8.0  # fewer requests at light points (at least 4)
     warmup: int = 1
     chunk_tokens: int = 256  # kvpush-progressive's P: --max-num-batched-tokens (a multiple of the 128-token block)
-    layer: bool = True  # the layer-wise prefill (kvpush-layer)
+    step: bool = True  # the step-wise candidate prefill (kvpush-step)
     one_step: bool = True  # kvpush-push (our step-wise push of a one-step prefill)
     vrouter: bool = True
     model: str = MODEL_SIZE  # stack/tiny_model.py SIZES: "bench" (4 layers), "bench-deep" (16 thin layers)
@@ -86,7 +88,8 @@ class LinkBenchPlan:
     @property
     def progress_model(self) -> str:
         """The progress model our engines run, recorded in every row."""
-        return self.progress or Options.progress
+        chosen = Options(progress=self.progress or Options.progress)
+        return chosen.progress_model(str(BASE_NETWORK.network_address + 1))  # engines in namespaces: not loopback
 
     def steps(self) -> list[linkrows.Step]:
         return linkrows.steps(self.input_lens, self.presets, self.qps, self.repeats, self.side_qps, self.side_repeats)
@@ -124,7 +127,7 @@ def families(plan: LinkBenchPlan, model: Path) -> list[PdFamily]:
     batched = ("--max-num-batched-tokens", str(plan.max_model_len))  # one step per prompt unless asked otherwise
     common: dict[str, Any] = {"extra_args": batched, "max_model_len": plan.max_model_len}
     prefill_args: list[tuple[str, ...]] = [(), ("--max-num-batched-tokens", str(plan.chunk_tokens))]
-    if plan.layer:
+    if plan.step:
         prefill_args.append(())
     ours = pd_family(
         "ln-ours",
@@ -136,15 +139,15 @@ def families(plan: LinkBenchPlan, model: Path) -> list[PdFamily]:
         connector_extra=plan.ours_extra,
         **common,
     )
-    # p2: the same connector on the same decode, pushing layer by layer (a prefill-side option)
-    layered = tuple(
-        dataclasses.replace(spec, connector_extra={**plan.ours_extra, **LAYER}) if i >= 2 else spec
+    # p2: the same connector on the same decode, one WRITE per step (a prefill-side option)
+    prefills = tuple(
+        dataclasses.replace(spec, connector_extra={**plan.ours_extra, **STEP}) if i >= 2 else spec
         for i, spec in enumerate(ours.prefills)
     )
     return [
         pd_family("ln-pull", model, "NixlConnector", **common),
         pd_family("ln-upush", model, "NixlPushConnector", **common),
-        PdFamily(prefills=layered, decodes=ours.decodes),
+        PdFamily(prefills=prefills, decodes=ours.decodes),
     ]
 
 
@@ -175,7 +178,7 @@ def start_fronts(
         out.append(_kvpush(fleet, "ours", "push", ours.prefills[0], ours.decode, "kvpush-push", logs))
     out.append(_kvpush(fleet, "prog", "push", ours.prefills[1], ours.decode, "kvpush-progressive", logs))
     if len(ours.prefills) >= 3:
-        out.append(_kvpush(fleet, "layer", "push", ours.prefills[2], ours.decode, "kvpush-layer", logs))
+        out.append(_kvpush(fleet, "step", "push", ours.prefills[2], ours.decode, "kvpush-step", logs))
     return out
 
 
@@ -273,7 +276,7 @@ class _Ctx:
             "qps_asked": asked,
             "seed": seed,
             "chunk_tokens": self.plan.chunk_tokens,
-            "progress": self.plan.progress_model if self.pair.front.connector.startswith("kvpush") else None,
+            **self._options(),
             "warmup": self.plan.warmup,
             "outputs_equal_single": agreed,
             **self.cal.record(),
@@ -296,3 +299,10 @@ class _Ctx:
 
         where = self.run_dir / f"{step.preset}-{step.input_len}"  # one folder per step: the fronts' names repeat
         return measure(point, where, self.summary, self.progress, finish=finish)
+
+    def _options(self) -> dict[str, str | None]:
+        """Our connector's options on this row's prefill (None on the upstream pairs)."""
+        if not self.pair.front.connector.startswith("kvpush"):
+            return {"progress": None, "push_granularity": None}
+        step = self.pair.front.connector == "kvpush-step"
+        return {"progress": self.plan.progress_model, "push_granularity": "step" if step else Options.push_granularity}

@@ -457,21 +457,28 @@ def test_decode_takes_its_done_without_waiting_for_the_idle_tick() -> None:
 
 
 @pytest.mark.parametrize(
-    ("extra", "model", "delay"),
+    ("extra", "host", "model", "delay"),
     [
-        ({}, "poll", None),
-        ({"progress": "thread"}, "thread", 1000),
-        ({"progress": "thread", "progress_delay_us": 200}, "thread", 200),
+        ({}, "127.0.0.1", "poll", None),
+        ({}, "::1", "poll", None),
+        ({}, "localhost", "poll", None),
+        ({}, "10.231.0.2", "thread", 1000),
+        ({}, "decode-0.pool.svc", "thread", 1000),
+        ({"progress": "poll"}, "10.231.0.2", "poll", None),
+        ({"progress": "thread"}, "127.0.0.1", "thread", 1000),
+        ({"progress": "thread", "progress_delay_us": 200}, "10.0.0.1", "thread", 200),
     ],
 )
-def test_the_progress_model_is_an_option(extra: dict[str, object], model: str, delay: int | None) -> None:
+def test_the_progress_model_is_an_option_and_auto_follows_the_side_channels_address(
+    extra: dict[str, object], host: str, model: str, delay: int | None
+) -> None:
     o = Options.from_extra(extra)
-    assert (o.progress, o.progress_thread_delay_us) == (model, delay)
+    assert (o.progress_model(host), o.progress_thread_delay_us(host)) == (model, delay)
 
 
 @pytest.mark.parametrize(
     ("extra", "message"),
-    [({"progress": "busy"}, "progress must be one of ['poll', 'thread']"), ({"progress_delay_us": 0}, "spin")],
+    [({"progress": "busy"}, "progress must be one of ['auto', 'poll', 'thread']"), ({"progress_delay_us": 0}, "spin")],
 )
 def test_a_bad_progress_model_is_refused(extra: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -354,9 +354,9 @@ def test_the_worker_orders_the_steps_pushes_at_its_first_layer_when_vllm_starts_
     assert len(thread.submitted) == 3, "the next step is a step of its own"
 
 
-def test_push_granularity_is_an_option() -> None:
-    assert Options.from_extra({}).push_granularity == "step"
-    assert Options.from_extra({"push_granularity": "layer"}).push_granularity == "layer"
+def test_push_granularity_is_an_option_layer_wise_by_default() -> None:
+    assert Options.from_extra({}).push_granularity == "layer", "the default since 2026-12-07 (connector/README.md)"
+    assert Options.from_extra({"push_granularity": "step"}).push_granularity == "step"
     with pytest.raises(ValueError, match="push_granularity"):
         Options.from_extra({"push_granularity": "block"})
 

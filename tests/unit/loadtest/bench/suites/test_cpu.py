@@ -30,13 +30,13 @@ def test_unknown_or_no_pairs_are_refused_naming_the_known_ones(value: str, says:
 
 
 def test_the_default_candidates_boot_only_when_named_each_on_its_own_pair() -> None:
-    plan = bench.with_overrides(suite_cpu.FULL, ["pairs=upstream-pull,kvpush-push,kvpush-layer,kvpush-thread"])
-    assert [f.label for f in plan.families] == ["upstream-pull", "kvpush-push", "kvpush-layer", "kvpush-thread"]
+    plan = bench.with_overrides(suite_cpu.FULL, ["pairs=upstream-pull,kvpush-push,kvpush-step,kvpush-thread"])
+    assert [f.label for f in plan.families] == ["upstream-pull", "kvpush-push", "kvpush-step", "kvpush-thread"]
     extras = {f.label: suite_cpu.pair_family(f, Path("/m")).specs[0].connector_extra for f in plan.families}
     assert extras == {
         "upstream-pull": {},
         "kvpush-push": {},
-        "kvpush-layer": {"push_granularity": "layer"},
+        "kvpush-step": {"push_granularity": "step"},
         "kvpush-thread": {"progress": "thread"},
     }
     decode = suite_cpu.pair_family(suite_cpu.CANDIDATES[1], Path("/m")).decodes[0]

@@ -28,7 +28,7 @@ def test_ours_runs_the_product_default_and_its_second_prefill_prefills_in_chunks
     pull, upush, ours = link.families(link.FULL, Path("/m"))
     assert [s.connector for s in (*pull.specs, *upush.specs)] == ["NixlConnector"] * 2 + ["NixlPushConnector"] * 2
     assert all("progress" not in s.connector_extra for s in ours.specs), "the product default: no override"
-    assert link.FULL.progress_model == Options.progress
+    assert link.FULL.progress_model == "thread", "auto, on the namespaces' addresses"
     assert not pull.specs[0].connector_extra
     p0, p1, *_ = ours.prefills
     assert p0.extra_args[-2:] == ("--max-num-batched-tokens", str(link.FULL.max_model_len))
@@ -36,31 +36,32 @@ def test_ours_runs_the_product_default_and_its_second_prefill_prefills_in_chunks
     assert len(ours.decodes) == 1
 
 
-@pytest.mark.parametrize("model", ["poll", "thread"])
+@pytest.mark.parametrize("model", ["poll", "thread", "auto"])
 def test_a_candidate_progress_model_runs_on_every_engine_of_ours_and_nowhere_else(model: str) -> None:
     plan = with_overrides(link.FULL, [f"progress={model}"])
     pull, upush, ours = link.families(plan, Path("/m"))
     assert [s.connector_extra["progress"] for s in ours.specs] == [model] * 4
     assert not any(s.connector_extra for s in (*pull.specs, *upush.specs))
-    assert plan.progress_model == model
+    assert plan.progress_model == ("thread" if model == "auto" else model)
 
 
 def test_an_unknown_progress_model_is_refused_naming_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="'spin' is not one of \\['poll', 'thread'\\]"):
+    with pytest.raises(ValueError, match="'spin' is not one of \\['auto', 'poll', 'thread'\\]"):
         with_overrides(link.FULL, ["progress=spin"])
 
 
-def test_the_layer_wise_prefill_pushes_by_layer_in_one_step_and_the_chunked_one_is_gone() -> None:
+def test_the_step_wise_candidate_writes_once_per_step_beside_the_layer_wise_default() -> None:
     *_, ours = link.families(link.FULL, Path("/m"))
     _, _, p2 = ours.prefills
-    assert [p.connector_extra.get("push_granularity", "step") for p in ours.specs] == [
+    assert [p.connector_extra.get("push_granularity") for p in ours.specs] == [
+        None,
+        None,
         "step",
-        "step",
-        "layer",
-        "step",
-    ], "the decode and the step-wise prefills keep the default"
+        None,
+    ], "the decode and the default prefills run the product default"
+    assert Options.push_granularity == "layer"
     assert p2.extra_args[-2:] == ("--max-num-batched-tokens", str(link.FULL.max_model_len))
-    *_, without = link.families(dataclasses.replace(link.FULL, layer=False), Path("/m"))
+    *_, without = link.families(dataclasses.replace(link.FULL, step=False), Path("/m"))
     assert len(without.prefills) == 2
 
 
