@@ -45,9 +45,8 @@ def peer_main(conn: Connection, engine: str, seed: int | None, progress: str = "
     layout = KVLayout("DRAM", 0, 16, tuple(Region(a.ctypes.data, BLOCK_LEN, BLOCKS) for a in kv))
     timeouts = Timeouts(lease_s=5, kv_timeout_s=8, write_grace_s=3, write_timeout_s=2, connect_timeout_s=5)
     options = Options(timeouts=timeouts, progress=progress)
-    backend = NixlBackend(
-        f"kvpush-{engine}-{os.getpid()}", layout, progress_thread_delay_us=options.progress_thread_delay_us
-    )
+    delay = options.progress_thread_delay_us("127.0.0.1")  # both agents in this machine's processes
+    backend = NixlBackend(f"kvpush-{engine}-{os.getpid()}", layout, progress_thread_delay_us=delay)
     thread = TransferThread(
         backend,
         engine_id=engine,
