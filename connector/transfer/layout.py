@@ -112,9 +112,14 @@ def descriptor_indices(layout: KVLayout, block_ids: Sequence[int] | npt.NDArray[
 
 
 def pair_blocks(local: Sequence[int], remote: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Align the tails: decode may already hold a prefix (local cache hit) and register fewer blocks."""
+    """Align the tails (decode may already hold a prefix: a local cache hit registers fewer blocks), then order
+    the pairs by the local block id. vLLM frees a request's blocks tail first and hands them out again from the
+    same queue, so after churn a request often gets runs of ids in *descending* order on both sides: ordered
+    by P's id, each pair unchanged, those become runs ascending on both sides (one descriptor per region
+    instead of one per block). Every pair keeps its source and destination; only the WRITE's order changes."""
     n = min(len(local), len(remote))
-    return tuple(local[len(local) - n :]), tuple(remote[len(remote) - n :])
+    pairs = sorted(zip(local[len(local) - n :], remote[len(remote) - n :], strict=True))
+    return tuple(p for p, _ in pairs), tuple(d for _, d in pairs)
 
 
 def block_bytes(layout: KVLayout) -> int:

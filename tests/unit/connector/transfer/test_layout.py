@@ -93,6 +93,13 @@ def test_pair_blocks_aligns_the_tails() -> None:
     assert pair_blocks((), (1,)) == ((), ())
 
 
+def test_pair_blocks_orders_the_pairs_by_the_local_id_keeping_each_pair() -> None:
+    """Blocks vLLM handed out tail first (descending on both sides) pair up ascending on both: one run."""
+    assert pair_blocks((8, 7, 6, 5), (20, 19, 18, 17)) == ((5, 6, 7, 8), (17, 18, 19, 20))
+    assert pair_blocks((3, 9, 1), (4, 5, 6)) == ((1, 3, 9), (6, 4, 5))
+    assert pair_blocks((9, 8, 7, 6), (31, 30)) == ((6, 7), (30, 31)), "tails aligned first, then ordered"
+
+
 def test_block_bytes_sum_over_regions() -> None:
     assert block_bytes(LAYERS) == 3 * 4096
 

@@ -10,7 +10,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.transfer.layout import Part, block_runs, posted_descriptors, run_descriptors, run_shape, runs_as_lists
+from connector.transfer.layout import (
+    Part,
+    block_runs,
+    pair_blocks,
+    posted_descriptors,
+    run_descriptors,
+    run_shape,
+    runs_as_lists,
+)
 from connector.wire.metadata import KVLayout, Region
 
 
@@ -190,3 +198,12 @@ def test_run_shape_partitions_the_pairs_and_both_sides_refine_each_side(pairs: l
     prefill, decode, both = (sum(c for _, c in lengths) for lengths in (shape.prefill, shape.decode, shape.both))
     assert both >= max(prefill, decode)
     assert both == block_runs(local, remote)[2].size
+
+
+def test_blocks_handed_out_tail_first_are_one_run_once_paired() -> None:
+    """After churn vLLM's free queue gives a request descending ids on P and on D: paired, one run per region."""
+    p, d = layout(0x10000, 64, 100, 4), layout(0x900000, 64, 100, 4)
+    local, remote = pair_blocks(tuple(range(40, 32, -1)), tuple(range(90, 82, -1)))
+    assert run_shape(local, remote).both == ((8, 1),)
+    assert posted_descriptors(p, d, local, remote) == 4, "one descriptor per region, not 8"
+    assert run_shape(tuple(range(40, 32, -1)), tuple(range(90, 82, -1))).both == ((1, 8),), "unpaired: 8 runs"
