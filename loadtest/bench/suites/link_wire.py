@@ -1,8 +1,9 @@
 """Suite "link-wire": our connector against bare NIXL on the same shaped link, per preset (issue 21 item 3).
 
-One P/D pair with our connector (KvpushConnector, its event-driven progress thread) behind a kvpush push router,
-and two more namespaces on the same link for bare NIXL agents (stack/link/nixl_peer.py: a WRITE in 64 KiB
-descriptors with a notification, D on NIXL's progress thread). Per preset: calibrate (P's prefill measured,
+One P/D pair with our connector (KvpushConnector, product defaults: on the link's addresses `progress: auto`
+runs its event-driven progress thread) behind a kvpush push router, and two more namespaces on the same link
+for bare NIXL agents (stack/link/nixl_peer.py: a WRITE in 64 KiB descriptors with a notification, D on NIXL's
+progress thread). Per preset: calibrate (P's prefill measured,
 the rate set), then `repeats` prompts of `prompt_tokens` fresh token ids one at a time through the router
 (our connector's own xfer-time histogram on P: one WRITE per prompt), then `repeats` bare WRITEs of the same
 bytes, each after a `pause_s` pause (the bucket refills, so every transfer starts like a lone one). A row per
@@ -49,8 +50,6 @@ MODEL_SIZE = "bench"
 PEER = Path(stack.link.__file__).with_name("nixl_peer.py")
 PEER_PORT = 7100
 OURS_METRIC = "vllm:kvpush_xfer_time_seconds"
-
-THREAD = {"progress": "thread"}  # like the bare NIXL peer: both wire sides on an event-driven progress thread
 
 
 @dataclass(frozen=True)
@@ -129,7 +128,6 @@ def run(plan: WirePlan, run_dir: Path, summary: Path, progress: bool, run_id: st
         model,
         "KvpushConnector",
         module="connector.plugin",
-        connector_extra=THREAD,
         extra_args=("--max-num-batched-tokens", str(plan.max_model_len)),  # one step, one WRITE per prompt
         max_model_len=plan.max_model_len,
     )
