@@ -28,7 +28,7 @@ PASS_WORD = {"alternate": "river", "one": "stone"}  # one token each: both passe
 
 
 @dataclass(frozen=True)
-class Turn:
+class LiveTurn:
     conversation: int
     turn: int
     replica: int
@@ -43,7 +43,7 @@ def _words(rng: random.Random, n: int) -> str:
 
 def conversation(
     client: httpx.Client, bases: list[str], c: int, tag: str, alternate: bool, timeout_s: float
-) -> list[Turn]:
+) -> list[LiveTurn]:
     """One conversation of TURNS turns; the words depend on `c` only, the system prompt's name on `tag`."""
     rng = random.Random(40_000 + c)
     messages: list[dict[str, Any]] = [
@@ -66,12 +66,12 @@ def conversation(
         usage = answer.get("usage") or {}
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         mode = records[0]["mode"] if records else None
-        out.append(Turn(c, turn, replica, mode, usage.get("prompt_tokens"), cached))
+        out.append(LiveTurn(c, turn, replica, mode, usage.get("prompt_tokens"), cached))
         print(json.dumps(out[-1].__dict__), flush=True)
     return out
 
 
-def summary(turns: list[Turn], replicas: int) -> dict[str, Any]:
+def summary(turns: list[LiveTurn], replicas: int) -> dict[str, Any]:
     later = [t for t in turns if t.turn > 1]
     out: dict[str, Any] = {
         "later_bypassed": sum(t.mode == "bypass" for t in later),
