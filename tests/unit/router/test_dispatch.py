@@ -628,14 +628,7 @@ async def test_a_decode_error_that_beats_the_dying_prefills_reset_blames_the_pre
     dispatcher, pool, timings = await make(
         workers, prefill=[P0, "http://p1:8100,engine_id=p1,side_port=5601"], prefill_policy="round-robin"
     )
-    reports: list[tuple[str, bool]] = []
-    report = pool.report
-
-    def spy(wid: str, **kw: Any) -> None:
-        reports.append((wid, kw["ok"]))
-        report(wid, **kw)
-
-    monkeypatch.setattr(pool, "report", spy)
+    reports = spy_reports(pool, monkeypatch)
     async with asyncio.timeout(10):  # hang guard
         events = await relay(await dispatcher.handle(call_of(dispatcher)))
     assert events[-1] == b"data: [DONE]\n\n"
@@ -651,6 +644,14 @@ async def test_a_decode_error_with_a_prefill_that_answered_is_decodes_own_and_re
     dispatcher, pool, timings = await make(
         workers, decode=["http://d0:8200", "http://d1:8200"], decode_policy="round-robin"
     )
+    reports = spy_reports(pool, monkeypatch)
+    await relay(await dispatcher.handle(call_of(dispatcher)))
+    assert ("http://d0:8200", False) in reports and ("http://p0:8100", False) not in reports
+    assert timings.query()[0]["attempts"] == 2
+
+
+def spy_reports(pool: Pool, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
+    """Every passive health report the pool gets, as (worker, ok), while it still acts on them."""
     reports: list[tuple[str, bool]] = []
     report = pool.report
 
@@ -659,6 +660,4 @@ async def test_a_decode_error_with_a_prefill_that_answered_is_decodes_own_and_re
         report(wid, **kw)
 
     monkeypatch.setattr(pool, "report", spy)
-    await relay(await dispatcher.handle(call_of(dispatcher)))
-    assert ("http://d0:8200", False) in reports and ("http://p0:8100", False) not in reports
-    assert timings.query()[0]["attempts"] == 2
+    return reports
