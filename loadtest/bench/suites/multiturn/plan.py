@@ -32,7 +32,7 @@ class MultiTurnPlan:
     system_tokens: int = 0
     system_shared: bool = False  # every session opens with the same system prompt (system_tokens of it)
     seed: int = 11
-    connector: str = "upstream-push"  # or "kvpush-push" (our connector on the three engines)
+    connector: str = "kvpush-push"  # the product's connector on the three engines; or "upstream-push"
     model_size: str = "bench"
     max_model_len: int = 8192  # ten turns of up to 500 + 128 tokens
     decider_options: tuple[tuple[str, float], ...] = ()  # e.g. (("bypass_max_uncached_tokens", 256),)
@@ -110,8 +110,6 @@ SMOKE = MultiTurnPlan(
 def engine_family(plan: MultiTurnPlan, model: Path) -> PdFamily:
     """mt-p0 on core 0, mt-d0 and mt-d1 sharing core 1, all on the plan's connector."""
     connector, module = CONNECTORS[plan.connector]
-    # on a link our connector runs NIXL's event-driven progress thread (decode moves the bytes as they arrive)
-    extra = {"progress": "thread"} if plan.link and module is not None else None
     return pd_family(
         "mt",
         model,
@@ -120,7 +118,6 @@ def engine_family(plan: MultiTurnPlan, model: Path) -> PdFamily:
         n_decode=2,
         extra_args=(DETAILS,),
         max_model_len=plan.max_model_len,
-        connector_extra=extra,
         kv_events=KV_EVENT_OFFSETS if plan.replicas > 1 else None,
     )
 
