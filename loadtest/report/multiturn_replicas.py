@@ -4,14 +4,16 @@ fronts saw the same sessions there) and the median of the repeats' ratios stated
 
 - decode-local hits (share of an ideal router's reuse) behind two replicas over one replica, both with KV events
   on: >= 0.9;
-- bypass predictions within ±20 % for >= 90 % of the bypass decisions, on each events front;
+- bypass predictions within ±20 % for >= 90 % of the bypass decisions, on each events front (runs before issue
+  40's exact path: their rows carry no request-by-request checks);
 - router CPU per turn with events on over events off (one router each): <= 1.1;
 - what the subscribers consumed: events and messages per second per replica, each live batch's lag from the
   engine's stamp (mean, max, later than 1 s), gaps and holes; and a decode's reset reflected in every replica's
   view: <= 1 s;
 - issue 40, where the rows carry each replica's routes: each replica's bypass rate (turns it served bypassed)
   against the one-router events front's on the same sessions, >= 0.95x, replicas within 5 points of each other;
-  and the checked bypasses' predicted cached tokens against decode's reported ones, summed per front: equal;
+  each replica's route turn by turn against one router's; and each bypass's predicted uncached tokens against
+  decode's computed tokens, request by request (`bypass_checks`): equal for every one (older rows: the sums);
 - the subscriber's capacity against a paced synthetic publisher (bench/results/kv-events-rate.json, written by
   loadtest/micro/kv_events_rate.py), when that file is there.
 """
@@ -166,7 +168,7 @@ def targets(rows: Sequence[Row]) -> list[str]:
     ]
     for front in (EVENTS, REPLICAS):
         mine = [r for r in rows if r.get("front") == front]
-        if mine:
+        if mine and not any(r.get("bypass_checks") for r in mine):  # the exact path's rows: exact_lines
             line = multiturn.accuracy_line(multiturn.summed_accuracy(mine))
             out.append("- " + line.replace(", decider:", f", {front}:").replace("\n", ""))
     out.append(
@@ -219,6 +221,7 @@ def exact_lines(rows: Sequence[Row]) -> list[str]:
             f" {SPREAD_POINTS:.0f}: {'met' if spread <= SPREAD_POINTS else 'not met'})"
         )
         out += [_predicted(front, mine[front]) for front in (EVENTS, REPLICAS)]
+        out += _same_route(many)
         out += _peer(mine)
     return out
 
@@ -251,7 +254,20 @@ def _shown(counts: Mapping[str, int]) -> str:
     )
 
 
+def _same_route(row: Row) -> list[str]:
+    """Each replica's turns routed as one router routed the same turn (nothing for rows without the field)."""
+    found: Sequence[Mapping[str, int]] = row.get("same_route_as_one_router") or []
+    if not found:
+        return []
+    each = ", ".join(f"{c.get('same', 0)} of {c.get('turns', 0)}" for c in found)
+    met = all(c.get("same") == c.get("turns") for c in found)
+    return [f"  - each replica's route against one router's on the same turn: {each} ({'all' if met else 'not all'})"]
+
+
 def _predicted(front: str, row: Row) -> str:
+    checks: Mapping[str, Any] = row.get("bypass_checks") or {}
+    if checks:
+        return _checked(front, checks)
     acc: Mapping[str, int] = row.get("bypass_accuracy") or {}
     if "predicted_cached" not in acc:
         return f"  - {front}: predicted cached tokens not read"
@@ -262,6 +278,21 @@ def _predicted(front: str, row: Row) -> str:
         f" reported {actual} ({verdict}; summed: the router exposes no per-request prediction);"
         f" {acc.get('accurate', 0)} within 20 %"
     )
+
+
+def _checked(front: str, checks: Mapping[str, Any]) -> str:
+    """Request by request: each bypass's predicted uncached tokens against decode's computed tokens."""
+    bypasses, checked, equal = checks.get("bypasses", 0), checks.get("checked", 0), checks.get("equal", 0)
+    met = checked > 0 and equal == checked
+    line = (
+        f"  - {front}: {bypasses} bypasses, {checked} checked against decode's usage; predicted uncached tokens =="
+        f" decode's computed tokens on {equal} of {checked} (target: every one: {'met' if met else 'not met'})"
+    )
+    if checks.get("differ"):
+        line += "; differ (request, predicted, computed): " + ", ".join(str(tuple(d)) for d in checks["differ"])
+    if checks.get("unchecked"):
+        line += "; unchecked (no usage reached the decider): " + ", ".join(map(str, checks["unchecked"]))
+    return line
 
 
 def _stopped(found: Mapping[str, Any]) -> str:

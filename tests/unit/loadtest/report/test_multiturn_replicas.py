@@ -133,6 +133,25 @@ def test_issue_40_judges_each_replicas_bypass_rate_against_one_routers_and_the_p
     assert report.exact_lines([row(report.EVENTS, 0, 0.9, 2.0), row(report.REPLICAS, 0, 0.9, 2.0)]) == []
 
 
+def test_each_bypass_is_judged_request_by_request_where_the_rows_carry_the_checks() -> None:
+    checks = {"bypasses": 10, "checked": 9, "equal": 8, "differ": [["r7", 130, 258]], "unchecked": ["r9"]}
+    same = [{"turns": 6, "same": 6}, {"turns": 6, "same": 5}]
+    one = row(
+        report.EVENTS,
+        0,
+        0.9,
+        2.0,
+        bypass_by_replica=[routes(12, 10)],
+        bypass_checks={**checks, "equal": 9, "differ": []},
+    )
+    many = row(report.REPLICAS, 0, 0.9, 2.0, bypass_by_replica=[routes(6, 5), routes(6, 5)], bypass_checks=checks)
+    lines = report.exact_lines([one, {**many, "same_route_as_one_router": same}])
+    assert lines[1].endswith("on 9 of 9 (target: every one: met); unchecked (no usage reached the decider): r9")
+    assert "on 8 of 9 (target: every one: not met); differ (request, predicted, computed): ('r7', 130, 258)" in lines[2]
+    assert lines[3] == "  - each replica's route against one router's on the same turn: 6 of 6, 5 of 6 (not all)"
+    assert not [x for x in report.targets([one, many]) if "within 20 %" in x]  # the ±20 % line: older rows only
+
+
 def test_the_reproduce_line_names_issue_40s_fields_when_set() -> None:
     plan = {"replicas": 2, "sessions": 6, "api": "both", "burst": 3, "system_shared": True, "events_off_row": False}
     line = report.reproduce({**plan, "system_tokens": 1000})
