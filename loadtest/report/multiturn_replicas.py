@@ -261,7 +261,15 @@ def _same_route(row: Row) -> list[str]:
         return []
     each = ", ".join(f"{c.get('same', 0)} of {c.get('turns', 0)}" for c in found)
     met = all(c.get("same") == c.get("turns") for c in found)
-    return [f"  - each replica's route against one router's on the same turn: {each} ({'all' if met else 'not all'})"]
+    line = f"  - each replica's route against one router's on the same turn: {each} ({'all' if met else 'not all'})"
+    if all("one_bypass" in c and c.get("turns") for c in found):  # runs since the field
+        rates = [c["one_bypass"] / c["turns"] for c in found]
+        shown = ", ".join(f"{c['one_bypass']} of {c['turns']}" for c in found)
+        line += (
+            f"; one router bypassed {shown} of the same turns (the rotation's own spread:"
+            f" {(max(rates) - min(rates)) * 100:.1f} points)"
+        )
+    return [line]
 
 
 def _predicted(front: str, row: Row) -> str:

@@ -172,9 +172,17 @@ def modes(base: str, prefix: str) -> dict[str, str]:
 def same_route(reference: Sequence[Mapping[str, str]], replicas: Sequence[Mapping[str, str]]) -> list[dict[str, int]]:
     """Per replica: its turns and how many of them took the route the reference front's routers (one router on
     the same sessions) took for the same request id: the replicas decide as one router would, turn by turn,
-    whatever share of the pushed turns their place in the rotation gives them."""
+    whatever share of the pushed turns their place in the rotation gives them. `one_bypass`: how many of the
+    replica's turns the reference bypassed (one router's rate on the same turns, the fair base for a replica)."""
     ref = {rid: mode for one in reference for rid, mode in one.items()}
-    return [{"turns": len(m), "same": sum(1 for rid, mode in m.items() if ref.get(rid) == mode)} for m in replicas]
+    return [
+        {
+            "turns": len(m),
+            "same": sum(1 for rid, mode in m.items() if ref.get(rid) == mode),
+            "one_bypass": sum(1 for rid in m if ref.get(rid) == "bypass"),
+        }
+        for m in replicas
+    ]
 
 
 def count_routes(records: Sequence[Mapping[str, Any]], prefix: str) -> dict[str, int]:

@@ -149,7 +149,13 @@ def test_each_bypass_is_judged_request_by_request_where_the_rows_carry_the_check
     assert lines[1].endswith("on 9 of 9 (target: every one: met); unchecked (no usage reached the decider): r9")
     assert "on 8 of 9 (target: every one: not met); differ (request, predicted, computed): ('r7', 130, 258)" in lines[2]
     assert lines[3] == "  - each replica's route against one router's on the same turn: 6 of 6, 5 of 6 (not all)"
-    assert not [x for x in report.targets([one, many]) if "within 20 %" in x]  # the ±20 % line: older rows only
+    assert not [x for x in report.targets([one, many]) if "within 20 %" in x]
+    same = [{"turns": 6, "same": 6, "one_bypass": 5}, {"turns": 4, "same": 4, "one_bypass": 2}]
+    line = report.exact_lines([one, {**many, "same_route_as_one_router": same}])[3]
+    assert line.endswith(
+        "6 of 6, 4 of 4 (all); one router bypassed 5 of 6, 2 of 4 of the same turns (the rotation's own"
+        " spread: 33.3 points)"
+    )  # the ±20 % line: older rows only
 
 
 def test_the_reproduce_line_names_issue_40s_fields_when_set() -> None:

@@ -139,4 +139,7 @@ def test_after_a_reset_every_engine_is_stepped_and_the_views_awaited(monkeypatch
 def test_each_replica_is_judged_turn_by_turn_against_one_routers_route() -> None:
     one = [{"mt-1-0000-t1": "push", "mt-1-0000-t2": "bypass", "mt-1-0001-t1": "push", "mt-1-0001-t2": "bypass"}]
     many = [{"mt-1-0000-t1": "push", "mt-1-0001-t2": "bypass"}, {"mt-1-0000-t2": "push", "mt-1-0001-t1": "push"}]
-    assert replicas.same_route(one, many) == [{"turns": 2, "same": 2}, {"turns": 2, "same": 1}]
+    assert replicas.same_route(one, many) == [
+        {"turns": 2, "same": 2, "one_bypass": 1},
+        {"turns": 2, "same": 1, "one_bypass": 1},
+    ]
