@@ -23,7 +23,8 @@ def test_the_descriptor_bench_runs_on_real_nixl_agents() -> None:
     assert posted["consecutive", "per_block"] == posted["scattered", "write"] == 32 * 6, "one per (region, block)"
     assert posted["consecutive", "prepped"] == posted["consecutive", "run_lists"] == 6, "one run: one per region"
     assert posted["consecutive", "write"] == 6
-    for pattern in ("mid_load", "mid_load_paired"):
+    for pattern in ("mid_load", "mid_load_paired", "measured"):
         merged = {posted[pattern, way] for way in ("prepped", "run_lists", "write")}
         assert len(merged) == 1 and 6 <= merged.pop() < 32 * 6, "both merged ways post the same runs"
+    assert posted["measured", "write"] > posted["mid_load_paired", "write"], "mostly single blocks: more runs"
     assert "| 512 | scattered |" in markdown(out["requests"])
