@@ -36,3 +36,10 @@ def test_the_row_needs_every_turn_served_both_replicas_noticing_and_no_stale_byp
     assert not _judge([200, 502], before, after, [Bypasses(0, 0)] * 2, relay, 30.0).acceptable
     unseen = [{"gaps": 1.0, "restarts": 1.0}, {"lost": 1.0, "restarts": 1.0}]
     assert not _judge([200], before, unseen, [Bypasses(0, 0)] * 2, relay, 30.0).acceptable  # replica 0: no gap
+
+
+def test_the_rows_replicas_decide_on_exact_tokens_as_the_stack_runs_them() -> None:
+    from loadtest.faults import bed
+    from loadtest.faults.events import ROUTER_CONFIG
+
+    assert ROUTER_CONFIG["decider"]["tokenizer"] == str(bed.CACHE / "models" / "tiny")  # the bed's model
