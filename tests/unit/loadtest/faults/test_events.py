@@ -42,4 +42,5 @@ def test_the_rows_replicas_decide_on_exact_tokens_as_the_stack_runs_them() -> No
     from loadtest.faults import bed
     from loadtest.faults.events import ROUTER_CONFIG
 
-    assert ROUTER_CONFIG["decider"]["tokenizer"] == str(bed.CACHE / "models" / "tiny")  # the bed's model
+    decider = ROUTER_CONFIG["decider"]
+    assert isinstance(decider, dict) and decider["tokenizer"] == str(bed.CACHE / "models" / "tiny")  # the bed's model
