@@ -145,12 +145,15 @@ def _sequence(router: RouterProc, http: httpx.Client) -> dict[str, float]:
 
 
 def _session(urls: list[str], until: float) -> list[int]:
-    """Turns alternating replicas (one X-Session-ID) until `until`; a fresh session every three turns."""
+    """Turns alternating replicas (one X-Session-ID) until `until`; a fresh session every three turns. The first
+    turn is long (pushed), the later ones short, so their uncached tail fits the bypass rule: the replicas bypass
+    them on what their views say decode holds, which is what the row judges."""
     statuses: list[int] = []
     while time.monotonic() < until:
         session, history = f"faults-{uuid.uuid4().hex}", []
         for turn in range(3):
-            history.append({"role": "user", "content": f"# {uuid.uuid4().hex}\n" + "def f(x): return x\n" * 40})
+            lines = 40 if turn == 0 else 2
+            history.append({"role": "user", "content": f"# {uuid.uuid4().hex}\n" + "def f(x): return x\n" * lines})
             body = {"model": "tiny", "messages": history, "max_tokens": 16, "temperature": 0}
             try:
                 r = httpx.post(
