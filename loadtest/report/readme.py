@@ -81,7 +81,7 @@ def render(rows: Sequence[Row], results_dir: Path | None = None) -> str:
         *multiturn_section(
             latest(rows, "multiturn"),
             results_dir,
-            latest(rows, "multiturn-replicas"),
+            latest_per_replicas(rows),
             latest(rows, "overhead-events"),
         ),
         *link_section(rows, results_dir),
@@ -130,15 +130,35 @@ def link_section(rows: Sequence[Row], results_dir: Path | None) -> list[str]:
     return [*head, *body, "", *link.earlier_part(mine, earlier), *plots, ""]
 
 
+def latest_per_replicas(rows: Sequence[Row]) -> list[Row]:
+    """The newest multiturn-replicas run for each number of router replicas (two, three, ...)."""
+    mine = [r for r in rows if r.get("suite") == "multiturn-replicas" and r.get("run_id")]
+    newest: dict[int, str] = {}
+    for rid in {str(r["run_id"]) for r in mine}:
+        count = _count(mine, rid)
+        newest[count] = max(rid, newest.get(count, ""))
+    return [r for r in mine if str(r["run_id"]) in newest.values()]
+
+
 def multiturn_section(
     rows: Sequence[Row], results_dir: Path | None, replicas: Sequence[Row] = (), events_cpu: Sequence[Row] = ()
 ) -> list[str]:
-    """The multiturn suite's part, given its latest run's rows, then its latest run with router replicas (issue
-    24); nothing before its first run."""
+    """The multiturn suite's part, given its latest run's rows, then its runs with router replicas (issue 24; the
+    newest per replica count, each its own subsection, the subscriber's capacity and the events' CPU with the
+    first); nothing before its first run."""
     out = ["## multiturn", "", *multiturn.section(rows, results_dir), ""] if rows else []
     if replicas:
-        head = "### multiturn, router replicas sharing the engines' KV events"
         out += ["## multiturn", ""] if not rows else []
         rate = None if results_dir is None else results_dir / "kv-events-rate.json"
-        out += [head, "", *multiturn_replicas.section(replicas, rate, events_cpu), ""]
+        for i, run in enumerate(
+            sorted({str(r.get("run_id")) for r in replicas}, key=lambda rid: _count(replicas, rid))
+        ):
+            mine = [r for r in replicas if str(r.get("run_id")) == run]
+            head = f"### multiturn, {_count(replicas, run)} router replicas sharing the engines' KV events"
+            more = (rate, events_cpu) if i == 0 else (None, ())
+            out += [head, "", *multiturn_replicas.section(mine, *more), ""]
     return out
+
+
+def _count(rows: Sequence[Row], run: str) -> int:
+    return max(int(r.get("replicas") or 1) for r in rows if str(r.get("run_id")) == run)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.report import multiturn_replicas as report
-from loadtest.report.readme import multiturn_section
+from loadtest.report.readme import latest_per_replicas, multiturn_section
 
 
 def row(front: str, repeat: int, hits: float, cpu: float, **more: Any) -> dict[str, Any]:
@@ -63,10 +63,25 @@ def test_a_target_missed_or_not_run_says_so() -> None:
 def test_the_subsection_follows_the_multiturn_table_and_stands_alone_too() -> None:
     replicas = [row(report.EVENTS, 0, 0.9, 2.0), row(report.REPLICAS, 0, 0.9, 2.0)]
     alone = multiturn_section([], None, replicas)
-    assert alone[0] == "## multiturn" and alone[2].startswith("### multiturn, router replicas")
+    assert alone[0] == "## multiturn" and alone[2].startswith("### multiturn, 2 router replicas")
     assert multiturn_section([], None, []) == []
     both = multiturn_section([row("kvpush", 0, 0.8, 1.0)], None, replicas)
-    assert both.count("## multiturn") == 1 and any(line.startswith("### multiturn, router") for line in both)
+    assert both.count("## multiturn") == 1 and any(line.startswith("### multiturn, 2 router") for line in both)
+
+
+def test_the_newest_run_of_each_replica_count_gets_its_own_subsection() -> None:
+    def run(rid: str, count: int) -> list[dict[str, Any]]:
+        rows = [row(report.EVENTS, 0, 0.9, 2.0), {**row(report.REPLICAS, 0, 0.9, 2.0), "replicas": count}]
+        return [{**r, "run_id": rid, "suite": "multiturn-replicas"} for r in rows]
+
+    rows = [*run("R1", 2), *run("R2", 3), *run("R3", 2), {"suite": "multiturn", "run_id": "R9"}]
+    picked = latest_per_replicas(rows)
+    assert sorted({r["run_id"] for r in picked}) == ["R2", "R3"]
+    heads = [line for line in multiturn_section([], None, picked) if line.startswith("###")]
+    assert heads == [
+        "### multiturn, 2 router replicas sharing the engines' KV events",
+        "### multiturn, 3 router replicas sharing the engines' KV events",
+    ]
 
 
 def test_the_subscribers_capacity_is_shown_when_measured(tmp_path: Path) -> None:
