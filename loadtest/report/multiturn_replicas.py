@@ -49,14 +49,27 @@ def section(rows: Sequence[Row], rate: Path | None = None, overhead: Sequence[Ro
     head = [
         f"Run {rows[0].get('run_id')}: the decider with the engines' KV events on behind one router"
         f" (`{EVENTS}`) and behind {replicas} router replicas with each turn of a conversation sent to the next"
-        f" replica (`{REPLICAS}`), and with events off on one router (`{EVENTS_OFF}`), on the same sessions and"
-        " engines (which publish their events throughout).",
+        f" replica (`{REPLICAS}`){_others(rows)}, on the same sessions and engines (which publish their events"
+        " throughout).",
         *_tokenizer(rows),
         "",
     ]
     body = [line for line in multiturn.section(rows, None) if not line.startswith("\nTTFT p50")]
     more = [*capacity(rate), *overhead_cpu(overhead)]
     return [*head, *body, "", *targets(rows), *more, "", reproduce(rows[0].get("plan") or {})]
+
+
+def _others(rows: Sequence[Row]) -> str:
+    """The run's other fronts, as the head names them."""
+    fronts = {str(r.get("front")) for r in rows}
+    named = {
+        EVENTS_OFF: f"with events off on one router (`{EVENTS_OFF}`)",
+        ESTIMATE: f"one events router without the tokenizer (`{ESTIMATE}`)",
+        PEER: f"vllm-router 0.1.17's `kv_aware` behind one router (`{PEER}`)",
+        PEER_REPLICAS: f"and behind as many routers (`{PEER_REPLICAS}`)",
+    }
+    shown = [text for front, text in named.items() if front in fronts]
+    return ", " + ", ".join(shown) if shown else ""
 
 
 def _tokenizer(rows: Sequence[Row]) -> list[str]:

@@ -202,3 +202,9 @@ def test_the_tokenizers_cpu_is_judged_against_the_estimate_router_in_the_same_re
         " 1.30; target <= 1.3: met)"
     ]
     assert not [x for x in report.targets(rows[:2]) if "tokenizer option" in x]
+
+
+def test_the_head_names_only_the_fronts_the_run_had() -> None:
+    rows = [row(report.EVENTS, 0, 0.9, 2.0), row(report.REPLICAS, 0, 0.9, 2.0), row(report.PEER, 0, 0.9, 2.0)]
+    head = report.section(rows)[0]
+    assert "vllm-router 0.1.17's `kv_aware` behind one router" in head and "events off" not in head
