@@ -119,7 +119,7 @@ def test_the_suite_plans_fit_the_issue_and_its_engines() -> None:
     specs = family.specs
     assert [s.role for s in specs] == ["prefill", "decode", "decode"]
     assert [s.name for s in family.decodes] == ["mt-d0", "mt-d1"] and family.prefills[0].engine_id == "mt-p0"
-    assert all(suite.DETAILS in s.extra_args and s.connector == "NixlPushConnector" for s in specs)
+    assert all(suite.DETAILS in s.extra_args and s.connector == "KvpushConnector" for s in specs)  # the product's
     assert suite.FULL.turns_max * (suite.FULL.message_max + suite.FULL.answer_max) <= specs[0].max_model_len
     plan = suite.MultiTurnPlan(sessions=1, session_rate=1.0, decider_options=(("bypass_max_uncached_tokens", 128),))
     assert suite.decider_yaml(plan) == "decider:\n  name: session-affinity\n  bypass_max_uncached_tokens: 128\n"
