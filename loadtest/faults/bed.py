@@ -25,6 +25,7 @@ from stack.routers import Router, router_spec
 REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("KVPUSH_TEST_CACHE", REPO / ".cache" / "kvpush"))
 LOGS = CACHE / "faults-logs"
+MODEL_DIR = CACHE / "models" / "tiny"  # the beds' model (and tokenizer), built before any router starts
 STANDIN_MODULE = "loadtest.faults.hostile_workers"  # run as a command, never imported here
 KVPUSH_CONNECTOR = ("KvpushConnector", "connector.plugin")
 # D holds a quarantined or unfed registration this long (default 120 s): rows settle in seconds, not minutes.
@@ -254,7 +255,7 @@ def vllm_bed(
     from stack.tiny_model import build
 
     shape = shape or BedShape()
-    model = build(CACHE / "models" / "tiny", "tiny")
+    model = build(MODEL_DIR, "tiny")
     family = pd_family(
         shape.label,
         model,

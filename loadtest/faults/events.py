@@ -22,7 +22,7 @@ import httpx
 import zmq
 
 from loadtest import promtext
-from loadtest.faults.bed import CACHE, Bed, BedShape, RouterProc, start_router
+from loadtest.faults.bed import MODEL_DIR, Bed, BedShape, RouterProc, start_router
 from loadtest.faults.rows import FaultRow
 from loadtest.faults.scenarios import FaultOutcome
 from stack.engines import KV_EVENT_OFFSETS
@@ -31,13 +31,12 @@ RELAY_OFFSET = 3000  # the relays publish on each engine's HTTP port + this; the
 BLOCK_TOKENS = 128  # vLLM's CPU backend's default block size (the bed's engines)
 # the decider as `kvpush stack` runs it with KV events: the model's tokenizer, so it decides on exact token ids (the
 # estimate path without it mispredicts a first turn's size, which this row would count as stale)
-TOKENIZER = CACHE / "models" / "tiny"  # the bed's model (bed.py builds it before any router starts)
 ROUTER_CONFIG = {
     "decider": {
         "name": "session-affinity",
         "bypass_max_uncached_tokens": 256,
         "block_tokens": BLOCK_TOKENS,
-        "tokenizer": str(TOKENIZER),
+        "tokenizer": str(MODEL_DIR),
     },
     "kv_events": {"port_offset": RELAY_OFFSET, "replay_offset": KV_EVENT_OFFSETS[1]},
 }

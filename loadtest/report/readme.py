@@ -131,13 +131,13 @@ def link_section(rows: Sequence[Row], results_dir: Path | None) -> list[str]:
 
 
 def latest_per_replicas(rows: Sequence[Row]) -> list[Row]:
-    """The newest multiturn-replicas run for each number of router replicas (two, three, ...)."""
+    """The newest multiturn-replicas run (`latest`) for each number of router replicas (two, three, ...)."""
     mine = [r for r in rows if r.get("suite") == "multiturn-replicas" and r.get("run_id")]
-    newest: dict[int, str] = {}
-    for rid in {str(r["run_id"]) for r in mine}:
-        count = _count(mine, rid)
-        newest[count] = max(rid, newest.get(count, ""))
-    return [r for r in mine if str(r["run_id"]) in newest.values()]
+    count = {rid: _count(mine, rid) for rid in {str(r["run_id"]) for r in mine}}
+    by_count: dict[int, list[Row]] = {}
+    for r in mine:
+        by_count.setdefault(count[str(r["run_id"])], []).append(r)
+    return [r for group in by_count.values() for r in latest(group, "multiturn-replicas")]
 
 
 def multiturn_section(

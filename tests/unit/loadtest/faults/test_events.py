@@ -43,4 +43,4 @@ def test_the_rows_replicas_decide_on_exact_tokens_as_the_stack_runs_them() -> No
     from loadtest.faults.events import ROUTER_CONFIG
 
     decider = ROUTER_CONFIG["decider"]
-    assert isinstance(decider, dict) and decider["tokenizer"] == str(bed.CACHE / "models" / "tiny")  # the bed's model
+    assert isinstance(decider, dict) and decider["tokenizer"] == str(bed.MODEL_DIR)  # the bed's model
