@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         "arrivals": arrivals[0] if arrivals else 0,
         "outcomes": tally.counts(),
         "unexpected": tally.unexpected(),
+        "unexpected_details": tally.unexpected_details(),
         "trends": [{**asdict(t), "change": t.change} for t in verdict.trends],
         "left": verdict.left,
         "write_shape_start": sampler.shape_between(shapes[0], shapes[min(window, len(shapes) - 1)]) if shapes else {},

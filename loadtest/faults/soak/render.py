@@ -35,6 +35,7 @@ def markdown(report: Mapping[str, Any]) -> str:
         "",
         "Outcomes by kind: "
         + "; ".join(f"{k}: " + ", ".join(f"{lab} x{n}" for lab, n in c.items()) for k, c in report["outcomes"].items()),
+        *_unexpected_rows(report.get("unexpected_details") or ()),
         "",
         "| series (after warm-up) | first | min | max | last |",
         "|---|---|---|---|---|",
@@ -49,6 +50,17 @@ def markdown(report: Mapping[str, Any]) -> str:
         "WRITE shape at the end: " + _shape(report["write_shape_end"]),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _unexpected_rows(details: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each unexpected outcome: when it began, its kind and label, and why (with the x-request-id it carried)."""
+    if not details:
+        return []
+    rows = ["", "| began (min) | kind | outcome | after s | why |", "|---|---|---|---|---|"]
+    for d in details:
+        why = str(d.get("detail") or "-").replace("|", "/")
+        rows.append(f"| {d['began_s'] / 60:.1f} | {d['kind']} | {d['label']} | {d['seconds']:.1f} | {why} |")
+    return rows
 
 
 def _shape(shape: Mapping[str, float]) -> str:

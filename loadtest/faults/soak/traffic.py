@@ -17,7 +17,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -44,6 +44,8 @@ class SoakOutcome:
     label: str  # "200", "200 cut", "400", "left", "no answer", ...
     expected: bool
     seconds: float
+    began_s: float = 0.0  # since the soak's start
+    detail: str = ""  # an unexpected outcome's why, with its x-request-id (``Answer.detail``)
 
 
 def _prompt(rng: random.Random, least: int = 20, most: int = 120) -> str:
@@ -52,71 +54,93 @@ def _prompt(rng: random.Random, least: int = 20, most: int = 120) -> str:
     return f"# {uuid.uuid4().hex}\n" + " ".join(f"def f{i}(x): return x * {i}" for i in range(words))
 
 
-def _read(response: httpx.Response, stream: bool) -> tuple[str, str]:
-    """(label, assistant text) of a finished response."""
+@dataclass(frozen=True)
+class Answer:
+    """What one request ended with: its label, the assistant's text, and for anything but a clean answer why (the
+    exception or the cut, with the x-request-id the soak sent, which the router and both engines log)."""
+
+    label: str
+    text: str = ""
+    detail: str = ""
+
+
+def _read(response: httpx.Response, stream: bool, rid: str) -> Answer:
+    """A finished response's answer."""
     if response.status_code != 200:
-        return str(response.status_code), ""
+        return Answer(str(response.status_code), "", f"{rid}: status {response.status_code}")
     if not stream:
         data = response.json()
         choice = data["choices"][0]
-        return "200", str(choice.get("text") or (choice.get("message") or {}).get("content") or "")
-    text, done, error = "", False, False
+        return Answer("200", str(choice.get("text") or (choice.get("message") or {}).get("content") or ""))
+    text, done, error, events = "", False, "", 0
     for line in response.iter_lines():
         if line == "data: [DONE]":
             done = True
         elif line.startswith("data: {"):
+            events += 1
             event = json.loads(line[6:])
             if "error" in event:
-                error = True
+                error = json.dumps(event["error"])[:200]
                 continue
             for choice in event.get("choices", []):
                 text += str(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
-    return ("200" if done and not error else "200 cut"), text
+    if done and not error:
+        return Answer("200", text)
+    return Answer("200 cut", text, f"{rid}: {events} events, " + (f"error {error}" if error else "no [DONE]"))
 
 
-def _post(http: httpx.Client, url: str, path: str, payload: dict[str, Any]) -> tuple[str, str]:
+def _post(http: httpx.Client, url: str, path: str, payload: dict[str, Any]) -> Answer:
+    """One request with its own x-request-id. An exception after the status line is a cut answer ("200 cut"), one
+    before it "no answer"; either way the detail names the exception."""
     stream = bool(payload.get("stream"))
+    rid = f"soak-{uuid.uuid4().hex[:16]}"
+    status: int | None = None
     try:
-        with http.stream("POST", f"{url}{path}", json=payload, timeout=GUARD) as response:
+        with http.stream(
+            "POST", f"{url}{path}", json=payload, timeout=GUARD, headers={"x-request-id": rid}
+        ) as response:
+            status = response.status_code
             if not stream or response.status_code != 200:
                 response.read()
-            return _read(response, stream)
-    except (httpx.HTTPError, ValueError, KeyError, IndexError):
-        return "no answer", ""
+            return _read(response, stream, rid)
+    except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+        label = "no answer" if status is None else f"{status} cut"
+        return Answer(label, "", f"{rid}: {type(exc).__name__}: {exc}"[:400])
 
 
-def completion(http: httpx.Client, url: str, rng: random.Random, stream: bool) -> str:
+def completion(http: httpx.Client, url: str, rng: random.Random, stream: bool) -> Answer:
     payload = {"model": MODEL, "prompt": _prompt(rng), "max_tokens": rng.randint(8, 48), "stream": stream}
-    return _post(http, url, "/v1/completions", payload)[0]
+    return _post(http, url, "/v1/completions", payload)
 
 
-def chat(http: httpx.Client, url: str, rng: random.Random, stream: bool) -> str:
+def chat(http: httpx.Client, url: str, rng: random.Random, stream: bool) -> Answer:
     messages = [{"role": "system", "content": rng.choice(SYSTEMS)}, {"role": "user", "content": _prompt(rng)}]
     payload = {"model": MODEL, "messages": messages, "max_tokens": rng.randint(8, 48), "stream": stream}
-    return _post(http, url, "/v1/chat/completions", payload)[0]
+    return _post(http, url, "/v1/chat/completions", payload)
 
 
-def session(http: httpx.Client, url: str, rng: random.Random) -> str:
+def session(http: httpx.Client, url: str, rng: random.Random) -> Answer:
     """Three turns; the label is the first turn's that was not 200 (else "200"). Short turns: the whole
     conversation stays within the bed's 2048-token context."""
     messages: list[dict[str, str]] = [{"role": "system", "content": rng.choice(SYSTEMS)}]
     for turn in range(3):
         messages.append({"role": "user", "content": _prompt(rng, 8, 24)})
         payload = {"model": MODEL, "messages": messages, "max_tokens": 24, "stream": turn % 2 == 1}
-        label, text = _post(http, url, "/v1/chat/completions", payload)
-        if label != "200":
-            return label
-        messages.append({"role": "assistant", "content": text})
-    return "200"
+        answer = _post(http, url, "/v1/chat/completions", payload)
+        if answer.label != "200":
+            return replace(answer, detail=f"turn {turn + 1}: {answer.detail}")
+        messages.append({"role": "assistant", "content": answer.text})
+    return Answer("200")
 
 
-def leaver(url: str, rng: random.Random, events: int = 3) -> str:
+def leaver(url: str, rng: random.Random, events: int = 3) -> Answer:
     """A stream read for `events` events, then the socket closed: "left" once it had its events."""
     raw = json.dumps({"model": MODEL, "prompt": _prompt(rng), "max_tokens": 64, "stream": True}).encode()
     parts = urlsplit(url)
+    rid = f"soak-{uuid.uuid4().hex[:16]}"
     head = (
         "POST /v1/completions HTTP/1.1\r\nhost: soak\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(raw)}\r\n\r\n"
+        f"x-request-id: {rid}\r\ncontent-length: {len(raw)}\r\n\r\n"
     ).encode()
     try:
         with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 80), timeout=GUARD) as sock:
@@ -127,11 +151,14 @@ def leaver(url: str, rng: random.Random, events: int = 3) -> str:
                 if not chunk:
                     break
                 seen += chunk
-    except OSError:
-        return "no answer"
+    except OSError as exc:
+        return Answer("no answer", "", f"{rid}: {type(exc).__name__}: {exc}")
     if not seen.startswith(b"HTTP/1.1 200"):
-        return seen.split(b" ", 2)[1].decode(errors="replace") if seen.startswith(b"HTTP/") else "no answer"
-    return "left" if seen.count(b"data: ") >= events else "200 cut"
+        label = seen.split(b" ", 2)[1].decode(errors="replace") if seen.startswith(b"HTTP/") else "no answer"
+        return Answer(label, "", f"{rid}: {seen[:200]!r}")
+    if seen.count(b"data: ") >= events:
+        return Answer("left")
+    return Answer("200 cut", "", f"{rid}: the stream ended after {seen.count(b'data: ')} events")
 
 
 BAD_BODIES: tuple[bytes, ...] = (
@@ -142,17 +169,20 @@ BAD_BODIES: tuple[bytes, ...] = (
 )
 
 
-def bad(http: httpx.Client, url: str, rng: random.Random) -> str:
+def bad(http: httpx.Client, url: str, rng: random.Random) -> Answer:
     body = rng.choice(BAD_BODIES)
+    rid = f"soak-{uuid.uuid4().hex[:16]}"
     try:
-        r = http.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"})
-    except httpx.HTTPError:
-        return "no answer"
+        r = http.post(
+            f"{url}/v1/completions", content=body, headers={"content-type": "application/json", "x-request-id": rid}
+        )
+    except httpx.HTTPError as exc:
+        return Answer("no answer", "", f"{rid}: {type(exc).__name__}: {exc}")
     try:
         clear = isinstance(r.json().get("error"), dict)
     except ValueError:
         clear = False
-    return f"{r.status_code}" + ("" if clear else " unclear")
+    return Answer(f"{r.status_code}" + ("" if clear else " unclear"), "", f"{rid}: {body!r} -> {r.text[:200]}")
 
 
 def expected(kind: str, label: str) -> bool:
@@ -164,10 +194,11 @@ def expected(kind: str, label: str) -> bool:
     return label == "200"
 
 
-def run_one(kind: str, url: str, rng: random.Random) -> SoakOutcome:
+def run_one(kind: str, url: str, rng: random.Random, since: float = 0.0) -> SoakOutcome:
+    """One job of `kind`; `since`: the soak's start (monotonic), so an outcome says when it began."""
     t0 = time.monotonic()
     with httpx.Client(timeout=GUARD) as http:
-        jobs: dict[str, Callable[[], str]] = {
+        jobs: dict[str, Callable[[], Answer]] = {
             "completion-stream": lambda: completion(http, url, rng, True),
             "completion-json": lambda: completion(http, url, rng, False),
             "chat-stream": lambda: chat(http, url, rng, True),
@@ -176,8 +207,9 @@ def run_one(kind: str, url: str, rng: random.Random) -> SoakOutcome:
             "leaver": lambda: leaver(url, rng),
             "bad": lambda: bad(http, url, rng),
         }
-        label = jobs[kind]()
-    return SoakOutcome(kind, label, expected(kind, label), time.monotonic() - t0)
+        answer = jobs[kind]()
+    ok = expected(kind, answer.label)
+    return SoakOutcome(kind, answer.label, ok, time.monotonic() - t0, t0 - since, "" if ok else answer.detail)
 
 
 @dataclass
@@ -203,9 +235,15 @@ class Outcomes:
         with self.lock:
             return dict(Counter(o.kind for o in self.outcomes if not o.expected))
 
+    def unexpected_details(self, most: int = 50) -> list[dict[str, Any]]:
+        """The first `most` unexpected outcomes, each with when it began and why (for the report)."""
+        with self.lock:
+            bad = [o for o in self.outcomes if not o.expected][:most]
+        return [asdict(o) for o in sorted(bad, key=lambda o: o.began_s)]
 
-def _record(tally: Outcomes, kind: str, url: str, rng: random.Random) -> None:
-    tally.add(run_one(kind, url, rng))
+
+def _record(tally: Outcomes, kind: str, url: str, rng: random.Random, since: float) -> None:
+    tally.add(run_one(kind, url, rng, since))
 
 
 def closed_loop(url: str, clients: int, seconds: float, seed: int) -> float:
@@ -233,12 +271,12 @@ def open_loop(url: str, rate: float, until: float, seed: int, tally: Outcomes, m
     kinds, weights = list(MIX), list(MIX.values())
     arrivals = 0
     with ThreadPoolExecutor(max_threads) as pool:
-        t = time.monotonic()
+        t = since = time.monotonic()
         while t < until:
             time.sleep(max(0.0, t - time.monotonic()))
             job_rng = random.Random(rng.getrandbits(64))
             kind = rng.choices(kinds, weights)[0]
-            pool.submit(_record, tally, kind, url, job_rng)
+            pool.submit(_record, tally, kind, url, job_rng, since)
             arrivals += 1
             t += rng.expovariate(rate)
     return arrivals

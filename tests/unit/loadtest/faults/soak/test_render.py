@@ -28,3 +28,25 @@ def test_the_figures_after_warm_up_and_the_verdict() -> None:
     assert "| d kv_usage | 1.00% | 1.00% | 1.00% | 1.00% |" in text
     assert "bad: 400 x50; chat-json: 200 x650" in text and "Left at the end: nothing" in text
     assert "WRITE shape at the end: no WRITE" in text
+
+
+def test_each_unexpected_outcome_is_listed_with_its_why() -> None:
+    report = {
+        "duration_s": 120.0,
+        "warmup_s": 60.0,
+        "capacity_jobs_s": 5.0,
+        "rate_jobs_s": 3.0,
+        "arrivals": 360,
+        "outcomes": {"chat-stream": {"200": 359, "200 cut": 1}},
+        "unexpected_details": [
+            {"kind": "chat-stream", "label": "200 cut", "began_s": 90.0, "seconds": 2.5, "detail": "soak-ab: a|b"}
+        ],
+        "trends": [],
+        "left": [],
+        "write_shape_start": {},
+        "write_shape_end": {},
+        "samples": [],
+        "ok": False,
+        "reasons": ["1 unexpected outcomes of chat-stream"],
+    }
+    assert "| 1.5 | chat-stream | 200 cut | 2.5 | soak-ab: a/b |" in markdown(report)
