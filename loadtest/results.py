@@ -23,6 +23,7 @@ CONNECTORS = (
     "kvpush-layer",
     "kvpush-step",
     "kvpush-thread",
+    "kvpush-steppoll",
     "sim",
 )  # a new row's connector; older rows may also name "kvpush-layer-chunked" (deleted: bench/ANALYSIS.md)
 REQUIRED = (
