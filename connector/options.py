@@ -43,13 +43,10 @@ class Polling:
     write_poll_min_s: float = 0.0002  # first check of a posted WRITE
     write_poll_max_s: float = 0.005  # the check interval doubles up to this while WRITEs are in flight
     idle_wait_s: float = 0.1  # safety-net wake with nothing in flight
-    step_gap_s: float = 0.05  # decode_poll "step": the timer resumes once no step hook came for this long
 
     def __post_init__(self) -> None:
         if not 0 < self.write_poll_min_s <= self.write_poll_max_s <= self.idle_wait_s:
             raise ValueError("need 0 < write_poll_min_s <= write_poll_max_s <= idle_wait_s")
-        if self.step_gap_s <= 0:
-            raise ValueError("need step_gap_s > 0")
 
 
 @dataclass(frozen=True)
@@ -65,7 +62,6 @@ class Options:
     progress: str = "auto"  # "auto" | "poll" | "thread": who progresses UCX (module docstring)
     progress_delay_us: int = 1000  # "thread": the progress thread's longest sleep in poll()
     push_granularity: str = "layer"  # P: "layer" | "step": WRITE layer by layer as computed, or a step's at its end
-    decode_poll: str = "timer"  # D, a receive waiting: "timer" (0.2 -> 5 ms) | "step": once per engine step (G7)
 
     def __post_init__(self) -> None:
         if self.progressive and not self.early_write:
@@ -74,8 +70,6 @@ class Options:
             raise ValueError(f"progress must be one of {list(PROGRESS_MODELS)}, not {self.progress!r}")
         if self.push_granularity not in GRANULARITIES:
             raise ValueError(f"push_granularity must be one of {list(GRANULARITIES)}, not {self.push_granularity!r}")
-        if self.decode_poll not in DECODE_POLLS:
-            raise ValueError(f"decode_poll must be one of {list(DECODE_POLLS)}, not {self.decode_poll!r}")
         if self.progress_delay_us < 1:
             raise ValueError("progress_delay_us must be >= 1 (0 makes NIXL's progress thread spin)")
 
@@ -102,7 +96,6 @@ class Options:
         progress = extra.pop("progress", cls.progress)
         delay = extra.pop("progress_delay_us", cls.progress_delay_us)
         granularity = extra.pop("push_granularity", cls.push_granularity)
-        decode_poll = extra.pop("decode_poll", cls.decode_poll)
         switches = {name: extra.pop(name, getattr(cls, name)) for name in _SWITCHES}
         if switches["early_write"] is False and "progressive" not in asked:
             switches["progressive"] = False  # its final WRITE is early_write's: off with it unless asked for
@@ -128,17 +121,15 @@ class Options:
                 str(progress),
                 int(delay),
                 str(granularity),
-                str(decode_poll),
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"bad kv_connector_extra_config for KvpushConnector: {exc}") from exc
 
 
 _SWITCHES = ("early_write", "progressive")  # boolean keys of kv_connector_extra_config
-_VALUES = ("backends", "progress", "progress_delay_us", "push_granularity", "decode_poll")  # the other keys
+_VALUES = ("backends", "progress", "progress_delay_us", "push_granularity")  # the other keys outside the groups
 PROGRESS_MODELS = ("auto", "poll", "thread")
 GRANULARITIES = ("step", "layer")  # push_granularity: after the step, or per layer (transfer/layered.py)
-DECODE_POLLS = ("timer", "step")  # decode_poll: a waiting receive polled on the timer, or once per engine step
 
 
 def is_loopback(host: str) -> bool:

@@ -13,9 +13,7 @@ Threading model (guarantee G6):
   side (P: a WRITE posted; D: a receive waiting for its ``Done``, so a notice never waits for the idle tick;
   either: an order waiting for its step's ``ReadyEvent``, G15 ``connector.transfer.ready``), a short backoff
   timer (``Polling.write_poll_min_s`` doubling up to ``write_poll_max_s``; a new receive restarts it only if
-  none ran) that notices its completion; with ``decode_poll: step`` a decode that has only receives in flight
-  polls once per step hook instead, the timer resuming when no hook came for ``Polling.step_gap_s`` (issue
-  41). With nothing in flight it wakes at most every ``Polling.idle_wait_s``
+  none ran) that notices its completion. With nothing in flight it wakes at most every ``Polling.idle_wait_s``
   as a safety net (NIXL offers no wake-up on a notification). Who moves UCX's bytes is the progress model
   (``connector.options``: ``poll`` or ``thread``).
 * **Worker thread** (vLLM's model runner, via ``connector.worker``): only calls ``submit``, ``kick`` and
@@ -145,8 +143,6 @@ class TransferThread:
         self.side_port = side_port
         self.wakes = 0  # owner-thread turns so far (for tests and stats)
         self._dialled, self._kick_wakes = False, True  # a decode dialled us (P); kicks wake us (``_wants_kicks``)
-        self._step_paced = options.decode_poll == "step"  # D: a waiting receive is polled per step hook (G7)
-        self._kicked_at = -float("inf")  # the last step hook's time (written by the worker thread, read by us)
 
     def start(self) -> None:
         """Open the side channel and start the owner thread."""
@@ -184,7 +180,6 @@ class TransferThread:
 
     def kick(self) -> None:
         """A step hook: let the owner poll notices and WRITEs now (one ``Event.set``), if it wants kicks (G7)."""
-        self._kicked_at = self._clock()
         if self._kick_wakes:
             self._wake.set()
 
@@ -260,9 +255,7 @@ class TransferThread:
     def _sleep_s(self, now: float) -> float:
         """Until the next deadline, the next WRITE check (only with WRITEs in flight) or the safety net."""
         timeout = self._polling.idle_wait_s
-        if self._paced_by_steps(now):  # D, ``decode_poll: step``: the next step hook wakes us; the timer only
-            timeout = max(0.0, self._kicked_at + self._polling.step_gap_s - now)  # if the steps stop
-        elif self._writes or self._gated or self._decode.live:  # nothing wakes us when a WRITE ends, a CUDA
+        if self._writes or self._gated or self._decode.live:  # nothing wakes us when a WRITE ends, a CUDA
             # event completes or a notice arrives: poll while a transfer is in flight on this side
             timeout = self._write_backoff
             self._write_backoff = min(2 * self._write_backoff, self._polling.write_poll_max_s)
@@ -271,15 +264,6 @@ class TransferThread:
             if deadline is not None:
                 timeout = min(timeout, max(0.0, deadline - now))
         return timeout
-
-    def _paced_by_steps(self, now: float) -> bool:
-        """D with ``decode_poll: step``: only receives in flight (no WRITE, order or fence of ours) and the engine
-        stepping (a hook within ``step_gap_s``). A Done is reported at a step's ``get_finished`` anyway, so one poll
-        per step (the hook's) finds it in time for the next; the timer's wake-ups between steps each took a
-        context switch and the GIL from decode's loop (issue 41)."""
-        if not (self._step_paced and self._decode.live) or self._writes or self._gated or self._quiescing:
-            return False
-        return now - self._kicked_at < self._polling.step_gap_s
 
     def _turn(self, now: float) -> None:
         while True:

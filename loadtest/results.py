@@ -23,7 +23,6 @@ CONNECTORS = (
     "kvpush-layer",
     "kvpush-step",
     "kvpush-thread",
-    "kvpush-steppoll",
     "sim",
 )  # a new row's connector; older rows may also name "kvpush-layer-chunked" (deleted: bench/ANALYSIS.md)
 REQUIRED = (

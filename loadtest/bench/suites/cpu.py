@@ -11,8 +11,7 @@ Every QPS point runs `repeats` times; even repeats take the fronts in one order,
 order, so drift on these shared cores shows up as spread between repeats, not as a difference between fronts.
 `pairs` picks which pairs boot (all three by default; `--set pairs=kvpush-push` runs one). Candidates for our
 connector's defaults boot only when named: `kvpush-step` (`push_granularity: step`, the default until
-2026-12-07, when layer-wise won: connector/README.md), `kvpush-thread` (`progress: thread`) and `kvpush-steppoll`
-(`decode_poll: step`: a waiting receive polled once per engine step, issue 41), each our
+2026-12-07, when layer-wise won: connector/README.md) and `kvpush-thread` (`progress: thread`), each our
 connector on its own pair, so they run beside the product default in one run. Run 20261207T191606Z's
 `kvpush-layer` rows were the layer-wise candidate, when `kvpush-push` was step-wise.
 Holds the machine's vLLM lock throughout (procs.vllm_lock). Every row records decode's prompt tokens by
@@ -57,7 +56,6 @@ FAMILIES = (
 CANDIDATES = (
     Family("kvpush-step", "push", "KvpushConnector", "connector.plugin", (("push_granularity", "step"),)),
     Family("kvpush-thread", "push", "KvpushConnector", "connector.plugin", (("progress", "thread"),)),
-    Family("kvpush-steppoll", "push", "KvpushConnector", "connector.plugin", (("decode_poll", "step"),)),
 )
 DEFAULT_PAIRS = tuple(f.label for f in FAMILIES)
 

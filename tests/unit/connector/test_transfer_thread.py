@@ -12,7 +12,7 @@ import hashlib
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -515,72 +515,3 @@ def test_decode_loads_prefill_for_notices_only_and_prefill_loads_decode_to_write
     assert not d.backend.peers["agent-P"].writable and p.backend.peers["agent-D"].writable
     with pytest.raises(TransferError, match="notices-only"):
         d.backend.write("agent-P", (1,), (1,), b"")
-
-
-# ---- issue 41: decode_poll "step": a waiting receive is polled once per engine step ------------------------
-
-
-def _step_paced(gap_s: float = 0.05) -> Options:
-    return Options(
-        timeouts=FAST,
-        polling=Polling(step_gap_s=gap_s),
-        liveness=OPTIONS.liveness,
-        decode_poll="step",
-    )
-
-
-@pytest.mark.parametrize(("decode_poll", "most"), [("step", 14), ("timer", None)])
-def test_a_step_paced_decode_wakes_once_per_step_hook_while_a_receive_waits(decode_poll: str, most: int | None) -> None:
-    """With ``decode_poll: step`` the step hooks (one per engine step) are the only wake-ups of a decode whose
-    receive waits: the timer's (0.2 -> 5 ms) would add several per 20 ms step. ``timer`` keeps them."""
-    options = replace(_step_paced(), decode_poll=decode_poll)
-    fabric = MemoryFabric()
-    p, d = make_side(fabric, "P", seed=1, options=options), make_side(fabric, "D", seed=None, options=options)
-    try:
-        register(p, d)
-        wait_for(lambda: d.thread._decode.live == 1)
-        d.thread.kick()
-        time.sleep(0.05)
-        before = d.thread.wakes
-        for _ in range(10):  # ten steps of 20 ms
-            d.thread.kick()
-            time.sleep(0.02)
-        wakes = d.thread.wakes - before
-        if most is not None:
-            assert wakes <= most, f"{wakes} wake-ups for 10 step hooks"
-        else:
-            assert wakes > 14, f"the timer polls between the hooks ({wakes} wake-ups)"
-        p.thread.submit(PrefillFinished("p1", "t:1", (1, 2)))
-        d.thread.kick()
-        wait_for(lambda: "d1" in d.collect().received)
-        assert sha(d.block(5) + d.block(6)) == sha(p.block(1) + p.block(2))
-    finally:
-        d.thread.close()
-        p.thread.close()
-
-
-def test_a_step_paced_decode_still_takes_its_done_when_the_steps_stop() -> None:
-    """No step hook for longer than ``step_gap_s`` (an engine that stopped stepping): the timer resumes, so the
-    Done is seen without any hook."""
-    fabric = MemoryFabric()
-    options = _step_paced(gap_s=0.02)
-    p, d = make_side(fabric, "P", seed=1, options=options), make_side(fabric, "D", seed=None, options=options)
-    try:
-        register(p, d)
-        wait_for(lambda: d.thread._decode.live == 1)
-        d.thread.kick()  # one step, then none
-        p.thread.submit(PrefillFinished("p1", "t:1", (1, 2)))
-        wait_for(lambda: "d1" in d.collect().received)
-        assert not d.results.failed
-    finally:
-        d.thread.close()
-        p.thread.close()
-
-
-def test_decode_poll_is_an_option_with_two_values() -> None:
-    assert Options.from_extra({}).decode_poll == "timer"
-    assert Options.from_extra({"decode_poll": "step", "step_gap_s": 0.1}).polling.step_gap_s == 0.1
-    with pytest.raises(ValueError, match=re.escape("decode_poll must be one of ['timer', 'step'], not 'never'")):
-        Options.from_extra({"decode_poll": "never"})
-    with pytest.raises(ValueError, match="step_gap_s > 0"):
-        Options.from_extra({"step_gap_s": 0})
