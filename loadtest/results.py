@@ -24,7 +24,7 @@ CONNECTORS = (
     "kvpush-step",
     "kvpush-thread",
     "sim",
-)  # a new row's connector; older rows may also name "kvpush-layer-chunked" (deleted: bench/ANALYSIS.md)
+)  # a new row's connector; older rows may name "kvpush-layer-chunked", "kvpush-steppoll" (deleted: bench/ANALYSIS.md)
 REQUIRED = (
     "suite",
     "router",

@@ -45,7 +45,7 @@ class SoakOutcome:
     expected: bool
     seconds: float
     began_s: float = 0.0  # since the soak's start
-    detail: str = ""  # an unexpected outcome's why, with its x-request-id (``Answer.detail``)
+    detail: str = ""  # an unexpected outcome's why, with its x-request-id (``SoakAnswer.detail``)
 
 
 def _prompt(rng: random.Random, least: int = 20, most: int = 120) -> str:
@@ -55,7 +55,7 @@ def _prompt(rng: random.Random, least: int = 20, most: int = 120) -> str:
 
 
 @dataclass(frozen=True)
-class Answer:
+class SoakAnswer:
     """What one request ended with: its label, the assistant's text, and for anything but a clean answer why (the
     exception or the cut, with the x-request-id the soak sent, which the router and both engines log)."""
 
@@ -64,14 +64,14 @@ class Answer:
     detail: str = ""
 
 
-def _read(response: httpx.Response, stream: bool, rid: str) -> Answer:
+def _read(response: httpx.Response, stream: bool, rid: str) -> SoakAnswer:
     """A finished response's answer."""
     if response.status_code != 200:
-        return Answer(str(response.status_code), "", f"{rid}: status {response.status_code}")
+        return SoakAnswer(str(response.status_code), "", f"{rid}: status {response.status_code}")
     if not stream:
         data = response.json()
         choice = data["choices"][0]
-        return Answer("200", str(choice.get("text") or (choice.get("message") or {}).get("content") or ""))
+        return SoakAnswer("200", str(choice.get("text") or (choice.get("message") or {}).get("content") or ""))
     text, done, error, events = "", False, "", 0
     for line in response.iter_lines():
         if line == "data: [DONE]":
@@ -85,11 +85,11 @@ def _read(response: httpx.Response, stream: bool, rid: str) -> Answer:
             for choice in event.get("choices", []):
                 text += str(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
     if done and not error:
-        return Answer("200", text)
-    return Answer("200 cut", text, f"{rid}: {events} events, " + (f"error {error}" if error else "no [DONE]"))
+        return SoakAnswer("200", text)
+    return SoakAnswer("200 cut", text, f"{rid}: {events} events, " + (f"error {error}" if error else "no [DONE]"))
 
 
-def _post(http: httpx.Client, url: str, path: str, payload: dict[str, Any]) -> Answer:
+def _post(http: httpx.Client, url: str, path: str, payload: dict[str, Any]) -> SoakAnswer:
     """One request with its own x-request-id. An exception after the status line is a cut answer ("200 cut"), one
     before it "no answer"; either way the detail names the exception."""
     stream = bool(payload.get("stream"))
@@ -105,21 +105,21 @@ def _post(http: httpx.Client, url: str, path: str, payload: dict[str, Any]) -> A
             return _read(response, stream, rid)
     except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
         label = "no answer" if status is None else f"{status} cut"
-        return Answer(label, "", f"{rid}: {type(exc).__name__}: {exc}"[:400])
+        return SoakAnswer(label, "", f"{rid}: {type(exc).__name__}: {exc}"[:400])
 
 
-def completion(http: httpx.Client, url: str, rng: random.Random, stream: bool) -> Answer:
+def completion(http: httpx.Client, url: str, rng: random.Random, stream: bool) -> SoakAnswer:
     payload = {"model": MODEL, "prompt": _prompt(rng), "max_tokens": rng.randint(8, 48), "stream": stream}
     return _post(http, url, "/v1/completions", payload)
 
 
-def chat(http: httpx.Client, url: str, rng: random.Random, stream: bool) -> Answer:
+def chat(http: httpx.Client, url: str, rng: random.Random, stream: bool) -> SoakAnswer:
     messages = [{"role": "system", "content": rng.choice(SYSTEMS)}, {"role": "user", "content": _prompt(rng)}]
     payload = {"model": MODEL, "messages": messages, "max_tokens": rng.randint(8, 48), "stream": stream}
     return _post(http, url, "/v1/chat/completions", payload)
 
 
-def session(http: httpx.Client, url: str, rng: random.Random) -> Answer:
+def session(http: httpx.Client, url: str, rng: random.Random) -> SoakAnswer:
     """Three turns; the label is the first turn's that was not 200 (else "200"). Short turns: the whole
     conversation stays within the bed's 2048-token context."""
     messages: list[dict[str, str]] = [{"role": "system", "content": rng.choice(SYSTEMS)}]
@@ -130,10 +130,10 @@ def session(http: httpx.Client, url: str, rng: random.Random) -> Answer:
         if answer.label != "200":
             return replace(answer, detail=f"turn {turn + 1}: {answer.detail}")
         messages.append({"role": "assistant", "content": answer.text})
-    return Answer("200")
+    return SoakAnswer("200")
 
 
-def leaver(url: str, rng: random.Random, events: int = 3) -> Answer:
+def leaver(url: str, rng: random.Random, events: int = 3) -> SoakAnswer:
     """A stream read for `events` events, then the socket closed: "left" once it had its events."""
     raw = json.dumps({"model": MODEL, "prompt": _prompt(rng), "max_tokens": 64, "stream": True}).encode()
     parts = urlsplit(url)
@@ -152,13 +152,13 @@ def leaver(url: str, rng: random.Random, events: int = 3) -> Answer:
                     break
                 seen += chunk
     except OSError as exc:
-        return Answer("no answer", "", f"{rid}: {type(exc).__name__}: {exc}")
+        return SoakAnswer("no answer", "", f"{rid}: {type(exc).__name__}: {exc}")
     if not seen.startswith(b"HTTP/1.1 200"):
         label = seen.split(b" ", 2)[1].decode(errors="replace") if seen.startswith(b"HTTP/") else "no answer"
-        return Answer(label, "", f"{rid}: {seen[:200]!r}")
+        return SoakAnswer(label, "", f"{rid}: {seen[:200]!r}")
     if seen.count(b"data: ") >= events:
-        return Answer("left")
-    return Answer("200 cut", "", f"{rid}: the stream ended after {seen.count(b'data: ')} events")
+        return SoakAnswer("left")
+    return SoakAnswer("200 cut", "", f"{rid}: the stream ended after {seen.count(b'data: ')} events")
 
 
 BAD_BODIES: tuple[bytes, ...] = (
@@ -169,7 +169,7 @@ BAD_BODIES: tuple[bytes, ...] = (
 )
 
 
-def bad(http: httpx.Client, url: str, rng: random.Random) -> Answer:
+def bad(http: httpx.Client, url: str, rng: random.Random) -> SoakAnswer:
     body = rng.choice(BAD_BODIES)
     rid = f"soak-{uuid.uuid4().hex[:16]}"
     try:
@@ -177,12 +177,12 @@ def bad(http: httpx.Client, url: str, rng: random.Random) -> Answer:
             f"{url}/v1/completions", content=body, headers={"content-type": "application/json", "x-request-id": rid}
         )
     except httpx.HTTPError as exc:
-        return Answer("no answer", "", f"{rid}: {type(exc).__name__}: {exc}")
+        return SoakAnswer("no answer", "", f"{rid}: {type(exc).__name__}: {exc}")
     try:
         clear = isinstance(r.json().get("error"), dict)
     except ValueError:
         clear = False
-    return Answer(f"{r.status_code}" + ("" if clear else " unclear"), "", f"{rid}: {body!r} -> {r.text[:200]}")
+    return SoakAnswer(f"{r.status_code}" + ("" if clear else " unclear"), "", f"{rid}: {body!r} -> {r.text[:200]}")
 
 
 def expected(kind: str, label: str) -> bool:
@@ -198,7 +198,7 @@ def run_one(kind: str, url: str, rng: random.Random, since: float = 0.0) -> Soak
     """One job of `kind`; `since`: the soak's start (monotonic), so an outcome says when it began."""
     t0 = time.monotonic()
     with httpx.Client(timeout=GUARD) as http:
-        jobs: dict[str, Callable[[], Answer]] = {
+        jobs: dict[str, Callable[[], SoakAnswer]] = {
             "completion-stream": lambda: completion(http, url, rng, True),
             "completion-json": lambda: completion(http, url, rng, False),
             "chat-stream": lambda: chat(http, url, rng, True),

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from loadtest.faults.soak.traffic import MIX, Answer, _post, expected
+from loadtest.faults.soak.traffic import MIX, SoakAnswer, _post, expected
 
 
 @pytest.mark.parametrize(
@@ -76,4 +76,4 @@ def test_a_clean_stream_is_200_with_its_text_and_no_detail() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, content=b'data: {"choices": [{"text": "a"}]}\n\ndata: [DONE]\n\n')
 
-    assert _post(_client(handler), "http://soak", "/v1/completions", {"stream": True}) == Answer("200", "a")
+    assert _post(_client(handler), "http://soak", "/v1/completions", {"stream": True}) == SoakAnswer("200", "a")
