@@ -82,7 +82,8 @@ def fit(connector: str, points: Sequence[BatchSample]) -> BatchFit:
 
 
 def by_connector(run_dirs: Sequence[Path]) -> dict[str, list[BatchSample]]:
-    """Every point's requests under the run folders, grouped by the row's connector (its summary.json's rows)."""
+    """Every point's requests under the run folders, grouped by the connector its folder is named after
+    (``SUITE-ROUTER-MODE-CONNECTOR-qQPS-...``: a run folder holds no summary.json, its rows live in ``--results``)."""
     out: dict[str, list[BatchSample]] = {}
     for run in run_dirs:
         for point in sorted(run.glob("*/requests.jsonl")):
